@@ -1,0 +1,89 @@
+#ifndef SPECSERVE_COMMON_DECODING_STOP_H_
+#define SPECSERVE_COMMON_DECODING_STOP_H_
+
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace specserve {
+
+/// When a request's generation ends (OpenAI `max_tokens`, `stop`; vLLM
+/// `max_model_len`).
+struct StopConditions {
+  int max_new_tokens = 256;        ///< emitted tokens at most; >= 0.
+  std::vector<int> eos_token_ids;  ///< model EOS ids (config.json).
+  std::vector<int> stop_token_ids; ///< request-level stop ids.
+  /// Context window in positions (prompt + generated); 0 = unlimited.
+  int max_context = 0;
+};
+
+/// INVALID_ARGUMENT naming the field if max_new_tokens < 0, max_context < 0,
+/// or an EOS/stop id is negative or (vocab_size > 0) >= vocab_size.
+absl::Status ValidateStopConditions(const StopConditions& conditions,
+                                    int vocab_size);
+
+/// Why a request finished. kNone = still running.
+enum class FinishReason {
+  kNone,
+  kLength,
+  kEos,
+  kStopToken,
+  kContextLimit,
+  kStopString,
+  kCancelled,
+  kError,
+};
+
+/// "none", "length", "eos", "stop_token", "context_limit", "stop",
+/// "cancelled", "error".
+std::string_view FinishReasonName(FinishReason reason);
+
+/// Tracks emitted tokens against StopConditions. Tokens arrive in batches
+/// (one speculative-decoding round emits up to k+1), and Append says how many
+/// of them may be emitted: nothing after a stop is ever emitted, and the
+/// stop token itself (an EOS or stop id) is NOT emitted or counted.
+/// The token emitted as the i-th new token (0-based) occupies position
+/// start_position + i, which must be < max_context when that is set.
+/// The finish is reported as soon as it is known: after the max_new_tokens-th
+/// token (kLength; wins over a simultaneous context limit) or once the context
+/// is full (kContextLimit), without waiting for another token.
+class StopChecker {
+ public:
+  /// start_position: positions already used (the prompt length; with
+  /// Speculative Prefill the ORIGINAL prompt length). A checker whose budget
+  /// is already spent starts finished.
+  StopChecker(StopConditions conditions, int start_position);
+
+  struct Result {
+    int num_emit = 0;                          ///< a prefix of candidates.
+    FinishReason reason = FinishReason::kNone; ///< kNone = not finished.
+  };
+
+  /// Offers candidates in order; once finished, returns {0, reason()}.
+  Result Append(absl::Span<const int> candidates);
+
+  /// Ends the request for a reason decided elsewhere (stop string, client
+  /// cancel, error); no effect if already finished.
+  void Finish(FinishReason reason);
+
+  int num_emitted() const { return num_emitted_; }
+  FinishReason reason() const { return reason_; }
+  bool finished() const { return reason_ != FinishReason::kNone; }
+
+ private:
+  // Sets reason_ if a budget (length, context) is used up.
+  void CheckBudgets();
+  bool IsEos(int token) const;
+  bool IsStopToken(int token) const;
+
+  StopConditions conditions_;
+  int start_position_;
+  int num_emitted_ = 0;
+  FinishReason reason_ = FinishReason::kNone;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_DECODING_STOP_H_

@@ -1,0 +1,169 @@
+#include "common/engine/kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace specserve {
+namespace kernels {
+namespace {
+
+// exp(x) for 8 lanes: range reduction x = n ln2 + r, |r| <= ln2/2, degree-6
+// polynomial for e^r (Cephes expf coefficients), scaled by 2^n.
+inline __m256 Exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f);
+  const __m256 c2 = _mm256_set1_ps(-2.12194440e-4f);
+  __m256 r = _mm256_fnmadd_ps(n, c1, x);
+  r = _mm256_fnmadd_ps(n, c2, r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_cvtps_epi32(n);
+  e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float HorizontalMax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace
+
+void RmsNorm(const float* x, size_t x_stride, const float* w, float eps,
+             int rows, int dim, float* out, size_t out_stride) {
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float* o = out + r * out_stride;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= dim; i += 8) {
+      __m256 v = _mm256_loadu_ps(xr + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    double ss = HorizontalSum(acc);
+    for (; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float scale = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+    const __m256 s = _mm256_set1_ps(scale);
+    i = 0;
+    for (; i + 8 <= dim; i += 8) {
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), s);
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(w + i)));
+    }
+    for (; i < dim; ++i) o[i] = xr[i] * scale * w[i];
+  }
+}
+
+void ApplyRope(float* x, size_t row_stride, int rows, int num_heads,
+               int head_dim, const int* positions, double theta) {
+  const int half = head_dim / 2;
+  std::vector<float> cs(half), sn(half);
+  std::vector<double> inv_freq(half);
+  for (int i = 0; i < half; ++i) {
+    inv_freq[i] = std::pow(theta, -2.0 * i / head_dim);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const double pos = positions[r];
+    for (int i = 0; i < half; ++i) {
+      const double a = pos * inv_freq[i];
+      cs[i] = static_cast<float>(std::cos(a));
+      sn[i] = static_cast<float>(std::sin(a));
+    }
+    float* row = x + r * row_stride;
+    for (int h = 0; h < num_heads; ++h) {
+      float* v = row + h * head_dim;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = v[i];
+        const float x2 = v[i + half];
+        v[i] = x1 * cs[i] - x2 * sn[i];
+        v[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+  }
+}
+
+void SiluMul(const float* gu, int rows, int ffn, float* out) {
+  for (int r = 0; r < rows; ++r) {
+    const float* g = gu + static_cast<size_t>(r) * 2 * ffn;
+    const float* u = g + ffn;
+    float* o = out + static_cast<size_t>(r) * ffn;
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 zero = _mm256_setzero_ps();
+    for (; i + 8 <= ffn; i += 8) {
+      __m256 gv = _mm256_loadu_ps(g + i);
+      __m256 e = Exp8(_mm256_sub_ps(zero, gv));
+      __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < ffn; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+float MaxOf(const float* x, int n) {
+  int i = 0;
+  float m = x[0];
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(x);
+    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    m = HorizontalMax(mv);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+void ExpInPlace(float* x, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, Exp8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+void SoftmaxPrefix(float* row, int n, int total) {
+  const float m = MaxOf(row, n);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mv));
+    acc = _mm256_add_ps(acc, e);
+    _mm256_storeu_ps(row + i, e);
+  }
+  float sum = HorizontalSum(acc);
+  for (; i < n; ++i) {
+    row[i] = std::exp(row[i] - m);
+    sum += row[i];
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / sum);
+  i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(row + i, _mm256_mul_ps(_mm256_loadu_ps(row + i), inv));
+  }
+  const float inv_s = 1.f / sum;
+  for (; i < n; ++i) row[i] *= inv_s;
+  std::fill(row + n, row + total, 0.f);
+}
+
+}  // namespace kernels
+}  // namespace specserve

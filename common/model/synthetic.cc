@@ -1,0 +1,271 @@
+#include "common/model/synthetic.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/types/span.h"
+
+namespace specserve {
+namespace {
+
+struct Preset {
+  const char* name;
+  int hidden, ffn, layers, heads, kv_heads, head_dim, vocab, context;
+  double rope_theta;
+  float rms_norm_eps;
+  bool tied;
+  int bos, eos;
+};
+
+// Shapes from llama2.c (stories15M / stories110M, with the Llama-2 32000
+// vocab) and Meta's published configs for Llama-3.2-1B / Llama-3.1-8B.
+constexpr Preset kPresets[] = {
+    {"llama2-15m", 288, 768, 6, 6, 6, 48, 32000, 2048, 10000.0, 1e-5f, true,
+     1, 2},
+    {"llama2-110m", 768, 2048, 12, 12, 12, 64, 32000, 2048, 10000.0, 1e-5f,
+     true, 1, 2},
+    {"llama-3.2-1b", 2048, 8192, 16, 32, 8, 64, 128256, 131072, 500000.0,
+     1e-5f, true, 128000, 128001},
+    {"llama-3.1-8b", 4096, 14336, 32, 32, 8, 128, 128256, 131072, 500000.0,
+     1e-5f, false, 128000, 128001},
+};
+
+constexpr float kInitStd = 0.02f;
+
+uint64_t Mix64(uint64_t z) {  // SplitMix64's output function
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
+
+// Fills `out` with approximately N(0, std^2) values: element i of the stream
+// is sum of the four 16-bit lanes of Mix64(key + (start + i) * golden), an
+// Irwin-Hall(4) variable, centred and scaled. Counter-based, so any chunking
+// gives the same stream.
+void FillNormal(uint64_t key, uint64_t start, float std, float* out,
+                size_t n) {
+  // Each lane is uniform on {0..65535}: variance (65536^2 - 1) / 12, so the
+  // sum of four has standard deviation ~65536 / sqrt(3).
+  const float scale = std * std::sqrt(3.0f) / 65536.0f;
+  const float centre = 2.0f * 65535.0f;
+  uint64_t state = key + start * kGolden;
+  for (size_t i = 0; i < n; ++i) {
+    state += kGolden;
+    const uint64_t r = Mix64(state);
+    const uint32_t s = static_cast<uint32_t>(r & 0xffff) +
+                       static_cast<uint32_t>((r >> 16) & 0xffff) +
+                       static_cast<uint32_t>((r >> 32) & 0xffff) +
+                       static_cast<uint32_t>(r >> 48);
+    out[i] = (static_cast<float>(s) - centre) * scale;
+  }
+}
+
+struct SyntheticTensor {
+  TensorSpec spec;
+  bool ones;  // RMSNorm weight
+};
+
+std::vector<SyntheticTensor> TensorsOf(const ModelConfig& c, DType dtype) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
+  const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t kv = int64_t{c.num_key_value_heads} * c.head_dim;
+  std::vector<SyntheticTensor> ts;
+  auto add = [&](std::string name, std::vector<int64_t> shape, bool ones) {
+    ts.push_back({{std::move(name), std::move(shape), dtype}, ones});
+  };
+  add("model.embed_tokens.weight", {v, h}, false);
+  for (int i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    add(p + "input_layernorm.weight", {h}, true);
+    add(p + "self_attn.q_proj.weight", {q, h}, false);
+    add(p + "self_attn.k_proj.weight", {kv, h}, false);
+    add(p + "self_attn.v_proj.weight", {kv, h}, false);
+    add(p + "self_attn.o_proj.weight", {h, q}, false);
+    add(p + "post_attention_layernorm.weight", {h}, true);
+    add(p + "mlp.gate_proj.weight", {f, h}, false);
+    add(p + "mlp.up_proj.weight", {f, h}, false);
+    add(p + "mlp.down_proj.weight", {h, f}, false);
+  }
+  add("model.norm.weight", {h}, true);
+  if (!c.tie_word_embeddings) add("lm_head.weight", {v, h}, false);
+  return ts;
+}
+
+absl::Status MakeDirs(const std::string& dir) {
+  for (size_t pos = 1; pos <= dir.size(); ++pos) {
+    if (pos != dir.size() && dir[pos] != '/') continue;
+    const std::string prefix = dir.substr(0, pos);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::InternalError(absl::StrCat(
+          prefix, ": cannot create directory: ", std::strerror(errno)));
+    }
+  }
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InternalError(absl::StrCat(dir, ": not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) {
+    return absl::InternalError(
+        absl::StrCat(path, ": cannot create: ", std::strerror(errno)));
+  }
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !ok) {
+    return absl::InternalError(absl::StrCat(path, ": write failed"));
+  }
+  return absl::OkStatus();
+}
+
+const char* TorchDType(DType d) {
+  switch (d) {
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    default:
+      return "float32";
+  }
+}
+
+absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
+                       uint64_t seed, DType dtype,
+                       const std::map<std::string, std::string>& metadata) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("synthetic checkpoints are F32, BF16 or F16, not ",
+                     std::string(DTypeName(dtype))));
+  }
+  // Refuse configs the loader would refuse, before writing GBs.
+  ModelConfig c = config;
+  c.torch_dtype = TorchDType(dtype);
+  const std::string config_json = ModelConfigToJson(c);
+  absl::StatusOr<ModelConfig> check = ParseModelConfig(config_json);
+  if (!check.ok()) return check.status();
+
+  absl::Status s = MakeDirs(dir);
+  if (!s.ok()) return s;
+  const std::string final_path = dir + "/model.safetensors";
+  const std::string tmp_path = final_path + ".tmp";
+  std::vector<SyntheticTensor> tensors = TensorsOf(c, dtype);
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const SyntheticTensor& t : tensors) specs.push_back(t.spec);
+  absl::StatusOr<std::unique_ptr<SafetensorsWriter>> w =
+      SafetensorsWriter::Create(tmp_path, specs, metadata);
+  if (!w.ok()) return w.status();
+
+  constexpr size_t kChunk = size_t{1} << 18;  // 1 MiB of fp32
+  std::vector<float> buf(kChunk);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const uint64_t key = Mix64(seed ^ Mix64(t + 1));
+    uint64_t n = 1;
+    for (int64_t d : tensors[t].spec.shape) n *= static_cast<uint64_t>(d);
+    for (uint64_t done = 0; done < n;) {
+      const size_t m = static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
+      if (tensors[t].ones) {
+        std::fill(buf.begin(), buf.begin() + m, 1.0f);
+      } else {
+        FillNormal(key, done, kInitStd, buf.data(), m);
+      }
+      if ((s = (*w)->Append(absl::MakeConstSpan(buf.data(), m))); !s.ok()) {
+        return s;
+      }
+      done += m;
+    }
+  }
+  if ((s = (*w)->Finish()); !s.ok()) return s;
+  if (std::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat(
+        final_path, ": cannot rename from .tmp: ", std::strerror(errno)));
+  }
+  return WriteFile(dir + "/config.json", config_json + "\n");
+}
+
+}  // namespace
+
+std::vector<std::string> PresetNames() {
+  std::vector<std::string> names;
+  for (const Preset& p : kPresets) names.push_back(p.name);
+  return names;
+}
+
+absl::StatusOr<ModelConfig> PresetConfig(const std::string& name) {
+  for (const Preset& p : kPresets) {
+    if (name != p.name) continue;
+    ModelConfig c;
+    c.model_type = "llama";
+    c.hidden_size = p.hidden;
+    c.intermediate_size = p.ffn;
+    c.num_hidden_layers = p.layers;
+    c.num_attention_heads = p.heads;
+    c.num_key_value_heads = p.kv_heads;
+    c.head_dim = p.head_dim;
+    c.vocab_size = p.vocab;
+    c.max_position_embeddings = p.context;
+    c.rms_norm_eps = p.rms_norm_eps;
+    c.rope_theta = p.rope_theta;
+    c.tie_word_embeddings = p.tied;
+    c.bos_token_id = p.bos;
+    c.eos_token_ids = {p.eos};
+    c.hidden_act = "silu";
+    c.torch_dtype = "float32";
+    return c;
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "unknown synthetic preset '", name,
+      "'; known: ", absl::StrJoin(PresetNames(), ", ")));
+}
+
+int64_t CountParameters(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
+  const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
+  const int64_t kv = int64_t{c.num_key_value_heads} * c.head_dim;
+  const int64_t per_layer = 2 * h + (q + 2 * kv) * h + h * q + 3 * f * h;
+  return v * h * (c.tie_word_embeddings ? 1 : 2) +
+         c.num_hidden_layers * per_layer + h;
+}
+
+absl::Status WriteSyntheticCheckpointForConfig(const ModelConfig& config,
+                                               const std::string& dir,
+                                               uint64_t seed, DType dtype) {
+  return WriteImpl(config, dir, seed, dtype,
+                   {{"format", "pt"},
+                    {"specserve_synthetic", "random weights"},
+                    {"seed", absl::StrCat(seed)}});
+}
+
+absl::Status WriteSyntheticCheckpoint(const std::string& preset,
+                                      const std::string& dir, uint64_t seed,
+                                      std::string dtype) {
+  absl::StatusOr<ModelConfig> config = PresetConfig(preset);
+  if (!config.ok()) return config.status();
+  absl::StatusOr<DType> d = ParseDType(dtype);
+  if (!d.ok() ||
+      (*d != DType::kF32 && *d != DType::kBF16 && *d != DType::kF16)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "synthetic checkpoint dtype '", dtype, "' is not F32, BF16 or F16"));
+  }
+  return WriteImpl(*config, dir, seed, *d,
+                   {{"format", "pt"},
+                    {"specserve_synthetic", preset},
+                    {"seed", absl::StrCat(seed)}});
+}
+
+}  // namespace specserve

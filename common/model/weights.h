@@ -1,0 +1,52 @@
+#ifndef SPECSERVE_COMMON_MODEL_WEIGHTS_H_
+#define SPECSERVE_COMMON_MODEL_WEIGHTS_H_
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/model/config.h"
+
+namespace specserve {
+
+/// One decoder layer's parameters in fp32, row-major PyTorch Linear layout
+/// [out, in] (y = x W^T). Projections that read the same input are fused so
+/// one GEMM computes them (FasterTransformer's LlamaDecoderLayerWeight).
+struct LayerWeights {
+  std::vector<float> attn_norm;  ///< [hidden] input_layernorm.
+  std::vector<float> wqkv;       ///< [(H + 2*KV) * head_dim, hidden]: q, k, v rows.
+  std::vector<float> wo;         ///< [hidden, H * head_dim] o_proj.
+  std::vector<float> mlp_norm;   ///< [hidden] post_attention_layernorm.
+  std::vector<float> w_gate_up;  ///< [2 * ffn, hidden]: gate rows then up rows.
+  std::vector<float> w_down;     ///< [hidden, ffn] down_proj.
+};
+
+/// All parameters of a Llama model, kept apart from the compute that uses
+/// them (the Transformer). Plain data: no methods that compute.
+struct ModelWeights {
+  ModelConfig config;
+  std::vector<float> embed;       ///< [vocab, hidden] embed_tokens.
+  std::vector<LayerWeights> layers;
+  std::vector<float> final_norm;  ///< [hidden] model.norm.
+  /// [vocab, hidden]; empty when tied (then lm_head() returns embed).
+  std::vector<float> lm_head_weight;
+
+  const float* lm_head() const {
+    return lm_head_weight.empty() ? embed.data() : lm_head_weight.data();
+  }
+  /// Total parameter bytes held (fp32), counting a tied lm_head once.
+  size_t bytes() const;
+};
+
+/// Loads config.json and model.safetensors (or the shards listed in
+/// model.safetensors.index.json) from `model_dir`, converting F16/BF16 to
+/// fp32. Tied checkpoints may store either `model.embed_tokens.weight` or
+/// `lm_head.weight`. Every tensor the config implies must be present with
+/// the right shape: errors are INVALID_ARGUMENT / NOT_FOUND naming the file
+/// and tensor.
+absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir);
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_MODEL_WEIGHTS_H_

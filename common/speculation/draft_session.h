@@ -1,0 +1,105 @@
+#ifndef SPECSERVE_COMMON_SPECULATION_DRAFT_SESSION_H_
+#define SPECSERVE_COMMON_SPECULATION_DRAFT_SESSION_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/decoding/sampling.h"
+#include "common/decoding/verification.h"
+#include "common/engine/kv_cache.h"
+#include "common/engine/transformer.h"
+#include "common/specprefill/importance.h"
+#include "common/specprefill/selection.h"
+
+namespace specserve {
+
+/// Everything one Speculative Prefill scoring call needs (docs REFERENCE.md
+/// section 1; official defaults: look-ahead 8, pool 13, chunk 32).
+struct ScoreOptions {
+  int look_ahead = 8;  ///< greedy look-ahead tokens, [0, 64].
+  int num_threads = 1;  ///< threads for the importance reduction.
+  ScoringOptions scoring;
+  SelectionOptions selection;
+};
+
+/// INVALID_ARGUMENT naming the field for out-of-range options.
+absl::Status ValidateScoreOptions(const ScoreOptions& options,
+                                  int num_layers);
+
+/// What scoring found for one prompt.
+struct ScoreResult {
+  Selection selection;               ///< kept indices, positions, next pos.
+  std::vector<int> look_ahead_tokens;  ///< greedy, stops before EOS.
+  std::vector<float> importance;     ///< [prompt_len], mean over rows.
+  std::vector<std::vector<float>> per_row_importance;  ///< [rows][prompt_len]
+  int64_t prefill_ns = 0;     ///< full-prompt forward.
+  int64_t look_ahead_ns = 0;  ///< look-ahead decode steps.
+  int64_t score_ns = 0;       ///< importance + selection (after forwards).
+};
+
+/// The speculator's per-request state (one small model does both jobs):
+/// Score() prefills the FULL prompt, decodes the look-ahead tokens and
+/// scores the prompt; the KV cache it built (prompt + look-ahead) then
+/// serves Draft(), so drafting never prefills the prompt twice. The
+/// look-ahead tokens are the first draft proposal.
+///
+/// Positions are the speculator's own, contiguous: token i at position i.
+/// Not thread-safe; a session is used by one request at a time.
+class DraftSession {
+ public:
+  /// `capacity`: KV cache tokens (<= the model's max context).
+  /// INVALID_ARGUMENT for bad sampling params or capacity.
+  static absl::StatusOr<std::unique_ptr<DraftSession>> Create(
+      const Transformer* model, int capacity, const SamplingParams& sampling);
+
+  /// Speculative Prefill scoring of `prompt` (token ids, BOS included; the
+  /// session must be fresh). Rows = the last prompt token + the look-ahead
+  /// tokens; keys = prompt keys only; reduced layer by layer.
+  /// INVALID_ARGUMENT (bad ids/options, second call), RESOURCE_EXHAUSTED
+  /// (prompt + look-ahead beyond capacity).
+  absl::StatusOr<ScoreResult> Score(absl::Span<const int> prompt,
+                                    const ScoreOptions& options);
+
+  /// Starts a session without scoring (prefill of `prompt` only): for
+  /// requests with speculative prefill off but drafting on.
+  absl::Status Prefill(absl::Span<const int> prompt);
+
+  /// Appends the tokens the target emitted since the last call (accepted
+  /// drafts, then the correction or bonus), rolls back the rejected drafts
+  /// and proposes up to `k` new draft tokens (fewer near the context
+  /// limit; none at it). Greedy drafts carry no q; sampled drafts carry
+  /// q = the draft distribution after the request's transform. The
+  /// look-ahead tokens of Score() count as already proposed.
+  /// INVALID_ARGUMENT for k outside [1, 64] or ids outside the vocabulary.
+  absl::StatusOr<std::vector<DraftToken>> Draft(absl::Span<const int> emitted,
+                                                int k);
+
+  /// Prompt + target-emitted tokens so far.
+  const std::vector<int>& committed() const { return committed_; }
+  /// Bytes of KV cache currently used.
+  size_t kv_bytes() const { return cache_->bytes_used(); }
+  size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
+
+ private:
+  DraftSession(const Transformer* model, std::unique_ptr<KvCache> cache,
+               const SamplingParams& sampling);
+  // Forwards tokens_[cache size ..) and returns the last row's logits.
+  absl::Status Extend(absl::Span<const int> tokens, ForwardOutput* out);
+  DraftToken Propose(const float* logits);
+
+  const Transformer* model_;
+  std::unique_ptr<KvCache> cache_;
+  SamplingParams sampling_;
+  Rng rng_;
+  std::vector<int> cached_;     // token ids in the KV cache, in order
+  std::vector<int> committed_;  // prompt + target-emitted tokens
+  std::vector<int> look_ahead_;  // proposed by Score, unconfirmed
+  bool started_ = false;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_SPECULATION_DRAFT_SESSION_H_

@@ -1,0 +1,220 @@
+#include "common/speculation/draft_session.h"
+
+#include <cmath>
+#include <random>
+
+#include "common/speculation/test_util.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace {
+
+using testing_util::GreedyReference;
+using testing_util::LoadBundled;
+using testing_util::ReadJson;
+
+class DraftSessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    weights_ = LoadBundled("stories260K-draft");
+    ASSERT_NE(weights_, nullptr);
+    model_ = std::make_unique<Transformer>(weights_);
+  }
+  std::unique_ptr<DraftSession> NewSession(SamplingParams p = {}) {
+    auto s = DraftSession::Create(model_.get(), 512, p);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return *std::move(s);
+  }
+  std::shared_ptr<const ModelWeights> weights_;
+  std::unique_ptr<Transformer> model_;
+};
+
+// End to end against the independent reference: the model's own queries
+// and keys -> importance -> kept chunks (golden specprefill_case*.json).
+TEST_F(DraftSessionTest, ScoreMatchesGoldenSpecPrefillCases) {
+  for (const char* name : {"specprefill_case1", "specprefill_case2"}) {
+    SCOPED_TRACE(name);
+    const auto g =
+        ReadJson(std::string("tests/data/golden/") + name + ".json");
+    ASSERT_EQ(g["speculator_model_dir"], "stories260K-draft");
+    const auto& p = g["params"];
+    ScoreOptions opt;
+    opt.look_ahead = p["lookahead_N"];
+    opt.scoring.pool_kernel_size = p.value("pool_kernel", 1);
+    opt.selection.chunk_size = p["chunk_size"];
+    opt.selection.keep_ratio = p["keep_fraction"];
+    opt.selection.keep_first = 0;
+    opt.selection.keep_last = 0;
+    const std::vector<int> prompt = g["prompt_token_ids"];
+    auto session = NewSession();
+    auto r = session->Score(prompt, opt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->look_ahead_tokens,
+              g["lookahead_token_ids"].get<std::vector<int>>());
+    const std::vector<float> want = g["importance"];
+    ASSERT_EQ(r->importance.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(r->importance[i], want[i], 1e-4) << "token " << i;
+    }
+    const auto& rows = g["per_row_importance"];
+    ASSERT_EQ(r->per_row_importance.size(), rows.size());
+    for (size_t j = 0; j < rows.size(); ++j) {
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_NEAR(r->per_row_importance[j][i], float(rows[j][i]), 1e-4)
+            << "row " << j << " token " << i;
+      }
+    }
+    EXPECT_EQ(r->selection.kept_indices,
+              g["kept_token_indices"].get<std::vector<int>>());
+    EXPECT_EQ(r->selection.kept_chunks,
+              g["kept_chunks"].get<std::vector<int>>());
+    EXPECT_EQ(r->selection.next_position, int(prompt.size()));
+    EXPECT_GT(r->prefill_ns, 0);
+  }
+}
+
+TEST_F(DraftSessionTest, ScoreSelectionInvariants) {
+  std::mt19937 rng(7);
+  for (int n : {1, 2, 31, 100, 300}) {
+    std::vector<int> prompt(n);
+    for (int& t : prompt) t = 3 + rng() % 500;
+    prompt[0] = 1;
+    ScoreOptions opt;
+    opt.selection.keep_ratio = 0.3f;
+    opt.selection.chunk_size = 8;
+    auto session = NewSession();
+    auto r = session->Score(prompt, opt);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const auto& kept = r->selection.kept_indices;
+    ASSERT_FALSE(kept.empty());
+    EXPECT_TRUE(std::is_sorted(kept.begin(), kept.end()));
+    EXPECT_EQ(std::adjacent_find(kept.begin(), kept.end()), kept.end());
+    EXPECT_EQ(kept.front(), 0);
+    EXPECT_EQ(kept.back(), n - 1);
+    EXPECT_EQ(r->selection.position_ids, kept);
+    const int chunks = (n + 7) / 8;
+    const int want_chunks = NumChunksToKeep(chunks, 0.3f);
+    EXPECT_GE(static_cast<int>(kept.size()),
+              std::min(n, (want_chunks - 1) * 8 + 1));
+    EXPECT_LE(static_cast<int>(kept.size()), std::min(n, want_chunks * 8 + 2));
+  }
+}
+
+// Draft proposals equal the draft model's own greedy continuation of the
+// committed sequence, after full, partial or no acceptance.
+TEST_F(DraftSessionTest, GreedyDraftsFollowTheModelAfterAnyAcceptedPrefix) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432, 383, 286};
+  ScoreOptions opt;
+  opt.look_ahead = 4;
+  auto session = NewSession();
+  auto r = session->Score(prompt, opt);
+  ASSERT_TRUE(r.ok());
+  const auto ref = GreedyReference(*model_, prompt, {}, prompt.size(), 4);
+  EXPECT_EQ(r->look_ahead_tokens, ref);  // the first proposal
+
+  std::vector<int> committed = prompt;
+  std::mt19937 rng(3);
+  std::vector<int> last_proposal = r->look_ahead_tokens;
+  for (int round = 0; round < 12; ++round) {
+    // Accept a random prefix of the last proposal, then a token that may
+    // or may not match (a correction or a bonus).
+    const int a = rng() % (last_proposal.size() + 1);
+    std::vector<int> emitted(last_proposal.begin(), last_proposal.begin() + a);
+    emitted.push_back(rng() % 2 ? 3 + rng() % 500
+                                : (a < int(last_proposal.size())
+                                       ? last_proposal[a]
+                                       : 42));
+    committed.insert(committed.end(), emitted.begin(), emitted.end());
+    const int k = 1 + rng() % 6;
+    auto drafts = session->Draft(emitted, k);
+    ASSERT_TRUE(drafts.ok()) << drafts.status();
+    ASSERT_EQ(static_cast<int>(drafts->size()), k);
+    const auto want =
+        GreedyReference(*model_, committed, {}, committed.size(), k);
+    last_proposal.clear();
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ((*drafts)[j].id, want[j]) << "round " << round << " j " << j;
+      EXPECT_TRUE((*drafts)[j].q.empty());
+      last_proposal.push_back((*drafts)[j].id);
+    }
+    EXPECT_EQ(session->committed(), committed);
+  }
+}
+
+TEST_F(DraftSessionTest, SampledDraftsCarryNormalisedQAndAreSeeded) {
+  SamplingParams sp;
+  sp.temperature = 0.8f;
+  sp.top_k = 20;
+  sp.top_p = 0.95f;
+  sp.seed = 11;
+  const std::vector<int> prompt = {1, 403, 407, 261};
+  std::vector<int> first;
+  for (int rep = 0; rep < 2; ++rep) {
+    auto session = NewSession(sp);
+    ASSERT_TRUE(session->Prefill(prompt).ok());
+    auto drafts = session->Draft({}, 8);
+    ASSERT_TRUE(drafts.ok()) << drafts.status();
+    std::vector<int> ids;
+    for (const DraftToken& d : *drafts) {
+      ASSERT_FALSE(d.q.empty());
+      ASSERT_LE(d.q.size(), 20u);
+      double sum = 0;
+      bool in_support = false;
+      for (auto [id, p] : d.q) {
+        sum += p;
+        in_support |= id == d.id;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5);
+      EXPECT_TRUE(in_support);
+      ids.push_back(d.id);
+    }
+    if (rep == 0) first = ids;
+    else EXPECT_EQ(ids, first);
+  }
+}
+
+TEST_F(DraftSessionTest, BadInputIsRejected) {
+  auto session = NewSession();
+  EXPECT_EQ(session->Draft({}, 4).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(session->Score({}, ScoreOptions{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session->Score({1, 512}, ScoreOptions{}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ScoreOptions bad;
+  bad.look_ahead = 65;
+  EXPECT_EQ(session->Score({1, 5}, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = ScoreOptions{};
+  bad.selection.keep_ratio = 0;
+  EXPECT_EQ(session->Score({1, 5}, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  bad = ScoreOptions{};
+  bad.scoring.pool_kernel_size = 4;
+  EXPECT_EQ(session->Score({1, 5}, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(session->Score({1, 5, 9}, ScoreOptions{}).ok());
+  EXPECT_EQ(session->Draft({}, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session->Draft({}, 65).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(session->Draft({600}, 4).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(DraftSessionTest, ProposesFewerDraftsAtTheContextLimit) {
+  auto s = DraftSession::Create(model_.get(), 12, SamplingParams{});
+  ASSERT_TRUE(s.ok());
+  auto& session = *s;
+  ASSERT_TRUE(session->Prefill({1, 403, 407, 261, 378, 432, 383, 286, 261, 376})
+                  .ok());
+  auto d = session->Draft({}, 8);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->size(), 3u);  // 10 cached + 2 fed drafts fill 12 slots
+  auto none = session->Draft({5, 6, 7, 8}, 8);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+}
+
+}  // namespace
+}  // namespace specserve

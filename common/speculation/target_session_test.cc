@@ -1,0 +1,273 @@
+#include "common/speculation/target_session.h"
+
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "common/decoding/stats.h"
+#include "common/speculation/test_util.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace {
+
+using testing_util::GreedyReference;
+using testing_util::LoadBundled;
+using testing_util::ReadJson;
+
+class TargetSessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    target_w_ = LoadBundled("stories260K");
+    draft_w_ = LoadBundled("stories260K-draft");
+    ASSERT_NE(target_w_, nullptr);
+    ASSERT_NE(draft_w_, nullptr);
+    target_ = std::make_unique<Transformer>(target_w_);
+    draft_ = std::make_unique<Transformer>(draft_w_);
+  }
+  TargetRequest Request(std::vector<int> ids, int max_new) {
+    TargetRequest r;
+    r.token_ids = ids;
+    r.position_ids.resize(ids.size());
+    std::iota(r.position_ids.begin(), r.position_ids.end(), 0);
+    r.stop.max_new_tokens = max_new;
+    return r;
+  }
+  std::shared_ptr<const ModelWeights> target_w_, draft_w_;
+  std::unique_ptr<Transformer> target_, draft_;
+};
+
+const std::vector<int> kPrompt = {1, 403, 407, 261, 378, 432, 383, 286, 261,
+                                  376, 400, 428, 395};
+
+TEST_F(TargetSessionTest, GreedyWithRandomDraftsEqualsPlainGreedy) {
+  const int kNew = 40;
+  const auto want = GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 5; ++trial) {
+    auto s = TargetSession::Create(target_.get(), Request(kPrompt, kNew));
+    ASSERT_TRUE(s.ok()) << s.status();
+    std::vector<int> got;
+    int rounds = 0, accepted = 0;
+    while (!(*s)->finished()) {
+      // Random drafts, half the time seeded with the true continuation so
+      // that both acceptance and rejection paths run.
+      const int k = rng() % 9;
+      std::vector<DraftToken> drafts(k);
+      for (int j = 0; j < k; ++j) {
+        const size_t at = got.size() + j;
+        drafts[j].id = (rng() % 3 != 0 && at < want.size()) ? want[at]
+                                                             : rng() % 512;
+      }
+      auto round = (*s)->Step(drafts);
+      ASSERT_TRUE(round.ok()) << round.status();
+      EXPECT_EQ(round->tokens.size(),
+                round->finish == FinishReason::kNone
+                    ? size_t(round->num_accepted + 1)
+                    : round->tokens.size());
+      got.insert(got.end(), round->tokens.begin(), round->tokens.end());
+      accepted += round->num_accepted;
+      ++rounds;
+    }
+    EXPECT_EQ(got, want);
+    EXPECT_EQ((*s)->finish_reason(), FinishReason::kLength);
+    EXPECT_LT(rounds, kNew);  // some drafts were accepted
+    EXPECT_GT(accepted, 0);
+  }
+}
+
+// Pruned prompts: the KV cache holds only kept tokens at their original
+// positions and decoding continues at the original length (golden cases).
+TEST_F(TargetSessionTest, PrunedPromptsMatchGoldenGreedy) {
+  const auto g = ReadJson("tests/data/golden/stories260K.json");
+  int checked = 0;
+  for (const auto& cs : g["cases"]) {
+    TargetRequest r;
+    r.token_ids = cs["token_ids"].get<std::vector<int>>();
+    r.position_ids = cs["position_ids"].get<std::vector<int>>();
+    r.next_position = cs["greedy"]["start_position"];
+    const std::vector<int> want = cs["greedy"]["token_ids"];
+    const int robust = cs["greedy"]["robust_prefix_len"];
+    r.stop.max_new_tokens = robust;
+    r.ignore_eos = true;
+    auto s = TargetSession::Create(target_.get(), r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    while (!(*s)->finished()) ASSERT_TRUE((*s)->Step({}).ok());
+    EXPECT_EQ((*s)->output(),
+              std::vector<int>(want.begin(), want.begin() + robust))
+        << cs["name"];
+    ++checked;
+  }
+  EXPECT_EQ(checked, 6);
+}
+
+TEST_F(TargetSessionTest, KvCacheRollsBackToAcceptedLength) {
+  auto s = TargetSession::Create(target_.get(), Request(kPrompt, 50));
+  ASSERT_TRUE(s.ok());
+  const auto want = GreedyReference(*target_, kPrompt, {}, kPrompt.size(), 10);
+  // Two right drafts then three wrong ones.
+  std::vector<DraftToken> d = {{want[0], {}}, {want[1], {}}, {7, {}},
+                               {8, {}}, {9, {}}};
+  if (want[2] == 7) d[2].id = 6;
+  auto r = (*s)->Step(d);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->num_accepted, 2);
+  EXPECT_EQ(r->tokens, std::vector<int>(want.begin(), want.begin() + 3));
+  // Cached: prompt + the two accepted drafts (the correction is fed next).
+  const size_t per_token = KvCache::BytesPerToken(target_->config());
+  EXPECT_EQ((*s)->kv_bytes(), (kPrompt.size() + 2) * per_token);
+  auto r2 = (*s)->Step({});
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->tokens, std::vector<int>{want[3]});
+  EXPECT_EQ((*s)->kv_bytes(), (kPrompt.size() + 3) * per_token);
+}
+
+// Lossless speculative sampling on real models: the first token emitted by
+// verification of a draft sampled from q (stories260K-draft) is distributed
+// as direct sampling from p (stories260K), both under top-k 20.
+TEST_F(TargetSessionTest, SpeculativeSamplingMatchesTargetDistribution) {
+  SamplingParams sp;
+  sp.temperature = 1.0f;
+  sp.top_k = 20;
+  const int vocab = target_->config().vocab_size;
+  auto last_logits = [&](const Transformer& m) {
+    KvCache cache(m.config(), 64);
+    std::vector<int> pos(kPrompt.size());
+    std::iota(pos.begin(), pos.end(), 0);
+    ForwardInput in;
+    in.token_ids = kPrompt;
+    in.position_ids = pos;
+    ForwardOutput out;
+    EXPECT_TRUE(m.Forward(in, &cache, &out).ok());
+    return out.logits;
+  };
+  const std::vector<float> p_logits = last_logits(*target_);
+  const std::vector<float> q_logits = last_logits(*draft_);
+  const SparseDist p = ComputeDistribution(p_logits, sp);
+  const SparseDist q = ComputeDistribution(q_logits, sp);
+  // Target rows for [last prompt token, x_1]: the first token depends only
+  // on row 0; row 1 (the bonus distribution) is set to p too.
+  std::vector<float> rows = p_logits;
+  rows.insert(rows.end(), p_logits.begin(), p_logits.end());
+
+  const int kTrials = 20000;
+  Rng rng(12345);
+  std::map<int, int> spec, direct;
+  int accepted = 0;
+  for (int t = 0; t < kTrials; ++t) {
+    DraftToken d{SampleFrom(q, &rng), q};
+    auto v = VerifyDrafts(absl::MakeConstSpan(&d, 1), rows, vocab, sp, &rng);
+    ASSERT_TRUE(v.ok()) << v.status();
+    ++spec[v->tokens[0]];
+    accepted += v->num_accepted;
+    ++direct[SampleFrom(p, &rng)];
+  }
+  // Two-sample chi-square over p's support, pooling cells with small
+  // expected counts into one.
+  double stat = 0;
+  int dof = -1;
+  double pooled_a = 0, pooled_b = 0;
+  for (auto [id, prob] : p) {
+    const double a = spec[id], b = direct[id];
+    if (prob * kTrials < 20) {
+      pooled_a += a;
+      pooled_b += b;
+      continue;
+    }
+    stat += (a - b) * (a - b) / (a + b);
+    ++dof;
+  }
+  if (pooled_a + pooled_b > 0) {
+    stat += (pooled_a - pooled_b) * (pooled_a - pooled_b) / (pooled_a + pooled_b);
+    ++dof;
+  }
+  // Nothing outside p's support is ever emitted.
+  int outside = 0;
+  for (auto [id, c] : spec) {
+    bool in = false;
+    for (auto [pid, prob] : p) in |= pid == id;
+    if (!in) outside += c;
+  }
+  EXPECT_EQ(outside, 0);
+  ASSERT_GE(dof, 3);
+  const double pvalue = ChiSquarePValue(stat, dof);
+  EXPECT_GT(pvalue, 0.001) << "chi2 " << stat << " dof " << dof;
+  // Acceptance rate ~ sum_x min(p, q).
+  double overlap = 0;
+  std::map<int, float> qm(q.begin(), q.end());
+  for (auto [id, prob] : p) overlap += std::min<double>(prob, qm[id]);
+  const double rate = double(accepted) / kTrials;
+  EXPECT_NEAR(rate, overlap, 4 * std::sqrt(overlap * (1 - overlap) / kTrials));
+}
+
+TEST_F(TargetSessionTest, StopConditionsCutTheRound) {
+  const auto want = GreedyReference(*target_, kPrompt, {}, kPrompt.size(), 12);
+  auto r = Request(kPrompt, 5);
+  auto s = TargetSession::Create(target_.get(), r);
+  ASSERT_TRUE(s.ok());
+  std::vector<DraftToken> d;
+  for (int j = 0; j < 10; ++j) d.push_back({want[j], {}});
+  auto round = (*s)->Step(d);
+  ASSERT_TRUE(round.ok());
+  EXPECT_EQ(round->num_drafts, 4);  // clipped to the budget
+  EXPECT_EQ(round->tokens, std::vector<int>(want.begin(), want.begin() + 5));
+  EXPECT_EQ(round->finish, FinishReason::kLength);
+  EXPECT_EQ((*s)->Step({}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  auto r2 = Request(kPrompt, 20);
+  r2.stop.stop_token_ids = {want[3]};
+  auto s2 = TargetSession::Create(target_.get(), r2);
+  ASSERT_TRUE(s2.ok());
+  while (!(*s2)->finished()) ASSERT_TRUE((*s2)->Step(d).ok());
+  EXPECT_EQ((*s2)->finish_reason(), FinishReason::kStopToken);
+  EXPECT_EQ((*s2)->output(), std::vector<int>(want.begin(), want.begin() + 3));
+}
+
+TEST_F(TargetSessionTest, BadInputTable) {
+  auto code = [&](TargetRequest r) {
+    return TargetSession::Create(target_.get(), std::move(r)).status().code();
+  };
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  TargetRequest r = Request({1, 5, 9}, 4);
+  EXPECT_TRUE(TargetSession::Create(target_.get(), r).ok());
+  r.position_ids = {0, 2, 2};
+  EXPECT_EQ(code(r), kInvalid);  // not strictly increasing
+  r.position_ids = {0, 5, 512};
+  EXPECT_EQ(code(r), kInvalid);  // at max context
+  r.position_ids = {0, 5, 9};
+  r.next_position = 9;
+  EXPECT_EQ(code(r), kInvalid);  // next position <= last
+  r.next_position = 512;
+  EXPECT_EQ(code(r), kInvalid);  // next position at max context
+  r.next_position = -1;
+  r.token_ids = {1, 5, 512};
+  EXPECT_EQ(code(r), kInvalid);  // outside the vocabulary
+  r.token_ids = {1, 5};
+  EXPECT_EQ(code(r), kInvalid);  // length mismatch
+  r = Request({1, 5, 9}, 0);
+  EXPECT_EQ(code(r), kInvalid);
+  r = Request({1, 5, 9}, 4);
+  r.sampling.temperature = -1;
+  EXPECT_EQ(code(r), kInvalid);
+  r.sampling.temperature = 1;
+  r.sampling.top_p = 1.5f;
+  EXPECT_EQ(code(r), kInvalid);
+
+  r = Request({1, 5, 9}, 4);
+  r.sampling.temperature = 1;
+  auto s = TargetSession::Create(target_.get(), r);
+  ASSERT_TRUE(s.ok());
+  std::vector<DraftToken> too_many(65, DraftToken{5, {{5, 1.f}}});
+  EXPECT_EQ((*s)->Step(too_many).status().code(), kInvalid);
+  std::vector<DraftToken> bad_q = {{5, {{5, 0.5f}}}};  // sums to 0.5
+  EXPECT_EQ((*s)->Step(bad_q).status().code(), kInvalid);
+  bad_q = {{5, {{5, 1.5f}, {6, -0.5f}}}};
+  EXPECT_EQ((*s)->Step(bad_q).status().code(), kInvalid);
+  bad_q = {{5, {{600, 1.f}}}};
+  EXPECT_EQ((*s)->Step(bad_q).status().code(), kInvalid);
+  EXPECT_TRUE((*s)->Step({{5, {{5, 1.f}}}}).ok());
+}
+
+}  // namespace
+}  // namespace specserve

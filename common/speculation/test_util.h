@@ -1,0 +1,69 @@
+#ifndef SPECSERVE_COMMON_SPECULATION_TEST_UTIL_H_
+#define SPECSERVE_COMMON_SPECULATION_TEST_UTIL_H_
+
+// Helpers shared by the speculation tests: load bundled models and compute
+// reference greedy continuations token by token from a fresh cache.
+
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/decoding/sampling.h"
+#include "common/engine/transformer.h"
+#include "nlohmann/json.hpp"
+
+namespace specserve {
+namespace testing_util {
+
+inline std::shared_ptr<const ModelWeights> LoadBundled(const std::string& m) {
+  auto w = LoadModelWeights("models/" + m);
+  if (!w.ok()) return nullptr;
+  return std::make_shared<const ModelWeights>(*std::move(w));
+}
+
+inline nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return nlohmann::json::parse(ss.str());
+}
+
+/// Greedy continuation of `tokens` at positions `positions`, decoding
+/// continuing at `next_position` + i, one token per forward (the plain,
+/// unspeculated reference).
+inline std::vector<int> GreedyReference(const Transformer& model,
+                                        const std::vector<int>& tokens,
+                                        std::vector<int> positions,
+                                        int next_position, int n) {
+  if (positions.empty()) {
+    positions.resize(tokens.size());
+    std::iota(positions.begin(), positions.end(), 0);
+  }
+  KvCache cache(model.config(), model.config().max_position_embeddings);
+  ForwardInput in;
+  in.token_ids = tokens;
+  in.position_ids = positions;
+  ForwardOutput out;
+  std::vector<int> result;
+  if (!model.Forward(in, &cache, &out).ok()) return result;
+  const int vocab = model.config().vocab_size;
+  for (int i = 0; i < n; ++i) {
+    const int tok = Argmax(absl::MakeConstSpan(out.logits.data(), vocab));
+    result.push_back(tok);
+    if (i + 1 == n) break;
+    const int p = next_position + i;
+    ForwardInput step;
+    step.token_ids = absl::MakeConstSpan(&result.back(), 1);
+    step.position_ids = absl::MakeConstSpan(&p, 1);
+    if (!model.Forward(step, &cache, &out).ok()) return {};
+  }
+  return result;
+}
+
+}  // namespace testing_util
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_SPECULATION_TEST_UTIL_H_

@@ -1,0 +1,834 @@
+#include "common/tokenizer/hf_bpe_tokenizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <queue>
+#include <sstream>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "nlohmann/json.hpp"
+
+namespace specserve {
+namespace {
+
+using Json = nlohmann::json;
+
+// Debian's Abseil has its own absl::string_view (not std's); convert at the
+// boundary.
+absl::string_view Sv(std::string_view s) {
+  return absl::string_view(s.data(), s.size());
+}
+
+constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD
+constexpr int kMaxVocabId = 1 << 24;  // Sanity bound on ids in the file.
+
+// Length of the valid UTF-8 sequence starting at s[i] (RFC 3629: no
+// overlongs, surrogates or code points above U+10FFFF), or 0 when the bytes
+// there are not a complete valid sequence.
+size_t ValidUtf8Len(std::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  const size_t left = s.size() - i;
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) {
+    return left >= 2 && (b(i + 1) & 0xC0) == 0x80 ? 2 : 0;
+  }
+  if (c >= 0xE0 && c <= 0xEF) {
+    if (left < 3) return 0;
+    const unsigned char lo = c == 0xE0 ? 0xA0 : 0x80;
+    const unsigned char hi = c == 0xED ? 0x9F : 0xBF;
+    return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 ? 3
+                                                                          : 0;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
+    if (left < 4) return 0;
+    const unsigned char lo = c == 0xF0 ? 0x90 : 0x80;
+    const unsigned char hi = c == 0xF4 ? 0x8F : 0xBF;
+    return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 &&
+                   (b(i + 3) & 0xC0) == 0x80
+               ? 4
+               : 0;
+  }
+  return 0;
+}
+
+// Bytes -> text, each byte that does not start a valid sequence becoming
+// U+FFFD (the sentencepiece rule; see the class comment).
+void AppendBytesLossy(std::string_view bytes, std::string* out) {
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const size_t n = ValidUtf8Len(bytes, i);
+    if (n == 0) {
+      out->append(kReplacementChar);
+      ++i;
+    } else {
+      out->append(bytes.substr(i, n));
+      i += n;
+    }
+  }
+}
+
+// Parses a "<0xXX>" byte piece.
+bool ParseBytePiece(std::string_view piece, unsigned char* byte) {
+  if (piece.size() != 6 || piece.substr(0, 3) != "<0x" || piece[5] != '>') {
+    return false;
+  }
+  int v = 0;
+  for (int k = 3; k < 5; ++k) {
+    const char ch = piece[k];
+    int d;
+    if (ch >= '0' && ch <= '9') {
+      d = ch - '0';
+    } else if (ch >= 'A' && ch <= 'F') {
+      d = ch - 'A' + 10;
+    } else if (ch >= 'a' && ch <= 'f') {
+      d = ch - 'a' + 10;
+    } else {
+      return false;
+    }
+    v = v * 16 + d;
+  }
+  *byte = static_cast<unsigned char>(v);
+  return true;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
+  return ss.str();
+}
+
+bool FileExists(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return static_cast<bool>(in);
+}
+
+// "type" of a component object, or "" when absent.
+std::string TypeOf(const Json& j) {
+  if (!j.is_object()) return "";
+  auto it = j.find("type");
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+std::string GetString(const Json& j, const char* key, std::string dflt) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : dflt;
+}
+
+bool GetBool(const Json& j, const char* key, bool dflt) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_boolean() ? it->get<bool>() : dflt;
+}
+
+// True if the component or any member of a Sequence is ByteLevel.
+bool MentionsByteLevel(const Json& j) {
+  if (TypeOf(j) == "ByteLevel") return true;
+  if (j.is_object()) {
+    for (const char* key : {"pretokenizers", "decoders", "normalizers",
+                            "processors"}) {
+      auto it = j.find(key);
+      if (it != j.end() && it->is_array()) {
+        for (const Json& sub : *it) {
+          if (MentionsByteLevel(sub)) return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
+// The literal pattern of a Replace component ({"String": s}); false for a
+// regex pattern.
+bool ReplacePattern(const Json& j, std::string* pattern) {
+  auto it = j.find("pattern");
+  if (it == j.end() || !it->is_object()) return false;
+  auto s = it->find("String");
+  if (s == it->end() || !s->is_string()) return false;
+  *pattern = s->get<std::string>();
+  return !pattern->empty();
+}
+
+// Token name in tokenizer_config.json: a string or {"content": ...}.
+std::string SpecialTokenName(const Json& config, const char* key) {
+  if (!config.is_object()) return "";
+  auto it = config.find(key);
+  if (it == config.end()) return "";
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object()) return GetString(*it, "content", "");
+  return "";
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Load(
+    const std::string& json_path) {
+  absl::StatusOr<std::string> text = ReadFile(json_path);
+  if (!text.ok()) return text.status();
+  const size_t slash = json_path.find_last_of('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : json_path.substr(0, slash);
+  std::string config;
+  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"}) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    if (!FileExists(path)) continue;
+    absl::StatusOr<std::string> c = ReadFile(path);
+    if (!c.ok()) return c.status();
+    config = *std::move(c);
+    break;
+  }
+  return Parse(*text, config, json_path);
+}
+
+absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
+    std::string_view tokenizer_json, std::string_view config_json,
+    const std::string& source) {
+  const Json root = Json::parse(tokenizer_json, nullptr,
+                                /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not a JSON object"));
+  }
+  Json config;
+  if (!config_json.empty()) {
+    config = Json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+    if (config.is_discarded()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": tokenizer_config.json / special_tokens_map.json next to "
+                  "it is not valid JSON"));
+    }
+  }
+  auto unimplemented = [&source](std::string_view what) {
+    return absl::UnimplementedError(
+        absl::StrCat(source, ": tokenizer.json ", Sv(what),
+                     " is not supported yet"));
+  };
+  auto invalid = [&source](std::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", Sv(what)));
+  };
+
+  auto tok = std::unique_ptr<HfBpeTokenizer>(new HfBpeTokenizer());
+  tok->source_ = source;
+  try {
+    const Json null_json;
+    const Json& model = root.contains("model") ? root["model"] : null_json;
+    const Json& pre = root.contains("pre_tokenizer") ? root["pre_tokenizer"]
+                                                     : null_json;
+    const Json& norm =
+        root.contains("normalizer") ? root["normalizer"] : null_json;
+    const Json& dec = root.contains("decoder") ? root["decoder"] : null_json;
+
+    // Kind checks first, so the error names the real reason.
+    if (MentionsByteLevel(pre) || MentionsByteLevel(dec) ||
+        MentionsByteLevel(norm)) {
+      return unimplemented("kind ByteLevel BPE");
+    }
+    if (!model.is_object()) return invalid("missing \"model\" object");
+    const std::string model_type = TypeOf(model);
+    if (model_type != "BPE") {
+      return unimplemented(absl::StrCat(
+          "model type \"", model_type.empty() ? "(none)" : model_type, "\""));
+    }
+    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+      if (model.contains(key) && !model[key].is_null() &&
+          !(model[key].is_string() && model[key].get<std::string>().empty())) {
+        return unimplemented(absl::StrCat("BPE with ", key));
+      }
+    }
+
+    // --- vocab ---
+    const auto vit = model.find("vocab");
+    if (vit == model.end() || !vit->is_object()) {
+      return invalid("model.vocab missing or not an object");
+    }
+    int max_id = -1;
+    for (auto it = vit->begin(); it != vit->end(); ++it) {
+      if (!it.value().is_number_integer()) {
+        return invalid(absl::StrCat("vocab entry \"", it.key(),
+                                    "\" has a non-integer id"));
+      }
+      const int64_t id = it.value().get<int64_t>();
+      if (id < 0 || id >= kMaxVocabId) {
+        return invalid(absl::StrCat("vocab entry \"", it.key(), "\" has id ",
+                                    id, " out of range"));
+      }
+      tok->vocab_[it.key()] = static_cast<int>(id);
+      max_id = std::max(max_id, static_cast<int>(id));
+    }
+    // --- added tokens ---
+    if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
+      for (const Json& a : root["added_tokens"]) {
+        if (!a.is_object() || !a.contains("id") ||
+            !a["id"].is_number_integer() || !a.contains("content") ||
+            !a["content"].is_string()) {
+          return invalid("added_tokens entry without integer id / content");
+        }
+        const int64_t id = a["id"].get<int64_t>();
+        if (id < 0 || id >= kMaxVocabId) {
+          return invalid(absl::StrCat("added token id ", id, " out of range"));
+        }
+        AddedToken t;
+        t.content = a["content"].get<std::string>();
+        t.id = static_cast<int>(id);
+        t.special = GetBool(a, "special", false);
+        // HF's default: special tokens are matched on the raw text.
+        t.normalized = GetBool(a, "normalized", !t.special);
+        if (t.content.empty()) return invalid("empty added token content");
+        tok->added_.push_back(std::move(t));
+        max_id = std::max(max_id, static_cast<int>(id));
+      }
+    }
+    if (max_id < 0) return invalid("empty vocabulary");
+    tok->pieces_.assign(max_id + 1, std::string());
+    tok->skip_on_decode_.assign(max_id + 1, false);
+    for (const auto& [piece, id] : tok->vocab_) tok->pieces_[id] = piece;
+    for (const AddedToken& t : tok->added_) {
+      tok->pieces_[t.id] = t.content;  // HF: added content wins for id->token.
+      if (t.special) tok->skip_on_decode_[t.id] = true;
+    }
+
+    // --- BPE options ---
+    tok->byte_fallback_ = GetBool(model, "byte_fallback", false);
+    tok->fuse_unk_ = GetBool(model, "fuse_unk", false);
+    tok->ignore_merges_ = GetBool(model, "ignore_merges", false);
+    const std::string unk = GetString(model, "unk_token", "");
+    if (!unk.empty()) {
+      auto it = tok->vocab_.find(unk);
+      if (it == tok->vocab_.end()) {
+        return invalid(absl::StrCat("model.unk_token \"", unk,
+                                    "\" is not in the vocab"));
+      }
+      tok->model_unk_id_ = it->second;
+    }
+    for (int b = 0; b < 256; ++b) {
+      auto it = tok->vocab_.find(absl::StrFormat("<0x%02X>", b));
+      tok->byte_ids_[b] = it == tok->vocab_.end() ? -1 : it->second;
+    }
+
+    // --- merges ---
+    if (model.contains("merges") && !model["merges"].is_null()) {
+      const Json& merges = model["merges"];
+      if (!merges.is_array()) return invalid("model.merges is not an array");
+      tok->merges_.reserve(merges.size());
+      int rank = 0;
+      for (const Json& m : merges) {
+        std::string left, right;
+        if (m.is_string()) {
+          const std::string s = m.get<std::string>();
+          const size_t sp = s.find(' ');
+          if (sp == std::string::npos || s.find(' ', sp + 1) != s.npos) {
+            return invalid(absl::StrCat("merge ", rank, " \"", s,
+                                        "\" is not two space-separated "
+                                        "pieces"));
+          }
+          left = s.substr(0, sp);
+          right = s.substr(sp + 1);
+        } else if (m.is_array() && m.size() == 2 && m[0].is_string() &&
+                   m[1].is_string()) {
+          left = m[0].get<std::string>();
+          right = m[1].get<std::string>();
+        } else {
+          return invalid(absl::StrCat("merge ", rank, " is malformed"));
+        }
+        auto a = tok->vocab_.find(left);
+        auto b = tok->vocab_.find(right);
+        auto c = tok->vocab_.find(left + right);
+        if (a == tok->vocab_.end() || b == tok->vocab_.end() ||
+            c == tok->vocab_.end()) {
+          return invalid(absl::StrCat("merge ", rank, " (\"", left, "\", \"",
+                                      right,
+                                      "\") uses or makes a piece missing "
+                                      "from the vocab"));
+        }
+        // Later duplicates override earlier ones, as in HF.
+        tok->merges_[PairKey(a->second, b->second)] = {rank, c->second};
+        ++rank;
+      }
+    }
+
+    // --- normalizer ---
+    if (!norm.is_null()) {
+      std::vector<const Json*> steps;
+      if (TypeOf(norm) == "Sequence") {
+        if (!norm.contains("normalizers") || !norm["normalizers"].is_array()) {
+          return invalid("normalizer Sequence without \"normalizers\"");
+        }
+        for (const Json& n : norm["normalizers"]) steps.push_back(&n);
+      } else {
+        steps.push_back(&norm);
+      }
+      for (const Json* n : steps) {
+        const std::string type = TypeOf(*n);
+        NormalizerStep step;
+        if (type == "Prepend") {
+          step.is_prepend = true;
+          step.to = GetString(*n, "prepend", "");
+        } else if (type == "Replace") {
+          step.is_prepend = false;
+          if (!ReplacePattern(*n, &step.from)) {
+            return unimplemented("normalizer Replace with a regex pattern");
+          }
+          step.to = GetString(*n, "content", "");
+        } else {
+          return unimplemented(absl::StrCat("normalizer \"", type, "\""));
+        }
+        tok->normalizer_.push_back(std::move(step));
+      }
+    }
+
+    // --- pre-tokenizer ---
+    if (!pre.is_null()) {
+      const Json* meta = nullptr;
+      if (TypeOf(pre) == "Metaspace") {
+        meta = &pre;
+      } else if (TypeOf(pre) == "Sequence" && pre.contains("pretokenizers") &&
+                 pre["pretokenizers"].is_array() &&
+                 pre["pretokenizers"].size() == 1 &&
+                 TypeOf(pre["pretokenizers"][0]) == "Metaspace") {
+        meta = &pre["pretokenizers"][0];
+      } else {
+        return unimplemented(
+            absl::StrCat("pre_tokenizer \"", TypeOf(pre), "\""));
+      }
+      tok->metaspace_ = true;
+      tok->metaspace_replacement_ = GetString(*meta, "replacement", "\u2581");
+      const std::string scheme = GetString(
+          *meta, "prepend_scheme",
+          GetBool(*meta, "add_prefix_space", true) ? "always" : "never");
+      if (scheme == "always") {
+        tok->metaspace_prepend_ = PrependScheme::kAlways;
+      } else if (scheme == "first") {
+        tok->metaspace_prepend_ = PrependScheme::kFirst;
+      } else if (scheme == "never") {
+        tok->metaspace_prepend_ = PrependScheme::kNever;
+      } else {
+        return invalid(absl::StrCat("Metaspace prepend_scheme \"", scheme,
+                                    "\" is unknown"));
+      }
+      tok->metaspace_split_ = GetBool(*meta, "split", true);
+    }
+
+    // --- decoder ---
+    if (!dec.is_null()) {
+      tok->has_decoder_ = true;
+      std::vector<const Json*> steps;
+      if (TypeOf(dec) == "Sequence") {
+        if (!dec.contains("decoders") || !dec["decoders"].is_array()) {
+          return invalid("decoder Sequence without \"decoders\"");
+        }
+        for (const Json& d : dec["decoders"]) steps.push_back(&d);
+      } else {
+        steps.push_back(&dec);
+      }
+      for (const Json* d : steps) {
+        const std::string type = TypeOf(*d);
+        DecoderStep step;
+        if (type == "Replace") {
+          step.type = DecoderStep::kReplace;
+          if (!ReplacePattern(*d, &step.from)) {
+            return unimplemented("decoder Replace with a regex pattern");
+          }
+          step.to = GetString(*d, "content", "");
+        } else if (type == "ByteFallback") {
+          step.type = DecoderStep::kByteFallback;
+        } else if (type == "Fuse") {
+          step.type = DecoderStep::kFuse;
+        } else if (type == "Strip") {
+          step.type = DecoderStep::kStrip;
+          step.from = GetString(*d, "content", " ");
+          if (d->contains("start") && (*d)["start"].is_number_integer()) {
+            step.start = (*d)["start"].get<int>();
+          }
+          if (d->contains("stop") && (*d)["stop"].is_number_integer()) {
+            step.stop = (*d)["stop"].get<int>();
+          }
+        } else if (type == "Metaspace") {
+          step.type = DecoderStep::kMetaspace;
+          step.from = GetString(*d, "replacement", "\u2581");
+          const std::string scheme = GetString(
+              *d, "prepend_scheme",
+              GetBool(*d, "add_prefix_space", true) ? "always" : "never");
+          step.metaspace_strip_first = scheme != "never";
+        } else {
+          return unimplemented(absl::StrCat("decoder \"", type, "\""));
+        }
+        if (step.from.empty() && step.type != DecoderStep::kByteFallback &&
+            step.type != DecoderStep::kFuse) {
+          return invalid(absl::StrCat("decoder \"", type,
+                                      "\" with an empty pattern"));
+        }
+        tok->decoder_.push_back(std::move(step));
+      }
+    }
+
+    // Normalized added tokens are matched by their normalized content.
+    for (AddedToken& t : tok->added_) {
+      t.match = t.normalized ? tok->Normalize(t.content) : t.content;
+      if (t.match.empty()) return invalid("added token normalizes to \"\"");
+    }
+    for (const AddedToken& t : tok->added_) {
+      (t.normalized ? tok->normalized_added_ : tok->raw_added_).push_back(&t);
+    }
+
+    // --- special ids ---
+    auto lookup = [&tok](const std::string& name) -> int {
+      if (name.empty()) return -1;
+      for (const AddedToken& t : tok->added_) {
+        if (t.content == name) return t.id;
+      }
+      auto it = tok->vocab_.find(name);
+      return it == tok->vocab_.end() ? -1 : it->second;
+    };
+    tok->unk_id_ = tok->model_unk_id_ >= 0
+                       ? tok->model_unk_id_
+                       : lookup(SpecialTokenName(config, "unk_token"));
+    tok->bos_id_ = lookup(SpecialTokenName(config, "bos_token"));
+    if (tok->bos_id_ < 0 && root.contains("post_processor")) {
+      // TemplateProcessing: a leading SpecialToken of the single template.
+      const Json& pp = root["post_processor"];
+      if (TypeOf(pp) == "TemplateProcessing" && pp.contains("single") &&
+          pp["single"].is_array() && !pp["single"].empty() &&
+          pp["single"][0].is_object() && pp["single"][0].contains("SpecialToken")) {
+        tok->bos_id_ =
+            lookup(GetString(pp["single"][0]["SpecialToken"], "id", ""));
+      }
+    }
+    if (tok->bos_id_ < 0) tok->bos_id_ = lookup("<s>");
+    tok->eos_id_ = lookup(SpecialTokenName(config, "eos_token"));
+    if (tok->eos_id_ < 0) tok->eos_id_ = lookup("</s>");
+    tok->pad_id_ = lookup(SpecialTokenName(config, "pad_token"));
+    if (tok->pad_id_ < 0) tok->pad_id_ = lookup("<pad>");
+    for (const AddedToken& t : tok->added_) {
+      if (t.id == tok->bos_id_) tok->bos_content_ = t.content;
+    }
+  } catch (const Json::exception& e) {
+    return invalid(absl::StrCat("malformed tokenizer.json: ", e.what()));
+  }
+
+  tok->fingerprint_ =
+      ComputeVocabFingerprint(tok->kind(), tok->pieces_, tok->bos_id_,
+                              tok->eos_id_, tok->unk_id_, tok->pad_id_);
+  return tok;
+}
+
+void HfBpeTokenizer::SplitOnAddedTokens(
+    const std::vector<const AddedToken*>& tokens, const Segment& in,
+    std::vector<Segment>* out) const {
+  if (in.added_id >= 0 || tokens.empty()) {
+    out->push_back(in);
+    return;
+  }
+  const std::string& s = in.text;
+  size_t text_start = 0;
+  size_t i = 0;
+  while (i < s.size()) {
+    // Leftmost-longest match, like HF's aho-corasick (LeftmostLongest).
+    const AddedToken* best = nullptr;
+    for (const AddedToken* t : tokens) {
+      if (t->match.size() <= s.size() - i &&
+          (best == nullptr || t->match.size() > best->match.size()) &&
+          s.compare(i, t->match.size(), t->match) == 0) {
+        best = t;
+      }
+    }
+    if (best == nullptr) {
+      ++i;
+      continue;
+    }
+    if (i > text_start) {
+      out->push_back({s.substr(text_start, i - text_start), -1,
+                      in.at_start && text_start == 0});
+    }
+    out->push_back({std::string(), best->id, in.at_start && i == 0});
+    i += best->match.size();
+    text_start = i;
+  }
+  if (text_start < s.size()) {
+    out->push_back(
+        {s.substr(text_start), -1, in.at_start && text_start == 0});
+  }
+}
+
+std::string HfBpeTokenizer::Normalize(std::string_view text) const {
+  std::string s(text);
+  for (const NormalizerStep& step : normalizer_) {
+    if (step.is_prepend) {
+      if (!s.empty()) s.insert(0, step.to);  // HF: only non-empty strings.
+    } else {
+      s = absl::StrReplaceAll(s, {{step.from, step.to}});
+    }
+  }
+  return s;
+}
+
+void HfBpeTokenizer::PreTokenize(const Segment& seg,
+                                 std::vector<std::string>* words) const {
+  if (!metaspace_) {
+    words->push_back(seg.text);
+    return;
+  }
+  const std::string& rep = metaspace_replacement_;
+  std::string s = absl::StrReplaceAll(seg.text, {{" ", rep}});
+  const bool prepend =
+      metaspace_prepend_ == PrependScheme::kAlways ||
+      (metaspace_prepend_ == PrependScheme::kFirst && seg.at_start);
+  if (prepend && s.compare(0, rep.size(), rep) != 0) s.insert(0, rep);
+  if (!metaspace_split_) {
+    words->push_back(std::move(s));
+    return;
+  }
+  // Split so that each replacement char starts a new word (MergedWithNext).
+  size_t start = 0;
+  size_t pos = s.find(rep, 1);
+  while (pos != std::string::npos) {
+    if (pos > start) words->push_back(s.substr(start, pos - start));
+    start = pos;
+    pos = s.find(rep, pos + rep.size());
+  }
+  if (start < s.size()) words->push_back(s.substr(start));
+}
+
+void HfBpeTokenizer::EncodeWord(std::string_view word,
+                                std::vector<int>* ids) const {
+  if (word.empty()) return;
+  if (ignore_merges_) {
+    auto it = vocab_.find(Sv(word));
+    if (it != vocab_.end()) {
+      ids->push_back(it->second);
+      return;
+    }
+  }
+  // Initial symbols: one per character, or its byte pieces, or unk.
+  struct Symbol {
+    int id;
+    int prev;
+    int next;
+    int len;  // Bytes covered; 0 once merged into the left neighbour.
+  };
+  std::vector<Symbol> syms;
+  syms.reserve(word.size());
+  auto push = [&syms](int id, int len) {
+    const int n = static_cast<int>(syms.size());
+    syms.push_back({id, n - 1, -1, len});
+    if (n > 0) syms[n - 1].next = n;
+  };
+  int pending_unk_len = 0;  // fuse_unk: run of unknown characters.
+  auto flush_unk = [&] {
+    if (pending_unk_len > 0) push(model_unk_id_, pending_unk_len);
+    pending_unk_len = 0;
+  };
+  size_t i = 0;
+  while (i < word.size()) {
+    // Invalid UTF-8 bytes are taken one at a time (lenient input).
+    const size_t n = std::max<size_t>(1, ValidUtf8Len(word, i));
+    const std::string_view ch = word.substr(i, n);
+    i += n;
+    auto it = vocab_.find(Sv(ch));
+    if (it != vocab_.end()) {
+      flush_unk();
+      push(it->second, static_cast<int>(n));
+      continue;
+    }
+    if (byte_fallback_) {
+      bool all = true;
+      for (char c : ch) all = all && byte_ids_[static_cast<unsigned char>(c)] >= 0;
+      if (all) {
+        flush_unk();
+        for (char c : ch) push(byte_ids_[static_cast<unsigned char>(c)], 1);
+        continue;
+      }
+    }
+    if (model_unk_id_ < 0) continue;  // HF drops it when there is no unk.
+    if (fuse_unk_) {
+      pending_unk_len += static_cast<int>(n);
+    } else {
+      flush_unk();
+      push(model_unk_id_, static_cast<int>(n));
+    }
+  }
+  flush_unk();
+
+  // Rank-ordered merging: pop the lowest (rank, position) candidate; skip
+  // stale ones whose symbols changed since they were queued.
+  struct Candidate {
+    int rank;
+    int pos;
+    int new_id;
+    bool operator<(const Candidate& o) const {  // Inverted: min-heap.
+      return rank != o.rank ? rank > o.rank : pos > o.pos;
+    }
+  };
+  std::priority_queue<Candidate> heap;
+  auto consider = [&](int left) {
+    const int right = syms[left].next;
+    if (right < 0) return;
+    auto it = merges_.find(PairKey(syms[left].id, syms[right].id));
+    if (it != merges_.end()) {
+      heap.push({it->second.first, left, it->second.second});
+    }
+  };
+  for (int k = 0; k + 1 < static_cast<int>(syms.size()); ++k) consider(k);
+  while (!heap.empty()) {
+    const Candidate top = heap.top();
+    heap.pop();
+    Symbol& left = syms[top.pos];
+    if (left.len == 0 || left.next < 0) continue;
+    Symbol& right = syms[left.next];
+    auto it = merges_.find(PairKey(left.id, right.id));
+    if (it == merges_.end() || it->second.first != top.rank ||
+        it->second.second != top.new_id) {
+      continue;
+    }
+    left.id = top.new_id;
+    left.len += right.len;
+    right.len = 0;
+    left.next = right.next;
+    if (left.next >= 0) syms[left.next].prev = top.pos;
+    if (left.prev >= 0) consider(left.prev);
+    consider(top.pos);
+  }
+  for (int k = syms.empty() ? -1 : 0; k >= 0; k = syms[k].next) {
+    ids->push_back(syms[k].id);
+  }
+}
+
+void HfBpeTokenizer::EncodeText(std::string_view text,
+                                std::vector<int>* ids) const {
+  // HF order: split raw text on non-normalized added tokens; normalize each
+  // remaining piece; split on normalized added tokens; pre-tokenize; BPE.
+  std::vector<Segment> raw;
+  SplitOnAddedTokens(raw_added_, {std::string(text), -1, true}, &raw);
+  std::vector<Segment> segs;
+  std::vector<std::string> words;
+  for (Segment& r : raw) {
+    if (r.added_id < 0) r.text = Normalize(r.text);
+    segs.clear();
+    SplitOnAddedTokens(normalized_added_, r, &segs);
+    for (const Segment& seg : segs) {
+      if (seg.added_id >= 0) {
+        ids->push_back(seg.added_id);
+        continue;
+      }
+      words.clear();
+      PreTokenize(seg, &words);
+      for (const std::string& w : words) EncodeWord(w, ids);
+    }
+  }
+}
+
+absl::StatusOr<std::vector<int>> HfBpeTokenizer::Encode(std::string_view text,
+                                                        bool add_bos) const {
+  std::vector<int> ids;
+  ids.reserve(text.size() / 2 + 2);
+  if (add_bos && !bos_content_.empty()) {
+    // Tokenize BOS + text as one string, the way a BOS written in training
+    // text is tokenized (see the class comment).
+    EncodeText(bos_content_ + std::string(text), &ids);
+    if (!ids.empty() && ids[0] == bos_id_) return ids;
+    ids.clear();  // The BOS did not come out first: fall back.
+  }
+  if (add_bos && bos_id_ >= 0) ids.push_back(bos_id_);
+  EncodeText(text, &ids);
+  return ids;
+}
+
+std::string HfBpeTokenizer::ApplyDecoder(std::vector<std::string> tokens) const {
+  if (!has_decoder_) return absl::StrJoin(tokens, " ");  // HF's default.
+  for (const DecoderStep& step : decoder_) {
+    switch (step.type) {
+      case DecoderStep::kReplace:
+        for (std::string& t : tokens) {
+          t = absl::StrReplaceAll(t, {{step.from, step.to}});
+        }
+        break;
+      case DecoderStep::kByteFallback: {
+        std::vector<std::string> out;
+        out.reserve(tokens.size());
+        std::string bytes;
+        auto flush = [&] {
+          if (bytes.empty()) return;
+          std::string s;
+          AppendBytesLossy(bytes, &s);
+          out.push_back(std::move(s));
+          bytes.clear();
+        };
+        for (std::string& t : tokens) {
+          unsigned char b;
+          if (ParseBytePiece(t, &b)) {
+            bytes.push_back(static_cast<char>(b));
+          } else {
+            flush();
+            out.push_back(std::move(t));
+          }
+        }
+        flush();
+        tokens = std::move(out);
+        break;
+      }
+      case DecoderStep::kFuse: {
+        std::string all = absl::StrJoin(tokens, "");
+        tokens.assign(1, std::move(all));
+        break;
+      }
+      case DecoderStep::kStrip:
+        for (std::string& t : tokens) {
+          const std::string& c = step.from;
+          size_t b = 0;
+          for (int k = 0; k < step.start && t.compare(b, c.size(), c) == 0;
+               ++k) {
+            b += c.size();
+          }
+          size_t e = t.size();
+          for (int k = 0; k < step.stop && e >= b + c.size() &&
+                          t.compare(e - c.size(), c.size(), c) == 0;
+               ++k) {
+            e -= c.size();
+          }
+          t = t.substr(b, e - b);
+        }
+        break;
+      case DecoderStep::kMetaspace:
+        for (size_t k = 0; k < tokens.size(); ++k) {
+          // HF drops every replacement char of the first token.
+          tokens[k] = absl::StrReplaceAll(
+              tokens[k],
+              {{step.from, k == 0 && step.metaspace_strip_first ? "" : " "}});
+        }
+        break;
+    }
+  }
+  return absl::StrJoin(tokens, "");
+}
+
+absl::StatusOr<std::string> HfBpeTokenizer::Decode(
+    absl::Span<const int> ids) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (int id : ids) {
+    if (id < 0 || id >= vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token id ", id, " outside [0, ", vocab_size(), ") for ", source_));
+    }
+    if (skip_on_decode_[id]) continue;
+    tokens.push_back(pieces_[id]);
+  }
+  return ApplyDecoder(std::move(tokens));
+}
+
+absl::StatusOr<std::string> HfBpeTokenizer::IdToPiece(int id) const {
+  if (id < 0 || id >= vocab_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token id ", id, " outside [0, ", vocab_size(), ") for ", source_));
+  }
+  return pieces_[id];
+}
+
+}  // namespace specserve
