@@ -27,8 +27,7 @@ constexpr int64_t kMaxDim = int64_t{1} << 24;
 
 // Reads an optional integer key into `out`; null counts as absent. Floats,
 // strings and out-of-range values are INVALID_ARGUMENT naming the key.
-absl::Status ReadInt(const Json& j, const char* key, bool required,
-                     int* out) {
+absl::Status ReadInt(const Json& j, const char* key, bool required, int* out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) {
     if (required) {
@@ -45,8 +44,8 @@ absl::Status ReadInt(const Json& j, const char* key, bool required,
   if (it->is_number_unsigned()) {
     uint64_t u = it->get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int>::max())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: '", key, "' = ", u, " is out of range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: '", key, "' = ", u, " is out of range"));
     }
     v = static_cast<int64_t>(u);
   } else {
@@ -153,15 +152,15 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
   absl::Status s = ReadString(j, "model_type", &c.model_type);
   if (!s.ok()) return s;
   if (c.model_type != "llama") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: model_type '", c.model_type,
-        "' is not supported (only 'llama')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: model_type '", c.model_type,
+                     "' is not supported (only 'llama')"));
   }
   if ((s = ReadString(j, "hidden_act", &c.hidden_act)); !s.ok()) return s;
   if (c.hidden_act != "silu") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: hidden_act '", c.hidden_act,
-        "' is not supported (only 'silu')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: hidden_act '", c.hidden_act,
+                     "' is not supported (only 'silu')"));
   }
   for (const char* key : {"attention_bias", "mlp_bias"}) {
     auto it = j.find(key);
@@ -215,29 +214,29 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
       !s.ok()) {
     return s;
   }
-  for (auto [key, v] : {std::pair<const char*, int>{"hidden_size", c.hidden_size},
-                        {"intermediate_size", c.intermediate_size},
-                        {"num_hidden_layers", c.num_hidden_layers},
-                        {"num_attention_heads", c.num_attention_heads},
-                        {"num_key_value_heads", c.num_key_value_heads},
-                        {"vocab_size", c.vocab_size},
-                        {"max_position_embeddings",
-                         c.max_position_embeddings}}) {
+  for (auto [key, v] :
+       {std::pair<const char*, int>{"hidden_size", c.hidden_size},
+        {"intermediate_size", c.intermediate_size},
+        {"num_hidden_layers", c.num_hidden_layers},
+        {"num_attention_heads", c.num_attention_heads},
+        {"num_key_value_heads", c.num_key_value_heads},
+        {"vocab_size", c.vocab_size},
+        {"max_position_embeddings", c.max_position_embeddings}}) {
     if ((s = RequirePositive(key, v)); !s.ok()) return s;
   }
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: num_attention_heads (", c.num_attention_heads,
-        ") must be a multiple of num_key_value_heads (",
-        c.num_key_value_heads, ")"));
+        ") must be a multiple of num_key_value_heads (", c.num_key_value_heads,
+        ")"));
   }
   auto hd = j.find("head_dim");
   if (hd == j.end() || hd->is_null()) {
     if (c.hidden_size % c.num_attention_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: hidden_size (", c.hidden_size,
-          ") is not divisible by num_attention_heads (",
-          c.num_attention_heads, ") and head_dim is not given"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: hidden_size (", c.hidden_size,
+                       ") is not divisible by num_attention_heads (",
+                       c.num_attention_heads, ") and head_dim is not given"));
     }
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
@@ -247,9 +246,9 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: head_dim (", c.head_dim, ") must be even for RoPE"));
   }
-  const int64_t qkv = (int64_t{c.num_attention_heads} +
-                       2 * int64_t{c.num_key_value_heads}) *
-                      c.head_dim;
+  const int64_t qkv =
+      (int64_t{c.num_attention_heads} + 2 * int64_t{c.num_key_value_heads}) *
+      c.head_dim;
   if (qkv > kMaxDim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: (num_attention_heads + 2 * num_key_value_heads) * "
@@ -306,8 +305,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
   try {
     return ParseJson(j);
   } catch (const std::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json: ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", e.what()));
   }
 }
 

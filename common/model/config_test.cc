@@ -53,8 +53,7 @@ INSTANTIATE_TEST_SUITE_P(
         Expected{"stories260K", 64, 172, 5, 8, 4, 8, 512, 1e-5f},
         Expected{"stories260K-draft", 48, 128, 2, 6, 2, 8, 512, 1e-5f},
         Expected{"tinystories-656K", 128, 384, 2, 8, 4, 16, 2048, 1e-6f},
-        Expected{"tinystories-656K-draft", 64, 192, 2, 4, 2, 16, 2048,
-                 1e-6f}));
+        Expected{"tinystories-656K-draft", 64, 192, 2, 4, 2, 16, 2048, 1e-6f}));
 
 constexpr char kMinimal[] = R"({
   "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
@@ -115,12 +114,11 @@ TEST_P(BadConfigTest, IsInvalidArgumentNamingTheKey) {
   absl::StatusOr<ModelConfig> c = ParseModelConfig(GetParam().json);
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(c.status().message()),
-              HasSubstr(GetParam().message));
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr(GetParam().message));
 }
 
-#define BASE                                                              \
-  "\"hidden_size\": 64, \"intermediate_size\": 128, "                     \
+#define BASE                                                               \
+  "\"hidden_size\": 64, \"intermediate_size\": 128, "                      \
   "\"num_hidden_layers\": 2, \"num_attention_heads\": 8, \"vocab_size\": " \
   "512"
 

@@ -44,11 +44,11 @@ struct DTypeEntry {
 };
 
 constexpr DTypeEntry kDTypes[] = {
-    {DType::kF32, "F32", 4},     {DType::kF16, "F16", 2},
-    {DType::kBF16, "BF16", 2},   {DType::kF64, "F64", 8},
-    {DType::kI64, "I64", 8},     {DType::kI32, "I32", 4},
-    {DType::kI16, "I16", 2},     {DType::kI8, "I8", 1},
-    {DType::kU8, "U8", 1},       {DType::kBool, "BOOL", 1},
+    {DType::kF32, "F32", 4},        {DType::kF16, "F16", 2},
+    {DType::kBF16, "BF16", 2},      {DType::kF64, "F64", 8},
+    {DType::kI64, "I64", 8},        {DType::kI32, "I32", 4},
+    {DType::kI16, "I16", 2},        {DType::kI8, "I8", 1},
+    {DType::kU8, "U8", 1},          {DType::kBool, "BOOL", 1},
     {DType::kF8E4M3, "F8_E4M3", 1}, {DType::kF8E5M2, "F8_E5M2", 1},
 };
 
@@ -130,8 +130,7 @@ absl::Status ParseEntry(const std::string& file, const std::string& name,
     uint64_t dim;
     if (!GetUint(d, &dim) ||
         dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return err("shape ", sh->dump(),
-                 " must hold non-negative integers");
+      return err("shape ", sh->dump(), " must hold non-negative integers");
     }
     if (__builtin_mul_overflow(elements, dim, &elements) ||
         elements > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
@@ -146,8 +145,7 @@ absl::Status ParseEntry(const std::string& file, const std::string& name,
     return err("'data_offsets' must be [begin, end] non-negative integers");
   }
   if (t->begin > t->end) {
-    return err("data_offsets [", t->begin, ", ", t->end,
-               "] have begin > end");
+    return err("data_offsets [", t->begin, ", ", t->end, "] have begin > end");
   }
   if (t->end > data_size) {
     return err("data_offsets [", t->begin, ", ", t->end,
@@ -183,17 +181,17 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderImpl(std::string_view bytes,
         bytes.size(), " bytes)"));
   }
   if (n > kMaxSafetensorsHeaderSize) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file, ": header length ", n, " exceeds the limit of ",
-        kMaxSafetensorsHeaderSize));
+    return absl::InvalidArgumentError(absl::StrCat(file, ": header length ", n,
+                                                   " exceeds the limit of ",
+                                                   kMaxSafetensorsHeaderSize));
   }
   h.header_size = n;
   h.data_start = 8 + n;
   h.data_size = bytes.size() - h.data_start;
   std::string_view text = bytes.substr(8, n);
   if (JsonDepth(text) > kMaxJsonDepth) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file, ": header JSON nests deeper than ", kMaxJsonDepth));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": header JSON nests deeper than ", kMaxJsonDepth));
   }
 
   // nlohmann keeps the last of duplicate keys; a duplicate tensor name is
@@ -201,9 +199,8 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderImpl(std::string_view bytes,
   std::set<std::string> seen;
   std::string duplicate;
   auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 &&
-        parsed.is_string() && duplicate.empty() &&
-        !seen.insert(parsed.get<std::string>()).second) {
+    if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string() &&
+        duplicate.empty() && !seen.insert(parsed.get<std::string>()).second) {
       duplicate = parsed.get<std::string>();
     }
     return true;
@@ -243,10 +240,9 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderImpl(std::string_view bytes,
     if (!s.ok()) return s;
     h.tensors.push_back(std::move(t));
   }
-  std::sort(h.tensors.begin(), h.tensors.end(),
-            [](const TensorInfo& a, const TensorInfo& b) {
-              return a.name < b.name;
-            });
+  std::sort(
+      h.tensors.begin(), h.tensors.end(),
+      [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
 
   // Overlap check over the non-empty ranges, in offset order.
   std::vector<const TensorInfo*> by_offset;
@@ -261,10 +257,10 @@ absl::StatusOr<SafetensorsHeader> ParseHeaderImpl(std::string_view bytes,
     const TensorInfo* a = by_offset[i - 1];
     const TensorInfo* b = by_offset[i];
     if (b->begin < a->end) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          file, ": tensor '", b->name, "' data_offsets [", b->begin, ", ",
-          b->end, "] overlap tensor '", a->name, "' [", a->begin, ", ",
-          a->end, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": tensor '", b->name, "' data_offsets [",
+                       b->begin, ", ", b->end, "] overlap tensor '", a->name,
+                       "' [", a->begin, ", ", a->end, "]"));
     }
   }
   return h;
@@ -499,17 +495,17 @@ absl::Span<const uint8_t> SafetensorsFile::RawBytes(
 absl::Status SafetensorsFile::CheckView(const TensorInfo& info, size_t size,
                                         size_t align) const {
   if (size != DTypeSize(info.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path_, ": tensor '", info.name, "' has dtype ", AV(DTypeName(info.dtype)),
-        " (", DTypeSize(info.dtype), " bytes), not viewable as ", size,
-        "-byte elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": tensor '", info.name, "' has dtype ",
+                     AV(DTypeName(info.dtype)), " (", DTypeSize(info.dtype),
+                     " bytes), not viewable as ", size, "-byte elements"));
   }
   const uintptr_t p =
       reinterpret_cast<uintptr_t>(bytes_ + header_.data_start + info.begin);
   if (p % align != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path_, ": tensor '", info.name, "' data is not ", align,
-        "-byte aligned"));
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '",
+                                                   info.name, "' data is not ",
+                                                   align, "-byte aligned"));
   }
   return absl::OkStatus();
 }
@@ -532,15 +528,16 @@ absl::Status ReadTensorInto(const SafetensorsFile& file, std::string_view name,
         ShapeString(t->shape), ", expected ", ShapeString(expected_shape)));
   }
   if (!IsFloatWeightType(t->dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.path(), ": tensor '", AV(name), "' has dtype ", AV(DTypeName(t->dtype)),
-        "; only F32, F16 and BF16 can be read as weights"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", AV(name), "' has dtype ",
+                     AV(DTypeName(t->dtype)),
+                     "; only F32, F16 and BF16 can be read as weights"));
   }
   const size_t n = static_cast<size_t>(t->num_elements());
   if (dst.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.path(), ": tensor '", AV(name), "' has ", n,
-        " elements but the destination holds ", dst.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", AV(name), "' has ", n,
+                     " elements but the destination holds ", dst.size()));
   }
   absl::Span<const uint8_t> raw = file.RawBytes(*t);
   switch (t->dtype) {
@@ -637,9 +634,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(
     // Shards live beside the index; refuse paths that leave the directory.
     if (file.empty() || file == "." || file == ".." ||
         file.find('/') != std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          index, ": weight_map maps '", name, "' to invalid shard name '",
-          file, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index, ": weight_map maps '", name,
+                       "' to invalid shard name '", file, "'"));
     }
     shard_index.emplace(file, 0);
     entries.emplace_back(name, std::move(file));
@@ -654,9 +651,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(
   for (const auto& [name, file] : entries) {
     const size_t i = shard_index[file];
     if (c->files_[i]->Find(name) == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          index, ": weight_map maps '", name, "' to '", file,
-          "', which has no such tensor"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index, ": weight_map maps '", name, "' to '", file,
+                       "', which has no such tensor"));
     }
     c->where_.emplace(name, i);
   }
@@ -713,8 +710,8 @@ absl::StatusOr<std::string> BuildSafetensorsHeader(
   if (!metadata.empty()) {
     for (const auto& [k, v] : metadata) {
       if (!IsValidUtf8(k) || !IsValidUtf8(v)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "__metadata__ entry '", k, "' is not valid UTF-8"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("__metadata__ entry '", k, "' is not valid UTF-8"));
       }
     }
     j["__metadata__"] = metadata;
@@ -737,11 +734,10 @@ absl::StatusOr<std::string> BuildSafetensorsHeader(
     }
     uint64_t bytes = DTypeSize(s.dtype);
     for (int64_t d : s.shape) {
-      if (d < 0 || __builtin_mul_overflow(bytes, static_cast<uint64_t>(d),
-                                          &bytes)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", s.name, "': invalid shape ",
-                         ShapeString(s.shape)));
+      if (d < 0 ||
+          __builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", s.name, "': invalid shape ", ShapeString(s.shape)));
       }
     }
     j[s.name] = {{"dtype", std::string(DTypeName(s.dtype))},
@@ -812,8 +808,8 @@ absl::Status SafetensorsWriter::Append(absl::Span<const float> values) {
           path_, ": ", values.size(), " values beyond the last tensor"));
     }
     const TensorSpec& spec = specs_[current_];
-    size_t n = std::min<size_t>(
-        values.size(), NumElements(spec.shape) - written_in_current_);
+    size_t n = std::min<size_t>(values.size(),
+                                NumElements(spec.shape) - written_in_current_);
     if (spec.dtype == DType::kF32) {
       absl::Status s = WriteBytes(values.data(), n * sizeof(float));
       if (!s.ok()) return s;
@@ -840,10 +836,10 @@ absl::Status SafetensorsWriter::Finish() {
   absl::Status s = Append({});  // skips trailing empty tensors
   if (!s.ok()) return s;
   if (current_ != specs_.size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path_, ": tensor '", specs_[current_].name, "' got ",
-        written_in_current_, " of ", NumElements(specs_[current_].shape),
-        " values"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": tensor '", specs_[current_].name, "' got ",
+                     written_in_current_, " of ",
+                     NumElements(specs_[current_].shape), " values"));
   }
   std::FILE* f = file_;
   file_ = nullptr;
@@ -872,9 +868,8 @@ absl::Status CheckValueCounts(const std::vector<NamedTensor>& tensors) {
     }
     if (static_cast<int64_t>(t.values.size()) != NumElements(t.shape)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "tensor '", t.name, "' has ", t.values.size(),
-          " values but shape ", ShapeString(t.shape), " needs ",
-          NumElements(t.shape)));
+          "tensor '", t.name, "' has ", t.values.size(), " values but shape ",
+          ShapeString(t.shape), " needs ", NumElements(t.shape)));
     }
   }
   return absl::OkStatus();

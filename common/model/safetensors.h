@@ -68,7 +68,7 @@ struct SafetensorsHeader {
   uint64_t header_size = 0;  ///< N, bytes of JSON after the length prefix.
   uint64_t data_start = 0;   ///< 8 + N: file offset of the data buffer.
   uint64_t data_size = 0;    ///< file size - data_start.
-  std::vector<TensorInfo> tensors;  ///< sorted by name.
+  std::vector<TensorInfo> tensors;              ///< sorted by name.
   std::map<std::string, std::string> metadata;  ///< "__metadata__".
 };
 
@@ -90,7 +90,8 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(
 
 /// A read-only, validated safetensors file: memory-mapped (PROT_READ) by
 /// Open, or holding bytes handed over by FromBytes. Tensor data is read in
-/// place; nothing is copied until a caller converts it.
+/// place; nothing is copied until a caller converts it. Immutable after
+/// construction, so concurrent reads from several threads are safe.
 class SafetensorsFile {
  public:
   /// Maps and validates `path`. NOT_FOUND if it does not exist, otherwise
@@ -278,7 +279,7 @@ class SafetensorsWriter {
   std::string path_;
   std::FILE* file_ = nullptr;
   std::vector<TensorSpec> specs_;
-  size_t current_ = 0;         // index into specs_
+  size_t current_ = 0;              // index into specs_
   int64_t written_in_current_ = 0;  // elements of specs_[current_] written
   std::vector<uint8_t> scratch_;
 };
@@ -292,9 +293,9 @@ absl::StatusOr<std::string> SerializeSafetensors(
 
 /// Writes `tensors` to `path` as one safetensors file (errors as
 /// SerializeSafetensors, or INTERNAL on I/O failure naming `path`).
-absl::Status WriteSafetensors(const std::string& path,
-                              const std::vector<NamedTensor>& tensors,
-                              const std::map<std::string, std::string>& metadata);
+absl::Status WriteSafetensors(
+    const std::string& path, const std::vector<NamedTensor>& tensors,
+    const std::map<std::string, std::string>& metadata);
 
 }  // namespace specserve
 

@@ -27,7 +27,8 @@ constexpr int kIterations = 20000;
 
 std::string BaseFile() {
   std::vector<NamedTensor> ts;
-  ts.push_back({"model.embed_tokens.weight", {4, 3},
+  ts.push_back({"model.embed_tokens.weight",
+                {4, 3},
                 {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}});
   ts.push_back({"model.norm.weight", {3}, {1, 1, 1}, DType::kBF16});
   ts.push_back({"half", {2, 2}, {0.5f, -0.5f, 2, 65504}, DType::kF16});
@@ -85,9 +86,15 @@ class Mutator {
                                             100'000'001};
         uint64_t v;
         switch (Below(3)) {
-          case 0: v = kSpecial[Below(8)]; break;
-          case 1: v = Below(f->size() + 16); break;
-          default: v = Next(); break;
+          case 0:
+            v = kSpecial[Below(8)];
+            break;
+          case 1:
+            v = Below(f->size() + 16);
+            break;
+          default:
+            v = Next();
+            break;
         }
         SetHeaderLength(f, v);
         break;
@@ -165,11 +172,31 @@ class Mutator {
       }
     }
     if (numbers.empty()) return;
-    static const char* kValues[] = {
-        "0",  "1", "-1", "2", "3", "4", "8", "12", "16", "24", "48",
-        "4294967296", "9223372036854775807", "9223372036854775808",
-        "18446744073709551615", "18446744073709551616", "1e30", "3.5",
-        "-0", "1e400", "null", "\"7\"", "[]", "{}", "true"};
+    static const char* kValues[] = {"0",
+                                    "1",
+                                    "-1",
+                                    "2",
+                                    "3",
+                                    "4",
+                                    "8",
+                                    "12",
+                                    "16",
+                                    "24",
+                                    "48",
+                                    "4294967296",
+                                    "9223372036854775807",
+                                    "9223372036854775808",
+                                    "18446744073709551615",
+                                    "18446744073709551616",
+                                    "1e30",
+                                    "3.5",
+                                    "-0",
+                                    "1e400",
+                                    "null",
+                                    "\"7\"",
+                                    "[]",
+                                    "{}",
+                                    "true"};
     std::string v = kValues[Below(sizeof(kValues) / sizeof(kValues[0]))];
     if (Below(3) == 0) v = absl::StrCat(Below(200));
     const auto [b, e] = numbers[Below(numbers.size())];
@@ -177,9 +204,9 @@ class Mutator {
   }
 
   void ReplaceDType(std::string* j) {
-    static const char* kDTypes[] = {"F32", "F16",  "BF16",    "F64", "I64",
-                                    "I8",  "BOOL", "F8_E4M3", "Q4",  "",
-                                    "f32", "U64"};
+    static const char* kDTypes[] = {"F32", "F16", "BF16", "F64",
+                                    "I64", "I8",  "BOOL", "F8_E4M3",
+                                    "Q4",  "",    "f32",  "U64"};
     const size_t at = j->find("\"dtype\":\"", Below(j->size()));
     if (at == std::string::npos) return;
     const size_t begin = at + 9;

@@ -79,8 +79,8 @@ TEST(HalfTest, KnownValues) {
 
   EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
   EXPECT_EQ(FloatToHalf(65504.0f), 0x7bff);
-  EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);   // below the halfway point
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);   // tie rounds to even: inf
+  EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);  // below the halfway point
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);  // tie rounds to even: inf
   EXPECT_EQ(FloatToHalf(1e10f), 0x7c00);
   EXPECT_EQ(FloatToHalf(-1e10f), 0xfc00);
   EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -24)), 0x0001);
@@ -135,11 +135,12 @@ TEST(BFloat16Test, KnownValues) {
   EXPECT_EQ(FloatToBFloat16(1.0f + std::ldexp(1.0f, -7)), 0x3f81);
   EXPECT_EQ(FloatToBFloat16(std::numeric_limits<float>::max()), 0x7f80);
   EXPECT_EQ(FloatToBFloat16(std::numeric_limits<float>::infinity()), 0x7f80);
-  EXPECT_TRUE(std::isnan(
-      BFloat16ToFloat(FloatToBFloat16(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(
+      FloatToBFloat16(std::numeric_limits<float>::quiet_NaN()))));
   // A signalling-NaN pattern whose payload lives only in the low half must
   // not become inf.
-  EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(FromBits(0x7f800001u)))));
+  EXPECT_TRUE(
+      std::isnan(BFloat16ToFloat(FloatToBFloat16(FromBits(0x7f800001u)))));
   EXPECT_EQ(BFloat16ToFloat(0x3f80), 1.0f);
   EXPECT_EQ(BFloat16ToFloat(0x4049), 3.140625f);
   for (uint32_t b = 0; b < 0x10000; ++b) {
@@ -196,7 +197,8 @@ TEST(SafetensorsTest, RoundTripF32) {
   EXPECT_FALSE((*f)->Data<uint16_t>(*(*f)->Find("b")).ok());
 
   // The file matches the in-memory serialisation byte for byte.
-  absl::StatusOr<std::string> bytes = SerializeSafetensors(in, {{"format", "pt"}});
+  absl::StatusOr<std::string> bytes =
+      SerializeSafetensors(in, {{"format", "pt"}});
   ASSERT_TRUE(bytes.ok());
   std::ifstream disk(path, std::ios::binary);
   std::string disk_bytes((std::istreambuf_iterator<char>(disk)),
@@ -257,15 +259,15 @@ TEST(SafetensorsTest, ReadErrorsNameFileTensorAndShapes) {
   std::vector<float> out;
   absl::Status s = ReadTensorAsFloat(**f, "a.weight", {3, 2}, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(Message(s), AllOf(HasSubstr("mem.safetensors"),
-                                HasSubstr("'a.weight'"),
-                                HasSubstr("has shape [2, 3], expected [3, 2]")));
+  EXPECT_THAT(Message(s),
+              AllOf(HasSubstr("mem.safetensors"), HasSubstr("'a.weight'"),
+                    HasSubstr("has shape [2, 3], expected [3, 2]")));
   s = ReadTensorAsFloat(**f, "a.weight", {6}, &out);
   EXPECT_THAT(Message(s), HasSubstr("expected [6]"));
   s = ReadTensorAsFloat(**f, "missing", {1}, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(Message(s), AllOf(HasSubstr("mem.safetensors"),
-                                HasSubstr("'missing'")));
+  EXPECT_THAT(Message(s),
+              AllOf(HasSubstr("mem.safetensors"), HasSubstr("'missing'")));
   std::vector<float> wrong(5);
   s = ReadTensorInto(**f, "a.weight", {2, 3}, absl::MakeSpan(wrong));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
@@ -335,14 +337,15 @@ std::string LengthPrefix(uint64_t n) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, BadHeaderTest,
     ::testing::Values(
-        BadHeader{"TruncatedLength", std::string("\x10\0\0", 3),
-                  {"too short"}},
-        BadHeader{"LengthPastEof", LengthPrefix(1000) + "{}",
+        BadHeader{"TruncatedLength", std::string("\x10\0\0", 3), {"too short"}},
+        BadHeader{"LengthPastEof",
+                  LengthPrefix(1000) + "{}",
                   {"header length 1000 extends past the end"}},
-        BadHeader{"HugeLength", LengthPrefix(~uint64_t{0}) + "{}",
+        BadHeader{"HugeLength",
+                  LengthPrefix(~uint64_t{0}) + "{}",
                   {"extends past the end"}},
-        BadHeader{"BadJson", MakeFile("{\"w\":{\"dtype\":", 0),
-                  {"not valid JSON"}},
+        BadHeader{
+            "BadJson", MakeFile("{\"w\":{\"dtype\":", 0), {"not valid JSON"}},
         BadHeader{"NotObject", MakeFile("[1,2]", 0), {"not an object"}},
         BadHeader{"Overlap",
                   MakeFile("{" + Entry("first", "F32", "[2]", "[0,8]") + "," +
@@ -370,28 +373,28 @@ INSTANTIATE_TEST_SUITE_P(
         BadHeader{"ThreeOffsets",
                   MakeFile("{" + Entry("w", "F32", "[2]", "[0,8,8]") + "}", 8),
                   {"'w'", "data_offsets"}},
-        BadHeader{"ShapeOverflow",
-                  MakeFile("{" +
-                               Entry("w", "F32",
-                                     "[4294967296,4294967296,4294967296]",
-                                     "[0,8]") +
-                               "}",
-                           8),
-                  {"'w'", "overflows"}},
-        BadHeader{"ByteLengthOverflow",
-                  MakeFile("{" +
-                               Entry("w", "F64", "[4611686018427387904]",
-                                     "[0,8]") +
-                               "}",
-                           8),
-                  {"'w'"}},
+        BadHeader{
+            "ShapeOverflow",
+            MakeFile("{" +
+                         Entry("w", "F32", "[4294967296,4294967296,4294967296]",
+                               "[0,8]") +
+                         "}",
+                     8),
+            {"'w'", "overflows"}},
+        BadHeader{
+            "ByteLengthOverflow",
+            MakeFile("{" + Entry("w", "F64", "[4611686018427387904]", "[0,8]") +
+                         "}",
+                     8),
+            {"'w'"}},
         BadHeader{"MissingDType",
                   MakeFile(R"({"w":{"shape":[1],"data_offsets":[0,4]}})", 4),
                   {"'w'", "dtype"}},
         BadHeader{"MissingShape",
                   MakeFile(R"({"w":{"dtype":"F32","data_offsets":[0,4]}})", 4),
                   {"'w'", "shape"}},
-        BadHeader{"EntryNotObject", MakeFile(R"({"w":[1]})", 0),
+        BadHeader{"EntryNotObject",
+                  MakeFile(R"({"w":[1]})", 0),
                   {"'w'", "not an object"}},
         BadHeader{"DuplicateName",
                   MakeFile("{" + Entry("w", "F32", "[1]", "[0,4]") + "," +
@@ -402,7 +405,8 @@ INSTANTIATE_TEST_SUITE_P(
                   MakeFile(R"({"__metadata__":{"format":1}})", 0),
                   {"__metadata__", "'format'"}},
         BadHeader{"MetadataNotObject",
-                  MakeFile(R"({"__metadata__":"pt"})", 0), {"__metadata__"}},
+                  MakeFile(R"({"__metadata__":"pt"})", 0),
+                  {"__metadata__"}},
         BadHeader{"DeepNesting",
                   MakeFile(std::string(1000, '[') + std::string(1000, ']'), 0),
                   {"deeper"}}),
@@ -411,11 +415,11 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(SafetensorsHeaderTest, EmptyTensorsMayShareOffsets) {
-  const std::string file = MakeFile(
-      "{" + Entry("a", "F32", "[0]", "[4,4]") + "," +
-          Entry("b", "F32", "[1]", "[0,4]") + "," +
-          Entry("c", "BF16", "[0,3]", "[4,4]") + "}",
-      4);
+  const std::string file =
+      MakeFile("{" + Entry("a", "F32", "[0]", "[4,4]") + "," +
+                   Entry("b", "F32", "[1]", "[0,4]") + "," +
+                   Entry("c", "BF16", "[0,3]", "[4,4]") + "}",
+               4);
   absl::StatusOr<SafetensorsHeader> h = ParseSafetensorsHeader(file, "t");
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->tensors.size(), 3u);
@@ -507,8 +511,8 @@ TEST(CheckpointTest, SingleFile) {
   EXPECT_THAT(out, ElementsAre(10, 20, 30, 40));
   absl::Status s = (*c)->ReadTensorAsFloat("zzz", {4}, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(Message(s), AllOf(HasSubstr("model.safetensors"),
-                                HasSubstr("'zzz'")));
+  EXPECT_THAT(Message(s),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("'zzz'")));
 }
 
 TEST(CheckpointTest, Sharded) {
@@ -541,8 +545,8 @@ TEST(CheckpointTest, Sharded) {
 
 TEST(CheckpointTest, IndexErrors) {
   const std::string dir = TmpDir("badindex");
-  ASSERT_TRUE(WriteSafetensors(dir + "/s1.safetensors", {{"a", {1}, {1}}}, {})
-                  .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(dir + "/s1.safetensors", {{"a", {1}, {1}}}, {}).ok());
   const std::string index = dir + "/model.safetensors.index.json";
 
   WriteText(index, R"({"weight_map": {"a": "s1.safetensors",

@@ -31,12 +31,12 @@ struct Preset {
 // Shapes from llama2.c (stories15M / stories110M, with the Llama-2 32000
 // vocab) and Meta's published configs for Llama-3.2-1B / Llama-3.1-8B.
 constexpr Preset kPresets[] = {
-    {"llama2-15m", 288, 768, 6, 6, 6, 48, 32000, 2048, 10000.0, 1e-5f, true,
-     1, 2},
+    {"llama2-15m", 288, 768, 6, 6, 6, 48, 32000, 2048, 10000.0, 1e-5f, true, 1,
+     2},
     {"llama2-110m", 768, 2048, 12, 12, 12, 64, 32000, 2048, 10000.0, 1e-5f,
      true, 1, 2},
-    {"llama-3.2-1b", 2048, 8192, 16, 32, 8, 64, 128256, 131072, 500000.0,
-     1e-5f, true, 128000, 128001},
+    {"llama-3.2-1b", 2048, 8192, 16, 32, 8, 64, 128256, 131072, 500000.0, 1e-5f,
+     true, 128000, 128001},
     {"llama-3.1-8b", 4096, 14336, 32, 32, 8, 128, 128256, 131072, 500000.0,
      1e-5f, false, 128000, 128001},
 };
@@ -55,8 +55,7 @@ constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
 // is sum of the four 16-bit lanes of Mix64(key + (start + i) * golden), an
 // Irwin-Hall(4) variable, centred and scaled. Counter-based, so any chunking
 // gives the same stream.
-void FillNormal(uint64_t key, uint64_t start, float std, float* out,
-                size_t n) {
+void FillNormal(uint64_t key, uint64_t start, float std, float* out, size_t n) {
   // Each lane is uniform on {0..65535}: variance (65536^2 - 1) / 12, so the
   // sum of four has standard deviation ~65536 / sqrt(3).
   const float scale = std * std::sqrt(3.0f) / 65536.0f;
@@ -178,7 +177,8 @@ absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
     uint64_t n = 1;
     for (int64_t d : tensors[t].spec.shape) n *= static_cast<uint64_t>(d);
     for (uint64_t done = 0; done < n;) {
-      const size_t m = static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
+      const size_t m =
+          static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
       if (tensors[t].ones) {
         std::fill(buf.begin(), buf.begin() + m, 1.0f);
       } else {
@@ -228,9 +228,9 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& name) {
     c.torch_dtype = "float32";
     return c;
   }
-  return absl::NotFoundError(absl::StrCat(
-      "unknown synthetic preset '", name,
-      "'; known: ", absl::StrJoin(PresetNames(), ", ")));
+  return absl::NotFoundError(
+      absl::StrCat("unknown synthetic preset '", name,
+                   "'; known: ", absl::StrJoin(PresetNames(), ", ")));
 }
 
 int64_t CountParameters(const ModelConfig& c) {

@@ -55,9 +55,9 @@ class Reader {
     for (const std::string& name : ckpt_.names()) {
       if (used_.count(name) > 0) continue;
       if (absl::EndsWith(name, "rotary_emb.inv_freq")) continue;
-      return absl::InvalidArgumentError(absl::StrCat(
-          ckpt_.source(), ": unexpected tensor '", name,
-          "' (not part of a Llama model with this config.json)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(ckpt_.source(), ": unexpected tensor '", name,
+                       "' (not part of a Llama model with this config.json)"));
     }
     return absl::OkStatus();
   }
@@ -92,10 +92,10 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
   const int64_t hidden = config->hidden_size;
   const int64_t ffn = config->intermediate_size;
   const int64_t vocab = config->vocab_size;
-  const int64_t q_rows = int64_t{config->num_attention_heads} *
-                         config->head_dim;
-  const int64_t kv_rows = int64_t{config->num_key_value_heads} *
-                          config->head_dim;
+  const int64_t q_rows =
+      int64_t{config->num_attention_heads} * config->head_dim;
+  const int64_t kv_rows =
+      int64_t{config->num_key_value_heads} * config->head_dim;
   Reader r(c);
   absl::Status s;
 
@@ -106,9 +106,9 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
     if (c.Find(kEmbed) == nullptr && c.Find(kLmHead) != nullptr) {
       name = kLmHead;
     } else if (c.Find(kEmbed) == nullptr) {
-      return absl::NotFoundError(absl::StrCat(
-          c.source(), ": tensor '", kEmbed, "' not found (nor '", kLmHead,
-          "'; config.json ties them)"));
+      return absl::NotFoundError(absl::StrCat(c.source(), ": tensor '", kEmbed,
+                                              "' not found (nor '", kLmHead,
+                                              "'; config.json ties them)"));
     }
     if ((s = r.Read(name, {vocab, hidden}, &w.embed)); !s.ok()) return s;
     r.MarkUsed(kLmHead);  // a redundant stored copy is ignored, as in HF
@@ -164,8 +164,8 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
         !s.ok()) {
       return s;
     }
-    if ((s = r.ReadSlice(p + "mlp.up_proj.weight", {ffn, hidden},
-                         &l.w_gate_up, ffn * hidden));
+    if ((s = r.ReadSlice(p + "mlp.up_proj.weight", {ffn, hidden}, &l.w_gate_up,
+                         ffn * hidden));
         !s.ok()) {
       return s;
     }

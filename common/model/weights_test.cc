@@ -94,8 +94,7 @@ INSTANTIATE_TEST_SUITE_P(
         Bundled{"stories260K", 64, 172, 5, 8, 4, 8, 512, 260032},
         Bundled{"stories260K-draft", 48, 128, 2, 6, 2, 8, 512, 73968},
         Bundled{"tinystories-656K", 128, 384, 2, 8, 4, 16, 2048, 656000},
-        Bundled{"tinystories-656K-draft", 64, 192, 2, 4, 2, 16, 2048,
-                229696}));
+        Bundled{"tinystories-656K-draft", 64, 192, 2, 4, 2, 16, 2048, 229696}));
 
 // The fused matrices hold the checkpoint's q, k, v (gate, up) rows in order.
 TEST(LoadModelWeightsTest, FusedLayoutMatchesCheckpointTensors) {
@@ -108,14 +107,18 @@ TEST(LoadModelWeightsTest, FusedLayoutMatchesCheckpointTensors) {
   for (int i = 0; i < 5; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     std::vector<float> wq, wk, wv, gate, up;
-    ASSERT_TRUE(ReadTensorAsFloat(**f, p + "self_attn.q_proj.weight", {q, h},
-                                  &wq).ok());
-    ASSERT_TRUE(ReadTensorAsFloat(**f, p + "self_attn.k_proj.weight", {kv, h},
-                                  &wk).ok());
-    ASSERT_TRUE(ReadTensorAsFloat(**f, p + "self_attn.v_proj.weight", {kv, h},
-                                  &wv).ok());
-    ASSERT_TRUE(ReadTensorAsFloat(**f, p + "mlp.gate_proj.weight", {ffn, h},
-                                  &gate).ok());
+    ASSERT_TRUE(
+        ReadTensorAsFloat(**f, p + "self_attn.q_proj.weight", {q, h}, &wq)
+            .ok());
+    ASSERT_TRUE(
+        ReadTensorAsFloat(**f, p + "self_attn.k_proj.weight", {kv, h}, &wk)
+            .ok());
+    ASSERT_TRUE(
+        ReadTensorAsFloat(**f, p + "self_attn.v_proj.weight", {kv, h}, &wv)
+            .ok());
+    ASSERT_TRUE(
+        ReadTensorAsFloat(**f, p + "mlp.gate_proj.weight", {ffn, h}, &gate)
+            .ok());
     ASSERT_TRUE(
         ReadTensorAsFloat(**f, p + "mlp.up_proj.weight", {ffn, h}, &up).ok());
     std::vector<float> qkv = wq;
@@ -173,14 +176,14 @@ std::vector<NamedTensor> TinyTensors(bool with_lm_head) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     const float id = 10 * (i + 1);
     ts.push_back(Tensor(p + "input_layernorm.weight", {kHidden}, id + 0));
-    ts.push_back(Tensor(p + "self_attn.q_proj.weight",
-                        {2 * kHeadDim, kHidden}, id + 1));
+    ts.push_back(
+        Tensor(p + "self_attn.q_proj.weight", {2 * kHeadDim, kHidden}, id + 1));
     ts.push_back(
         Tensor(p + "self_attn.k_proj.weight", {kHeadDim, kHidden}, id + 2));
     ts.push_back(
         Tensor(p + "self_attn.v_proj.weight", {kHeadDim, kHidden}, id + 3));
-    ts.push_back(Tensor(p + "self_attn.o_proj.weight",
-                        {kHidden, 2 * kHeadDim}, id + 4));
+    ts.push_back(
+        Tensor(p + "self_attn.o_proj.weight", {kHidden, 2 * kHeadDim}, id + 4));
     ts.push_back(
         Tensor(p + "post_attention_layernorm.weight", {kHidden}, id + 5));
     ts.push_back(Tensor(p + "mlp.gate_proj.weight", {kFfn, kHidden}, id + 6));
@@ -230,17 +233,17 @@ TEST(LoadModelWeightsTest, TinyModelLayout) {
   ASSERT_EQ(w->layers.size(), 2u);
   const LayerWeights& l = w->layers[1];
   EXPECT_EQ(l.attn_norm, Values(20, kHidden));
-  EXPECT_EQ(l.wqkv, Concat(Concat(Values(21, 8 * kHidden),
-                                  Values(22, 4 * kHidden)),
-                           Values(23, 4 * kHidden)));
+  EXPECT_EQ(l.wqkv,
+            Concat(Concat(Values(21, 8 * kHidden), Values(22, 4 * kHidden)),
+                   Values(23, 4 * kHidden)));
   EXPECT_EQ(l.wo, Values(24, kHidden * 8));
   EXPECT_EQ(l.mlp_norm, Values(25, kHidden));
   EXPECT_EQ(l.w_gate_up,
             Concat(Values(26, kFfn * kHidden), Values(27, kFfn * kHidden)));
   EXPECT_EQ(l.w_down, Values(28, kHidden * kFfn));
-  const size_t params = kVocab * kHidden + kHidden +
-                        2 * (2 * kHidden + 16 * kHidden + kHidden * 8 +
-                             3 * kFfn * kHidden);
+  const size_t params =
+      kVocab * kHidden + kHidden +
+      2 * (2 * kHidden + 16 * kHidden + kHidden * 8 + 3 * kFfn * kHidden);
   EXPECT_EQ(w->bytes(), params * sizeof(float));
 }
 
@@ -255,8 +258,8 @@ TEST(LoadModelWeightsTest, UntiedNeedsAndUsesLmHead) {
   w = LoadModelWeights(WriteTiny("untied_missing", /*tied=*/false, false));
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(Message(w.status()),
-              AllOf(HasSubstr("model.safetensors"), HasSubstr("'lm_head.weight'")));
+  EXPECT_THAT(Message(w.status()), AllOf(HasSubstr("model.safetensors"),
+                                         HasSubstr("'lm_head.weight'")));
 }
 
 TEST(LoadModelWeightsTest, TiedAcceptsEitherName) {
@@ -274,9 +277,8 @@ TEST(LoadModelWeightsTest, TiedAcceptsEitherName) {
   EXPECT_EQ(w->embed, Values(1, kVocab * kHidden));
   // Neither stored.
   w = LoadModelWeights(
-      WriteTiny("tied_none", true, false, [](std::vector<NamedTensor>* ts) {
-        ts->erase(ts->begin());
-      }));
+      WriteTiny("tied_none", true, false,
+                [](std::vector<NamedTensor>* ts) { ts->erase(ts->begin()); }));
   EXPECT_EQ(w.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(Message(w.status()), HasSubstr("model.embed_tokens.weight"));
 }
@@ -329,15 +331,14 @@ TEST(LoadModelWeightsTest, UnexpectedTensorsAreRejected) {
   // A bias this engine would silently drop.
   w = LoadModelWeights(
       WriteTiny("bias", true, false, [](std::vector<NamedTensor>* ts) {
-        ts->push_back(
-            Tensor("model.layers.0.self_attn.q_proj.bias", {8}, 9));
+        ts->push_back(Tensor("model.layers.0.self_attn.q_proj.bias", {8}, 9));
       }));
   EXPECT_THAT(Message(w.status()), HasSubstr("q_proj.bias"));
   // RoPE inv_freq buffers of older exports are harmless.
   w = LoadModelWeights(
       WriteTiny("inv_freq", true, false, [](std::vector<NamedTensor>* ts) {
-        ts->push_back(Tensor(
-            "model.layers.0.self_attn.rotary_emb.inv_freq", {2}, 9));
+        ts->push_back(
+            Tensor("model.layers.0.self_attn.rotary_emb.inv_freq", {2}, 9));
       }));
   EXPECT_TRUE(w.ok()) << w.status();
 }
@@ -400,9 +401,8 @@ TEST_P(HalfCopyTest, LoadsWithinRounding) {
     ASSERT_TRUE(ReadTensorAsFloat(**f, info.name, info.shape, &t.values).ok());
     ts.push_back(std::move(t));
   }
-  const std::string dir =
-      TmpDir(absl::StrCat("stories260K_", DTypeName(dtype) == "F16" ? "f16"
-                                                                    : "bf16"));
+  const std::string dir = TmpDir(
+      absl::StrCat("stories260K_", DTypeName(dtype) == "F16" ? "f16" : "bf16"));
   ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", ts, {}).ok());
   WriteText(dir + "/config.json", ReadText(src + "/config.json"));
 
@@ -417,8 +417,8 @@ TEST_P(HalfCopyTest, LoadsWithinRounding) {
 
   // Half an ulp relative: 2^-11 for fp16 (11 significant bits), 2^-8 for
   // bf16; fp16 subnormals below 2^-14 have absolute spacing 2^-24.
-  const float rel = dtype == DType::kF16 ? std::ldexp(1.0f, -11)
-                                         : std::ldexp(1.0f, -8);
+  const float rel =
+      dtype == DType::kF16 ? std::ldexp(1.0f, -11) : std::ldexp(1.0f, -8);
   const float abs_floor = dtype == DType::kF16 ? std::ldexp(1.0f, -25) : 0.0f;
   size_t differing = 0, total = 0;
   auto compare = [&](const std::vector<float>& a, const std::vector<float>& b,

@@ -8,8 +8,8 @@
 
 namespace specserve {
 
-absl::StatusOr<std::vector<int>> ParseIntList(std::string_view text,
-                                              std::string_view field) {
+absl::StatusOr<std::vector<int>> ParseIntList(absl::string_view text,
+                                              absl::string_view field) {
   std::vector<int> out;
   if (absl::StripAsciiWhitespace(text).empty()) return out;
   for (absl::string_view item : absl::StrSplit(text, ',')) {

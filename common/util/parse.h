@@ -2,7 +2,7 @@
 #define SPECSERVE_COMMON_UTIL_PARSE_H_
 
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -12,8 +12,8 @@ namespace specserve {
 /// Parses a comma-separated list of integers ("1,5,9"; spaces allowed;
 /// empty string -> empty list). INVALID_ARGUMENT naming `field` and the
 /// offending item otherwise.
-absl::StatusOr<std::vector<int>> ParseIntList(std::string_view text,
-                                              std::string_view field);
+absl::StatusOr<std::vector<int>> ParseIntList(absl::string_view text,
+                                              absl::string_view field);
 
 }  // namespace specserve
 

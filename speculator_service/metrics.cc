@@ -1,0 +1,121 @@
+#include "speculator_service/metrics.h"
+
+namespace specserve {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+// 50 us .. ~13 s, x2 per bucket: covers tiny-model decode steps through
+// long-prompt prefills of larger speculators.
+Histogram::BucketBoundaries LatencyBuckets() {
+  Histogram::BucketBoundaries b;
+  for (double s = 50e-6; s < 15; s *= 2) b.push_back(s);
+  return b;
+}
+
+Histogram::BucketBoundaries RatioBuckets() {
+  return {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+}
+
+prometheus::Family<Histogram>& ScoreFamily(prometheus::Registry& r) {
+  return BuildHistogram()
+      .Name("specserve_speculator_score_seconds")
+      .Help("Score latency by phase: prefill, look_ahead, score (importance "
+            "+ selection), total (receipt to reply)")
+      .Register(r);
+}
+
+double Seconds(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
+
+}  // namespace
+
+SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
+    : requests_(BuildCounter()
+                    .Name("specserve_speculator_requests_total")
+                    .Help("Finished RPCs by method and status code")
+                    .Register(r)),
+      prompt_tokens_(BuildCounter()
+                         .Name("specserve_speculator_prompt_tokens_total")
+                         .Help("Prompt tokens scored")
+                         .Register(r)
+                         .Add({})),
+      kept_tokens_(BuildCounter()
+                       .Name("specserve_speculator_kept_tokens_total")
+                       .Help("Prompt tokens kept by Speculative Prefill")
+                       .Register(r)
+                       .Add({})),
+      keep_ratio_(BuildHistogram()
+                      .Name("specserve_speculator_keep_ratio")
+                      .Help("Kept / prompt tokens per Score")
+                      .Register(r)
+                      .Add({}, RatioBuckets())),
+      score_family_(ScoreFamily(r)),
+      prefill_seconds_(
+          score_family_.Add({{"phase", "prefill"}}, LatencyBuckets())),
+      look_ahead_seconds_(
+          score_family_.Add({{"phase", "look_ahead"}}, LatencyBuckets())),
+      score_seconds_(
+          score_family_.Add({{"phase", "score"}}, LatencyBuckets())),
+      total_seconds_(
+          score_family_.Add({{"phase", "total"}}, LatencyBuckets())),
+      draft_rounds_(BuildCounter()
+                        .Name("specserve_speculator_draft_rounds_total")
+                        .Help("Draft requests answered")
+                        .Register(r)
+                        .Add({})),
+      draft_tokens_(BuildCounter()
+                        .Name("specserve_speculator_draft_tokens_total")
+                        .Help("Draft tokens proposed")
+                        .Register(r)
+                        .Add({})),
+      draft_seconds_(BuildHistogram()
+                         .Name("specserve_speculator_draft_seconds")
+                         .Help("Latency of one Draft round")
+                         .Register(r)
+                         .Add({}, LatencyBuckets())),
+      active_sessions_(BuildGauge()
+                           .Name("specserve_speculator_active_sessions")
+                           .Help("Sessions holding a KV cache")
+                           .Register(r)
+                           .Add({})),
+      kv_bytes_(BuildGauge()
+                    .Name("specserve_speculator_kv_bytes")
+                    .Help("KV cache bytes charged to live sessions "
+                          "(capacity)")
+                    .Register(r)
+                    .Add({})) {}
+
+void SpeculatorMetrics::CountRequest(const std::string& method,
+                                     const std::string& code) {
+  requests_.Add({{"method", method}, {"code", code}}).Increment();
+}
+
+void SpeculatorMetrics::ObserveScore(int prompt_tokens, int kept_tokens,
+                                     int64_t prefill_ns, int64_t look_ahead_ns,
+                                     int64_t score_ns, int64_t total_ns) {
+  prompt_tokens_.Increment(prompt_tokens);
+  kept_tokens_.Increment(kept_tokens);
+  if (prompt_tokens > 0) {
+    keep_ratio_.Observe(static_cast<double>(kept_tokens) / prompt_tokens);
+  }
+  prefill_seconds_.Observe(Seconds(prefill_ns));
+  look_ahead_seconds_.Observe(Seconds(look_ahead_ns));
+  score_seconds_.Observe(Seconds(score_ns));
+  total_seconds_.Observe(Seconds(total_ns));
+}
+
+void SpeculatorMetrics::ObserveDraft(int tokens, int64_t ns) {
+  draft_rounds_.Increment();
+  draft_tokens_.Increment(tokens);
+  draft_seconds_.Observe(Seconds(ns));
+}
+
+void SpeculatorMetrics::SetSessions(int sessions, size_t kv_bytes) {
+  active_sessions_.Set(sessions);
+  kv_bytes_.Set(static_cast<double>(kv_bytes));
+}
+
+}  // namespace specserve

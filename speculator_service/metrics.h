@@ -1,0 +1,53 @@
+#ifndef SPECSERVE_SPECULATOR_SERVICE_METRICS_H_
+#define SPECSERVE_SPECULATOR_SERVICE_METRICS_H_
+
+#include <string>
+
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace specserve {
+
+/// The speculator's Prometheus metrics (prometheus-cpp; base units,
+/// counters end in _total, latencies as histograms: REFERENCE.md section 3).
+/// All updates are thread-safe.
+class SpeculatorMetrics {
+ public:
+  /// Registers every family in `registry`, which must outlive this object.
+  explicit SpeculatorMetrics(prometheus::Registry& registry);
+
+  /// One finished RPC: `method` (Score, Draft, ReleaseSession, Info) and its
+  /// canonical status code name (e.g. "OK", "INVALID_ARGUMENT").
+  void CountRequest(const std::string& method, const std::string& code);
+  /// One successful Score: prompt and kept token counts, phase latencies in
+  /// nanoseconds (total = receipt to reply, queueing included).
+  void ObserveScore(int prompt_tokens, int kept_tokens, int64_t prefill_ns,
+                    int64_t look_ahead_ns, int64_t score_ns, int64_t total_ns);
+  /// One Draft round that proposed `tokens` drafts in `ns` nanoseconds.
+  void ObserveDraft(int tokens, int64_t ns);
+  /// Live sessions and the KV bytes charged to them.
+  void SetSessions(int sessions, size_t kv_bytes);
+
+ private:
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Counter& prompt_tokens_;
+  prometheus::Counter& kept_tokens_;
+  prometheus::Histogram& keep_ratio_;
+  prometheus::Family<prometheus::Histogram>& score_family_;
+  prometheus::Histogram& prefill_seconds_;
+  prometheus::Histogram& look_ahead_seconds_;
+  prometheus::Histogram& score_seconds_;
+  prometheus::Histogram& total_seconds_;
+  prometheus::Counter& draft_rounds_;
+  prometheus::Counter& draft_tokens_;
+  prometheus::Histogram& draft_seconds_;
+  prometheus::Gauge& active_sessions_;
+  prometheus::Gauge& kv_bytes_;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_SPECULATOR_SERVICE_METRICS_H_

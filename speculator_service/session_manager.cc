@@ -1,0 +1,180 @@
+#include "speculator_service/session_manager.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace specserve {
+
+struct SessionManager::Lease::Entry {
+  std::unique_ptr<DraftSession> session;
+  size_t bytes = 0;
+  absl::Time last_used;
+  bool leased = false;
+  bool released = false;  // unlisted while leased; freed on return
+};
+
+SessionManager::Lease& SessionManager::Lease::operator=(
+    Lease&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    manager_ = std::exchange(other.manager_, nullptr);
+    id_ = std::move(other.id_);
+    entry_ = std::move(other.entry_);
+  }
+  return *this;
+}
+
+DraftSession* SessionManager::Lease::session() const {
+  return entry_ ? entry_->session.get() : nullptr;
+}
+
+void SessionManager::Lease::Reset() {
+  if (manager_ == nullptr) return;
+  manager_->Return(entry_.get());
+  manager_ = nullptr;
+  entry_.reset();
+}
+
+SessionManager::SessionManager(SessionManagerOptions options, Clock clock,
+                               Observer observer)
+    : options_(options),
+      clock_(clock ? std::move(clock) : Clock([] { return absl::Now(); })),
+      observer_(std::move(observer)) {}
+
+SessionManager::~SessionManager() = default;
+
+bool SessionManager::Expired(const Entry& e, absl::Time now) const {
+  return !e.leased && now - e.last_used > options_.ttl;
+}
+
+void SessionManager::NotifyLocked() {
+  if (observer_) observer_(count_, bytes_);
+}
+
+std::unique_ptr<DraftSession> SessionManager::EraseLocked(
+    const std::string& id) {
+  auto it = sessions_.find(id);
+  std::shared_ptr<Entry> e = std::move(it->second);
+  sessions_.erase(it);
+  e->released = true;
+  if (e->leased) return nullptr;  // the lease frees and uncharges it
+  --count_;
+  bytes_ -= e->bytes;
+  return std::move(e->session);
+}
+
+void SessionManager::SweepLocked(
+    absl::Time now, std::vector<std::unique_ptr<DraftSession>>* dead) {
+  std::vector<std::string> expired;
+  for (const auto& [id, e] : sessions_) {
+    if (Expired(*e, now)) expired.push_back(id);
+  }
+  for (const std::string& id : expired) dead->push_back(EraseLocked(id));
+}
+
+absl::StatusOr<SessionManager::Lease> SessionManager::Add(
+    std::unique_ptr<DraftSession> session) {
+  const size_t bytes = session->kv_capacity_bytes();
+  std::vector<std::unique_ptr<DraftSession>> dead;  // freed after unlock
+  absl::MutexLock lock(&mu_);
+  if (count_ >= options_.max_sessions ||
+      bytes_ + bytes > options_.kv_budget_bytes) {
+    SweepLocked(clock_(), &dead);
+  }
+  absl::Status refused;
+  if (count_ >= options_.max_sessions) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        "max_sessions (", options_.max_sessions, ") sessions are live"));
+  } else if (bytes_ + bytes > options_.kv_budget_bytes) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        "KV budget exhausted: a session needs ", bytes, " bytes, ", bytes_,
+        " of kv_budget_bytes ", options_.kv_budget_bytes, " are in use"));
+  }
+  if (!refused.ok()) {
+    NotifyLocked();
+    return refused;
+  }
+  std::string id;
+  do {
+    id = absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(gen_),
+                         absl::Uniform<uint64_t>(gen_));
+  } while (sessions_.contains(id));
+  auto e = std::make_shared<Entry>();
+  e->session = std::move(session);
+  e->bytes = bytes;
+  e->last_used = clock_();
+  e->leased = true;
+  sessions_[id] = e;
+  ++count_;
+  bytes_ += bytes;
+  NotifyLocked();
+  return Lease(this, id, std::move(e));
+}
+
+absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(
+    const std::string& id) {
+  std::unique_ptr<DraftSession> dead;
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || Expired(*it->second, clock_())) {
+    if (it != sessions_.end()) {
+      dead = EraseLocked(id);
+      NotifyLocked();
+    }
+    return absl::NotFoundError(
+        absl::StrCat("session ", id, " expired or unknown"));
+  }
+  if (it->second->leased) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", id, " is in use by another Draft stream"));
+  }
+  it->second->leased = true;
+  return Lease(this, id, it->second);
+}
+
+bool SessionManager::Release(const std::string& id) {
+  std::unique_ptr<DraftSession> dead;
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return false;
+  const bool live = !Expired(*it->second, clock_());
+  dead = EraseLocked(id);
+  NotifyLocked();
+  return live;
+}
+
+int SessionManager::Sweep() {
+  std::vector<std::unique_ptr<DraftSession>> dead;
+  absl::MutexLock lock(&mu_);
+  SweepLocked(clock_(), &dead);
+  if (!dead.empty()) NotifyLocked();
+  return static_cast<int>(dead.size());
+}
+
+void SessionManager::Return(Entry* e) {
+  std::unique_ptr<DraftSession> dead;
+  absl::MutexLock lock(&mu_);
+  e->leased = false;
+  e->last_used = clock_();
+  if (e->released) {
+    --count_;
+    bytes_ -= e->bytes;
+    dead = std::move(e->session);
+    NotifyLocked();
+  }
+}
+
+int SessionManager::num_sessions() const {
+  absl::MutexLock lock(&mu_);
+  return count_;
+}
+
+size_t SessionManager::kv_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+}  // namespace specserve

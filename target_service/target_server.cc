@@ -1,0 +1,510 @@
+#include "target_service/target_server.h"
+
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/model/weights.h"
+#include "common/service/grpc_util.h"
+#include "common/speculation/target_session.h"
+
+namespace specserve {
+
+namespace {
+
+prometheus::Histogram::BucketBoundaries ExponentialBuckets(double start,
+                                                           double factor,
+                                                           int count) {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = start; count-- > 0; v *= factor) b.push_back(v);
+  return b;
+}
+
+// Proto -> session request. Proto3 zeros mean "unset": next_position 0 (never
+// valid: it must exceed a position >= 0) -> last position + 1, top_p 0 -> 1,
+// max_new_tokens 0 -> the server default; empty position_ids -> 0..n-1.
+// Everything else is validated by TargetSession::Create.
+TargetRequest ToTargetRequest(const v1::Prefill& p,
+                              const TargetServerOptions& options) {
+  TargetRequest r;
+  r.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
+  if (p.position_ids().empty()) {
+    r.position_ids.resize(r.token_ids.size());
+    std::iota(r.position_ids.begin(), r.position_ids.end(), 0);
+  } else {
+    r.position_ids.assign(p.position_ids().begin(), p.position_ids().end());
+  }
+  r.next_position = p.next_position() == 0 ? -1 : p.next_position();
+  r.sampling.temperature = p.sampling().temperature();
+  r.sampling.top_k = p.sampling().top_k();
+  r.sampling.top_p = p.sampling().top_p() == 0.f ? 1.f : p.sampling().top_p();
+  r.sampling.seed = p.sampling().seed();
+  r.stop.max_new_tokens = p.stop().max_new_tokens() == 0
+                              ? options.default_max_new_tokens
+                              : p.stop().max_new_tokens();
+  r.stop.stop_token_ids.assign(p.stop().stop_token_ids().begin(),
+                               p.stop().stop_token_ids().end());
+  r.ignore_eos = p.stop().ignore_eos();
+  r.max_drafts = options.max_drafts;
+  return r;
+}
+
+std::vector<DraftToken> ToDrafts(
+    const google::protobuf::RepeatedPtrField<v1::DraftToken>& in) {
+  std::vector<DraftToken> out(in.size());
+  for (int j = 0; j < in.size(); ++j) {
+    out[j].id = in[j].id();
+    out[j].q.reserve(in[j].q_size());
+    for (const v1::TokenProb& tp : in[j].q()) {
+      out[j].q.emplace_back(tp.id(), tp.prob());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// The specserve_target_* metrics (docs REFERENCE.md section 3; vLLM's
+// spec_decode counters).
+struct TargetServer::Metrics {
+  explicit Metrics(prometheus::Registry& r)
+      : prefill_tokens(prometheus::BuildCounter()
+                           .Name("specserve_target_prefill_tokens_total")
+                           .Help("Prompt tokens prefilled (kept tokens only)")
+                           .Register(r)
+                           .Add({})),
+        prefill_seconds(
+            prometheus::BuildHistogram()
+                .Name("specserve_target_prefill_seconds")
+                .Help("Prefill round time (forward + first verification)")
+                .Register(r)
+                .Add({}, ExponentialBuckets(1e-4, 2, 20))),
+        verify_rounds(
+            prometheus::BuildCounter()
+                .Name("specserve_target_verify_rounds_total")
+                .Help("Rounds that verified at least one draft (vLLM "
+                      "num_drafts): mean acceptance length = 1 + "
+                      "accepted / verify_rounds")
+                .Register(r)
+                .Add({})),
+        draft_tokens(prometheus::BuildCounter()
+                         .Name("specserve_target_draft_tokens_total")
+                         .Help("Draft tokens verified")
+                         .Register(r)
+                         .Add({})),
+        accepted_tokens(prometheus::BuildCounter()
+                            .Name("specserve_target_accepted_tokens_total")
+                            .Help("Draft tokens accepted")
+                            .Register(r)
+                            .Add({})),
+        accepted_per_pos(
+            prometheus::BuildCounter()
+                .Name("specserve_target_accepted_tokens_per_pos_total")
+                .Help("Accepted drafts by position in the round (0-based)")
+                .Register(r)),
+        emitted_tokens(prometheus::BuildCounter()
+                           .Name("specserve_target_emitted_tokens_total")
+                           .Help("Tokens emitted to clients")
+                           .Register(r)
+                           .Add({})),
+        tpot_seconds(prometheus::BuildHistogram()
+                         .Name("specserve_target_time_per_output_token_seconds")
+                         .Help("Verify round time / tokens emitted that round "
+                               "(rounds after the prefill)")
+                         .Register(r)
+                         .Add({}, ExponentialBuckets(1e-5, 2, 22))),
+        active_sessions(prometheus::BuildGauge()
+                            .Name("specserve_target_active_sessions")
+                            .Help("Generate streams holding a session")
+                            .Register(r)
+                            .Add({})),
+        kv_cache_bytes(prometheus::BuildGauge()
+                           .Name("specserve_target_kv_cache_bytes")
+                           .Help("KV cache bytes reserved by active sessions")
+                           .Register(r)
+                           .Add({})),
+        requests(prometheus::BuildCounter()
+                     .Name("specserve_target_requests_total")
+                     .Help("Generate streams ended, by gRPC status code")
+                     .Register(r)) {}
+
+  prometheus::Counter& prefill_tokens;
+  prometheus::Histogram& prefill_seconds;
+  prometheus::Counter& verify_rounds;
+  prometheus::Counter& draft_tokens;
+  prometheus::Counter& accepted_tokens;
+  prometheus::Family<prometheus::Counter>& accepted_per_pos;
+  prometheus::Counter& emitted_tokens;
+  prometheus::Histogram& tpot_seconds;
+  prometheus::Gauge& active_sessions;
+  prometheus::Gauge& kv_cache_bytes;
+  prometheus::Family<prometheus::Counter>& requests;
+};
+
+// One Generate stream. At any moment exactly one of these is outstanding:
+// a read, a forward on the executor (busy_), a write, or the Finish; so reads
+// and writes never race and the session is only touched by whoever holds
+// that turn. OnCancel may arrive at any time: it frees the session unless a
+// forward is running (that forward frees it when it returns), and the
+// outstanding read/write then fails and finishes the stream.
+class TargetServer::GenerateReactor
+    : public grpc::ServerBidiReactor<v1::GenerateRequest,
+                                     v1::GenerateResponse> {
+ public:
+  explicit GenerateReactor(TargetServer* server) : server_(server) {
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // half-close or cancellation
+      grpc::Status status;
+      {
+        absl::MutexLock lock(&mu_);
+        ReleaseSession();
+        if (cancelled_) {
+          status = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+        } else if (phase_ == Phase::kAwaitPrefill) {
+          status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                "stream closed before the prefill message");
+        } else if (phase_ == Phase::kDone) {
+          status = grpc::Status::OK;
+        } else {
+          status = grpc::Status(
+              grpc::StatusCode::CANCELLED,
+              "client half-closed before generation finished");
+        }
+      }
+      FinishOnce(status);
+      return;
+    }
+    absl::Status status = OnMessage();
+    if (!status.ok()) FinishOnce(ToGrpcStatus(status));
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      {
+        absl::MutexLock lock(&mu_);
+        ReleaseSession();
+      }
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    if (!busy_) ReleaseSession();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  enum class Phase { kAwaitPrefill, kGenerating, kDone };
+
+  // Handles a received message: starts a round on the executor, or returns
+  // the error that ends the stream.
+  absl::Status OnMessage() {
+    absl::MutexLock lock(&mu_);
+    const bool is_prefill = request_.has_prefill();
+    std::vector<DraftToken> drafts;
+    switch (phase_) {
+      case Phase::kDone:
+        return absl::FailedPreconditionError(
+            "generation already finished; half-close the stream");
+      case Phase::kAwaitPrefill: {
+        if (!is_prefill) {
+          return absl::InvalidArgumentError(
+              "the first message must be a prefill");
+        }
+        auto session = TargetSession::Create(
+            server_->model_.get(),
+            ToTargetRequest(request_.prefill(), server_->options_));
+        if (!session.ok()) return session.status();
+        const int64_t bytes =
+            static_cast<int64_t>((*session)->kv_capacity_bytes());
+        if (absl::Status s = server_->Admit(bytes); !s.ok()) return s;
+        session_ = *std::move(session);
+        charged_bytes_ = bytes;
+        prefill_tokens_ = request_.prefill().token_ids_size();
+        drafts = ToDrafts(request_.prefill().drafts());
+        phase_ = Phase::kGenerating;
+        break;
+      }
+      case Phase::kGenerating:
+        if (is_prefill) {
+          return absl::InvalidArgumentError(
+              "prefill sent twice; later messages must be drafts");
+        }
+        drafts = ToDrafts(request_.drafts().drafts());
+        break;
+    }
+    busy_ = true;
+    server_->executor_->Submit(
+        [this, d = std::move(drafts)] { RunRound(d); });
+    return absl::OkStatus();
+  }
+
+  // On the executor: one TargetSession::Step, then write its response.
+  void RunRound(const std::vector<DraftToken>& drafts) {
+    bool cancelled;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled = cancelled_;
+    }
+    absl::StatusOr<RoundResult> round =
+        cancelled ? absl::CancelledError("cancelled") : session_->Step(drafts);
+    grpc::Status finish;
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = false;
+      if (cancelled_ || !round.ok()) {
+        ReleaseSession();
+        finish = cancelled_ ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                           "cancelled")
+                            : ToGrpcStatus(round.status());
+      } else {
+        FillResponse(*round);
+        if (session_->finished()) {
+          phase_ = Phase::kDone;
+          ReleaseSession();  // free the KV cache before the client closes
+        }
+      }
+    }
+    if (!finish.ok()) {
+      FinishOnce(finish);
+    } else {
+      StartWrite(&response_);
+    }
+  }
+
+  void FillResponse(const RoundResult& round)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Metrics& m = *server_->metrics_;
+    const double seconds = round.forward_ns * 1e-9;
+    response_.Clear();
+    response_.set_num_drafts(round.num_drafts);
+    response_.set_num_accepted(round.num_accepted);
+    response_.mutable_token_ids()->Add(round.tokens.begin(),
+                                       round.tokens.end());
+    if (round.finish != FinishReason::kNone) {
+      response_.set_finish_reason(std::string(FinishReasonName(round.finish)));
+    }
+    response_.set_num_generated(static_cast<int>(session_->output().size()));
+    if (first_round_) {
+      response_.mutable_timings()->set_prefill_ns(round.forward_ns);
+      m.prefill_tokens.Increment(prefill_tokens_);
+      m.prefill_seconds.Observe(seconds);
+      first_round_ = false;
+    } else {
+      response_.mutable_timings()->set_verify_ns(round.forward_ns);
+      if (!round.tokens.empty()) {
+        m.tpot_seconds.Observe(seconds / round.tokens.size());
+      }
+    }
+    if (round.num_drafts > 0) {
+      m.verify_rounds.Increment();
+      m.draft_tokens.Increment(round.num_drafts);
+      m.accepted_tokens.Increment(round.num_accepted);
+      for (int i = 0; i < round.num_accepted; ++i) {
+        m.accepted_per_pos.Add({{"position", std::to_string(i)}}).Increment();
+      }
+    }
+    m.emitted_tokens.Increment(round.tokens.size());
+  }
+
+  // Frees the session and returns its admission charge. Never while busy_.
+  void ReleaseSession() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (session_ == nullptr) return;
+    session_.reset();
+    server_->Release(charged_bytes_);
+    charged_bytes_ = 0;
+  }
+
+  // Calls Finish exactly once and counts the stream's status.
+  void FinishOnce(const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finish_called_) return;
+      finish_called_ = true;
+    }
+    server_->metrics_->requests
+        .Add({{"status", absl::StatusCodeToString(static_cast<absl::StatusCode>(
+                             status.error_code()))}})
+        .Increment();
+    Finish(status);
+  }
+
+  TargetServer* const server_;
+  // Buffers owned by the turn holder (see the class comment).
+  v1::GenerateRequest request_;
+  v1::GenerateResponse response_;
+
+  absl::Mutex mu_;
+  std::unique_ptr<TargetSession> session_ ABSL_GUARDED_BY(mu_);
+  int64_t charged_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int prefill_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kAwaitPrefill;
+  bool first_round_ ABSL_GUARDED_BY(mu_) = true;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class TargetServer::Service : public v1::Target::CallbackService {
+ public:
+  Service(TargetServer* server, v1::ModelInfo info)
+      : server_(server), info_(std::move(info)) {}
+
+  grpc::ServerBidiReactor<v1::GenerateRequest, v1::GenerateResponse>*
+  Generate(grpc::CallbackServerContext* /*context*/) override {
+    return new GenerateReactor(server_);
+  }
+
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* context,
+                                 const v1::InfoRequest* /*request*/,
+                                 v1::ModelInfo* response) override {
+    *response = info_;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  TargetServer* const server_;
+  const v1::ModelInfo info_;
+};
+
+absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
+    TargetServerOptions options) {
+  if (options.model_dir.empty()) {
+    return absl::InvalidArgumentError("model must be set");
+  }
+  if (options.workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workers must be >= 1, got ", options.workers));
+  }
+  if (options.max_sessions < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_sessions must be >= 1, got ", options.max_sessions));
+  }
+  if (options.kv_budget_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_budget_bytes must be >= 1, got ", options.kv_budget_bytes));
+  }
+  if (options.default_max_new_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("default_max_new_tokens must be >= 1, got ",
+                     options.default_max_new_tokens));
+  }
+  if (options.max_drafts < 0 || options.max_drafts > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_drafts must be in [0, 64], got ", options.max_drafts));
+  }
+  auto weights = LoadModelWeights(options.model_dir);
+  if (!weights.ok()) return weights.status();
+  auto tokenizer = LoadTokenizer(options.model_dir);
+  // Checkpoints without a tokenizer (synthetic ones) still serve; Info
+  // then has no fingerprint.
+  if (!tokenizer.ok() && !absl::IsNotFound(tokenizer.status())) {
+    return tokenizer.status();
+  }
+  if (options.model_id.empty()) {
+    std::string dir = options.model_dir;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    options.model_id = dir.substr(dir.find_last_of('/') + 1);
+  }
+  SetEngineThreads(options.threads);
+  return std::unique_ptr<TargetServer>(new TargetServer(
+      std::move(options),
+      std::make_shared<const ModelWeights>(*std::move(weights)),
+      tokenizer.ok() ? *std::move(tokenizer) : nullptr));
+}
+
+TargetServer::TargetServer(TargetServerOptions options,
+                           std::shared_ptr<const ModelWeights> weights,
+                           std::unique_ptr<Tokenizer> tokenizer)
+    : options_(std::move(options)),
+      weights_(std::move(weights)),
+      model_(std::make_unique<Transformer>(weights_)),
+      tokenizer_(std::move(tokenizer)),
+      registry_(std::make_shared<prometheus::Registry>()),
+      metrics_(std::make_unique<Metrics>(*registry_)),
+      executor_(std::make_unique<Executor>(options_.workers)),
+      service_(std::make_unique<Service>(
+          this, MakeModelInfo(options_.model_id, model_->config(),
+                              tokenizer_.get()))) {}
+
+TargetServer::~TargetServer() { Shutdown(); }
+
+absl::Status TargetServer::Start(int port) {
+  if (server_ != nullptr) {
+    return absl::FailedPreconditionError("server already started");
+  }
+  grpc::ServerBuilder builder;
+  int bound = 0;
+  builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
+                           grpc::InsecureServerCredentials(), &bound);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || bound == 0) {
+    server_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options_.host, ":", port));
+  }
+  port_ = bound;
+  return absl::OkStatus();
+}
+
+void TargetServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (server_ != nullptr) {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+  }
+}
+
+int TargetServer::active_sessions() const {
+  absl::MutexLock lock(&mu_);
+  return active_;
+}
+
+int64_t TargetServer::kv_reserved_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return kv_reserved_;
+}
+
+absl::Status TargetServer::Admit(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (active_ >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_sessions reached: ", active_, " streams are active"));
+  }
+  if (kv_reserved_ + bytes > options_.kv_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv_budget_bytes exceeded: the request needs ", bytes, " bytes, ",
+        kv_reserved_, " of ", options_.kv_budget_bytes, " are reserved"));
+  }
+  ++active_;
+  kv_reserved_ += bytes;
+  metrics_->active_sessions.Set(active_);
+  metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
+  return absl::OkStatus();
+}
+
+void TargetServer::Release(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  --active_;
+  kv_reserved_ -= bytes;
+  metrics_->active_sessions.Set(active_);
+  metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
+}
+
+}  // namespace specserve

@@ -1,0 +1,128 @@
+#ifndef SPECSERVE_TARGET_SERVICE_TARGET_SERVER_H_
+#define SPECSERVE_TARGET_SERVICE_TARGET_SERVER_H_
+
+// The target gRPC service (protos/target.proto, specserve.v1.Target): a thin
+// wrapper around TargetSession. One Generate stream = one request:
+//
+//   client -> Prefill{token_ids, position_ids, next_position, sampling,
+//                     stop, drafts}        server -> GenerateResponse
+//   client -> Drafts{drafts} (maybe none)  server -> GenerateResponse
+//   ...                                    ... until finish_reason is set
+//   client -> WritesDone                   server -> Finish(OK)
+//
+// Every request message gets exactly one response: the drafts verified and
+// accepted that round and the tokens emitted (Leviathan et al. 2023; docs
+// REFERENCE.md section 2). Once a response carries a finish_reason the
+// session's KV cache is freed at once; the server then waits for the
+// client's half-close and finishes the stream with OK (a further message
+// -> FAILED_PRECONDITION). Other endings:
+//   - first message not a prefill, a second prefill, or a closed stream
+//     before any prefill -> INVALID_ARGUMENT;
+//   - bad input (TargetSession::Create / Step validation) -> INVALID_ARGUMENT
+//     naming the field;
+//   - more than max_sessions admitted streams, or the KV budget exceeded
+//     -> RESOURCE_EXHAUSTED (checked after validation, before any forward);
+//   - client cancellation, or a half-close before the finish -> CANCELLED;
+//     the session is freed immediately unless a forward is running, in
+//     which case it is freed as soon as that forward returns.
+// Forwards run on an Executor, never on gRPC callback threads.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/engine/transformer.h"
+#include "common/service/executor.h"
+#include "common/tokenizer/tokenizer.h"
+#include "grpcpp/grpcpp.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "protos/target.grpc.pb.h"
+
+namespace specserve {
+
+/// Everything the target_service binary's flags control.
+struct TargetServerOptions {
+  std::string model_dir;     ///< HF Llama checkpoint directory (--model).
+  std::string model_id;      ///< Info.model_id; empty = basename(model_dir).
+  std::string host = "0.0.0.0";  ///< listening address (tests: 127.0.0.1).
+  int threads = 0;           ///< OpenBLAS threads; 0 = library default.
+  int workers = 2;           ///< Executor threads running forwards (>= 1).
+  int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
+  int64_t kv_budget_bytes = int64_t{2} << 30;  ///< sum of KV reservations.
+  int default_max_new_tokens = 256;  ///< used when the request says 0.
+  int max_drafts = 64;       ///< drafts per message at most, [0, 64].
+};
+
+/// Hosts specserve.v1.Target (Generate, Info), the standard health service
+/// and reflection (if EnableHealthAndReflection() was called first), and a
+/// Prometheus registry with the specserve_target_* metrics. Thread-safe.
+class TargetServer {
+ public:
+  /// Loads the model (and its tokenizer, if present) and validates the
+  /// options: INVALID_ARGUMENT naming the option, or the loader's error.
+  static absl::StatusOr<std::unique_ptr<TargetServer>> Create(
+      TargetServerOptions options);
+  ~TargetServer();  ///< Shutdown(no grace).
+
+  /// Binds host:port (0 = any free port) and starts serving. UNAVAILABLE if
+  /// the port cannot be bound; FAILED_PRECONDITION if already started.
+  absl::Status Start(int port);
+  /// The bound port (after Start), else 0.
+  int port() const { return port_; }
+  /// Stops accepting calls; streams still open at `grace` are cancelled.
+  /// Blocks until every stream has ended. Idempotent.
+  void Shutdown(absl::Duration grace = absl::ZeroDuration());
+
+  /// The metrics registry (serve it with StartMetricsExposer).
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  /// Streams admitted and not yet ended (holding a session).
+  int active_sessions() const;
+  /// Bytes of KV cache reserved by the admitted sessions.
+  int64_t kv_reserved_bytes() const;
+  /// The model this server runs.
+  const Transformer& model() const { return *model_; }
+
+  class GenerateReactor;  // one per Generate stream (target_server.cc)
+
+ private:
+  class Service;
+  struct Metrics;
+
+  TargetServer(TargetServerOptions options,
+               std::shared_ptr<const ModelWeights> weights,
+               std::unique_ptr<Tokenizer> tokenizer);
+
+  /// Charges one session of `bytes` KV; RESOURCE_EXHAUSTED naming the limit.
+  absl::Status Admit(int64_t bytes);
+  /// Returns what Admit charged.
+  void Release(int64_t bytes);
+
+  const TargetServerOptions options_;
+  std::shared_ptr<const ModelWeights> weights_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<Metrics> metrics_;
+  // Declared before server_ so that it outlives the streams' last forwards.
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+
+  mutable absl::Mutex mu_;
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t kv_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_TARGET_SERVICE_TARGET_SERVER_H_
