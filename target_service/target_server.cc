@@ -178,8 +178,19 @@ class TargetServer::GenerateReactor
       FinishOnce(status);
       return;
     }
-    absl::Status status = OnMessage();
-    if (!status.ok()) FinishOnce(ToGrpcStatus(status));
+    std::vector<DraftToken> drafts;
+    absl::Status status = OnMessage(&drafts);
+    if (!status.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        ReleaseSession();
+      }
+      FinishOnce(ToGrpcStatus(status));
+      return;
+    }
+    // busy_ is set: this reactor is not touched again on this thread.
+    server_->executor_->Submit(
+        [this, d = std::move(drafts)] { RunRound(d); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -202,15 +213,19 @@ class TargetServer::GenerateReactor
 
   void OnDone() override { delete this; }
 
+  ~GenerateReactor() override {
+    absl::MutexLock lock(&mu_);
+    ReleaseSession();  // every path releases earlier; this is a backstop
+  }
+
  private:
   enum class Phase { kAwaitPrefill, kGenerating, kDone };
 
-  // Handles a received message: starts a round on the executor, or returns
-  // the error that ends the stream.
-  absl::Status OnMessage() {
+  // Handles a received message: sets busy_ and the round's drafts, or
+  // returns the error that ends the stream.
+  absl::Status OnMessage(std::vector<DraftToken>* drafts) {
     absl::MutexLock lock(&mu_);
     const bool is_prefill = request_.has_prefill();
-    std::vector<DraftToken> drafts;
     switch (phase_) {
       case Phase::kDone:
         return absl::FailedPreconditionError(
@@ -230,7 +245,7 @@ class TargetServer::GenerateReactor
         session_ = *std::move(session);
         charged_bytes_ = bytes;
         prefill_tokens_ = request_.prefill().token_ids_size();
-        drafts = ToDrafts(request_.prefill().drafts());
+        *drafts = ToDrafts(request_.prefill().drafts());
         phase_ = Phase::kGenerating;
         break;
       }
@@ -239,24 +254,25 @@ class TargetServer::GenerateReactor
           return absl::InvalidArgumentError(
               "prefill sent twice; later messages must be drafts");
         }
-        drafts = ToDrafts(request_.drafts().drafts());
+        *drafts = ToDrafts(request_.drafts().drafts());
         break;
     }
     busy_ = true;
-    server_->executor_->Submit(
-        [this, d = std::move(drafts)] { RunRound(d); });
     return absl::OkStatus();
   }
 
   // On the executor: one TargetSession::Step, then write its response.
   void RunRound(const std::vector<DraftToken>& drafts) {
+    // While busy_ nobody else touches session_, so Step runs unlocked.
+    TargetSession* session;
     bool cancelled;
     {
       absl::MutexLock lock(&mu_);
+      session = session_.get();
       cancelled = cancelled_;
     }
     absl::StatusOr<RoundResult> round =
-        cancelled ? absl::CancelledError("cancelled") : session_->Step(drafts);
+        cancelled ? absl::CancelledError("cancelled") : session->Step(drafts);
     grpc::Status finish;
     {
       absl::MutexLock lock(&mu_);

@@ -1,6 +1,7 @@
 // Tokenizes text or detokenizes ids with a model directory's tokenizer.
 //   bazel run //tools:tokenize -- --model models/stories260K --text "Once upon"
-//     -> {"kind":"sentencepiece","ids":[1,403,...],"pieces":["<s>","▁Once",...]}
+//     ->
+//     {"kind":"sentencepiece","ids":[1,403,...],"pieces":["<s>","▁Once",...]}
 //   bazel run //tools:tokenize -- --model models/stories260K --decode 1,403
 //     -> Once
 // --no_bos omits the BOS id. Exit status 2 for bad arguments, 1 otherwise.
@@ -16,7 +17,8 @@
 #include "common/util/paths.h"
 #include "nlohmann/json.hpp"
 
-ABSL_FLAG(std::string, model, "", "model directory (tokenizer.model or tokenizer.json)");
+ABSL_FLAG(std::string, model, "",
+          "model directory (tokenizer.model or tokenizer.json)");
 ABSL_FLAG(std::string, text, "", "text to encode");
 ABSL_FLAG(bool, no_bos, false, "do not prepend the BOS id when encoding");
 ABSL_FLAG(std::string, decode, "", "comma-separated ids to decode instead");
@@ -44,8 +46,8 @@ int Run() {
     std::printf("%s\n", text->c_str());
     return 0;
   }
-  auto ids = (*tok)->Encode(absl::GetFlag(FLAGS_text),
-                            !absl::GetFlag(FLAGS_no_bos));
+  auto ids =
+      (*tok)->Encode(absl::GetFlag(FLAGS_text), !absl::GetFlag(FLAGS_no_bos));
   if (!ids.ok()) return Fail(ids.status());
   nlohmann::json out;
   out["kind"] = (*tok)->kind();

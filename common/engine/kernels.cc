@@ -165,5 +165,94 @@ void SoftmaxPrefix(float* row, int n, int total) {
   std::fill(row + n, row + total, 0.f);
 }
 
+namespace {
+
+// Register tile: 4 weight rows x R input rows, 4*R accumulators. Each
+// weight element is loaded once per tile and feeds R FMAs; the R input
+// rows stay in L1 across the whole weight matrix.
+template <int R>
+inline void Tile(const float* x, int in, const float* w, float* y,
+                 int y_stride, int o, float beta) {
+  __m256 acc[4][R];
+#pragma GCC unroll 4
+  for (int a = 0; a < 4; ++a) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_ps();
+  }
+  const float* w0 = w + size_t(o) * in;
+  int i = 0;
+  for (; i + 8 <= in; i += 8) {
+    __m256 xv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + size_t(r) * in + i);
+#pragma GCC unroll 4
+    for (int a = 0; a < 4; ++a) {
+      const __m256 wv = _mm256_loadu_ps(w0 + size_t(a) * in + i);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[a][r] = _mm256_fmadd_ps(wv, xv[r], acc[a][r]);
+    }
+  }
+  for (int a = 0; a < 4; ++a) {
+    for (int r = 0; r < R; ++r) {
+      float s = HorizontalSum(acc[a][r]);
+      for (int j = i; j < in; ++j) s += w0[size_t(a) * in + j] * x[size_t(r) * in + j];
+      float& out = y[size_t(r) * y_stride + o + a];
+      out = s + (beta == 0.f ? 0.f : beta * out);
+    }
+  }
+}
+
+template <int R>
+inline void Row(const float* x, int in, const float* w, float* y,
+                int y_stride, int o, float beta) {
+  const float* wr = w + size_t(o) * in;
+  for (int r = 0; r < R; ++r) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= in; i += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i),
+                            _mm256_loadu_ps(x + size_t(r) * in + i), acc);
+    }
+    float s = HorizontalSum(acc);
+    for (int j = i; j < in; ++j) s += wr[j] * x[size_t(r) * in + j];
+    float& out = y[size_t(r) * y_stride + o];
+    out = s + (beta == 0.f ? 0.f : beta * out);
+  }
+}
+
+template <int R>
+void GemvBlock(const float* x, int in, const float* w, int o_begin, int o_end,
+               float* y, int y_stride, float beta) {
+  int o = o_begin;
+  for (; o + 4 <= o_end; o += 4) Tile<R>(x, in, w, y, y_stride, o, beta);
+  for (; o < o_end; ++o) Row<R>(x, in, w, y, y_stride, o, beta);
+}
+
+}  // namespace
+
+void BatchedGemv(const float* x, int n, int in, const float* w, int o_begin,
+                 int o_end, float* y, int y_stride, float beta) {
+  // Weight rows in L2-sized blocks (<= 256 KiB); within a block, input rows
+  // in groups of 3 (12 accumulators + 3 inputs + 1 weight register fit the
+  // 16 ymm registers). Each weight block comes from memory once and from
+  // L2 for the remaining groups.
+  const int block = std::max(4, std::min(64, (64 * 1024) / std::max(1, in)) & ~3);
+  for (int ob = o_begin; ob < o_end; ob += block) {
+    const int oe = std::min(o_end, ob + block);
+    int r = 0;
+    for (; r + 3 <= n; r += 3) {
+      GemvBlock<3>(x + size_t(r) * in, in, w, ob, oe,
+                   y + size_t(r) * y_stride, y_stride, beta);
+    }
+    if (n - r == 2) {
+      GemvBlock<2>(x + size_t(r) * in, in, w, ob, oe,
+                   y + size_t(r) * y_stride, y_stride, beta);
+    } else if (n - r == 1) {
+      GemvBlock<1>(x + size_t(r) * in, in, w, ob, oe,
+                   y + size_t(r) * y_stride, y_stride, beta);
+    }
+  }
+}
+
 }  // namespace kernels
 }  // namespace specserve

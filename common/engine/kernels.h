@@ -36,6 +36,15 @@ void ExpInPlace(float* x, int n);
 /// Maximum of x[0, n); n >= 1.
 float MaxOf(const float* x, int n);
 
+/// y[i, o] = dot(x[i, :], w[o, :]) + beta * y[i, o] for a few rows:
+/// x [n, in], w [out, in] (PyTorch Linear layout), y [n, out]. Streams the
+/// weights once for all n rows (a batched GEMV), which is what decode and
+/// small verify rounds need: OpenBLAS's sgemm packs the whole weight matrix
+/// for a handful of rows and costs ~2.5x a GEMV there. Output rows
+/// [o_begin, o_end) only, so callers can split the work across threads.
+void BatchedGemv(const float* x, int n, int in, const float* w, int o_begin,
+                 int o_end, float* y, int y_stride, float beta);
+
 }  // namespace kernels
 }  // namespace specserve
 

@@ -93,3 +93,31 @@ TEST(KernelsTest, ExpAndSoftmaxAccuracy) {
 }  // namespace
 }  // namespace kernels
 }  // namespace specserve
+
+namespace specserve {
+namespace kernels {
+namespace {
+
+TEST(KernelsTest, BatchedGemvMatchesNaive) {
+  for (int n : {1, 3, 4, 9}) {
+    for (int in : {5, 64, 77}) {
+      const int out = 13;
+      auto x = Random(size_t(n) * in, 7), w = Random(size_t(out) * in, 8);
+      auto y = Random(size_t(n) * out, 9);
+      auto y0 = y;
+      BatchedGemv(x.data(), n, in, w.data(), 0, 6, y.data(), out, 1.f);
+      BatchedGemv(x.data(), n, in, w.data(), 6, out, y.data(), out, 1.f);
+      for (int i = 0; i < n; ++i) {
+        for (int o = 0; o < out; ++o) {
+          double s = y0[i * out + o];
+          for (int k = 0; k < in; ++k) s += double(x[i * in + k]) * w[o * in + k];
+          ASSERT_NEAR(y[i * out + o], s, 1e-4) << n << " " << in;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace specserve

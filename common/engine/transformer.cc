@@ -10,16 +10,23 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/engine/kernels.h"
+#include "common/engine/thread_pool.h"
 
 namespace specserve {
 namespace {
 
+// Up to this many rows, Linear streams the weights once with BatchedGemv
+// (decode and verify rounds); beyond it OpenBLAS sgemm is compute-bound
+// and wins.
+constexpr int kMaxGemvRows = 12;
+
 // y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in].
 void Linear(const float* x, int n, int in, const float* w, int out, float* y,
             float beta) {
-  if (n == 1) {
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, out, in, 1.f, w, in, x, 1, beta,
-                y, 1);
+  if (n <= kMaxGemvRows) {
+    ThreadPool::Default().ParallelFor(out, 16, [&](int b, int e) {
+      kernels::BatchedGemv(x, n, in, w, b, e, y, out, beta);
+    });
   } else {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.f, x,
                 in, w, in, beta, y, out);
@@ -202,7 +209,10 @@ absl::Status Transformer::Forward(const ForwardInput& in, KvCache* cache,
 }
 
 void SetEngineThreads(int n) {
-  if (n > 0) openblas_set_num_threads(n);
+  if (n > 0) {
+    openblas_set_num_threads(n);
+    ThreadPool::SetDefaultThreads(n);
+  }
 }
 
 void MaybeReexecForAvx512(char** argv) {

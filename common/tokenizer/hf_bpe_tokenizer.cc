@@ -44,7 +44,7 @@ size_t ValidUtf8Len(std::string_view s, size_t i) {
     const unsigned char lo = c == 0xE0 ? 0xA0 : 0x80;
     const unsigned char hi = c == 0xED ? 0x9F : 0xBF;
     return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 ? 3
-                                                                          : 0;
+                                                                         : 0;
   }
   if (c >= 0xF0 && c <= 0xF4) {
     if (left < 4) return 0;
@@ -133,8 +133,8 @@ bool GetBool(const Json& j, const char* key, bool dflt) {
 bool MentionsByteLevel(const Json& j) {
   if (TypeOf(j) == "ByteLevel") return true;
   if (j.is_object()) {
-    for (const char* key : {"pretokenizers", "decoders", "normalizers",
-                            "processors"}) {
+    for (const char* key :
+         {"pretokenizers", "decoders", "normalizers", "processors"}) {
       auto it = j.find(key);
       if (it != j.end() && it->is_array()) {
         for (const Json& sub : *it) {
@@ -177,7 +177,8 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Load(
   const std::string dir =
       slash == std::string::npos ? "." : json_path.substr(0, slash);
   std::string config;
-  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"}) {
+  for (const char* name :
+       {"tokenizer_config.json", "special_tokens_map.json"}) {
     const std::string path = absl::StrCat(dir, "/", name);
     if (!FileExists(path)) continue;
     absl::StatusOr<std::string> c = ReadFile(path);
@@ -186,6 +187,293 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Load(
     break;
   }
   return Parse(*text, config, json_path);
+}
+
+absl::Status HfBpeTokenizer::Invalid(std::string_view what) const {
+  return absl::InvalidArgumentError(absl::StrCat(source_, ": ", Sv(what)));
+}
+
+absl::Status HfBpeTokenizer::Unimplemented(std::string_view what) const {
+  return absl::UnimplementedError(absl::StrCat(
+      source_, ": tokenizer.json ", Sv(what), " is not supported yet"));
+}
+
+// model.vocab and added_tokens -> pieces_ (by id), vocab_, added_.
+absl::Status HfBpeTokenizer::ParseVocab(const Json& model, const Json& root) {
+  const auto vit = model.find("vocab");
+  if (vit == model.end() || !vit->is_object()) {
+    return Invalid("model.vocab missing or not an object");
+  }
+  int max_id = -1;
+  for (auto it = vit->begin(); it != vit->end(); ++it) {
+    if (!it.value().is_number_integer()) {
+      return Invalid(
+          absl::StrCat("vocab entry \"", it.key(), "\" has a non-integer id"));
+    }
+    const int64_t id = it.value().get<int64_t>();
+    if (id < 0 || id >= kMaxVocabId) {
+      return Invalid(absl::StrCat("vocab entry \"", it.key(), "\" has id ", id,
+                                  " out of range"));
+    }
+    vocab_[it.key()] = static_cast<int>(id);
+    max_id = std::max(max_id, static_cast<int>(id));
+  }
+  // Added tokens may extend the id range.
+  if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
+    for (const Json& a : root["added_tokens"]) {
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() ||
+          !a.contains("content") || !a["content"].is_string()) {
+        return Invalid("added_tokens entry without integer id / content");
+      }
+      const int64_t id = a["id"].get<int64_t>();
+      if (id < 0 || id >= kMaxVocabId) {
+        return Invalid(absl::StrCat("added token id ", id, " out of range"));
+      }
+      AddedToken t;
+      t.content = a["content"].get<std::string>();
+      t.id = static_cast<int>(id);
+      t.special = GetBool(a, "special", false);
+      // HF's default: special tokens are matched on the raw text.
+      t.normalized = GetBool(a, "normalized", !t.special);
+      if (t.content.empty()) return Invalid("empty added token content");
+      added_.push_back(std::move(t));
+      max_id = std::max(max_id, static_cast<int>(id));
+    }
+  }
+  if (max_id < 0) return Invalid("empty vocabulary");
+  pieces_.assign(max_id + 1, std::string());
+  skip_on_decode_.assign(max_id + 1, false);
+  for (const auto& [piece, id] : vocab_) pieces_[id] = piece;
+  for (const AddedToken& t : added_) {
+    pieces_[t.id] = t.content;  // HF: added content wins for id->token.
+    if (t.special) skip_on_decode_[t.id] = true;
+  }
+  return absl::OkStatus();
+}
+
+// BPE options, byte pieces and merges (needs vocab_).
+absl::Status HfBpeTokenizer::ParseBpe(const Json& model) {
+  byte_fallback_ = GetBool(model, "byte_fallback", false);
+  fuse_unk_ = GetBool(model, "fuse_unk", false);
+  ignore_merges_ = GetBool(model, "ignore_merges", false);
+  const std::string unk = GetString(model, "unk_token", "");
+  if (!unk.empty()) {
+    auto it = vocab_.find(unk);
+    if (it == vocab_.end()) {
+      return Invalid(
+          absl::StrCat("model.unk_token \"", unk, "\" is not in the vocab"));
+    }
+    model_unk_id_ = it->second;
+  }
+  for (int b = 0; b < 256; ++b) {
+    auto it = vocab_.find(absl::StrFormat("<0x%02X>", b));
+    byte_ids_[b] = it == vocab_.end() ? -1 : it->second;
+  }
+
+  // Merges, in rank order.
+  if (model.contains("merges") && !model["merges"].is_null()) {
+    const Json& merges = model["merges"];
+    if (!merges.is_array()) return Invalid("model.merges is not an array");
+    merges_.reserve(merges.size());
+    int rank = 0;
+    for (const Json& m : merges) {
+      std::string left, right;
+      if (m.is_string()) {
+        const std::string s = m.get<std::string>();
+        const size_t sp = s.find(' ');
+        if (sp == std::string::npos || s.find(' ', sp + 1) != s.npos) {
+          return Invalid(absl::StrCat("merge ", rank, " \"", s,
+                                      "\" is not two space-separated "
+                                      "pieces"));
+        }
+        left = s.substr(0, sp);
+        right = s.substr(sp + 1);
+      } else if (m.is_array() && m.size() == 2 && m[0].is_string() &&
+                 m[1].is_string()) {
+        left = m[0].get<std::string>();
+        right = m[1].get<std::string>();
+      } else {
+        return Invalid(absl::StrCat("merge ", rank, " is malformed"));
+      }
+      auto a = vocab_.find(left);
+      auto b = vocab_.find(right);
+      auto c = vocab_.find(left + right);
+      if (a == vocab_.end() || b == vocab_.end() || c == vocab_.end()) {
+        return Invalid(absl::StrCat("merge ", rank, " (\"", left, "\", \"",
+                                    right,
+                                    "\") uses or makes a piece missing "
+                                    "from the vocab"));
+      }
+      // Later duplicates override earlier ones, as in HF.
+      merges_[PairKey(a->second, b->second)] = {rank, c->second};
+      ++rank;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HfBpeTokenizer::ParseNormalizer(const Json& norm) {
+  if (norm.is_null()) return absl::OkStatus();
+  std::vector<const Json*> steps;
+  if (TypeOf(norm) == "Sequence") {
+    if (!norm.contains("normalizers") || !norm["normalizers"].is_array()) {
+      return Invalid("normalizer Sequence without \"normalizers\"");
+    }
+    for (const Json& n : norm["normalizers"]) steps.push_back(&n);
+  } else {
+    steps.push_back(&norm);
+  }
+  for (const Json* n : steps) {
+    const std::string type = TypeOf(*n);
+    NormalizerStep step;
+    if (type == "Prepend") {
+      step.is_prepend = true;
+      step.to = GetString(*n, "prepend", "");
+    } else if (type == "Replace") {
+      step.is_prepend = false;
+      if (!ReplacePattern(*n, &step.from)) {
+        return Unimplemented("normalizer Replace with a regex pattern");
+      }
+      step.to = GetString(*n, "content", "");
+    } else {
+      return Unimplemented(absl::StrCat("normalizer \"", type, "\""));
+    }
+    normalizer_.push_back(std::move(step));
+  }
+  return absl::OkStatus();
+}
+
+// Only Metaspace (alone or as a one-element Sequence) is supported.
+absl::Status HfBpeTokenizer::ParsePreTokenizer(const Json& pre) {
+  if (pre.is_null()) return absl::OkStatus();
+  const Json* meta = nullptr;
+  if (TypeOf(pre) == "Metaspace") {
+    meta = &pre;
+  } else if (TypeOf(pre) == "Sequence" && pre.contains("pretokenizers") &&
+             pre["pretokenizers"].is_array() &&
+             pre["pretokenizers"].size() == 1 &&
+             TypeOf(pre["pretokenizers"][0]) == "Metaspace") {
+    meta = &pre["pretokenizers"][0];
+  } else {
+    return Unimplemented(absl::StrCat("pre_tokenizer \"", TypeOf(pre), "\""));
+  }
+  metaspace_ = true;
+  metaspace_replacement_ = GetString(*meta, "replacement", "\u2581");
+  const std::string scheme =
+      GetString(*meta, "prepend_scheme",
+                GetBool(*meta, "add_prefix_space", true) ? "always" : "never");
+  if (scheme == "always") {
+    metaspace_prepend_ = PrependScheme::kAlways;
+  } else if (scheme == "first") {
+    metaspace_prepend_ = PrependScheme::kFirst;
+  } else if (scheme == "never") {
+    metaspace_prepend_ = PrependScheme::kNever;
+  } else {
+    return Invalid(
+        absl::StrCat("Metaspace prepend_scheme \"", scheme, "\" is unknown"));
+  }
+  metaspace_split_ = GetBool(*meta, "split", true);
+  return absl::OkStatus();
+}
+
+absl::Status HfBpeTokenizer::ParseDecoder(const Json& dec) {
+  if (dec.is_null()) return absl::OkStatus();
+  has_decoder_ = true;
+  std::vector<const Json*> steps;
+  if (TypeOf(dec) == "Sequence") {
+    if (!dec.contains("decoders") || !dec["decoders"].is_array()) {
+      return Invalid("decoder Sequence without \"decoders\"");
+    }
+    for (const Json& d : dec["decoders"]) steps.push_back(&d);
+  } else {
+    steps.push_back(&dec);
+  }
+  for (const Json* d : steps) {
+    const std::string type = TypeOf(*d);
+    DecoderStep step;
+    if (type == "Replace") {
+      step.type = DecoderStep::kReplace;
+      if (!ReplacePattern(*d, &step.from)) {
+        return Unimplemented("decoder Replace with a regex pattern");
+      }
+      step.to = GetString(*d, "content", "");
+    } else if (type == "ByteFallback") {
+      step.type = DecoderStep::kByteFallback;
+    } else if (type == "Fuse") {
+      step.type = DecoderStep::kFuse;
+    } else if (type == "Strip") {
+      step.type = DecoderStep::kStrip;
+      step.from = GetString(*d, "content", " ");
+      if (d->contains("start") && (*d)["start"].is_number_integer()) {
+        step.start = (*d)["start"].get<int>();
+      }
+      if (d->contains("stop") && (*d)["stop"].is_number_integer()) {
+        step.stop = (*d)["stop"].get<int>();
+      }
+    } else if (type == "Metaspace") {
+      step.type = DecoderStep::kMetaspace;
+      step.from = GetString(*d, "replacement", "\u2581");
+      const std::string scheme =
+          GetString(*d, "prepend_scheme",
+                    GetBool(*d, "add_prefix_space", true) ? "always" : "never");
+      step.metaspace_strip_first = scheme != "never";
+    } else {
+      return Unimplemented(absl::StrCat("decoder \"", type, "\""));
+    }
+    if (step.from.empty() && step.type != DecoderStep::kByteFallback &&
+        step.type != DecoderStep::kFuse) {
+      return Invalid(
+          absl::StrCat("decoder \"", type, "\" with an empty pattern"));
+    }
+    decoder_.push_back(std::move(step));
+  }
+  return absl::OkStatus();
+}
+
+// Match strings of added tokens (needs the normalizer).
+absl::Status HfBpeTokenizer::IndexAddedTokens() {
+  // Normalized added tokens are matched by their normalized content.
+  for (AddedToken& t : added_) {
+    t.match = t.normalized ? Normalize(t.content) : t.content;
+    if (t.match.empty()) return Invalid("added token normalizes to \"\"");
+  }
+  for (const AddedToken& t : added_) {
+    (t.normalized ? normalized_added_ : raw_added_).push_back(&t);
+  }
+  return absl::OkStatus();
+}
+
+// bos/eos/pad/unk ids; `config` is tokenizer_config.json (or null).
+void HfBpeTokenizer::ResolveSpecialIds(const Json& root, const Json& config) {
+  auto lookup = [this](const std::string& name) -> int {
+    if (name.empty()) return -1;
+    for (const AddedToken& t : added_) {
+      if (t.content == name) return t.id;
+    }
+    auto it = vocab_.find(name);
+    return it == vocab_.end() ? -1 : it->second;
+  };
+  unk_id_ = model_unk_id_ >= 0 ? model_unk_id_
+                               : lookup(SpecialTokenName(config, "unk_token"));
+  bos_id_ = lookup(SpecialTokenName(config, "bos_token"));
+  if (bos_id_ < 0 && root.contains("post_processor")) {
+    // TemplateProcessing: a leading SpecialToken of the single template.
+    const Json& pp = root["post_processor"];
+    if (TypeOf(pp) == "TemplateProcessing" && pp.contains("single") &&
+        pp["single"].is_array() && !pp["single"].empty() &&
+        pp["single"][0].is_object() &&
+        pp["single"][0].contains("SpecialToken")) {
+      bos_id_ = lookup(GetString(pp["single"][0]["SpecialToken"], "id", ""));
+    }
+  }
+  if (bos_id_ < 0) bos_id_ = lookup("<s>");
+  eos_id_ = lookup(SpecialTokenName(config, "eos_token"));
+  if (eos_id_ < 0) eos_id_ = lookup("</s>");
+  pad_id_ = lookup(SpecialTokenName(config, "pad_token"));
+  if (pad_id_ < 0) pad_id_ = lookup("<pad>");
+  for (const AddedToken& t : added_) {
+    if (t.id == bos_id_) bos_content_ = t.content;
+  }
 }
 
 absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
@@ -202,26 +490,18 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
     config = Json::parse(config_json, nullptr, /*allow_exceptions=*/false);
     if (config.is_discarded()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          source, ": tokenizer_config.json / special_tokens_map.json next to "
-                  "it is not valid JSON"));
+          source,
+          ": tokenizer_config.json / special_tokens_map.json next to "
+          "it is not valid JSON"));
     }
   }
-  auto unimplemented = [&source](std::string_view what) {
-    return absl::UnimplementedError(
-        absl::StrCat(source, ": tokenizer.json ", Sv(what),
-                     " is not supported yet"));
-  };
-  auto invalid = [&source](std::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", Sv(what)));
-  };
-
   auto tok = std::unique_ptr<HfBpeTokenizer>(new HfBpeTokenizer());
   tok->source_ = source;
   try {
     const Json null_json;
     const Json& model = root.contains("model") ? root["model"] : null_json;
-    const Json& pre = root.contains("pre_tokenizer") ? root["pre_tokenizer"]
-                                                     : null_json;
+    const Json& pre =
+        root.contains("pre_tokenizer") ? root["pre_tokenizer"] : null_json;
     const Json& norm =
         root.contains("normalizer") ? root["normalizer"] : null_json;
     const Json& dec = root.contains("decoder") ? root["decoder"] : null_json;
@@ -229,288 +509,32 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
     // Kind checks first, so the error names the real reason.
     if (MentionsByteLevel(pre) || MentionsByteLevel(dec) ||
         MentionsByteLevel(norm)) {
-      return unimplemented("kind ByteLevel BPE");
+      return tok->Unimplemented("kind ByteLevel BPE");
     }
-    if (!model.is_object()) return invalid("missing \"model\" object");
+    if (!model.is_object()) return tok->Invalid("missing \"model\" object");
     const std::string model_type = TypeOf(model);
     if (model_type != "BPE") {
-      return unimplemented(absl::StrCat(
+      return tok->Unimplemented(absl::StrCat(
           "model type \"", model_type.empty() ? "(none)" : model_type, "\""));
     }
-    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    for (const char* key :
+         {"continuing_subword_prefix", "end_of_word_suffix"}) {
       if (model.contains(key) && !model[key].is_null() &&
           !(model[key].is_string() && model[key].get<std::string>().empty())) {
-        return unimplemented(absl::StrCat("BPE with ", key));
+        return tok->Unimplemented(absl::StrCat("BPE with ", key));
       }
     }
 
-    // --- vocab ---
-    const auto vit = model.find("vocab");
-    if (vit == model.end() || !vit->is_object()) {
-      return invalid("model.vocab missing or not an object");
-    }
-    int max_id = -1;
-    for (auto it = vit->begin(); it != vit->end(); ++it) {
-      if (!it.value().is_number_integer()) {
-        return invalid(absl::StrCat("vocab entry \"", it.key(),
-                                    "\" has a non-integer id"));
-      }
-      const int64_t id = it.value().get<int64_t>();
-      if (id < 0 || id >= kMaxVocabId) {
-        return invalid(absl::StrCat("vocab entry \"", it.key(), "\" has id ",
-                                    id, " out of range"));
-      }
-      tok->vocab_[it.key()] = static_cast<int>(id);
-      max_id = std::max(max_id, static_cast<int>(id));
-    }
-    // --- added tokens ---
-    if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
-      for (const Json& a : root["added_tokens"]) {
-        if (!a.is_object() || !a.contains("id") ||
-            !a["id"].is_number_integer() || !a.contains("content") ||
-            !a["content"].is_string()) {
-          return invalid("added_tokens entry without integer id / content");
-        }
-        const int64_t id = a["id"].get<int64_t>();
-        if (id < 0 || id >= kMaxVocabId) {
-          return invalid(absl::StrCat("added token id ", id, " out of range"));
-        }
-        AddedToken t;
-        t.content = a["content"].get<std::string>();
-        t.id = static_cast<int>(id);
-        t.special = GetBool(a, "special", false);
-        // HF's default: special tokens are matched on the raw text.
-        t.normalized = GetBool(a, "normalized", !t.special);
-        if (t.content.empty()) return invalid("empty added token content");
-        tok->added_.push_back(std::move(t));
-        max_id = std::max(max_id, static_cast<int>(id));
-      }
-    }
-    if (max_id < 0) return invalid("empty vocabulary");
-    tok->pieces_.assign(max_id + 1, std::string());
-    tok->skip_on_decode_.assign(max_id + 1, false);
-    for (const auto& [piece, id] : tok->vocab_) tok->pieces_[id] = piece;
-    for (const AddedToken& t : tok->added_) {
-      tok->pieces_[t.id] = t.content;  // HF: added content wins for id->token.
-      if (t.special) tok->skip_on_decode_[t.id] = true;
-    }
-
-    // --- BPE options ---
-    tok->byte_fallback_ = GetBool(model, "byte_fallback", false);
-    tok->fuse_unk_ = GetBool(model, "fuse_unk", false);
-    tok->ignore_merges_ = GetBool(model, "ignore_merges", false);
-    const std::string unk = GetString(model, "unk_token", "");
-    if (!unk.empty()) {
-      auto it = tok->vocab_.find(unk);
-      if (it == tok->vocab_.end()) {
-        return invalid(absl::StrCat("model.unk_token \"", unk,
-                                    "\" is not in the vocab"));
-      }
-      tok->model_unk_id_ = it->second;
-    }
-    for (int b = 0; b < 256; ++b) {
-      auto it = tok->vocab_.find(absl::StrFormat("<0x%02X>", b));
-      tok->byte_ids_[b] = it == tok->vocab_.end() ? -1 : it->second;
-    }
-
-    // --- merges ---
-    if (model.contains("merges") && !model["merges"].is_null()) {
-      const Json& merges = model["merges"];
-      if (!merges.is_array()) return invalid("model.merges is not an array");
-      tok->merges_.reserve(merges.size());
-      int rank = 0;
-      for (const Json& m : merges) {
-        std::string left, right;
-        if (m.is_string()) {
-          const std::string s = m.get<std::string>();
-          const size_t sp = s.find(' ');
-          if (sp == std::string::npos || s.find(' ', sp + 1) != s.npos) {
-            return invalid(absl::StrCat("merge ", rank, " \"", s,
-                                        "\" is not two space-separated "
-                                        "pieces"));
-          }
-          left = s.substr(0, sp);
-          right = s.substr(sp + 1);
-        } else if (m.is_array() && m.size() == 2 && m[0].is_string() &&
-                   m[1].is_string()) {
-          left = m[0].get<std::string>();
-          right = m[1].get<std::string>();
-        } else {
-          return invalid(absl::StrCat("merge ", rank, " is malformed"));
-        }
-        auto a = tok->vocab_.find(left);
-        auto b = tok->vocab_.find(right);
-        auto c = tok->vocab_.find(left + right);
-        if (a == tok->vocab_.end() || b == tok->vocab_.end() ||
-            c == tok->vocab_.end()) {
-          return invalid(absl::StrCat("merge ", rank, " (\"", left, "\", \"",
-                                      right,
-                                      "\") uses or makes a piece missing "
-                                      "from the vocab"));
-        }
-        // Later duplicates override earlier ones, as in HF.
-        tok->merges_[PairKey(a->second, b->second)] = {rank, c->second};
-        ++rank;
-      }
-    }
-
-    // --- normalizer ---
-    if (!norm.is_null()) {
-      std::vector<const Json*> steps;
-      if (TypeOf(norm) == "Sequence") {
-        if (!norm.contains("normalizers") || !norm["normalizers"].is_array()) {
-          return invalid("normalizer Sequence without \"normalizers\"");
-        }
-        for (const Json& n : norm["normalizers"]) steps.push_back(&n);
-      } else {
-        steps.push_back(&norm);
-      }
-      for (const Json* n : steps) {
-        const std::string type = TypeOf(*n);
-        NormalizerStep step;
-        if (type == "Prepend") {
-          step.is_prepend = true;
-          step.to = GetString(*n, "prepend", "");
-        } else if (type == "Replace") {
-          step.is_prepend = false;
-          if (!ReplacePattern(*n, &step.from)) {
-            return unimplemented("normalizer Replace with a regex pattern");
-          }
-          step.to = GetString(*n, "content", "");
-        } else {
-          return unimplemented(absl::StrCat("normalizer \"", type, "\""));
-        }
-        tok->normalizer_.push_back(std::move(step));
-      }
-    }
-
-    // --- pre-tokenizer ---
-    if (!pre.is_null()) {
-      const Json* meta = nullptr;
-      if (TypeOf(pre) == "Metaspace") {
-        meta = &pre;
-      } else if (TypeOf(pre) == "Sequence" && pre.contains("pretokenizers") &&
-                 pre["pretokenizers"].is_array() &&
-                 pre["pretokenizers"].size() == 1 &&
-                 TypeOf(pre["pretokenizers"][0]) == "Metaspace") {
-        meta = &pre["pretokenizers"][0];
-      } else {
-        return unimplemented(
-            absl::StrCat("pre_tokenizer \"", TypeOf(pre), "\""));
-      }
-      tok->metaspace_ = true;
-      tok->metaspace_replacement_ = GetString(*meta, "replacement", "\u2581");
-      const std::string scheme = GetString(
-          *meta, "prepend_scheme",
-          GetBool(*meta, "add_prefix_space", true) ? "always" : "never");
-      if (scheme == "always") {
-        tok->metaspace_prepend_ = PrependScheme::kAlways;
-      } else if (scheme == "first") {
-        tok->metaspace_prepend_ = PrependScheme::kFirst;
-      } else if (scheme == "never") {
-        tok->metaspace_prepend_ = PrependScheme::kNever;
-      } else {
-        return invalid(absl::StrCat("Metaspace prepend_scheme \"", scheme,
-                                    "\" is unknown"));
-      }
-      tok->metaspace_split_ = GetBool(*meta, "split", true);
-    }
-
-    // --- decoder ---
-    if (!dec.is_null()) {
-      tok->has_decoder_ = true;
-      std::vector<const Json*> steps;
-      if (TypeOf(dec) == "Sequence") {
-        if (!dec.contains("decoders") || !dec["decoders"].is_array()) {
-          return invalid("decoder Sequence without \"decoders\"");
-        }
-        for (const Json& d : dec["decoders"]) steps.push_back(&d);
-      } else {
-        steps.push_back(&dec);
-      }
-      for (const Json* d : steps) {
-        const std::string type = TypeOf(*d);
-        DecoderStep step;
-        if (type == "Replace") {
-          step.type = DecoderStep::kReplace;
-          if (!ReplacePattern(*d, &step.from)) {
-            return unimplemented("decoder Replace with a regex pattern");
-          }
-          step.to = GetString(*d, "content", "");
-        } else if (type == "ByteFallback") {
-          step.type = DecoderStep::kByteFallback;
-        } else if (type == "Fuse") {
-          step.type = DecoderStep::kFuse;
-        } else if (type == "Strip") {
-          step.type = DecoderStep::kStrip;
-          step.from = GetString(*d, "content", " ");
-          if (d->contains("start") && (*d)["start"].is_number_integer()) {
-            step.start = (*d)["start"].get<int>();
-          }
-          if (d->contains("stop") && (*d)["stop"].is_number_integer()) {
-            step.stop = (*d)["stop"].get<int>();
-          }
-        } else if (type == "Metaspace") {
-          step.type = DecoderStep::kMetaspace;
-          step.from = GetString(*d, "replacement", "\u2581");
-          const std::string scheme = GetString(
-              *d, "prepend_scheme",
-              GetBool(*d, "add_prefix_space", true) ? "always" : "never");
-          step.metaspace_strip_first = scheme != "never";
-        } else {
-          return unimplemented(absl::StrCat("decoder \"", type, "\""));
-        }
-        if (step.from.empty() && step.type != DecoderStep::kByteFallback &&
-            step.type != DecoderStep::kFuse) {
-          return invalid(absl::StrCat("decoder \"", type,
-                                      "\" with an empty pattern"));
-        }
-        tok->decoder_.push_back(std::move(step));
-      }
-    }
-
-    // Normalized added tokens are matched by their normalized content.
-    for (AddedToken& t : tok->added_) {
-      t.match = t.normalized ? tok->Normalize(t.content) : t.content;
-      if (t.match.empty()) return invalid("added token normalizes to \"\"");
-    }
-    for (const AddedToken& t : tok->added_) {
-      (t.normalized ? tok->normalized_added_ : tok->raw_added_).push_back(&t);
-    }
-
-    // --- special ids ---
-    auto lookup = [&tok](const std::string& name) -> int {
-      if (name.empty()) return -1;
-      for (const AddedToken& t : tok->added_) {
-        if (t.content == name) return t.id;
-      }
-      auto it = tok->vocab_.find(name);
-      return it == tok->vocab_.end() ? -1 : it->second;
-    };
-    tok->unk_id_ = tok->model_unk_id_ >= 0
-                       ? tok->model_unk_id_
-                       : lookup(SpecialTokenName(config, "unk_token"));
-    tok->bos_id_ = lookup(SpecialTokenName(config, "bos_token"));
-    if (tok->bos_id_ < 0 && root.contains("post_processor")) {
-      // TemplateProcessing: a leading SpecialToken of the single template.
-      const Json& pp = root["post_processor"];
-      if (TypeOf(pp) == "TemplateProcessing" && pp.contains("single") &&
-          pp["single"].is_array() && !pp["single"].empty() &&
-          pp["single"][0].is_object() && pp["single"][0].contains("SpecialToken")) {
-        tok->bos_id_ =
-            lookup(GetString(pp["single"][0]["SpecialToken"], "id", ""));
-      }
-    }
-    if (tok->bos_id_ < 0) tok->bos_id_ = lookup("<s>");
-    tok->eos_id_ = lookup(SpecialTokenName(config, "eos_token"));
-    if (tok->eos_id_ < 0) tok->eos_id_ = lookup("</s>");
-    tok->pad_id_ = lookup(SpecialTokenName(config, "pad_token"));
-    if (tok->pad_id_ < 0) tok->pad_id_ = lookup("<pad>");
-    for (const AddedToken& t : tok->added_) {
-      if (t.id == tok->bos_id_) tok->bos_content_ = t.content;
-    }
+    absl::Status status = tok->ParseVocab(model, root);
+    if (status.ok()) status = tok->ParseBpe(model);
+    if (status.ok()) status = tok->ParseNormalizer(norm);
+    if (status.ok()) status = tok->ParsePreTokenizer(pre);
+    if (status.ok()) status = tok->ParseDecoder(dec);
+    if (status.ok()) status = tok->IndexAddedTokens();
+    if (!status.ok()) return status;
+    tok->ResolveSpecialIds(root, config);
   } catch (const Json::exception& e) {
-    return invalid(absl::StrCat("malformed tokenizer.json: ", e.what()));
+    return tok->Invalid(absl::StrCat("malformed tokenizer.json: ", e.what()));
   }
 
   tok->fingerprint_ =
@@ -552,8 +576,7 @@ void HfBpeTokenizer::SplitOnAddedTokens(
     text_start = i;
   }
   if (text_start < s.size()) {
-    out->push_back(
-        {s.substr(text_start), -1, in.at_start && text_start == 0});
+    out->push_back({s.substr(text_start), -1, in.at_start && text_start == 0});
   }
 }
 
@@ -639,7 +662,8 @@ void HfBpeTokenizer::EncodeWord(std::string_view word,
     }
     if (byte_fallback_) {
       bool all = true;
-      for (char c : ch) all = all && byte_ids_[static_cast<unsigned char>(c)] >= 0;
+      for (char c : ch)
+        all = all && byte_ids_[static_cast<unsigned char>(c)] >= 0;
       if (all) {
         flush_unk();
         for (char c : ch) push(byte_ids_[static_cast<unsigned char>(c)], 1);
@@ -740,7 +764,8 @@ absl::StatusOr<std::vector<int>> HfBpeTokenizer::Encode(std::string_view text,
   return ids;
 }
 
-std::string HfBpeTokenizer::ApplyDecoder(std::vector<std::string> tokens) const {
+std::string HfBpeTokenizer::ApplyDecoder(
+    std::vector<std::string> tokens) const {
   if (!has_decoder_) return absl::StrJoin(tokens, " ");  // HF's default.
   for (const DecoderStep& step : decoder_) {
     switch (step.type) {

@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/tokenizer/tokenizer.h"
+#include "nlohmann/json_fwd.hpp"
 
 namespace specserve {
 
@@ -109,11 +111,24 @@ class HfBpeTokenizer : public Tokenizer {
   // One piece of input after added-token splitting: text, or an added id.
   struct Segment {
     std::string text;
-    int added_id;  // -1 for text.
+    int added_id;   // -1 for text.
     bool at_start;  // Begins at offset 0 of the original input.
   };
 
+  using Json = nlohmann::json;
+
   HfBpeTokenizer() = default;
+
+  // Parse steps, in order; errors name source_.
+  absl::Status ParseVocab(const Json& model, const Json& root);
+  absl::Status ParseBpe(const Json& model);
+  absl::Status ParseNormalizer(const Json& normalizer);
+  absl::Status ParsePreTokenizer(const Json& pre_tokenizer);
+  absl::Status ParseDecoder(const Json& decoder);
+  absl::Status IndexAddedTokens();
+  void ResolveSpecialIds(const Json& root, const Json& config);
+  absl::Status Invalid(std::string_view what) const;
+  absl::Status Unimplemented(std::string_view what) const;
 
   void SplitOnAddedTokens(const std::vector<const AddedToken*>& tokens,
                           const Segment& in, std::vector<Segment>* out) const;
@@ -130,16 +145,16 @@ class HfBpeTokenizer : public Tokenizer {
   }
 
   std::string source_;
-  std::vector<std::string> pieces_;                // By id.
-  std::vector<bool> skip_on_decode_;               // Special added tokens.
-  absl::flat_hash_map<std::string, int> vocab_;    // model.vocab.
+  std::vector<std::string> pieces_;              // By id.
+  std::vector<bool> skip_on_decode_;             // Special added tokens.
+  absl::flat_hash_map<std::string, int> vocab_;  // model.vocab.
   // (left id, right id) -> (rank, merged id).
   absl::flat_hash_map<uint64_t, std::pair<int, int>> merges_;
-  int byte_ids_[256];                              // <0xXX> ids or -1.
+  int byte_ids_[256];  // <0xXX> ids or -1.
   bool byte_fallback_ = false;
   bool fuse_unk_ = false;
   bool ignore_merges_ = false;
-  int model_unk_id_ = -1;                          // For unknown characters.
+  int model_unk_id_ = -1;  // For unknown characters.
 
   std::vector<AddedToken> added_;
   std::vector<const AddedToken*> raw_added_;         // normalized == false.

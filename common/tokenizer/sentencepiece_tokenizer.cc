@@ -9,8 +9,8 @@ namespace specserve {
 namespace {
 
 absl::Status FromShim(const spm_shim::ShimStatus& s, std::string_view what) {
-  const std::string msg =
-      absl::StrCat(absl::string_view(what.data(), what.size()), ": ", s.message);
+  const std::string msg = absl::StrCat(
+      absl::string_view(what.data(), what.size()), ": ", s.message);
   switch (s.code) {
     case spm_shim::ShimCode::kOk:
       return absl::OkStatus();
@@ -37,8 +37,8 @@ SentencePieceTokenizer::Load(const std::string& model_path) {
     if (status.code == spm_shim::ShimCode::kInternal) {
       status.code = spm_shim::ShimCode::kInvalidArgument;
     }
-    return FromShim(status, absl::StrCat("loading sentencepiece model ",
-                                         model_path));
+    return FromShim(status,
+                    absl::StrCat("loading sentencepiece model ", model_path));
   }
   return std::unique_ptr<SentencePieceTokenizer>(
       new SentencePieceTokenizer(std::move(processor), model_path));
@@ -77,9 +77,8 @@ absl::StatusOr<std::string> SentencePieceTokenizer::Decode(
     absl::Span<const int> ids) const {
   for (int id : ids) {
     if (id < 0 || id >= vocab_size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("token id ", id, " outside [0, ", vocab_size_,
-                       ") for ", path_));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token id ", id, " outside [0, ", vocab_size_, ") for ", path_));
     }
   }
   std::string text;

@@ -35,6 +35,7 @@
 
 #include <dlfcn.h>
 
+#include <exception>
 #include <new>
 #include <string>
 #include <utility>
@@ -118,7 +119,17 @@ template <typename Fn>
 ShimStatus RunStatus(Fn&& fn) {
   const Library& lib = GetLibrary();
   alignas(SpStatus) unsigned char buf[sizeof(SpStatus)];
-  SpStatus* s = ::new (static_cast<void*>(buf)) SpStatus(fn());
+  SpStatus* s = nullptr;
+  // The library may throw (e.g. protobuf's version check when it is bound to
+  // the wrong protobuf); keep exceptions from crossing into our code.
+  try {
+    s = ::new (static_cast<void*>(buf)) SpStatus(fn());
+  } catch (const std::exception& e) {
+    return {ShimCode::kInternal,
+            std::string("libsentencepiece threw: ") + e.what()};
+  } catch (...) {
+    return {ShimCode::kInternal, "libsentencepiece threw an exception"};
+  }
   ShimStatus out;
   if (!s->ok()) {
     out.code = FromSpCode(lib.status_code(s));
@@ -143,7 +154,14 @@ std::unique_ptr<SpmProcessor> SpmProcessor::Load(const std::string& path,
     return nullptr;
   }
   void* mem = ::operator new(sizeof(SpProcessor));
-  lib.processor_ctor(mem);
+  try {
+    lib.processor_ctor(mem);
+  } catch (...) {
+    ::operator delete(mem);
+    *status = {ShimCode::kInternal,
+               "SentencePieceProcessor constructor threw an exception"};
+    return nullptr;
+  }
   auto* proc = static_cast<SpProcessor*>(mem);
   *status = RunStatus([&] { return proc->Load(std::string_view(path)); });
   if (!status->ok()) {

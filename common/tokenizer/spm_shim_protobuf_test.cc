@@ -27,7 +27,8 @@ TEST(SpmShimProtobufTest, SentencePieceCoexistsWithSystemProtobuf) {
       LoadTokenizer("models/stories260K");
   ASSERT_TRUE(tok.ok()) << tok.status();
   ASSERT_EQ((*tok)->kind(), "sentencepiece");
-  absl::StatusOr<std::vector<int>> ids = (*tok)->Encode("Once upon a time", true);
+  absl::StatusOr<std::vector<int>> ids =
+      (*tok)->Encode("Once upon a time", true);
   ASSERT_TRUE(ids.ok()) << ids.status();
   EXPECT_EQ(*(*tok)->Decode(*ids), "Once upon a time");
   tok->reset();  // Destroys the processor inside the isolated library.

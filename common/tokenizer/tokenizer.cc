@@ -112,8 +112,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(
     if (!t.ok()) return t.status();
     return std::unique_ptr<Tokenizer>(*std::move(t));
   }
-  return absl::NotFoundError(absl::StrCat(
-      "no tokenizer.model or tokenizer.json in ", model_dir));
+  return absl::NotFoundError(
+      absl::StrCat("no tokenizer.model or tokenizer.json in ", model_dir));
 }
 
 IncrementalDecoder::IncrementalDecoder(const Tokenizer* tokenizer)
@@ -162,9 +162,8 @@ absl::StatusOr<std::string> IncrementalDecoder::Step(bool flush) {
 
 absl::StatusOr<std::string> IncrementalDecoder::Append(int id) {
   if (id < 0 || id >= tokenizer_->vocab_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("token id ", id, " outside [0, ",
-                     tokenizer_->vocab_size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token id ", id, " outside [0, ", tokenizer_->vocab_size(), ")"));
   }
   ids_.push_back(id);
   absl::StatusOr<std::string> delta = Step(/*flush=*/false);

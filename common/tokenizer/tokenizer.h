@@ -19,8 +19,11 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
 
-  /// UTF-8 text -> ids; prepends bos_id() when `add_bos` (and the vocabulary
-  /// has one). Never adds EOS. Lenient: any byte string is accepted; bytes
+  /// UTF-8 text -> ids. With `add_bos` (and a BOS in the vocabulary) the
+  /// result starts with bos_id() and the text is tokenized as it follows a
+  /// BOS in training data (hf-bpe: see HfBpeTokenizer on how a BOS absorbs
+  /// the prepended "▁"); for sentencepiece that is [bos] + Encode(text).
+  /// Never adds EOS. Lenient: any byte string is accepted; bytes
   /// that are not valid UTF-8 are tokenized like the reference libraries do
   /// (sentencepiece normalizes them; hf-bpe encodes each such byte through
   /// byte fallback), so they do not round-trip. Errors only on internal

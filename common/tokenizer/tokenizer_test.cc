@@ -34,14 +34,15 @@ const char* const kSpmModels[] = {"models/stories260K",
 const char* const kHfModels[] = {"models/tinystories-656K",
                                  "models/tinystories-656K-draft"};
 const char* const kAllModels[] = {
-    "models/stories260K", "models/stories260K-draft",
-    "models/tinystories-656K", "models/tinystories-656K-draft"};
+    "models/stories260K", "models/stories260K-draft", "models/tinystories-656K",
+    "models/tinystories-656K-draft"};
 
 constexpr char kBosMarker[] = "<BOS>";
 // Multi-byte text: Latin-1 accents, CJK and an emoji, all outside these tiny
 // vocabularies, so they go through byte fallback.
-constexpr char kUnicodeText[] = "caf\xC3\xA9 \xC3\xBC \xE6\x97\xA5\xE6\x9C\xAC "
-                                "\xF0\x9F\x99\x82";  // "café ü 日本 🙂"
+constexpr char kUnicodeText[] =
+    "caf\xC3\xA9 \xC3\xBC \xE6\x97\xA5\xE6\x9C\xAC "
+    "\xF0\x9F\x99\x82";  // "café ü 日本 🙂"
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -114,7 +115,8 @@ std::vector<GoldenPrompt> GoldenPrompts(const std::string& model) {
     out.push_back(std::move(p));
   }
   for (const char* file : {"specprefill_case1", "specprefill_case2"}) {
-    const Json sp = ReadJson(std::string("tests/data/golden/") + file + ".json");
+    const Json sp =
+        ReadJson(std::string("tests/data/golden/") + file + ".json");
     if (sp.at("speculator_model_dir").get<std::string>() != model) continue;
     GoldenPrompt p;
     p.name = file;
@@ -202,7 +204,8 @@ TEST(LoadTokenizerTest, MissingDirectoryIsNotFound) {
 
 std::string MakeTempDir(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+  const std::string dir =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
   std::string cmd = "mkdir -p '" + dir + "'";
   EXPECT_EQ(std::system(cmd.c_str()), 0);
   return dir;
@@ -354,8 +357,9 @@ TEST(TokenizerTest, SentencePieceMarksWordStartsAndBytes) {
 }
 
 bool IsAscii(const std::string& s) {
-  return std::all_of(s.begin(), s.end(),
-                     [](char c) { return static_cast<unsigned char>(c) < 0x80; });
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return static_cast<unsigned char>(c) < 0x80;
+  });
 }
 
 TEST(TokenizerTest, RoundTripsTexts) {
@@ -480,8 +484,8 @@ TEST(FingerprintTest, DependsOnEveryComponent) {
   EXPECT_NE(ComputeVocabFingerprint("sentencepiece", pieces, 1, 2, 0, -1),
             base);
   EXPECT_NE(ComputeVocabFingerprint("hf-bpe", pieces, 1, 2, 0, 0), base);
-  EXPECT_NE(ComputeVocabFingerprint("hf-bpe", {"<unk>", "<s>", "</s>", "b"},
-                                    1, 2, 0, -1),
+  EXPECT_NE(ComputeVocabFingerprint("hf-bpe", {"<unk>", "<s>", "</s>", "b"}, 1,
+                                    2, 0, -1),
             base);
   // Length prefixes keep piece boundaries: ["ab", ""] != ["a", "b"].
   EXPECT_NE(ComputeVocabFingerprint("k", {"ab", ""}, -1, -1, -1, -1),
@@ -634,8 +638,8 @@ std::string TinyJson(const std::string& merges, const std::string& extra_vocab,
                      bool byte_fallback) {
   std::string bytes;
   for (int b = 0; b < 256; ++b) {
-    bytes += absl::StrCat(",\"<0x", absl::Hex(b, absl::kZeroPad2), ">\":",
-                          100 + b);
+    bytes +=
+        absl::StrCat(",\"<0x", absl::Hex(b, absl::kZeroPad2), ">\":", 100 + b);
   }
   // absl::Hex prints lowercase; the byte pieces are uppercase.
   for (char& c : bytes) {
@@ -674,21 +678,18 @@ std::vector<std::string> Pieces(const Tokenizer& tok, const std::string& text) {
   return out;
 }
 
-
 TEST(HfBpeTokenizerTest, MergesByRankNotByPosition) {
   // "b c" outranks "a b": "abc" -> a + bc, although "a b" comes first in
   // the text; then "▁ a" can still apply.
   auto tok = HfBpeTokenizer::Parse(
-      TinyJson(R"("b c", "a b", "▁ a")",
-               R"(, "bc": 10, "ab": 11, "▁a": 12)"),
+      TinyJson(R"("b c", "a b", "▁ a")", R"(, "bc": 10, "ab": 11, "▁a": 12)"),
       "", "tiny");
   ASSERT_TRUE(tok.ok()) << tok.status();
   EXPECT_THAT(Pieces(**tok, "abc"), ElementsAre("▁a", "bc"));
   // With "a b" ranked first the same text splits the other way.
-  tok = HfBpeTokenizer::Parse(
-      TinyJson(R"(["a", "b"], ["b", "c"], ["ab", "c"])",
-               R"(, "bc": 10, "ab": 11, "abc": 12)"),
-      "", "tiny");
+  tok = HfBpeTokenizer::Parse(TinyJson(R"(["a", "b"], ["b", "c"], ["ab", "c"])",
+                                       R"(, "bc": 10, "ab": 11, "abc": 12)"),
+                              "", "tiny");
   ASSERT_TRUE(tok.ok()) << tok.status();
   EXPECT_THAT(Pieces(**tok, "abc"), ElementsAre("▁", "abc"));
   EXPECT_EQ((*tok)->bos_id(), 1);  // From the post_processor template.
@@ -698,8 +699,8 @@ TEST(HfBpeTokenizerTest, MergesByRankNotByPosition) {
 }
 
 TEST(HfBpeTokenizerTest, EqualRanksMergeLeftmostFirst) {
-  auto tok = HfBpeTokenizer::Parse(TinyJson(R"("a a")", R"(, "aa": 10)"), "",
-                                   "tiny");
+  auto tok =
+      HfBpeTokenizer::Parse(TinyJson(R"("a a")", R"(, "aa": 10)"), "", "tiny");
   ASSERT_TRUE(tok.ok()) << tok.status();
   EXPECT_THAT(Pieces(**tok, "aaa"), ElementsAre("▁", "aa", "a"));
   EXPECT_THAT(Pieces(**tok, "aaaa"), ElementsAre("▁", "aa", "aa"));
@@ -726,8 +727,7 @@ TEST(HfBpeTokenizerTest, SplitsOnAddedTokens) {
   ASSERT_TRUE(tok.ok()) << tok.status();
   // Non-normalized specials match in the raw text; each remaining piece is
   // normalized on its own (so "b" gets its own "▁").
-  EXPECT_THAT(*(*tok)->Encode("a</s>b", false),
-              ElementsAre(3, 4, 2, 3, 5));
+  EXPECT_THAT(*(*tok)->Encode("a</s>b", false), ElementsAre(3, 4, 2, 3, 5));
   EXPECT_EQ(*(*tok)->Decode({3, 4, 2, 3, 5}), "a b");
 }
 
@@ -736,7 +736,8 @@ TEST(HfBpeTokenizerTest, InvalidByteRunsDecodeToReplacementPerByte) {
   ASSERT_TRUE(tok.ok()) << tok.status();
   // <0xE6><0x97> is a truncated 3-byte sequence, then "a".
   EXPECT_EQ(*(*tok)->Decode({4, 100 + 0xE6, 100 + 0x97, 4}),
-            "a\xEF\xBF\xBD\xEF\xBF\xBD" "a");
+            "a\xEF\xBF\xBD\xEF\xBF\xBD"
+            "a");
   // Valid bytes before an invalid one survive.
   EXPECT_EQ(*(*tok)->Decode({100 + 0xC3, 100 + 0xA9, 100 + 0xFF}),
             "\xC3\xA9\xEF\xBF\xBD");
@@ -785,9 +786,9 @@ TEST(HfBpeTokenizerTest, LongPromptsEncodeInNearLinearTime) {
   while (text.size() < 200000) text += text;
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<int>> ids = tok->Encode(text, true);
-  const double secs = std::chrono::duration<double>(
-                          std::chrono::steady_clock::now() - start)
-                          .count();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   ASSERT_TRUE(ids.ok());
   EXPECT_EQ(*tok->Decode(*ids), text);
   EXPECT_LT(secs, 10.0);

@@ -1,0 +1,177 @@
+#include "speculator_service/session_manager.h"
+
+#include <memory>
+#include <set>
+#include <string>
+
+#include "common/model/weights.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace {
+
+class SessionManagerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto w = LoadModelWeights("models/stories260K-draft");
+    ASSERT_TRUE(w.ok()) << w.status();
+    model_ = new Transformer(std::make_shared<const ModelWeights>(*std::move(w)));
+  }
+  static void TearDownTestSuite() { delete model_; }
+
+  std::unique_ptr<DraftSession> NewSession(int capacity = 64) {
+    auto s = DraftSession::Create(model_, capacity, SamplingParams{});
+    EXPECT_TRUE(s.ok()) << s.status();
+    return *std::move(s);
+  }
+  static size_t Bytes(int capacity) {
+    return KvCache::BytesPerToken(model_->config()) * capacity;
+  }
+
+  // Injectable clock: tests move time by hand.
+  absl::Time now_ = absl::UnixEpoch();
+  SessionManager::Clock clock_ = [this] { return now_; };
+  static Transformer* model_;
+};
+
+Transformer* SessionManagerTest::model_ = nullptr;
+
+TEST_F(SessionManagerTest, IdsAreRandom128BitHexAndLeasesReturn) {
+  SessionManager m({}, clock_);
+  std::set<std::string> ids;
+  for (int i = 0; i < 8; ++i) {
+    auto lease = m.Add(NewSession());
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->id().size(), 32u);
+    EXPECT_EQ(lease->id().find_first_not_of("0123456789abcdef"),
+              std::string::npos);
+    EXPECT_NE(lease->session(), nullptr);
+    ids.insert(lease->id());
+  }
+  EXPECT_EQ(ids.size(), 8u);
+  EXPECT_EQ(m.num_sessions(), 8);
+  EXPECT_EQ(m.kv_bytes(), 8 * Bytes(64));
+  // Returned leases can be taken again, one at a time.
+  auto a = m.Acquire(*ids.begin());
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(m.Acquire(*ids.begin()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  a->Reset();
+  EXPECT_TRUE(m.Acquire(*ids.begin()).ok());
+  EXPECT_EQ(m.Acquire("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionManagerTest, MaxSessionsAndKvBudgetAreResourceExhausted) {
+  SessionManagerOptions o;
+  o.max_sessions = 2;
+  SessionManager by_count(o, clock_);
+  ASSERT_TRUE(by_count.Add(NewSession()).ok());
+  ASSERT_TRUE(by_count.Add(NewSession()).ok());
+  auto third = by_count.Add(NewSession());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("max_sessions"), std::string::npos);
+
+  o.max_sessions = 100;
+  o.kv_budget_bytes = Bytes(64) + Bytes(32);  // room for 64 + 32 tokens
+  SessionManager by_bytes(o, clock_);
+  auto a = by_bytes.Add(NewSession(64));
+  ASSERT_TRUE(a.ok());
+  auto b = by_bytes.Add(NewSession(64));
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(b.status().message().find("kv_budget_bytes"), std::string::npos);
+  EXPECT_TRUE(by_bytes.Add(NewSession(32)).ok());
+  EXPECT_EQ(by_bytes.kv_bytes(), Bytes(96));
+  // Releasing frees the charge.
+  const std::string id = a->id();
+  a->Reset();
+  EXPECT_TRUE(by_bytes.Release(id));
+  EXPECT_FALSE(by_bytes.Release(id));
+  EXPECT_EQ(by_bytes.kv_bytes(), Bytes(32));
+  EXPECT_TRUE(by_bytes.Add(NewSession(64)).ok());
+}
+
+TEST_F(SessionManagerTest, IdleSessionsExpireAfterTtl) {
+  SessionManagerOptions o;
+  o.ttl = absl::Seconds(10);
+  SessionManager m(o, clock_);
+  std::string id;
+  {
+    auto lease = m.Add(NewSession());
+    ASSERT_TRUE(lease.ok());
+    id = lease->id();
+  }
+  now_ += absl::Seconds(9);
+  EXPECT_TRUE(m.Acquire(id).ok());  // use refreshes the idle timer
+  now_ += absl::Seconds(9);
+  EXPECT_EQ(m.Sweep(), 0);
+  now_ += absl::Seconds(2);
+  auto gone = m.Acquire(id);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(gone.status().message().find("expired or unknown"),
+            std::string::npos);
+  EXPECT_EQ(m.num_sessions(), 0);  // reaped lazily on access
+
+  // The periodic sweep reaps without any access.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(m.Add(NewSession()).ok());
+  now_ += absl::Seconds(11);
+  EXPECT_EQ(m.Sweep(), 3);
+  EXPECT_EQ(m.num_sessions(), 0);
+  EXPECT_EQ(m.kv_bytes(), 0u);
+}
+
+TEST_F(SessionManagerTest, FullManagerReapsExpiredBeforeRefusing) {
+  SessionManagerOptions o;
+  o.max_sessions = 1;
+  o.ttl = absl::Seconds(1);
+  SessionManager m(o, clock_);
+  ASSERT_TRUE(m.Add(NewSession()).ok());
+  EXPECT_EQ(m.Add(NewSession()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  now_ += absl::Seconds(2);
+  EXPECT_TRUE(m.Add(NewSession()).ok());
+}
+
+TEST_F(SessionManagerTest, LeasedSessionsAreNeverReapedAndReleaseWaits) {
+  SessionManagerOptions o;
+  o.ttl = absl::Seconds(1);
+  int observed_sessions = -1;
+  size_t observed_bytes = 0;
+  SessionManager m(o, clock_, [&](int n, size_t bytes) {
+    observed_sessions = n;
+    observed_bytes = bytes;
+  });
+  auto lease = m.Add(NewSession());
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(observed_sessions, 1);
+  EXPECT_EQ(observed_bytes, Bytes(64));
+  now_ += absl::Hours(1);
+  EXPECT_EQ(m.Sweep(), 0);  // in use: not idle
+  // Release while leased unlists it but keeps the memory (and its charge)
+  // until the lease ends.
+  DraftSession* s = lease->session();
+  EXPECT_TRUE(m.Release(lease->id()));
+  EXPECT_EQ(m.Acquire(lease->id()).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(lease->session(), s);
+  EXPECT_EQ(m.num_sessions(), 1);
+  lease->Reset();
+  EXPECT_EQ(m.num_sessions(), 0);
+  EXPECT_EQ(observed_sessions, 0);
+  EXPECT_EQ(observed_bytes, 0u);
+}
+
+TEST_F(SessionManagerTest, MovedLeaseReturnsOnce) {
+  SessionManager m({}, clock_);
+  auto lease = m.Add(NewSession());
+  ASSERT_TRUE(lease.ok());
+  const std::string id = lease->id();
+  SessionManager::Lease moved = *std::move(lease);
+  EXPECT_FALSE(static_cast<bool>(*lease));
+  EXPECT_EQ(m.Acquire(id).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  moved = SessionManager::Lease();
+  EXPECT_TRUE(m.Acquire(id).ok());
+}
+
+}  // namespace
+}  // namespace specserve

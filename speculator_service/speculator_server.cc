@@ -1,0 +1,448 @@
+#include "speculator_service/speculator_server.h"
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/engine/transformer.h"
+#include "common/model/weights.h"
+#include "common/service/executor.h"
+#include "common/service/grpc_util.h"
+#include "common/speculation/draft_session.h"
+#include "common/tokenizer/tokenizer.h"
+#include "protos/speculator.grpc.pb.h"
+#include "speculator_service/metrics.h"
+
+namespace specserve {
+namespace {
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::Span<const int> Ids(const google::protobuf::RepeatedField<int32_t>& r) {
+  return absl::MakeConstSpan(r.data(), r.size());
+}
+
+std::string Basename(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+}  // namespace
+
+/// The CallbackService; owned by SpeculatorServer, which outlives every
+/// call (Shutdown waits for them).
+class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
+ public:
+  SpeculatorServiceImpl(const SpeculatorServerOptions& options,
+                        const Transformer* model, const v1::ModelInfo* info,
+                        SessionManager* sessions, Executor* executor,
+                        SpeculatorMetrics* metrics)
+      : options_(options),
+        model_(model),
+        info_(info),
+        sessions_(sessions),
+        executor_(executor),
+        metrics_(metrics) {}
+
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx,
+                                  const v1::ScoreRequest* req,
+                                  v1::ScoreResponse* resp) override;
+  grpc::ServerBidiReactor<v1::DraftRequest, v1::DraftResponse>* Draft(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ReleaseSession(
+      grpc::CallbackServerContext* ctx, const v1::ReleaseSessionRequest* req,
+      v1::ReleaseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx,
+                                 const v1::InfoRequest* req,
+                                 v1::ModelInfo* resp) override;
+
+  /// Queues `fn` on the executor unless max_queue tasks are waiting.
+  bool TrySubmit(std::function<void()> fn) {
+    if (static_cast<int>(executor_->pending()) >= options_.max_queue) {
+      return false;
+    }
+    executor_->Submit(std::move(fn));
+    return true;
+  }
+  /// Counts the call and finishes it.
+  void Finish(grpc::ServerUnaryReactor* reactor, const char* method,
+              const absl::Status& s) {
+    metrics_->CountRequest(method, absl::StatusCodeToString(s.code()));
+    reactor->Finish(ToGrpcStatus(s));
+  }
+  /// Finish for the early-return paths of a unary handler.
+  grpc::ServerUnaryReactor* Reply(grpc::ServerUnaryReactor* reactor,
+                                  const char* method, const absl::Status& s) {
+    Finish(reactor, method, s);
+    return reactor;
+  }
+  static absl::Status Overloaded() {
+    return absl::ResourceExhaustedError(
+        "speculator overloaded: the forward queue is full (max_queue)");
+  }
+
+  const SpeculatorServerOptions& options_;
+  const Transformer* model_;
+  const v1::ModelInfo* info_;
+  SessionManager* sessions_;
+  Executor* executor_;
+  SpeculatorMetrics* metrics_;
+};
+
+grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
+    grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
+    v1::ScoreResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const int64_t t0 = NowNs();
+  const ModelConfig& config = model_->config();
+  // Validate everything cheap here, once, before any work is queued.
+  auto opts = ResolveScoreOptions(req->options(), options_.defaults,
+                                  config.num_hidden_layers, "options.");
+  if (!opts.ok()) return Reply(reactor, "Score", opts.status());
+  opts->num_threads = options_.engine_threads;
+  if (absl::Status s = ValidatePrompt(Ids(req->token_ids()), opts->look_ahead,
+                                      config, "token_ids");
+      !s.ok()) {
+    return Reply(reactor, "Score", s);
+  }
+  auto sampling = ResolveSampling(req->sampling());
+  if (!sampling.ok()) return Reply(reactor, "Score", sampling.status());
+
+  // A kept session may draft up to the model's context, and is charged for
+  // it; a throwaway one needs only prompt + look-ahead.
+  const int n = req->token_ids_size();
+  const int capacity = req->keep_session() ? config.max_position_embeddings
+                                           : n + opts->look_ahead;
+  auto created = DraftSession::Create(model_, capacity, *sampling);
+  if (!created.ok()) return Reply(reactor, "Score", created.status());
+  // Admission (max_sessions, KV budget) happens before queueing the work.
+  auto lease = std::make_shared<SessionManager::Lease>();
+  std::shared_ptr<DraftSession> owned;
+  if (req->keep_session()) {
+    auto added = sessions_->Add(*std::move(created));
+    if (!added.ok()) return Reply(reactor, "Score", added.status());
+    *lease = *std::move(added);
+  } else {
+    owned = *std::move(created);
+  }
+  auto task = [this, ctx, req, resp, reactor, t0, score_opts = *opts, lease,
+               owned]() {
+    DraftSession* session = owned ? owned.get() : lease->session();
+    absl::StatusOr<ScoreResult> r =
+        absl::CancelledError("client went away before scoring");
+    if (!ctx->IsCancelled()) r = session->Score(Ids(req->token_ids()), score_opts);
+    if (!r.ok()) {
+      if (*lease) sessions_->Release(lease->id());
+      lease->Reset();
+      return Finish(reactor, "Score", r.status());
+    }
+    const Selection& sel = r->selection;
+    resp->mutable_kept_indices()->Add(sel.kept_indices.begin(),
+                                      sel.kept_indices.end());
+    resp->mutable_position_ids()->Add(sel.position_ids.begin(),
+                                      sel.position_ids.end());
+    resp->set_next_position(sel.next_position);
+    resp->mutable_look_ahead_token_ids()->Add(r->look_ahead_tokens.begin(),
+                                              r->look_ahead_tokens.end());
+    if (req->return_importance()) {
+      resp->mutable_importance()->Add(r->importance.begin(),
+                                      r->importance.end());
+    }
+    resp->set_prompt_tokens(req->token_ids_size());
+    resp->set_kept_tokens(static_cast<int>(sel.kept_indices.size()));
+    if (*lease) resp->set_session_id(lease->id());
+    lease->Reset();  // the session's idle timer starts now
+    const int64_t total = NowNs() - t0;
+    v1::ScoreTimings* t = resp->mutable_timings();
+    t->set_prefill_ns(r->prefill_ns);
+    t->set_look_ahead_ns(r->look_ahead_ns);
+    t->set_score_ns(r->score_ns);
+    t->set_total_ns(total);
+    metrics_->ObserveScore(resp->prompt_tokens(), resp->kept_tokens(),
+                           r->prefill_ns, r->look_ahead_ns, r->score_ns,
+                           total);
+    Finish(reactor, "Score", absl::OkStatus());
+  };
+  if (!TrySubmit(std::move(task))) {
+    if (*lease) sessions_->Release(lease->id());
+    lease->Reset();
+    Finish(reactor, "Score", Overloaded());
+  }
+  return reactor;
+}
+
+namespace {
+
+/// One Draft stream. Exactly one of {a read outstanding, a draft task
+/// queued or running, a write outstanding} holds at any time until Finish,
+/// so the reactions form one sequential chain; cancellation makes the
+/// outstanding read or write fail (or the task notices), which ends the
+/// chain. OnCancel itself only flags and frees the session.
+class DraftReactor final
+    : public grpc::ServerBidiReactor<v1::DraftRequest, v1::DraftResponse> {
+ public:
+  explicit DraftReactor(SpeculatorServiceImpl* impl) : impl_(impl) {
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // client half-close (the session stays) or cancellation
+      return FinishOnce(IsCancelled()
+                            ? absl::CancelledError("Draft stream cancelled")
+                            : absl::OkStatus());
+    }
+    absl::Status s = Bind();
+    if (s.ok()) {
+      s = ValidateNumDraftTokens(req_.num_draft_tokens(), "num_draft_tokens");
+    }
+    if (!s.ok()) return FinishOnce(s);
+    if (IsCancelled()) {
+      return FinishOnce(absl::CancelledError("Draft stream cancelled"));
+    }
+    if (!impl_->TrySubmit([this] { RunDraft(); })) {
+      FinishOnce(SpeculatorServiceImpl::Overloaded());
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok || IsCancelled()) {
+      return FinishOnce(absl::CancelledError("Draft stream cancelled"));
+    }
+    StartRead(&req_);
+  }
+
+  void OnCancel() override {
+    std::string id;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      id = session_id_;
+    }
+    // "A cancelled stream frees the session": unlisted now, memory freed
+    // when the lease ends in OnDone.
+    if (!id.empty()) impl_->sessions_->Release(id);
+  }
+
+  void OnDone() override {
+    lease_.Reset();
+    delete this;
+  }
+
+ private:
+  bool IsCancelled() {
+    absl::MutexLock lock(&mu_);
+    return cancelled_;
+  }
+
+  // Binds the stream to its session on the first message; later messages
+  // may repeat the id but not change it.
+  absl::Status Bind() {
+    const std::string& id = req_.session_id();
+    if (lease_) {
+      if (!id.empty() && id != lease_.id()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "session_id ", id, " differs from the stream's session ",
+            lease_.id()));
+      }
+      return absl::OkStatus();
+    }
+    if (id.empty()) {
+      return absl::InvalidArgumentError(
+          "session_id is required on the first Draft message");
+    }
+    auto lease = impl_->sessions_->Acquire(id);
+    if (!lease.ok()) return lease.status();
+    lease_ = *std::move(lease);
+    bool cancelled;
+    {
+      absl::MutexLock lock(&mu_);
+      session_id_ = id;
+      cancelled = cancelled_;
+    }
+    if (cancelled) impl_->sessions_->Release(id);  // OnCancel missed it
+    return absl::OkStatus();
+  }
+
+  // On the executor.
+  void RunDraft() {
+    const int64_t t0 = NowNs();
+    auto drafts = lease_.session()->Draft(Ids(req_.emitted_token_ids()),
+                                          req_.num_draft_tokens());
+    if (!drafts.ok()) return FinishOnce(drafts.status());
+    const int64_t ns = NowNs() - t0;
+    impl_->metrics_->ObserveDraft(static_cast<int>(drafts->size()), ns);
+    if (IsCancelled()) {
+      return FinishOnce(absl::CancelledError("Draft stream cancelled"));
+    }
+    resp_.Clear();
+    for (const DraftToken& d : *drafts) {
+      v1::DraftToken* out = resp_.add_drafts();
+      out->set_id(d.id);
+      for (const auto& [id, p] : d.q) {
+        v1::TokenProb* tp = out->add_q();
+        tp->set_id(id);
+        tp->set_prob(p);
+      }
+    }
+    resp_.set_draft_ns(ns);
+    StartWrite(&resp_);
+  }
+
+  // Ends the stream; an error status frees the session this stream holds.
+  void FinishOnce(const absl::Status& s) {
+    std::string id;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      finished_ = true;
+      id = session_id_;
+    }
+    if (!s.ok() && !id.empty()) impl_->sessions_->Release(id);
+    impl_->metrics_->CountRequest("Draft", absl::StatusCodeToString(s.code()));
+    Finish(ToGrpcStatus(s));
+  }
+
+  SpeculatorServiceImpl* impl_;
+  v1::DraftRequest req_;
+  v1::DraftResponse resp_;
+  SessionManager::Lease lease_;  // touched only by the sequential chain
+  absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::DraftRequest, v1::DraftResponse>*
+SpeculatorServiceImpl::Draft(grpc::CallbackServerContext* /*ctx*/) {
+  return new DraftReactor(this);
+}
+
+grpc::ServerUnaryReactor* SpeculatorServiceImpl::ReleaseSession(
+    grpc::CallbackServerContext* ctx, const v1::ReleaseSessionRequest* req,
+    v1::ReleaseSessionResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (req->session_id().empty()) {
+    Finish(reactor, "ReleaseSession",
+           absl::InvalidArgumentError("session_id is empty"));
+    return reactor;
+  }
+  // Idempotent: an unknown or expired id is not an error.
+  resp->set_released(sessions_->Release(req->session_id()));
+  Finish(reactor, "ReleaseSession", absl::OkStatus());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpeculatorServiceImpl::Info(
+    grpc::CallbackServerContext* ctx, const v1::InfoRequest* /*req*/,
+    v1::ModelInfo* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  *resp = *info_;
+  Finish(reactor, "Info", absl::OkStatus());
+  return reactor;
+}
+
+SpeculatorServer::SpeculatorServer(const SpeculatorServerOptions& options)
+    : options_(options),
+      registry_(std::make_shared<prometheus::Registry>()),
+      metrics_(std::make_unique<SpeculatorMetrics>(*registry_)) {}
+
+absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
+    const SpeculatorServerOptions& options) {
+  const auto bad = [](const std::string& m) {
+    return absl::InvalidArgumentError(m);
+  };
+  if (options.model_dir.empty()) return bad("model_dir is empty");
+  if (options.threads < 1) return bad("threads must be >= 1");
+  if (options.max_queue < 1) return bad("max_queue must be >= 1");
+  if (options.max_sessions < 1) return bad("max_sessions must be >= 1");
+  if (!(options.session_ttl_s > 0)) return bad("session_ttl_s must be > 0");
+  // The defaults must be valid themselves.
+  auto probe = ResolveScoreOptions({}, options.defaults, 1 << 20, "default_");
+  if (!probe.ok()) return probe.status();
+
+  auto weights = LoadModelWeights(options.model_dir);
+  if (!weights.ok()) return weights.status();
+  std::unique_ptr<SpeculatorServer> s(new SpeculatorServer(options));
+  s->model_ = std::make_unique<Transformer>(
+      std::make_shared<const ModelWeights>(*std::move(weights)));
+  auto tok = LoadTokenizer(options.model_dir);
+  if (tok.ok()) {
+    s->tokenizer_ = *std::move(tok);
+  } else if (!absl::IsNotFound(tok.status())) {
+    return tok.status();
+  } else {
+    std::fprintf(stderr, "warning: %s; Info reports no tokenizer\n",
+                 tok.status().ToString().c_str());
+  }
+  const std::string id =
+      options.model_id.empty() ? Basename(options.model_dir) : options.model_id;
+  s->info_ = MakeModelInfo(id, s->model_->config(), s->tokenizer_.get());
+
+  SessionManagerOptions so;
+  so.max_sessions = options.max_sessions;
+  so.kv_budget_bytes = options.kv_budget_bytes;
+  so.ttl = absl::Seconds(options.session_ttl_s);
+  SpeculatorMetrics* metrics = s->metrics_.get();
+  s->sessions_ = std::make_unique<SessionManager>(
+      so, options.clock, [metrics](int n, size_t bytes) {
+        metrics->SetSessions(n, bytes);
+      });
+  s->executor_ = std::make_unique<Executor>(options.threads);
+  s->service_ = std::make_unique<SpeculatorServiceImpl>(
+      s->options_, s->model_.get(), &s->info_, s->sessions_.get(),
+      s->executor_.get(), s->metrics_.get());
+  return s;
+}
+
+SpeculatorServer::~SpeculatorServer() { Shutdown(); }
+
+absl::Status SpeculatorServer::Start(int port) {
+  if (server_ != nullptr) return absl::FailedPreconditionError("started");
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
+                           grpc::InsecureServerCredentials(), &port_);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    server_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options_.host, ":", port));
+  }
+  sweeper_ = std::thread([this] { SweepLoop(); });
+  return absl::OkStatus();
+}
+
+void SpeculatorServer::SweepLoop() {
+  // Lazy reaping covers correctness; the sweep returns idle memory.
+  const absl::Duration period = std::min(
+      absl::Seconds(options_.session_ttl_s) / 2, absl::Seconds(10));
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
+    mu_.Unlock();
+    sessions_->Sweep();
+    mu_.Lock();
+  }
+}
+
+void SpeculatorServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (sweeper_.joinable()) sweeper_.join();
+  if (server_ != nullptr) {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  }
+}
+
+}  // namespace specserve

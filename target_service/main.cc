@@ -1,0 +1,88 @@
+// specserve target service: serves specserve.v1.Target (protos/target.proto)
+// for one model, with health, reflection and Prometheus /metrics.
+//
+//   target_service --model=models/stories260K --port=50052 --metrics_port=9092
+//
+// Prints "listening on <port>, metrics on <port>" to stderr when ready;
+// SIGINT/SIGTERM stop it (streams get --shutdown_grace_s to finish).
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdint>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/time/time.h"
+#include "common/engine/transformer.h"
+#include "common/service/grpc_util.h"
+#include "target_service/target_server.h"
+
+ABSL_FLAG(std::string, model, "", "HF Llama checkpoint directory (required)");
+ABSL_FLAG(std::string, model_id, "", "Info.model_id; default: model dir name");
+ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listening address");
+ABSL_FLAG(int, port, 50052, "gRPC port (0 = any free port)");
+ABSL_FLAG(int, metrics_port, 9092, "Prometheus /metrics port (0 = any)");
+ABSL_FLAG(int, threads, 0, "OpenBLAS threads per forward (0 = default)");
+ABSL_FLAG(int, workers, 2, "forwards run concurrently (executor threads)");
+ABSL_FLAG(int, max_sessions, 64, "concurrent Generate streams admitted");
+ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
+          "KV cache bytes all admitted sessions may reserve together");
+ABSL_FLAG(int, default_max_new_tokens, 256,
+          "max_new_tokens for requests that leave it 0");
+ABSL_FLAG(int, max_drafts, 64, "drafts per message at most, [0, 64]");
+ABSL_FLAG(double, shutdown_grace_s, 5, "seconds open streams get on exit");
+
+int main(int argc, char** argv) {
+  specserve::MaybeReexecForAvx512(argv);
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the stop signals in every thread (threads inherit the mask) and
+  // wait for them synchronously below: no work in a signal handler.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  specserve::EnableHealthAndReflection();
+  specserve::TargetServerOptions options;
+  options.model_dir = absl::GetFlag(FLAGS_model);
+  options.model_id = absl::GetFlag(FLAGS_model_id);
+  options.host = absl::GetFlag(FLAGS_host);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.workers = absl::GetFlag(FLAGS_workers);
+  options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.kv_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
+  options.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  options.max_drafts = absl::GetFlag(FLAGS_max_drafts);
+  auto server = specserve::TargetServer::Create(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "target_service: %s\n",
+                 server.status().ToString().c_str());
+    return 1;
+  }
+  if (absl::Status s = (*server)->Start(absl::GetFlag(FLAGS_port)); !s.ok()) {
+    std::fprintf(stderr, "target_service: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  int metrics_port = 0;
+  auto exposer = specserve::StartMetricsExposer(
+      absl::GetFlag(FLAGS_metrics_port), (*server)->registry(), &metrics_port);
+  if (!exposer.ok()) {
+    std::fprintf(stderr, "target_service: %s\n",
+                 exposer.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "listening on %d, metrics on %d\n", (*server)->port(),
+               metrics_port);
+  std::fflush(stderr);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "target_service: signal %d, shutting down\n", sig);
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
+  return 0;
+}

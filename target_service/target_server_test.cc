@@ -1,0 +1,741 @@
+#include "target_service/target_server.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/engine/kv_cache.h"
+#include "common/service/grpc_util.h"
+#include "common/speculation/draft_session.h"
+#include "common/speculation/target_session.h"
+#include "common/speculation/test_util.h"
+#include "common/tokenizer/tokenizer.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
+
+namespace specserve {
+namespace {
+
+using testing_util::GreedyReference;
+using testing_util::LoadBundled;
+
+const std::vector<int> kPrompt = {1, 403, 407, 261, 378, 432, 383, 286, 261,
+                                  376, 400, 428, 395};
+
+// Drafts for the next round, given the tokens the target emitted in the
+// previous one (empty before the first round).
+using DraftFn = std::function<std::vector<DraftToken>(const std::vector<int>&)>;
+
+DraftFn NoDrafts() {
+  return [](const std::vector<int>&) { return std::vector<DraftToken>(); };
+}
+
+// Proposes up to k drafts from an in-process DraftSession that has already
+// prefilled the full prompt.
+DraftFn FromDraftSession(DraftSession* session, int k) {
+  return [session, k](const std::vector<int>& emitted) {
+    auto d = session->Draft(emitted, k);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? *d : std::vector<DraftToken>();
+  };
+}
+
+void ToProto(const std::vector<DraftToken>& in,
+             google::protobuf::RepeatedPtrField<v1::DraftToken>* out) {
+  for (const DraftToken& d : in) {
+    v1::DraftToken* p = out->Add();
+    p->set_id(d.id);
+    for (const auto& [id, prob] : d.q) {
+      v1::TokenProb* tp = p->add_q();
+      tp->set_id(id);
+      tp->set_prob(prob);
+    }
+  }
+}
+
+v1::Prefill MakePrefill(const std::vector<int>& ids, int max_new) {
+  v1::Prefill p;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    p.add_token_ids(ids[i]);
+    p.add_position_ids(static_cast<int>(i));
+  }
+  p.set_next_position(static_cast<int>(ids.size()));
+  p.mutable_stop()->set_max_new_tokens(max_new);
+  return p;
+}
+
+struct StreamResult {
+  std::vector<int> tokens;
+  std::vector<v1::GenerateResponse> responses;
+  grpc::Status status;
+};
+
+std::unique_ptr<grpc::ClientContext> NewContext() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  return ctx;
+}
+
+// Drives one Generate stream the way the router does: prefill (+ first
+// drafts), then one drafts message per response until finish_reason is set,
+// then WritesDone + Finish.
+StreamResult RunStream(v1::Target::Stub* stub, v1::Prefill prefill,
+                       const DraftFn& drafts) {
+  auto ctx = NewContext();
+  auto rw = stub->Generate(ctx.get());
+  v1::GenerateRequest req;
+  *req.mutable_prefill() = std::move(prefill);
+  ToProto(drafts({}), req.mutable_prefill()->mutable_drafts());
+  StreamResult out;
+  bool ok = rw->Write(req);
+  v1::GenerateResponse resp;
+  while (ok && rw->Read(&resp)) {
+    out.responses.push_back(resp);
+    std::vector<int> emitted(resp.token_ids().begin(), resp.token_ids().end());
+    out.tokens.insert(out.tokens.end(), emitted.begin(), emitted.end());
+    if (!resp.finish_reason().empty()) break;
+    v1::GenerateRequest next;
+    ToProto(drafts(emitted), next.mutable_drafts()->mutable_drafts());
+    ok = rw->Write(next);
+  }
+  rw->WritesDone();
+  out.status = rw->Finish();
+  return out;
+}
+
+// The same request run through TargetSession in-process.
+std::vector<int> RunInProcess(const Transformer& model, TargetRequest r,
+                              const DraftFn& drafts) {
+  auto s = TargetSession::Create(&model, std::move(r));
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return {};
+  std::vector<DraftToken> d = drafts({});
+  while (!(*s)->finished()) {
+    auto round = (*s)->Step(d);
+    EXPECT_TRUE(round.ok()) << round.status();
+    if (!round.ok()) break;
+    if ((*s)->finished()) break;
+    d = drafts(round->tokens);
+  }
+  return (*s)->output();
+}
+
+TargetRequest MakeRequest(const std::vector<int>& ids, int max_new) {
+  TargetRequest r;
+  r.token_ids = ids;
+  r.position_ids.resize(ids.size());
+  std::iota(r.position_ids.begin(), r.position_ids.end(), 0);
+  r.next_position = static_cast<int>(ids.size());
+  r.stop.max_new_tokens = max_new;
+  return r;
+}
+
+// Value of the sample line `key value` in the Prometheus text rendering
+// (key includes labels, e.g. name{position="0"}); -1 if absent.
+double Metric(const TargetServer& server, const std::string& key) {
+  const std::string text =
+      prometheus::TextSerializer().Serialize(server.registry()->Collect());
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(at, end - at);
+    if (line.rfind(key + " ", 0) == 0) {
+      return std::stod(line.substr(key.size() + 1));
+    }
+    at = end + 1;
+  }
+  return -1;
+}
+
+bool WaitFor(const std::function<bool()>& pred) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!pred()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+class TargetServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { EnableHealthAndReflection(); }
+
+  void SetUp() override {
+    server_ = StartServer({});
+    ASSERT_NE(server_, nullptr);
+    stub_ = NewStub(*server_);
+    target_w_ = LoadBundled("stories260K");
+    draft_w_ = LoadBundled("stories260K-draft");
+    ASSERT_NE(target_w_, nullptr);
+    ASSERT_NE(draft_w_, nullptr);
+    target_ = std::make_unique<Transformer>(target_w_);
+    draft_ = std::make_unique<Transformer>(draft_w_);
+  }
+
+  static std::unique_ptr<TargetServer> StartServer(TargetServerOptions o) {
+    o.model_dir = "models/stories260K";
+    o.host = "127.0.0.1";
+    auto server = TargetServer::Create(o);
+    EXPECT_TRUE(server.ok()) << server.status();
+    if (!server.ok()) return nullptr;
+    absl::Status s = (*server)->Start(0);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_GT((*server)->port(), 0);
+    return s.ok() ? *std::move(server) : nullptr;
+  }
+
+  static std::unique_ptr<v1::Target::Stub> NewStub(const TargetServer& s) {
+    return v1::Target::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", s.port()),
+                            grpc::InsecureChannelCredentials()));
+  }
+
+  std::unique_ptr<DraftSession> NewDraftSession(const SamplingParams& p) {
+    auto ds = DraftSession::Create(draft_.get(), 512, p);
+    EXPECT_TRUE(ds.ok()) << ds.status();
+    EXPECT_TRUE((*ds)->Prefill(kPrompt).ok());
+    return *std::move(ds);
+  }
+
+  std::unique_ptr<TargetServer> server_;
+  std::unique_ptr<v1::Target::Stub> stub_;
+  std::shared_ptr<const ModelWeights> target_w_, draft_w_;
+  std::unique_ptr<Transformer> target_, draft_;
+};
+
+TEST_F(TargetServerTest, GreedyWithDraftModelDraftsEqualsPlainGreedy) {
+  const int kNew = 60;
+  const std::vector<int> want =
+      RunInProcess(*target_, MakeRequest(kPrompt, kNew), NoDrafts());
+  ASSERT_EQ(want.size(), size_t(kNew));
+  EXPECT_EQ(want, GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew));
+
+  auto ds = NewDraftSession({});
+  const StreamResult got =
+      RunStream(stub_.get(), MakePrefill(kPrompt, kNew),
+                FromDraftSession(ds.get(), 4));
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, want);
+
+  int drafts = 0, accepted = 0, at_pos0 = 0, at_pos3 = 0;
+  for (size_t i = 0; i < got.responses.size(); ++i) {
+    const v1::GenerateResponse& r = got.responses[i];
+    drafts += r.num_drafts();
+    accepted += r.num_accepted();
+    at_pos0 += r.num_accepted() >= 1;
+    at_pos3 += r.num_accepted() >= 4;
+    EXPECT_EQ(r.timings().prefill_ns() > 0, i == 0);
+    EXPECT_EQ(r.timings().verify_ns() > 0, i > 0);
+    EXPECT_EQ(r.finish_reason().empty(), i + 1 < got.responses.size());
+  }
+  EXPECT_EQ(got.responses.back().finish_reason(), "length");
+  EXPECT_EQ(got.responses.back().num_generated(), kNew);
+  EXPECT_GT(accepted, 0);
+  EXPECT_LT(got.responses.size(), size_t(kNew));  // speculation paid off
+
+  // Counters advance exactly as the responses say (fresh registry).
+  const TargetServer& s = *server_;
+  EXPECT_EQ(Metric(s, "specserve_target_draft_tokens_total"), drafts);
+  EXPECT_EQ(Metric(s, "specserve_target_accepted_tokens_total"), accepted);
+  EXPECT_EQ(Metric(s, "specserve_target_emitted_tokens_total"), kNew);
+  EXPECT_EQ(Metric(s, "specserve_target_prefill_tokens_total"),
+            kPrompt.size());
+  EXPECT_EQ(Metric(s, "specserve_target_accepted_tokens_per_pos_total{"
+                      "position=\"0\"}"),
+            at_pos0);
+  EXPECT_EQ(Metric(s, "specserve_target_accepted_tokens_per_pos_total{"
+                      "position=\"3\"}"),
+            at_pos3);
+  EXPECT_EQ(Metric(s, "specserve_target_prefill_seconds_count"), 1);
+  EXPECT_EQ(Metric(s, "specserve_target_requests_total{status=\"OK\"}"), 1);
+  EXPECT_EQ(Metric(s, "specserve_target_active_sessions"), 0);
+  EXPECT_EQ(Metric(s, "specserve_target_kv_cache_bytes"), 0);
+}
+
+TEST_F(TargetServerTest, PerfectDraftsAreAllAccepted) {
+  const int kNew = 21;
+  const std::vector<int> want =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  size_t at = 0;  // drafts = the reference continuation
+  DraftFn oracle = [&](const std::vector<int>& emitted) {
+    at += emitted.size();
+    std::vector<DraftToken> d;
+    for (size_t j = at; j < want.size() && d.size() < 4; ++j) {
+      d.push_back({want[j], {}});
+    }
+    return d;
+  };
+  const StreamResult got =
+      RunStream(stub_.get(), MakePrefill(kPrompt, kNew), oracle);
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens, want);
+  for (const auto& r : got.responses) {
+    EXPECT_EQ(r.num_accepted(), r.num_drafts());
+  }
+  // Four rounds of 4 drafts + bonus; the fifth has budget for one token,
+  // so its drafts are clipped to none.
+  ASSERT_EQ(got.responses.size(), 5u);
+  EXPECT_EQ(got.responses.back().num_drafts(), 0);
+  EXPECT_EQ(Metric(*server_, "specserve_target_verify_rounds_total"), 4);
+  EXPECT_EQ(Metric(*server_, "specserve_target_accepted_tokens_per_pos_total{"
+                             "position=\"3\"}"),
+            4);
+}
+
+TEST_F(TargetServerTest, PrunedPrefillMatchesInProcessSession) {
+  const std::vector<int> kept = {0, 1, 2, 5, 6, 9, 10, 11, 12};
+  const int kNew = 24;
+  TargetRequest r;
+  v1::Prefill p;
+  for (int i : kept) {
+    r.token_ids.push_back(kPrompt[i]);
+    r.position_ids.push_back(i);
+    p.add_token_ids(kPrompt[i]);
+    p.add_position_ids(i);
+  }
+  r.next_position = static_cast<int>(kPrompt.size());
+  p.set_next_position(r.next_position);
+  r.stop.max_new_tokens = kNew;
+  p.mutable_stop()->set_max_new_tokens(kNew);
+
+  const std::vector<int> want = RunInProcess(*target_, r, NoDrafts());
+  EXPECT_EQ(want, GreedyReference(*target_, r.token_ids, r.position_ids,
+                                  r.next_position, kNew));
+  // The pruned continuation really depends on the positions: decoding at
+  // kept_count + i instead gives something else.
+  EXPECT_NE(want, GreedyReference(*target_, r.token_ids, r.position_ids,
+                                  kept.size(), kNew));
+  const StreamResult plain = RunStream(stub_.get(), p, NoDrafts());
+  ASSERT_TRUE(plain.status.ok()) << plain.status.error_message();
+  EXPECT_EQ(plain.tokens, want);
+  EXPECT_EQ(plain.responses.size(), size_t(kNew));
+
+  auto ds = NewDraftSession({});
+  const StreamResult spec =
+      RunStream(stub_.get(), p, FromDraftSession(ds.get(), 3));
+  ASSERT_TRUE(spec.status.ok()) << spec.status.error_message();
+  EXPECT_EQ(spec.tokens, want);
+}
+
+TEST_F(TargetServerTest, SampledGenerationIsReproducible) {
+  const int kNew = 40;
+  SamplingParams sp;
+  sp.temperature = 0.8f;
+  sp.top_k = 40;
+  sp.seed = 7;
+  auto run = [&](uint64_t seed) {
+    SamplingParams draft_sp = sp;
+    draft_sp.seed = 3;
+    auto ds = NewDraftSession(draft_sp);
+    v1::Prefill p = MakePrefill(kPrompt, kNew);
+    p.mutable_sampling()->set_temperature(sp.temperature);
+    p.mutable_sampling()->set_top_k(sp.top_k);
+    p.mutable_sampling()->set_seed(seed);
+    return RunStream(stub_.get(), p, FromDraftSession(ds.get(), 4));
+  };
+  const StreamResult a = run(7), b = run(7), c = run(8);
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+  EXPECT_EQ(a.tokens.size(), size_t(kNew));
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_NE(a.tokens, c.tokens);
+
+  // Same seeds in-process (draft session seeded alike) -> same tokens.
+  SamplingParams draft_sp = sp;
+  draft_sp.seed = 3;
+  auto ds = NewDraftSession(draft_sp);
+  TargetRequest r = MakeRequest(kPrompt, kNew);
+  r.sampling = sp;
+  EXPECT_EQ(RunInProcess(*target_, r, FromDraftSession(ds.get(), 4)),
+            a.tokens);
+}
+
+TEST_F(TargetServerTest, DefaultMaxNewTokensAppliesToZero) {
+  TargetServerOptions o;
+  o.default_max_new_tokens = 5;
+  auto server = StartServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = NewStub(*server);
+  const StreamResult got =
+      RunStream(stub.get(), MakePrefill(kPrompt, 0), NoDrafts());
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  EXPECT_EQ(got.tokens.size(), 5u);
+  EXPECT_EQ(got.responses.back().finish_reason(), "length");
+}
+
+// Sends `first` (and `second` if set after reading one response) and returns
+// the stream's final status.
+grpc::Status SendAndFinish(v1::Target::Stub* stub,
+                           const v1::GenerateRequest& first,
+                           const v1::GenerateRequest* second = nullptr) {
+  auto ctx = NewContext();
+  auto rw = stub->Generate(ctx.get());
+  v1::GenerateResponse resp;
+  if (rw->Write(first) && second != nullptr && rw->Read(&resp)) {
+    rw->Write(*second);
+  }
+  while (rw->Read(&resp)) {
+  }
+  return rw->Finish();
+}
+
+TEST_F(TargetServerTest, BadInputIsInvalidArgumentNamingTheField) {
+  using Mutate = std::function<void(v1::Prefill*)>;
+  auto q = [](v1::DraftToken* d, std::vector<std::pair<int, float>> probs) {
+    for (auto [id, p] : probs) {
+      v1::TokenProb* tp = d->add_q();
+      tp->set_id(id);
+      tp->set_prob(p);
+    }
+  };
+  auto sampled = [](v1::Prefill* p) {
+    p->mutable_sampling()->set_temperature(1.f);
+  };
+  struct Case {
+    const char* name;
+    Mutate mutate;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {"empty prompt", [](v1::Prefill* p) { p->clear_token_ids(); },
+       "token_ids"},
+      {"token id >= vocab", [](v1::Prefill* p) { p->set_token_ids(3, 512); },
+       "token_ids[3]"},
+      {"negative token id", [](v1::Prefill* p) { p->set_token_ids(0, -1); },
+       "token_ids[0]"},
+      {"positions not increasing",
+       [](v1::Prefill* p) { p->set_position_ids(4, 3); }, "position_ids"},
+      {"position at max context",
+       [](v1::Prefill* p) { p->set_position_ids(12, 512); }, "position_ids"},
+      {"positions length mismatch",
+       [](v1::Prefill* p) { p->mutable_position_ids()->RemoveLast(); },
+       "position_ids"},
+      {"next_position <= last position",
+       [](v1::Prefill* p) { p->set_next_position(12); }, "next_position"},
+      {"next_position at max context",
+       [](v1::Prefill* p) { p->set_next_position(512); }, "next_position"},
+      {"too many drafts",
+       [](v1::Prefill* p) {
+         for (int i = 0; i < 65; ++i) p->add_drafts()->set_id(5);
+       },
+       "drafts"},
+      {"draft id outside vocab",
+       [](v1::Prefill* p) { p->add_drafts()->set_id(600); }, "drafts[0].id"},
+      {"negative q",
+       [&](v1::Prefill* p) {
+         sampled(p);
+         v1::DraftToken* d = p->add_drafts();
+         d->set_id(5);
+         q(d, {{5, 1.5f}, {6, -0.5f}});
+       },
+       "drafts[0].q[1].prob"},
+      {"q id outside vocab",
+       [&](v1::Prefill* p) {
+         sampled(p);
+         v1::DraftToken* d = p->add_drafts();
+         d->set_id(5);
+         q(d, {{5, 0.5f}, {900, 0.5f}});
+       },
+       "drafts[0].q[1].id"},
+      {"q sum far from 1",
+       [&](v1::Prefill* p) {
+         sampled(p);
+         v1::DraftToken* d = p->add_drafts();
+         d->set_id(5);
+         q(d, {{5, 0.5f}, {6, 0.2f}});
+       },
+       "drafts[0].q sums to"},
+      {"negative temperature",
+       [](v1::Prefill* p) { p->mutable_sampling()->set_temperature(-1.f); },
+       "temperature"},
+      {"NaN temperature",
+       [](v1::Prefill* p) {
+         p->mutable_sampling()->set_temperature(std::nanf(""));
+       },
+       "temperature"},
+      {"top_p > 1",
+       [](v1::Prefill* p) { p->mutable_sampling()->set_top_p(1.5f); },
+       "top_p"},
+      {"negative top_k",
+       [](v1::Prefill* p) { p->mutable_sampling()->set_top_k(-2); }, "top_k"},
+      {"negative max_new_tokens",
+       [](v1::Prefill* p) { p->mutable_stop()->set_max_new_tokens(-1); },
+       "max_new_tokens"},
+      {"stop id outside vocab",
+       [](v1::Prefill* p) { p->mutable_stop()->add_stop_token_ids(512); },
+       "stop_token_ids[0]"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    v1::GenerateRequest req;
+    *req.mutable_prefill() = MakePrefill(kPrompt, 8);
+    c.mutate(req.mutable_prefill());
+    const grpc::Status s = SendAndFinish(stub_.get(), req);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(s.error_message().find(c.field), std::string::npos)
+        << s.error_message();
+  }
+  // Bad drafts in a later message end the stream the same way.
+  v1::GenerateRequest first, bad;
+  *first.mutable_prefill() = MakePrefill(kPrompt, 8);
+  bad.mutable_drafts()->add_drafts()->set_id(512);
+  grpc::Status s = SendAndFinish(stub_.get(), first, &bad);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("drafts[0].id"), std::string::npos);
+  EXPECT_EQ(server_->active_sessions(), 0);
+  EXPECT_EQ(server_->kv_reserved_bytes(), 0);
+  EXPECT_EQ(Metric(*server_,
+                   "specserve_target_requests_total{status=\"INVALID_ARGUMENT\"}"),
+            cases.size() + 1);
+}
+
+TEST_F(TargetServerTest, ProtocolErrors) {
+  v1::GenerateRequest prefill, drafts;
+  *prefill.mutable_prefill() = MakePrefill(kPrompt, 1);
+  drafts.mutable_drafts();
+  // Drafts before the prefill.
+  grpc::Status s = SendAndFinish(stub_.get(), drafts);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("prefill"), std::string::npos);
+  // A message after the finish (max_new_tokens 1 finishes in round one).
+  s = SendAndFinish(stub_.get(), prefill, &drafts);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  // A second prefill.
+  *prefill.mutable_prefill() = MakePrefill(kPrompt, 8);
+  s = SendAndFinish(stub_.get(), prefill, &prefill);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("prefill"), std::string::npos);
+  {  // Closed before any message.
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    rw->WritesDone();
+    s = rw->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // Half-closed mid-generation: CANCELLED, session freed.
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(rw->Write(prefill));
+    ASSERT_TRUE(rw->Read(&resp));
+    rw->WritesDone();
+    EXPECT_FALSE(rw->Read(&resp));
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  EXPECT_EQ(server_->active_sessions(), 0);
+}
+
+TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
+  const ModelConfig& config = target_->config();
+  const int64_t small = static_cast<int64_t>(KvCache::BytesPerToken(config)) *
+                        TargetSession::CapacityFor(config,
+                                                   MakeRequest(kPrompt, 10));
+  // Room for one small session at a time.
+  TargetServerOptions o;
+  o.kv_budget_bytes = small;
+  auto server = StartServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = NewStub(*server);
+  v1::GenerateRequest big;
+  *big.mutable_prefill() = MakePrefill(kPrompt, 200);
+  grpc::Status s = SendAndFinish(stub.get(), big);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("kv_budget_bytes"), std::string::npos);
+
+  v1::GenerateRequest req;
+  *req.mutable_prefill() = MakePrefill(kPrompt, 10);
+  auto ctx = NewContext();
+  auto held = stub->Generate(ctx.get());
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(held->Write(req));
+  ASSERT_TRUE(held->Read(&resp));
+  EXPECT_EQ(server->kv_reserved_bytes(), small);
+  s = SendAndFinish(stub.get(), req);  // the budget is taken
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("kv_budget_bytes"), std::string::npos);
+  held->WritesDone();
+  held->Finish();
+  ASSERT_TRUE(WaitFor([&] { return server->active_sessions() == 0; }));
+  EXPECT_TRUE(RunStream(stub.get(), req.prefill(), NoDrafts()).status.ok());
+
+  // max_sessions: one stream at a time.
+  o = TargetServerOptions();
+  o.max_sessions = 1;
+  auto one = StartServer(o);
+  ASSERT_NE(one, nullptr);
+  auto stub1 = NewStub(*one);
+  auto ctx1 = NewContext();
+  auto held1 = stub1->Generate(ctx1.get());
+  ASSERT_TRUE(held1->Write(req));
+  ASSERT_TRUE(held1->Read(&resp));
+  s = SendAndFinish(stub1.get(), req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("max_sessions"), std::string::npos);
+  EXPECT_EQ(Metric(*one, "specserve_target_requests_total{"
+                         "status=\"RESOURCE_EXHAUSTED\"}"),
+            1);
+  EXPECT_EQ(one->active_sessions(), 1);
+  // Finish the held stream properly; the slot is free again.
+  v1::GenerateRequest none;
+  none.mutable_drafts();
+  while (resp.finish_reason().empty()) {
+    ASSERT_TRUE(held1->Write(none));
+    ASSERT_TRUE(held1->Read(&resp));
+  }
+  held1->WritesDone();
+  EXPECT_TRUE(held1->Finish().ok());
+  EXPECT_EQ(one->active_sessions(), 0);
+  EXPECT_TRUE(RunStream(stub1.get(), req.prefill(), NoDrafts()).status.ok());
+}
+
+TEST_F(TargetServerTest, ClientCancelFreesTheSession) {
+  v1::GenerateRequest req, none;
+  *req.mutable_prefill() = MakePrefill(kPrompt, 200);
+  none.mutable_drafts();
+  {  // Cancelled while the server waits for the next message.
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(rw->Write(req));
+    ASSERT_TRUE(rw->Read(&resp));
+    EXPECT_EQ(server_->active_sessions(), 1);
+    EXPECT_EQ(Metric(*server_, "specserve_target_active_sessions"), 1);
+    EXPECT_GT(Metric(*server_, "specserve_target_kv_cache_bytes"), 0);
+    ctx->TryCancel();
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    ASSERT_TRUE(WaitFor([&] { return server_->active_sessions() == 0; }));
+    EXPECT_EQ(Metric(*server_, "specserve_target_active_sessions"), 0);
+    EXPECT_EQ(Metric(*server_, "specserve_target_kv_cache_bytes"), 0);
+  }
+  {  // Cancelled with rounds possibly in flight.
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(rw->Write(req));
+    ASSERT_TRUE(rw->Read(&resp));
+    rw->Write(none);
+    ctx->TryCancel();
+    rw->Finish();
+    ASSERT_TRUE(WaitFor([&] { return server_->active_sessions() == 0; }));
+    EXPECT_EQ(server_->kv_reserved_bytes(), 0);
+  }
+  EXPECT_TRUE(WaitFor([&] {
+    return Metric(*server_,
+                  "specserve_target_requests_total{status=\"CANCELLED\"}") ==
+           2;
+  }));
+}
+
+TEST_F(TargetServerTest, ShutdownEndsOpenStreams) {
+  auto server = StartServer({});
+  ASSERT_NE(server, nullptr);
+  auto stub = NewStub(*server);
+  v1::GenerateRequest req;
+  *req.mutable_prefill() = MakePrefill(kPrompt, 100);
+  auto ctx = NewContext();
+  auto rw = stub->Generate(ctx.get());
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(rw->Write(req));
+  ASSERT_TRUE(rw->Read(&resp));
+  server->Shutdown();  // must not wait for the client
+  EXPECT_EQ(server->active_sessions(), 0);
+  EXPECT_FALSE(rw->Finish().ok());
+}
+
+TEST_F(TargetServerTest, InfoDescribesTheModel) {
+  auto ctx = NewContext();
+  v1::ModelInfo info;
+  ASSERT_TRUE(stub_->Info(ctx.get(), v1::InfoRequest(), &info).ok());
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ(info.vocab_size(), 512);
+  EXPECT_EQ(info.max_context(), 512);
+  EXPECT_EQ(info.model_id(), "stories260K");
+  EXPECT_EQ(info.bos_token_id(), 1);
+  EXPECT_FALSE(info.tokenizer_fingerprint().empty());
+  EXPECT_EQ(info.tokenizer_fingerprint(), (*tok)->Fingerprint());
+}
+
+TEST_F(TargetServerTest, HealthServiceAnswersServing) {
+  grpc::GenericStub generic(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                          grpc::InsecureChannelCredentials()));
+  auto ctx = NewContext();
+  grpc::ByteBuffer request, response;  // HealthCheckRequest{} = no bytes
+  grpc::Slice empty("");
+  request = grpc::ByteBuffer(&empty, 1);
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(ctx.get(), "/grpc.health.v1.Health/Check",
+                    grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      status = std::move(s);
+                      done.Notify();
+                    });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (const auto& s : slices) {
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
+}
+
+// GET http://127.0.0.1:port/path with a receive timeout; "" on failure.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string body;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req =
+        absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    if (send(fd, req.data(), req.size(), 0) == ssize_t(req.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, n);
+    }
+  }
+  close(fd);
+  return body;
+}
+
+TEST_F(TargetServerTest, MetricsAreServedOverHttp) {
+  ASSERT_TRUE(
+      RunStream(stub_.get(), MakePrefill(kPrompt, 3), NoDrafts()).status.ok());
+  int port = 0;
+  auto exposer = StartMetricsExposer(0, server_->registry(), &port);
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  ASSERT_GT(port, 0);
+  const std::string body = HttpGet(port, "/metrics");
+  EXPECT_NE(body.find("200 OK"), std::string::npos) << body;
+  EXPECT_NE(body.find("specserve_target_emitted_tokens_total 3"),
+            std::string::npos)
+      << body;
+  EXPECT_NE(body.find("specserve_target_time_per_output_token_seconds_bucket"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace specserve
