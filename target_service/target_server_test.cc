@@ -185,7 +185,7 @@ class TargetServerTest : public ::testing::Test {
   }
 
   static std::unique_ptr<TargetServer> StartServer(TargetServerOptions o) {
-    o.model_dir = "models/stories260K";
+    o.model_dir = getenv("TS_MODEL") ? getenv("TS_MODEL") : "models/stories260K";
     o.host = "127.0.0.1";
     auto server = TargetServer::Create(o);
     EXPECT_TRUE(server.ok()) << server.status();
