@@ -20,20 +20,19 @@
 #include "speculator_service/speculator_server.h"
 
 ABSL_FLAG(std::string, model, "", "speculator checkpoint directory");
-ABSL_FLAG(std::string, model_id, "", "model id reported by Info (default: "
-          "the directory name)");
+ABSL_FLAG(std::string, model_id, "",
+          "model id reported by Info (default: the directory name)");
 ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
 ABSL_FLAG(int, port, 50061, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9161, "Prometheus /metrics port (0 = any)");
 ABSL_FLAG(int, threads, 2, "executor workers (concurrent forwards)");
-ABSL_FLAG(int, engine_threads, 1,
-          "OpenBLAS / importance threads per forward");
+ABSL_FLAG(int, engine_threads, 1, "OpenBLAS / importance threads per forward");
 ABSL_FLAG(int, max_queue, 64, "queued forwards before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_sessions, 64, "live sessions before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
           "KV cache bytes (capacity) all sessions may hold");
-ABSL_FLAG(double, session_ttl_s, 300, "idle seconds before a session is "
-          "reaped");
+ABSL_FLAG(double, session_ttl_s, 300,
+          "idle seconds before a session is reaped");
 ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");
 ABSL_FLAG(double, default_keep_ratio, 0.3, "keep ratio when unset");
 ABSL_FLAG(int, default_chunk_size, 32, "selection chunk size when unset");
@@ -69,8 +68,7 @@ int Run() {
   o.defaults.pool_kernel_size = absl::GetFlag(FLAGS_default_pool_kernel_size);
   o.defaults.keep_first = absl::GetFlag(FLAGS_default_keep_first);
   o.defaults.keep_last = absl::GetFlag(FLAGS_default_keep_last);
-  o.defaults.min_prompt_tokens =
-      absl::GetFlag(FLAGS_default_min_prompt_tokens);
+  o.defaults.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
 
   // Block the stop signals in every thread (threads inherit the mask); the
   // main thread takes them synchronously with sigwait below.
@@ -85,8 +83,7 @@ int Run() {
   auto server = SpeculatorServer::Create(o);
   if (!server.ok()) {
     std::fprintf(stderr, "error: %s\n", server.status().ToString().c_str());
-    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2
-                                                                         : 1;
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   if (absl::Status s = (*server)->Start(absl::GetFlag(FLAGS_port)); !s.ok()) {
     std::fprintf(stderr, "error: %s\n", s.ToString().c_str());

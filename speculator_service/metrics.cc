@@ -23,8 +23,9 @@ Histogram::BucketBoundaries RatioBuckets() {
 prometheus::Family<Histogram>& ScoreFamily(prometheus::Registry& r) {
   return BuildHistogram()
       .Name("specserve_speculator_score_seconds")
-      .Help("Score latency by phase: prefill, look_ahead, score (importance "
-            "+ selection), total (receipt to reply)")
+      .Help(
+          "Score latency by phase: prefill, look_ahead, score (importance "
+          "+ selection), total (receipt to reply)")
       .Register(r);
 }
 
@@ -57,10 +58,8 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
           score_family_.Add({{"phase", "prefill"}}, LatencyBuckets())),
       look_ahead_seconds_(
           score_family_.Add({{"phase", "look_ahead"}}, LatencyBuckets())),
-      score_seconds_(
-          score_family_.Add({{"phase", "score"}}, LatencyBuckets())),
-      total_seconds_(
-          score_family_.Add({{"phase", "total"}}, LatencyBuckets())),
+      score_seconds_(score_family_.Add({{"phase", "score"}}, LatencyBuckets())),
+      total_seconds_(score_family_.Add({{"phase", "total"}}, LatencyBuckets())),
       draft_rounds_(BuildCounter()
                         .Name("specserve_speculator_draft_rounds_total")
                         .Help("Draft requests answered")

@@ -43,8 +43,7 @@ absl::StatusOr<ScoreOptions> ResolveScoreOptions(
     return Bad(prefix, "chunk_size", ">= 1", sel.chunk_size);
   }
   if (sc.pool_kernel_size < 1 || sc.pool_kernel_size % 2 == 0) {
-    return Bad(prefix, "pool_kernel_size", "odd and >= 1",
-               sc.pool_kernel_size);
+    return Bad(prefix, "pool_kernel_size", "odd and >= 1", sc.pool_kernel_size);
   }
   if (out.look_ahead < 0 || out.look_ahead > 64) {
     return Bad(prefix, "look_ahead", "in [0, 64]", out.look_ahead);
@@ -82,10 +81,9 @@ absl::Status ValidatePrompt(absl::Span<const int> token_ids, int look_ahead,
   }
   for (size_t i = 0; i < token_ids.size(); ++i) {
     if (token_ids[i] < 0 || token_ids[i] >= config.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", i, "] = ", token_ids[i],
-                       " is outside the vocabulary [0, ", config.vocab_size,
-                       ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "] = ", token_ids[i],
+          " is outside the vocabulary [0, ", config.vocab_size, ")"));
     }
   }
   const int64_t need = static_cast<int64_t>(token_ids.size()) + look_ahead;

@@ -18,9 +18,9 @@ namespace specserve {
 
 /// Limits on the speculator's live sessions (each holds a KV cache).
 struct SessionManagerOptions {
-  int max_sessions = 64;                       ///< live sessions, >= 1.
-  size_t kv_budget_bytes = size_t{2} << 30;    ///< sum of KV capacities.
-  absl::Duration ttl = absl::Minutes(5);       ///< idle time before reaping.
+  int max_sessions = 64;                     ///< live sessions, >= 1.
+  size_t kv_budget_bytes = size_t{2} << 30;  ///< sum of KV capacities.
+  absl::Duration ttl = absl::Minutes(5);     ///< idle time before reaping.
 };
 
 /// Owns the speculator's DraftSessions by id (random 128-bit hex). Every

@@ -15,7 +15,8 @@ class SessionManagerTest : public ::testing::Test {
   static void SetUpTestSuite() {
     auto w = LoadModelWeights("models/stories260K-draft");
     ASSERT_TRUE(w.ok()) << w.status();
-    model_ = new Transformer(std::make_shared<const ModelWeights>(*std::move(w)));
+    model_ =
+        new Transformer(std::make_shared<const ModelWeights>(*std::move(w)));
   }
   static void TearDownTestSuite() { delete model_; }
 

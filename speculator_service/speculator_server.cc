@@ -137,7 +137,8 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     DraftSession* session = owned ? owned.get() : lease->session();
     absl::StatusOr<ScoreResult> r =
         absl::CancelledError("client went away before scoring");
-    if (!ctx->IsCancelled()) r = session->Score(Ids(req->token_ids()), score_opts);
+    if (!ctx->IsCancelled())
+      r = session->Score(Ids(req->token_ids()), score_opts);
     if (!r.ok()) {
       if (*lease) sessions_->Release(lease->id());
       lease->Reset();
@@ -166,8 +167,7 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     t->set_score_ns(r->score_ns);
     t->set_total_ns(total);
     metrics_->ObserveScore(resp->prompt_tokens(), resp->kept_tokens(),
-                           r->prefill_ns, r->look_ahead_ns, r->score_ns,
-                           total);
+                           r->prefill_ns, r->look_ahead_ns, r->score_ns, total);
     Finish(reactor, "Score", absl::OkStatus());
   };
   if (!TrySubmit(std::move(task))) {
@@ -226,14 +226,11 @@ class DraftReactor final
       id = session_id_;
     }
     // "A cancelled stream frees the session": unlisted now, memory freed
-    // when the lease ends in OnDone.
+    // when the chain ends (FinishOnce).
     if (!id.empty()) impl_->sessions_->Release(id);
   }
 
-  void OnDone() override {
-    lease_.Reset();
-    delete this;
-  }
+  void OnDone() override { delete this; }
 
  private:
   bool IsCancelled() {
@@ -247,9 +244,9 @@ class DraftReactor final
     const std::string& id = req_.session_id();
     if (lease_) {
       if (!id.empty() && id != lease_.id()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "session_id ", id, " differs from the stream's session ",
-            lease_.id()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("session_id ", id,
+                         " differs from the stream's session ", lease_.id()));
       }
       return absl::OkStatus();
     }
@@ -295,7 +292,8 @@ class DraftReactor final
     StartWrite(&resp_);
   }
 
-  // Ends the stream; an error status frees the session this stream holds.
+  // Ends the stream (called only by the sequential chain); an error status
+  // frees the session this stream holds.
   void FinishOnce(const absl::Status& s) {
     std::string id;
     {
@@ -305,6 +303,10 @@ class DraftReactor final
       id = session_id_;
     }
     if (!s.ok() && !id.empty()) impl_->sessions_->Release(id);
+    // Return the session before the client can see the status, so a new
+    // stream opened right after this one ends finds it free. Safe: Finish is
+    // the chain's last step, nothing else uses the session now.
+    lease_.Reset();
     impl_->metrics_->CountRequest("Draft", absl::StatusCodeToString(s.code()));
     Finish(ToGrpcStatus(s));
   }
@@ -393,9 +395,8 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   so.ttl = absl::Seconds(options.session_ttl_s);
   SpeculatorMetrics* metrics = s->metrics_.get();
   s->sessions_ = std::make_unique<SessionManager>(
-      so, options.clock, [metrics](int n, size_t bytes) {
-        metrics->SetSessions(n, bytes);
-      });
+      so, options.clock,
+      [metrics](int n, size_t bytes) { metrics->SetSessions(n, bytes); });
   s->executor_ = std::make_unique<Executor>(options.threads);
   s->service_ = std::make_unique<SpeculatorServiceImpl>(
       s->options_, s->model_.get(), &s->info_, s->sessions_.get(),
@@ -423,8 +424,8 @@ absl::Status SpeculatorServer::Start(int port) {
 
 void SpeculatorServer::SweepLoop() {
   // Lazy reaping covers correctness; the sweep returns idle memory.
-  const absl::Duration period = std::min(
-      absl::Seconds(options_.session_ttl_s) / 2, absl::Seconds(10));
+  const absl::Duration period =
+      std::min(absl::Seconds(options_.session_ttl_s) / 2, absl::Seconds(10));
   absl::MutexLock lock(&mu_);
   while (!mu_.AwaitWithTimeout(absl::Condition(&stopping_), period)) {
     mu_.Unlock();

@@ -27,8 +27,8 @@ struct SpeculatorServerOptions {
   int max_queue = 64;      ///< queued forwards before RESOURCE_EXHAUSTED.
   int max_sessions = 64;
   size_t kv_budget_bytes = size_t{2} << 30;  ///< KV capacity of all sessions.
-  double session_ttl_s = 300;  ///< idle seconds before a session is reaped.
-  ScoreDefaults defaults;      ///< for unset SpecPrefillOptions fields.
+  double session_ttl_s = 300;   ///< idle seconds before a session is reaped.
+  ScoreDefaults defaults;       ///< for unset SpecPrefillOptions fields.
   SessionManager::Clock clock;  ///< "now" for session TTLs; null = real.
 };
 

@@ -1,6 +1,7 @@
 #include "target_service/target_server.h"
 
 #include <numeric>
+#include <string>
 #include <utility>
 #include <vector>
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -185,7 +186,7 @@ class TargetServerTest : public ::testing::Test {
   }
 
   static std::unique_ptr<TargetServer> StartServer(TargetServerOptions o) {
-    o.model_dir = getenv("TS_MODEL") ? getenv("TS_MODEL") : "models/stories260K";
+    o.model_dir = "models/stories260K";
     o.host = "127.0.0.1";
     auto server = TargetServer::Create(o);
     EXPECT_TRUE(server.ok()) << server.status();
@@ -262,6 +263,31 @@ TEST_F(TargetServerTest, GreedyWithDraftModelDraftsEqualsPlainGreedy) {
   EXPECT_EQ(Metric(s, "specserve_target_requests_total{status=\"OK\"}"), 1);
   EXPECT_EQ(Metric(s, "specserve_target_active_sessions"), 0);
   EXPECT_EQ(Metric(s, "specserve_target_kv_cache_bytes"), 0);
+}
+
+TEST_F(TargetServerTest, ConcurrentStreamsAreIndependent) {
+  const int kNew = 30;
+  const std::vector<int> want =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  constexpr int kStreams = 4;
+  std::vector<std::unique_ptr<DraftSession>> drafters;
+  for (int i = 0; i < kStreams; ++i) drafters.push_back(NewDraftSession({}));
+  std::vector<StreamResult> results(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = RunStream(stub_.get(), MakePrefill(kPrompt, kNew),
+                             FromDraftSession(drafters[i].get(), 1 + i));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const StreamResult& r : results) {
+    EXPECT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.tokens, want);
+  }
+  EXPECT_EQ(Metric(*server_, "specserve_target_emitted_tokens_total"),
+            kStreams * kNew);
+  EXPECT_EQ(server_->active_sessions(), 0);
 }
 
 TEST_F(TargetServerTest, PerfectDraftsAreAllAccepted) {

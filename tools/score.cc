@@ -92,9 +92,9 @@ int Run() {
   if (!weights.ok()) return Fail(weights.status());
   Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
   const ModelConfig& config = model.config();
-  if (absl::Status s = ValidatePrompt(prompt, opts->look_ahead, config,
-                                      ids_flag.empty() ? "--prompt tokens"
-                                                       : "--token_ids");
+  if (absl::Status s =
+          ValidatePrompt(prompt, opts->look_ahead, config,
+                         ids_flag.empty() ? "--prompt tokens" : "--token_ids");
       !s.ok()) {
     return Fail(s);
   }
