@@ -137,8 +137,9 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     DraftSession* session = owned ? owned.get() : lease->session();
     absl::StatusOr<ScoreResult> r =
         absl::CancelledError("client went away before scoring");
-    if (!ctx->IsCancelled())
+    if (!ctx->IsCancelled()) {
       r = session->Score(Ids(req->token_ids()), score_opts);
+    }
     if (!r.ok()) {
       if (*lease) sessions_->Release(lease->id());
       lease->Reset();
