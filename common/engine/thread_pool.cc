@@ -1,11 +1,21 @@
 #include "common/engine/thread_pool.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <chrono>
 #include <memory>
 
 namespace specserve {
+namespace {
+
+// How long an idle worker spins before blocking.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
+  ranges_.resize(std::max(1, num_threads));
   for (int i = 1; i < std::max(1, num_threads); ++i) {
     workers_.emplace_back([this, i] { Loop(i); });
   }
@@ -14,7 +24,7 @@ ThreadPool::ThreadPool(int num_threads) {
 ThreadPool::~ThreadPool() {
   {
     absl::MutexLock lock(&mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   for (auto& t : workers_) t.join();
 }
@@ -22,27 +32,32 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::Loop(int index) {
   int seen = 0;
   for (;;) {
-    const std::function<void(int, int)>* fn;
-    std::pair<int, int> range;
-    {
-      absl::MutexLock lock(&mu_);
-      struct Arg {
-        ThreadPool* pool;
-        int seen;
-      } arg{this, seen};
-      mu_.Await(absl::Condition(
-          +[](Arg* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return a->pool->stop_ || a->pool->generation_ != a->seen;
-          },
-          &arg));
-      if (stop_) return;
-      seen = generation_;
-      fn = fn_;
-      range = ranges_[index];
+    // Spin for a while: the next kernel usually follows within microseconds.
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    int spins = 0;
+    while (generation_.load(std::memory_order_acquire) == seen &&
+           !stop_.load(std::memory_order_relaxed)) {
+      _mm_pause();
+      if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) {
+        absl::MutexLock lock(&mu_);
+        struct Arg {
+          ThreadPool* pool;
+          int seen;
+        } arg{this, seen};
+        mu_.Await(absl::Condition(
+            +[](Arg* a) {
+              return a->pool->stop_.load() ||
+                     a->pool->generation_.load() != a->seen;
+            },
+            &arg));
+        break;
+      }
     }
-    if (range.first < range.second) (*fn)(range.first, range.second);
-    absl::MutexLock lock(&mu_);
-    --remaining_;
+    if (stop_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
+    const auto range = ranges_[index];
+    if (range.first < range.second) (*fn_)(range.first, range.second);
+    remaining_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
@@ -57,23 +72,20 @@ void ThreadPool::ParallelFor(int n, int grain,
   }
   absl::MutexLock call_lock(&call_mu_);
   const int units = (n + grain - 1) / grain;
-  std::vector<std::pair<int, int>> ranges(threads);
   for (int t = 0; t < threads; ++t) {
     const int b = static_cast<int>(int64_t(units) * t / threads) * grain;
     const int e = static_cast<int>(int64_t(units) * (t + 1) / threads) * grain;
-    ranges[t] = {std::min(b, n), std::min(e, n)};
+    ranges_[t] = {std::min(b, n), std::min(e, n)};
   }
+  fn_ = &fn;
+  remaining_.store(threads - 1, std::memory_order_release);
   {
+    // Publishing under mu_ wakes any worker blocked in Await.
     absl::MutexLock lock(&mu_);
-    fn_ = &fn;
-    ranges_ = ranges;
-    remaining_ = threads - 1;
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_acq_rel);
   }
-  if (ranges[0].first < ranges[0].second) fn(ranges[0].first, ranges[0].second);
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](int* r) { return *r == 0; }, &remaining_));
+  if (ranges_[0].first < ranges_[0].second) fn(ranges_[0].first, ranges_[0].second);
+  while (remaining_.load(std::memory_order_acquire) != 0) _mm_pause();
 }
 
 namespace {

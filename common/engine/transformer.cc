@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/engine/kernels.h"
@@ -19,11 +20,19 @@ namespace {
 // (decode and verify rounds); beyond it OpenBLAS sgemm is compute-bound
 // and wins.
 constexpr int kMaxGemvRows = 12;
+// Below this many multiply-adds a Linear runs on the calling thread.
+constexpr int64_t kMinParallelMacs = int64_t{1} << 16;
 
 // y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in].
 void Linear(const float* x, int n, int in, const float* w, int out, float* y,
             float beta) {
   if (n <= kMaxGemvRows) {
+    // Waking the pool costs tens of microseconds: small weights (tiny
+    // models, which fit in cache) run inline.
+    if (static_cast<int64_t>(out) * in * n < kMinParallelMacs) {
+      kernels::BatchedGemv(x, n, in, w, 0, out, y, out, beta);
+      return;
+    }
     ThreadPool::Default().ParallelFor(out, 16, [&](int b, int e) {
       kernels::BatchedGemv(x, n, in, w, b, e, y, out, beta);
     });
@@ -219,6 +228,13 @@ void MaybeReexecForAvx512(char** argv) {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512f")) return;
+  // Newer OpenBLAS builds detect AVX-512 cores themselves (e.g. Cooperlake,
+  // SkylakeX); only AVX2 fallbacks (Haswell, Zen) need the override.
+  const std::string core = openblas_get_corename();
+  if (core.find("lake") != std::string::npos ||
+      core.find("Sapphire") != std::string::npos) {
+    return;
+  }
   setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
   execv("/proc/self/exe", argv);
   // execv failed: carry on with the default kernels.
