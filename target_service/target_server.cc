@@ -115,6 +115,13 @@ struct TargetServer::Metrics {
                                "(rounds after the prefill)")
                          .Register(r)
                          .Add({}, ExponentialBuckets(1e-5, 2, 22))),
+        round_seconds(prometheus::BuildHistogram()
+                          .Name("specserve_target_round_seconds")
+                          .Help("Decode/verify round time: one forward over "
+                                "[last token, drafts] + verification "
+                                "(rounds after the prefill)")
+                          .Register(r)
+                          .Add({}, ExponentialBuckets(1e-5, 2, 24))),
         active_sessions(prometheus::BuildGauge()
                             .Name("specserve_target_active_sessions")
                             .Help("Generate streams holding a session")
@@ -138,6 +145,7 @@ struct TargetServer::Metrics {
   prometheus::Family<prometheus::Counter>& accepted_per_pos;
   prometheus::Counter& emitted_tokens;
   prometheus::Histogram& tpot_seconds;
+  prometheus::Histogram& round_seconds;
   prometheus::Gauge& active_sessions;
   prometheus::Gauge& kv_cache_bytes;
   prometheus::Family<prometheus::Counter>& requests;
@@ -318,6 +326,7 @@ class TargetServer::GenerateReactor
       first_round_ = false;
     } else {
       response_.mutable_timings()->set_verify_ns(round.forward_ns);
+      m.round_seconds.Observe(seconds);
       if (!round.tokens.empty()) {
         m.tpot_seconds.Observe(seconds / round.tokens.size());
       }

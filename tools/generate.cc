@@ -17,6 +17,7 @@
 #include "common/engine/transformer.h"
 #include "common/speculation/target_session.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/util/cli.h"
 #include "common/util/parse.h"
 #include "common/util/paths.h"
 #include "nlohmann/json.hpp"
@@ -42,30 +43,25 @@ ABSL_FLAG(int, threads, 0, "GEMM threads (0 = library default)");
 namespace specserve {
 namespace {
 
-int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-  return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-}
-
 int Run() {
   SetEngineThreads(absl::GetFlag(FLAGS_threads));
   const std::string dir = ResolveUserPath(absl::GetFlag(FLAGS_model));
   auto tokenizer = LoadTokenizer(dir);
-  if (!tokenizer.ok()) return Fail(tokenizer.status());
+  if (!tokenizer.ok()) return ReportCliError(tokenizer.status());
   TargetRequest req;
   if (!absl::GetFlag(FLAGS_token_ids).empty()) {
     auto ids = ParseIntList(absl::GetFlag(FLAGS_token_ids), "--token_ids");
-    if (!ids.ok()) return Fail(ids.status());
+    if (!ids.ok()) return ReportCliError(ids.status());
     req.token_ids = *ids;
   } else if (!absl::GetFlag(FLAGS_prompt).empty()) {
     auto ids = (*tokenizer)->Encode(absl::GetFlag(FLAGS_prompt), true);
-    if (!ids.ok()) return Fail(ids.status());
+    if (!ids.ok()) return ReportCliError(ids.status());
     req.token_ids = *ids;
   } else {
-    return Fail(absl::InvalidArgumentError("--prompt or --token_ids is required"));
+    return ReportCliError(absl::InvalidArgumentError("--prompt or --token_ids is required"));
   }
   auto pos = ParseIntList(absl::GetFlag(FLAGS_position_ids), "--position_ids");
-  if (!pos.ok()) return Fail(pos.status());
+  if (!pos.ok()) return ReportCliError(pos.status());
   req.position_ids = *pos;
   if (req.position_ids.empty()) {
     req.position_ids.resize(req.token_ids.size());
@@ -78,24 +74,24 @@ int Run() {
   req.sampling.seed = absl::GetFlag(FLAGS_seed);
   req.stop.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
   auto stops = ParseIntList(absl::GetFlag(FLAGS_stop_token_ids), "--stop_token_ids");
-  if (!stops.ok()) return Fail(stops.status());
+  if (!stops.ok()) return ReportCliError(stops.status());
   req.stop.stop_token_ids = *stops;
   req.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
   req.max_drafts = 0;
 
   auto weights = LoadModelWeights(dir);
-  if (!weights.ok()) return Fail(weights.status());
+  if (!weights.ok()) return ReportCliError(weights.status());
   Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
   const std::vector<int> prompt_ids = req.token_ids;
   auto session = TargetSession::Create(&model, std::move(req));
-  if (!session.ok()) return Fail(session.status());
+  if (!session.ok()) return ReportCliError(session.status());
 
   double prefill_s = 0, decode_s = 0;
   int decode_tokens = 0;
   bool first = true;
   while (!(*session)->finished()) {
     auto round = (*session)->Step({});
-    if (!round.ok()) return Fail(round.status());
+    if (!round.ok()) return ReportCliError(round.status());
     const double s = round->forward_ns * 1e-9;
     if (first) {
       prefill_s = s;
@@ -107,7 +103,7 @@ int Run() {
   }
   const std::vector<int>& out = (*session)->output();
   auto text = (*tokenizer)->Decode(out);
-  if (!text.ok()) return Fail(text.status());
+  if (!text.ok()) return ReportCliError(text.status());
   const double tps = decode_s > 0 ? decode_tokens / decode_s : 0;
   const std::string finish(FinishReasonName((*session)->finish_reason()));
   if (absl::GetFlag(FLAGS_json)) {

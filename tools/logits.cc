@@ -15,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "common/engine/transformer.h"
+#include "common/util/cli.h"
 #include "common/util/parse.h"
 #include "common/util/paths.h"
 #include "nlohmann/json.hpp"
@@ -31,26 +32,21 @@ ABSL_FLAG(int, threads, 0, "GEMM threads (0 = library default)");
 namespace specserve {
 namespace {
 
-int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-  return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-}
-
 int Run() {
   SetEngineThreads(absl::GetFlag(FLAGS_threads));
   auto ids = ParseIntList(absl::GetFlag(FLAGS_token_ids), "--token_ids");
-  if (!ids.ok()) return Fail(ids.status());
-  if (ids->empty()) return Fail(absl::InvalidArgumentError("--token_ids is required"));
+  if (!ids.ok()) return ReportCliError(ids.status());
+  if (ids->empty()) return ReportCliError(absl::InvalidArgumentError("--token_ids is required"));
   auto pos = ParseIntList(absl::GetFlag(FLAGS_position_ids), "--position_ids");
-  if (!pos.ok()) return Fail(pos.status());
+  if (!pos.ok()) return ReportCliError(pos.status());
   if (pos->empty()) {
     pos->resize(ids->size());
     std::iota(pos->begin(), pos->end(), 0);
   }
   auto extra = ParseIntList(absl::GetFlag(FLAGS_ids), "--ids");
-  if (!extra.ok()) return Fail(extra.status());
+  if (!extra.ok()) return ReportCliError(extra.status());
   auto weights = LoadModelWeights(ResolveUserPath(absl::GetFlag(FLAGS_model)));
-  if (!weights.ok()) return Fail(weights.status());
+  if (!weights.ok()) return ReportCliError(weights.status());
   Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
   const int vocab = model.config().vocab_size;
   const int n = static_cast<int>(ids->size());
@@ -64,18 +60,18 @@ int Run() {
     std::iota(in.logit_rows.begin(), in.logit_rows.end(), 0);
   } else if (rows != "last") {
     auto r = ParseIntList(rows, "--rows");
-    if (!r.ok()) return Fail(r.status());
+    if (!r.ok()) return ReportCliError(r.status());
     in.logit_rows = *r;
   }
   for (int id : *extra) {
     if (id < 0 || id >= vocab) {
-      return Fail(absl::InvalidArgumentError("--ids: id outside the vocabulary"));
+      return ReportCliError(absl::InvalidArgumentError("--ids: id outside the vocabulary"));
     }
   }
   auto cache = KvCache::Create(model.config(), std::max(1, n));
-  if (!cache.ok()) return Fail(cache.status());
+  if (!cache.ok()) return ReportCliError(cache.status());
   ForwardOutput out;
-  if (auto s = model.Forward(in, cache->get(), &out); !s.ok()) return Fail(s);
+  if (auto s = model.Forward(in, cache->get(), &out); !s.ok()) return ReportCliError(s);
 
   nlohmann::json result;
   result["rows"] = nlohmann::json::array();

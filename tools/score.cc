@@ -21,6 +21,7 @@
 #include "common/model/weights.h"
 #include "common/speculation/draft_session.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/util/cli.h"
 #include "common/util/parse.h"
 #include "common/util/paths.h"
 #include "nlohmann/json.hpp"
@@ -42,22 +43,15 @@ ABSL_FLAG(int, threads, 1, "GEMM and scoring threads");
 namespace specserve {
 namespace {
 
-int Fail(const absl::Status& s) {
-  std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-  const bool bad_input = s.code() == absl::StatusCode::kInvalidArgument ||
-                         s.code() == absl::StatusCode::kNotFound;
-  return bad_input ? 2 : 1;
-}
-
 int Run() {
   const std::string model_flag = absl::GetFlag(FLAGS_model);
   const std::string text = absl::GetFlag(FLAGS_prompt);
   const std::string ids_flag = absl::GetFlag(FLAGS_token_ids);
   if (model_flag.empty()) {
-    return Fail(absl::InvalidArgumentError("--model is required"));
+    return ReportCliError(absl::InvalidArgumentError("--model is required"));
   }
   if (text.empty() == ids_flag.empty()) {
-    return Fail(absl::InvalidArgumentError(
+    return ReportCliError(absl::InvalidArgumentError(
         "exactly one of --prompt and --token_ids is required"));
   }
   v1::SpecPrefillOptions wire;
@@ -71,39 +65,39 @@ int Run() {
   // Every field is set, so the defaults are unused; flags are named as typed.
   auto opts = ResolveScoreOptions(wire, ScoreDefaults{},
                                   std::numeric_limits<int>::max(), "--");
-  if (!opts.ok()) return Fail(opts.status());
+  if (!opts.ok()) return ReportCliError(opts.status());
   opts->num_threads = absl::GetFlag(FLAGS_threads);
 
   const std::string dir = ResolveUserPath(model_flag);
   std::vector<int> prompt;
   if (!ids_flag.empty()) {
     auto ids = ParseIntList(ids_flag, "--token_ids");
-    if (!ids.ok()) return Fail(ids.status());
+    if (!ids.ok()) return ReportCliError(ids.status());
     prompt = *std::move(ids);
   } else {
     auto tok = LoadTokenizer(dir);
-    if (!tok.ok()) return Fail(tok.status());
+    if (!tok.ok()) return ReportCliError(tok.status());
     auto ids = (*tok)->Encode(text, /*add_bos=*/true);
-    if (!ids.ok()) return Fail(ids.status());
+    if (!ids.ok()) return ReportCliError(ids.status());
     prompt = *std::move(ids);
   }
   SetEngineThreads(absl::GetFlag(FLAGS_threads));
   auto weights = LoadModelWeights(dir);
-  if (!weights.ok()) return Fail(weights.status());
+  if (!weights.ok()) return ReportCliError(weights.status());
   Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
   const ModelConfig& config = model.config();
   if (absl::Status s =
           ValidatePrompt(prompt, opts->look_ahead, config,
                          ids_flag.empty() ? "--prompt tokens" : "--token_ids");
       !s.ok()) {
-    return Fail(s);
+    return ReportCliError(s);
   }
   auto session = DraftSession::Create(
       &model, static_cast<int>(prompt.size()) + opts->look_ahead,
       SamplingParams{});
-  if (!session.ok()) return Fail(session.status());
+  if (!session.ok()) return ReportCliError(session.status());
   auto r = (*session)->Score(prompt, *opts);
-  if (!r.ok()) return Fail(r.status());
+  if (!r.ok()) return ReportCliError(r.status());
 
   nlohmann::ordered_json out;
   out["kept_indices"] = r->selection.kept_indices;

@@ -1,0 +1,132 @@
+#include "router/metrics.h"
+
+namespace specserve {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+// x2 buckets from `start` up to `end` seconds.
+Histogram::BucketBoundaries Exponential(double start, double end) {
+  Histogram::BucketBoundaries b;
+  for (double s = start; s < end; s *= 2) b.push_back(s);
+  return b;
+}
+
+}  // namespace
+
+RouterMetrics::RouterMetrics(prometheus::Registry& r)
+    : requests_(BuildCounter()
+                    .Name("specserve_router_requests_total")
+                    .Help("Finished Generate / GenerateStream requests by "
+                          "gRPC status code")
+                    .Register(r)),
+      fallbacks_(BuildCounter()
+                     .Name("specserve_router_fallbacks_total")
+                     .Help("Requests served without (part of) the speculator, "
+                           "by reason")
+                     .Register(r)),
+      in_flight_(BuildGauge()
+                     .Name("specserve_router_in_flight_requests")
+                     .Help("Requests admitted and not yet finished")
+                     .Register(r)
+                     .Add({})),
+      ttft_(BuildHistogram()
+                .Name("specserve_router_ttft_seconds")
+                .Help("Request receipt to the first generated token")
+                .Register(r)
+                .Add({}, Exponential(1e-4, 60))),
+      tpot_(BuildHistogram()
+                .Name("specserve_router_time_per_output_token_seconds")
+                .Help("(end-to-end - TTFT) / (completion tokens - 1)")
+                .Register(r)
+                .Add({}, Exponential(1e-5, 10))),
+      e2e_(BuildHistogram()
+               .Name("specserve_router_e2e_latency_seconds")
+               .Help("Request receipt to the last token")
+               .Register(r)
+               .Add({}, Exponential(1e-3, 600))),
+      prompt_tokens_(BuildCounter()
+                         .Name("specserve_router_prompt_tokens_total")
+                         .Help("Prompt tokens of completed requests")
+                         .Register(r)
+                         .Add({})),
+      kept_tokens_(BuildCounter()
+                       .Name("specserve_router_kept_prompt_tokens_total")
+                       .Help("Prompt tokens the target prefilled (after "
+                             "Speculative Prefill)")
+                       .Register(r)
+                       .Add({})),
+      completion_tokens_(BuildCounter()
+                             .Name("specserve_router_completion_tokens_total")
+                             .Help("Generated tokens of completed requests")
+                             .Register(r)
+                             .Add({})),
+      keep_ratio_(BuildHistogram()
+                      .Name("specserve_router_keep_ratio")
+                      .Help("Kept / prompt tokens per completed request")
+                      .Register(r)
+                      .Add({}, {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
+                                0.9, 1.0})),
+      num_drafts_(BuildCounter()
+                      .Name("specserve_router_spec_decode_num_drafts_total")
+                      .Help("Verify rounds that carried drafts")
+                      .Register(r)
+                      .Add({})),
+      num_draft_tokens_(
+          BuildCounter()
+              .Name("specserve_router_spec_decode_num_draft_tokens_total")
+              .Help("Draft tokens verified")
+              .Register(r)
+              .Add({})),
+      num_accepted_(
+          BuildCounter()
+              .Name("specserve_router_spec_decode_num_accepted_tokens_total")
+              .Help("Draft tokens accepted")
+              .Register(r)
+              .Add({})),
+      accepted_per_pos_(
+          BuildCounter()
+              .Name("specserve_router_spec_decode_num_accepted_tokens_per_"
+                    "pos_total")
+              .Help("Accepted drafts by position in the round (0-based)")
+              .Register(r)) {}
+
+void RouterMetrics::CountRequest(const std::string& status) {
+  requests_.Add({{"status", status}}).Increment();
+}
+
+void RouterMetrics::CountFallback(const std::string& reason) {
+  fallbacks_.Add({{"reason", reason}}).Increment();
+}
+
+void RouterMetrics::SetInFlight(int n) { in_flight_.Set(n); }
+
+void RouterMetrics::ObserveCompletion(double ttft_s, double tpot_s,
+                                      double e2e_s, int prompt_tokens,
+                                      int kept_tokens, int completion_tokens) {
+  if (completion_tokens > 0) ttft_.Observe(ttft_s);
+  if (tpot_s >= 0) tpot_.Observe(tpot_s);
+  e2e_.Observe(e2e_s);
+  prompt_tokens_.Increment(prompt_tokens);
+  kept_tokens_.Increment(kept_tokens);
+  completion_tokens_.Increment(completion_tokens);
+  if (prompt_tokens > 0) {
+    keep_ratio_.Observe(static_cast<double>(kept_tokens) / prompt_tokens);
+  }
+}
+
+void RouterMetrics::ObserveVerifyRound(int num_draft_tokens,
+                                       int num_accepted) {
+  if (num_draft_tokens <= 0) return;
+  num_drafts_.Increment();
+  num_draft_tokens_.Increment(num_draft_tokens);
+  num_accepted_.Increment(num_accepted);
+  for (int i = 0; i < num_accepted; ++i) {
+    accepted_per_pos_.Add({{"position", std::to_string(i)}}).Increment();
+  }
+}
+
+}  // namespace specserve

@@ -1,0 +1,199 @@
+// Command-line client of the router (specserve.v1.Router).
+//
+//   bazel run //tools:client -- --router localhost:50050 \
+//     --prompt "Once upon a time" --max_new_tokens 64 [--stream] [--json]
+//
+// Unset request options take the router's defaults. Exit status: 0 on
+// success, 2 for INVALID_ARGUMENT, 1 for any other error (the gRPC status
+// is printed on stderr).
+
+#include <cstdio>
+#include <memory>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_split.h"
+#include "common/util/parse.h"
+#include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
+#include "protos/router.grpc.pb.h"
+
+ABSL_FLAG(std::string, router, "localhost:50050", "router host:port");
+ABSL_FLAG(std::string, prompt, "", "prompt text");
+ABSL_FLAG(std::string, token_ids, "", "prompt token ids instead of --prompt");
+ABSL_FLAG(int, max_new_tokens, -1, "tokens to generate (-1 = router default)");
+ABSL_FLAG(double, temperature, -1, "sampling temperature (-1 = default)");
+ABSL_FLAG(int, top_k, -1, "top-k (-1 = default)");
+ABSL_FLAG(double, top_p, -1, "top-p (-1 = default)");
+ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1 = default)");
+ABSL_FLAG(std::string, stop, "", "stop strings, '|'-separated");
+ABSL_FLAG(std::string, stop_token_ids, "", "stop token ids");
+ABSL_FLAG(double, keep_ratio, -1, "Speculative Prefill keep ratio");
+ABSL_FLAG(int, look_ahead, -1, "Speculative Prefill look-ahead tokens");
+ABSL_FLAG(int, chunk_size, -1, "Speculative Prefill chunk size");
+ABSL_FLAG(int, num_draft_tokens, -1, "speculative decoding drafts per round");
+ABSL_FLAG(bool, no_spec_prefill, false, "turn Speculative Prefill off");
+ABSL_FLAG(bool, no_spec_decode, false, "turn speculative decoding off");
+ABSL_FLAG(bool, stream, false, "use GenerateStream and print text as it comes");
+ABSL_FLAG(bool, json, false, "print one JSON object (the final response)");
+ABSL_FLAG(int, deadline_ms, 60000, "request deadline");
+
+namespace specserve {
+namespace {
+
+int Fail(const grpc::Status& s) {
+  std::fprintf(stderr, "error: %d %s\n", s.error_code(),
+               s.error_message().c_str());
+  return s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? 2 : 1;
+}
+
+absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
+  v1::GenerateTextRequest req;
+  if (!absl::GetFlag(FLAGS_token_ids).empty()) {
+    auto ids = ParseIntList(absl::GetFlag(FLAGS_token_ids), "--token_ids");
+    if (!ids.ok()) return ids.status();
+    for (int id : *ids) req.mutable_token_ids()->add_ids(id);
+  } else {
+    req.set_text(absl::GetFlag(FLAGS_prompt));
+  }
+  auto* s = req.mutable_sampling();
+  if (absl::GetFlag(FLAGS_max_new_tokens) >= 0) {
+    s->set_max_new_tokens(absl::GetFlag(FLAGS_max_new_tokens));
+  }
+  if (absl::GetFlag(FLAGS_temperature) >= 0) {
+    s->set_temperature(absl::GetFlag(FLAGS_temperature));
+  }
+  if (absl::GetFlag(FLAGS_top_k) >= 0) s->set_top_k(absl::GetFlag(FLAGS_top_k));
+  if (absl::GetFlag(FLAGS_top_p) >= 0) s->set_top_p(absl::GetFlag(FLAGS_top_p));
+  if (absl::GetFlag(FLAGS_seed) >= 0) s->set_seed(absl::GetFlag(FLAGS_seed));
+  if (!absl::GetFlag(FLAGS_stop).empty()) {
+    for (auto part : absl::StrSplit(absl::GetFlag(FLAGS_stop), '|')) {
+      s->add_stop(std::string(part));
+    }
+  }
+  auto stop_ids =
+      ParseIntList(absl::GetFlag(FLAGS_stop_token_ids), "--stop_token_ids");
+  if (!stop_ids.ok()) return stop_ids.status();
+  for (int id : *stop_ids) s->add_stop_token_ids(id);
+  auto* sp = req.mutable_speculative_prefill();
+  if (absl::GetFlag(FLAGS_no_spec_prefill)) sp->set_enabled(false);
+  if (absl::GetFlag(FLAGS_keep_ratio) >= 0) {
+    sp->set_keep_ratio(absl::GetFlag(FLAGS_keep_ratio));
+  }
+  if (absl::GetFlag(FLAGS_look_ahead) >= 0) {
+    sp->set_look_ahead(absl::GetFlag(FLAGS_look_ahead));
+  }
+  if (absl::GetFlag(FLAGS_chunk_size) >= 0) {
+    sp->set_chunk_size(absl::GetFlag(FLAGS_chunk_size));
+  }
+  auto* sd = req.mutable_speculative_decoding();
+  if (absl::GetFlag(FLAGS_no_spec_decode)) sd->set_enabled(false);
+  if (absl::GetFlag(FLAGS_num_draft_tokens) >= 0) {
+    sd->set_num_draft_tokens(absl::GetFlag(FLAGS_num_draft_tokens));
+  }
+  return req;
+}
+
+nlohmann::json StatsJson(const v1::Usage& u, const v1::GenerationStats& s) {
+  nlohmann::json j;
+  j["usage"] = {{"prompt_tokens", u.prompt_tokens()},
+                {"kept_prompt_tokens", u.kept_prompt_tokens()},
+                {"completion_tokens", u.completion_tokens()}};
+  j["stats"] = {{"keep_ratio", s.keep_ratio()},
+                {"ttft_s", s.ttft_s()},
+                {"speculate_s", s.speculate_s()},
+                {"target_prefill_s", s.target_prefill_s()},
+                {"total_s", s.total_s()},
+                {"num_drafts", s.num_drafts()},
+                {"num_draft_tokens", s.num_draft_tokens()},
+                {"num_accepted_tokens", s.num_accepted_tokens()},
+                {"mean_acceptance_length", s.mean_acceptance_length()},
+                {"accepted_per_position",
+                 std::vector<int>(s.accepted_per_position().begin(),
+                                  s.accepted_per_position().end())},
+                {"fallback_reason", s.fallback_reason()}};
+  return j;
+}
+
+void PrintSummary(const nlohmann::json& j) {
+  const auto& u = j["usage"];
+  const auto& s = j["stats"];
+  std::fprintf(stderr,
+               "\n[finish %s] prompt %d tokens, kept %d (%.2f), completion %d; "
+               "TTFT %.4f s (speculate %.4f s, target prefill %.4f s), total "
+               "%.3f s; drafts %d rounds / %d tokens, accepted %d, mean "
+               "acceptance length %.2f%s%s\n",
+               j.value("finish_reason", "").c_str(),
+               int(u["prompt_tokens"]), int(u["kept_prompt_tokens"]),
+               double(s["keep_ratio"]), int(u["completion_tokens"]),
+               double(s["ttft_s"]), double(s["speculate_s"]),
+               double(s["target_prefill_s"]), double(s["total_s"]),
+               int(s["num_drafts"]), int(s["num_draft_tokens"]),
+               int(s["num_accepted_tokens"]),
+               double(s["mean_acceptance_length"]),
+               std::string(s["fallback_reason"]).empty() ? "" : "; fallback: ",
+               std::string(s["fallback_reason"]).c_str());
+}
+
+int Run() {
+  auto req = BuildRequest();
+  if (!req.ok()) {
+    std::fprintf(stderr, "error: %s\n", req.status().ToString().c_str());
+    return 2;
+  }
+  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_router),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::Router::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms)));
+  const bool json = absl::GetFlag(FLAGS_json);
+  nlohmann::json out;
+  if (absl::GetFlag(FLAGS_stream)) {
+    auto reader = stub->GenerateStream(&ctx, *req);
+    v1::GenerateTextChunk chunk;
+    std::string text;
+    std::vector<int> ids;
+    while (reader->Read(&chunk)) {
+      text += chunk.text();
+      ids.insert(ids.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      if (!json) {
+        std::fputs(chunk.text().c_str(), stdout);
+        std::fflush(stdout);
+      }
+      if (!chunk.finish_reason().empty()) {
+        out = StatsJson(chunk.usage(), chunk.stats());
+        out["finish_reason"] = chunk.finish_reason();
+      }
+    }
+    grpc::Status s = reader->Finish();
+    if (!s.ok()) return Fail(s);
+    out["text"] = text;
+    out["token_ids"] = ids;
+  } else {
+    v1::GenerateTextResponse resp;
+    grpc::Status s = stub->Generate(&ctx, *req, &resp);
+    if (!s.ok()) return Fail(s);
+    out = StatsJson(resp.usage(), resp.stats());
+    out["finish_reason"] = resp.finish_reason();
+    out["text"] = resp.text();
+    out["token_ids"] = std::vector<int>(resp.token_ids().begin(),
+                                        resp.token_ids().end());
+    if (!json) std::fputs(resp.text().c_str(), stdout);
+  }
+  if (json) {
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    std::printf("\n");
+    PrintSummary(out);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace specserve
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return specserve::Run();
+}
