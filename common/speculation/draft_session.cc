@@ -167,7 +167,10 @@ absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
                                            D, c.num_hidden_layers,
                                            options.scoring);
   if (!acc.ok()) return acc.status();
-  acc->set_num_threads(options.num_threads);
+  // Spawning workers costs tens of microseconds per layer: small prompts
+  // (tiny models, short inputs) score on the calling thread.
+  const int64_t work = int64_t{n} * rows * H * D;
+  acc->set_num_threads(work < (int64_t{1} << 20) ? 1 : options.num_threads);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     if (!acc->UsesLayer(l)) continue;
     if (auto s = acc->AddLayer(l, queries[l].data(), cache_->keys(l),
