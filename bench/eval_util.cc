@@ -24,7 +24,8 @@ std::vector<int> KeepRandom(int n, int count, uint64_t seed) {
   // Partial Fisher-Yates: the first count-2 entries become the sample.
   const int pick = std::max(count - 2, 0);
   for (int i = 0; i < pick; ++i) {
-    std::uniform_int_distribution<int> u(i, static_cast<int>(middle.size()) - 1);
+    std::uniform_int_distribution<int> u(i,
+                                         static_cast<int>(middle.size()) - 1);
     std::swap(middle[i], middle[u(rng)]);
   }
   std::vector<int> kept = {0, n - 1};
@@ -57,10 +58,9 @@ absl::StatusOr<PrunedRun> RunPruned(const Transformer& target,
         "kept must be sorted, non-empty and end at the last prompt token");
   }
   if (n + gen > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt of ", n, " tokens + ", gen,
-                     " generated exceeds the context ",
-                     c.max_position_embeddings));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt of ", n, " tokens + ", gen, " generated exceeds the context ",
+        c.max_position_embeddings));
   }
   auto cache = KvCache::Create(c, static_cast<int>(kept.size()) + gen);
   if (!cache.ok()) return cache.status();
@@ -111,7 +111,8 @@ double MatchRate(absl::Span<const int> a, absl::Span<const int> b) {
   const size_t len = std::max(a.size(), b.size());
   if (len == 0) return 1.0;
   size_t same = 0;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) same += a[i] == b[i];
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    same += a[i] == b[i];
   return static_cast<double>(same) / len;
 }
 

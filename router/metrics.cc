@@ -68,8 +68,9 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                       .Name("specserve_router_keep_ratio")
                       .Help("Kept / prompt tokens per completed request")
                       .Register(r)
-                      .Add({}, {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
-                                0.9, 1.0})),
+                      .Add({}, Histogram::BucketBoundaries{0.05, 0.1, 0.2, 0.3,
+                                                           0.4, 0.5, 0.6, 0.7,
+                                                           0.8, 0.9, 1.0})),
       num_drafts_(BuildCounter()
                       .Name("specserve_router_spec_decode_num_drafts_total")
                       .Help("Verify rounds that carried drafts")
@@ -118,8 +119,7 @@ void RouterMetrics::ObserveCompletion(double ttft_s, double tpot_s,
   }
 }
 
-void RouterMetrics::ObserveVerifyRound(int num_draft_tokens,
-                                       int num_accepted) {
+void RouterMetrics::ObserveVerifyRound(int num_draft_tokens, int num_accepted) {
   if (num_draft_tokens <= 0) return;
   num_drafts_.Increment();
   num_draft_tokens_.Increment(num_draft_tokens);

@@ -44,7 +44,7 @@ absl::StatusOr<std::vector<std::string>> ResolveReplicaEntry(
 /// Tuning of a ReplicaPool; the defaults are what the router binary uses.
 struct ReplicaPoolOptions {
   std::string service = "backend";  ///< "speculator" / "target", for messages.
-  absl::Duration health_period = absl::Seconds(1);  ///< background checks.
+  absl::Duration health_period = absl::Seconds(1);    ///< background checks.
   absl::Duration resolve_period = absl::Seconds(30);  ///< DNS re-resolution.
   absl::Duration info_timeout = absl::Seconds(2);     ///< per Info call.
 };
@@ -67,9 +67,9 @@ struct Replica {
 class ReplicaPool {
  public:
   /// Fetches the replica's ModelInfo by a call on `channel` with `deadline`.
-  using InfoFn = std::function<grpc::Status(
-      const std::shared_ptr<grpc::Channel>& channel, absl::Time deadline,
-      v1::ModelInfo* info)>;
+  using InfoFn =
+      std::function<grpc::Status(const std::shared_ptr<grpc::Channel>& channel,
+                                 absl::Time deadline, v1::ModelInfo* info)>;
   /// OK, or FAILED_PRECONDITION (naming the replica `address` and both
   /// sides) when `info` does not match what the router serves.
   using CheckFn = std::function<absl::Status(const std::string& address,
@@ -115,9 +115,10 @@ class ReplicaPool {
   struct State {
     std::string address;
     std::shared_ptr<grpc::Channel> channel;
-    bool verified = false;   // Info OK and checked since the last drop
-    bool healthy = false;    // verified and compatible
-    absl::Status mismatch;   // the check's verdict
+    bool checked = false;   // at least one Check ran (for logging)
+    bool verified = false;  // Info OK and checked since the last drop
+    bool healthy = false;   // verified and compatible
+    absl::Status mismatch;  // the check's verdict
     std::optional<v1::ModelInfo> info;
   };
 

@@ -1,0 +1,599 @@
+// CUDA backend benchmark: Speculative Prefill with a llama-3.2-1b-shaped
+// speculator and a llama-3.1-8b-shaped target on one GPU.
+//
+//   tools/gpu/run_gpu_bench.sh            (on the GPU machine; see there)
+//   .device/gpu/gpu_bench --speculator DIR --target DIR [--json_out F]
+//
+// Everything is measured in the same run, on the same device:
+//  * ceilings: cuBLAS bf16 GEMM peak (8192^3, fp32 accumulation) and the
+//    device-to-device copy bandwidth (bytes read + written);
+//  * GEMM MFU: the target's per-layer projections through cuBLAS at M =
+//    prompt length, as a fraction of that peak;
+//  * per prompt length (4K..32K): target prefill of the full prompt vs of
+//    the kept 10% / 30% (at their original positions), the speculator's
+//    scoring time (prefill with query capture, look-ahead decode, device
+//    reduction, selection), TTFT speedup = full / (scoring + kept prefill);
+//  * decode tokens/s of both models after each prefill, with the fraction
+//    of the copy bandwidth that reading weights + KV implies;
+//  * verify-round time of the target vs the number of drafts k.
+// Timings are wall clock around synchronous calls (what a request waits),
+// median of --reps runs after a warm-up.
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/cuda/cuda_importance.h"
+#include "common/cuda/cuda_kv_cache.h"
+#include "common/cuda/cuda_status.h"
+#include "common/cuda/cuda_transformer.h"
+#include "common/cuda/cuda_weights.h"
+#include "common/cuda/device.h"
+#include "common/cuda/device_buffer.h"
+#include "common/cuda/kernels.h"
+#include "common/cuda/linear.h"
+#include "common/model/weights.h"
+#include "common/specprefill/importance.h"
+#include "common/specprefill/selection.h"
+
+ABSL_FLAG(std::string, speculator, "",
+          "speculator checkpoint dir (llama-3.2-1b shape)");
+ABSL_FLAG(std::string, target, "", "target checkpoint dir (llama-3.1-8b shape)");
+ABSL_FLAG(std::string, prompt_lens, "4096,8192,16384,32768",
+          "comma-separated prompt lengths (tokens)");
+ABSL_FLAG(std::string, keep, "0.1,0.3", "comma-separated keep ratios");
+ABSL_FLAG(int, lookahead, 8, "speculator look-ahead decode steps");
+ABSL_FLAG(int, chunk_size, 32, "selection chunk size");
+ABSL_FLAG(int, decode_tokens, 32, "decode steps timed per prompt length");
+ABSL_FLAG(std::string, verify_ks, "1,2,4,8,16",
+          "draft counts k for the verify-round timing (k + 1 rows)");
+ABSL_FLAG(int, reps, 3, "timed repetitions of each prefill (median)");
+ABSL_FLAG(std::string, dtype, "bf16", "weights / KV dtype: bf16 | fp16");
+ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
+ABSL_FLAG(uint64_t, seed, 0, "prompt token seed");
+
+namespace specserve {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+std::vector<int> ParseInts(const std::string& s) {
+  std::vector<int> out;
+  for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    int v;
+    if (absl::SimpleAtoi(p, &v)) out.push_back(v);
+  }
+  return out;
+}
+
+std::vector<float> ParseFloats(const std::string& s) {
+  std::vector<float> out;
+  for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    float v;
+    if (absl::SimpleAtof(p, &v)) out.push_back(v);
+  }
+  return out;
+}
+
+void Die(const absl::Status& s, const char* what) {
+  if (s.ok()) return;
+  std::fprintf(stderr, "error: %s: %s\n", what, s.ToString().c_str());
+  std::exit(1);
+}
+
+// Minimal JSON object writer (flat keys, numbers and strings, nested
+// arrays of objects), enough for the results file.
+class Json {
+ public:
+  void Num(const std::string& k, double v) {
+    Sep();
+    absl::StrAppendFormat(&s_, "\"%s\": %.6g", k, v);
+  }
+  void Str(const std::string& k, const std::string& v) {
+    Sep();
+    absl::StrAppendFormat(&s_, "\"%s\": \"%s\"", k, v);
+  }
+  void Raw(const std::string& k, const std::string& v) {
+    Sep();
+    absl::StrAppendFormat(&s_, "\"%s\": %s", k, v);
+  }
+  std::string Done() const { return "{" + s_ + "}"; }
+
+ private:
+  void Sep() {
+    if (!s_.empty()) s_ += ", ";
+  }
+  std::string s_;
+};
+
+// --- ceilings -------------------------------------------------------------
+
+// cuBLAS bf16 GEMM (fp32 accumulation, bf16 output) TFLOP/s: best of 5
+// after 2 warm-ups, m = n = k = `size`.
+double CublasPeakTflops(cublasHandle_t h, CudaDType dt, int size) {
+  const size_t elems = static_cast<size_t>(size) * size;
+  absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(elems * 2);
+  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(elems * 2);
+  absl::StatusOr<DeviceBuffer> c = DeviceBuffer::Allocate(elems * 2);
+  absl::StatusOr<DeviceBuffer> f = DeviceBuffer::Allocate(elems * 4);
+  Die(a.status(), "alloc");
+  Die(b.status(), "alloc");
+  Die(c.status(), "alloc");
+  Die(f.status(), "alloc");
+  // Random operands (zeros run faster on tensor cores).
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> host(elems);
+  for (float& x : host) x = nd(rng);
+  cudaMemcpy(f->get(), host.data(), elems * 4, cudaMemcpyHostToDevice);
+  cuda_kernels::ConvertFromF32(f->as<float>(), a->get(), dt, elems, nullptr);
+  cuda_kernels::ConvertFromF32(f->as<float>(), b->get(), dt, elems, nullptr);
+  cudaDeviceSynchronize();
+  double best = 1e30;
+  for (int r = 0; r < 7; ++r) {
+    const double t0 = Now();
+    Die(CublasLinear(h, dt, a->get(), size, size, b->get(), size, c->get(), dt,
+                     0.0f),
+        "peak gemm");
+    cudaDeviceSynchronize();
+    if (r >= 2) best = std::min(best, Now() - t0);
+  }
+  return 2.0 * size * size * static_cast<double>(size) / best / 1e12;
+}
+
+// Device-to-device copy bandwidth in GB/s counting bytes read + written.
+double CopyBandwidthGBps(size_t bytes) {
+  absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(bytes);
+  absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(bytes);
+  Die(a.status(), "alloc");
+  Die(b.status(), "alloc");
+  cudaMemset(a->get(), 1, bytes);
+  double best = 1e30;
+  for (int r = 0; r < 6; ++r) {
+    cudaDeviceSynchronize();
+    const double t0 = Now();
+    cudaMemcpy(b->get(), a->get(), bytes, cudaMemcpyDeviceToDevice);
+    cudaDeviceSynchronize();
+    if (r >= 1) best = std::min(best, Now() - t0);
+  }
+  return 2.0 * bytes / best / 1e9;
+}
+
+double NominalBandwidthGBps() {
+  int dev = 0, clock_khz = 0, bus_bits = 0;
+  cudaGetDevice(&dev);
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, dev) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth,
+                             dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0.0;
+  }
+  return 2.0 * clock_khz * 1e3 * (bus_bits / 8.0) / 1e9;  // DDR
+}
+
+// --- model helpers --------------------------------------------------------
+
+struct Model {
+  std::string name;
+  ModelConfig config;
+  std::shared_ptr<const CudaWeights> weights;
+  std::unique_ptr<CudaTransformer> engine;
+  double load_seconds = 0;
+};
+
+Model LoadModel(const std::string& dir, CudaDType dt) {
+  Model m;
+  m.name = dir;
+  const double t0 = Now();
+  absl::StatusOr<ModelWeights> host = LoadModelWeights(dir);
+  Die(host.status(), dir.c_str());
+  m.config = host->config;
+  absl::StatusOr<std::shared_ptr<const CudaWeights>> w =
+      CudaWeights::Upload(*host, dt);
+  Die(w.status(), "upload");
+  m.weights = *w;
+  absl::StatusOr<std::unique_ptr<CudaTransformer>> e =
+      CudaTransformer::Create(m.weights);
+  Die(e.status(), "engine");
+  m.engine = *std::move(e);
+  m.load_seconds = Now() - t0;
+  return m;
+}
+
+// Linear FLOPs per token (q/k/v/o + MLP) over all layers.
+double LayerFlopsPerToken(const ModelConfig& c) {
+  const double h = c.hidden_size;
+  return 2.0 * c.num_hidden_layers *
+         (h * c.qkv_dim() + double(c.num_attention_heads) * c.head_dim * h +
+          3.0 * h * c.intermediate_size);
+}
+
+// Causal attention FLOPs of a prefill of n tokens.
+double AttentionFlops(const ModelConfig& c, double n) {
+  return 2.0 * n * n * c.num_attention_heads * c.head_dim *
+         c.num_hidden_layers;
+}
+
+// Bytes one decode step reads: every projection weight, the lm_head, one
+// embedding row, and the K/V of `context` cached tokens.
+double DecodeBytes(const Model& m, int context, CudaDType dt) {
+  const ModelConfig& c = m.config;
+  const double tb = CudaDTypeBytes(dt);
+  const double layer_params =
+      LayerFlopsPerToken(c) / 2.0;  // params of the projections
+  const double lm_head = double(c.vocab_size) * c.hidden_size;
+  const double kv = 2.0 * c.num_hidden_layers * double(context) *
+                    c.num_key_value_heads * c.head_dim;
+  return tb * (layer_params + lm_head + kv);
+}
+
+std::unique_ptr<CudaKvCache> NewCache(const Model& m, int capacity,
+                                      CudaDType dt) {
+  absl::StatusOr<std::unique_ptr<CudaKvCache>> c =
+      CudaKvCache::Create(m.config, capacity, dt);
+  Die(c.status(), "kv cache");
+  return *std::move(c);
+}
+
+// One prefill of `ids` at `pos` into a cleared cache; seconds.
+double TimePrefill(const Model& m, CudaKvCache* cache,
+                   const std::vector<int>& ids, const std::vector<int>& pos) {
+  cache->Clear();
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  ForwardOutput out;
+  const double t0 = Now();
+  Die(m.engine->Forward(in, cache, &out), "prefill");
+  return Now() - t0;
+}
+
+int Argmax(const std::vector<float>& v) {
+  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+// Greedy decode of `steps` tokens after the cache; seconds per token.
+double TimeDecode(const Model& m, CudaKvCache* cache, int first_token,
+                  int steps) {
+  int tok = first_token;
+  ForwardOutput out;
+  const double t0 = Now();
+  for (int i = 0; i < steps; ++i) {
+    const int p = cache->last_position() + 1;
+    ForwardInput in;
+    in.token_ids = absl::MakeConstSpan(&tok, 1);
+    in.position_ids = absl::MakeConstSpan(&p, 1);
+    Die(m.engine->Forward(in, cache, &out), "decode");
+    tok = Argmax(out.logits);
+  }
+  return (Now() - t0) / steps;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "CUDA backend benchmark (Speculative Prefill + decode); see the header "
+      "of bench/gpu/gpu_bench.cc.\n  gpu_bench --speculator DIR --target DIR "
+      "[--json_out FILE]");
+  absl::ParseCommandLine(argc, argv);
+  if (!CudaAvailable()) {
+    std::fprintf(stderr, "error: %s\n", CudaDeviceDescription().c_str());
+    return 2;
+  }
+  const std::string spec_dir = absl::GetFlag(FLAGS_speculator);
+  const std::string target_dir = absl::GetFlag(FLAGS_target);
+  if (spec_dir.empty() || target_dir.empty()) {
+    std::fprintf(stderr, "error: --speculator and --target are required\n");
+    return 2;
+  }
+  const CudaDType dt = absl::GetFlag(FLAGS_dtype) == "fp16"
+                           ? CudaDType::kFP16
+                           : CudaDType::kBF16;
+  const std::vector<int> lens = ParseInts(absl::GetFlag(FLAGS_prompt_lens));
+  const std::vector<float> keeps = ParseFloats(absl::GetFlag(FLAGS_keep));
+  const std::vector<int> ks = ParseInts(absl::GetFlag(FLAGS_verify_ks));
+  const int lookahead = absl::GetFlag(FLAGS_lookahead);
+  const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
+  const int decode_steps = std::max(1, absl::GetFlag(FLAGS_decode_tokens));
+
+  Json top;
+  const std::string device = CudaDeviceDescription();
+  std::printf("device: %s\n", device.c_str());
+  top.Str("device", device);
+  top.Str("dtype", CudaDTypeName(dt));
+  std::string cmd;
+  for (int i = 0; i < argc; ++i) absl::StrAppend(&cmd, i ? " " : "", argv[i]);
+  top.Str("command", cmd);
+
+  cublasHandle_t handle;
+  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "error: cublasCreate failed\n");
+    return 1;
+  }
+  const double peak = CublasPeakTflops(handle, dt, 8192);
+  const double copy_bw = CopyBandwidthGBps(size_t{4} << 30);
+  const double nominal_bw = NominalBandwidthGBps();
+  std::printf("cuBLAS %s GEMM 8192^3: %.1f TFLOP/s; D2D copy %.0f GB/s "
+              "(nominal %.0f GB/s)\n",
+              CudaDTypeName(dt), peak, copy_bw, nominal_bw);
+  top.Num("cublas_peak_tflops", peak);
+  top.Num("copy_bandwidth_gbps", copy_bw);
+  top.Num("nominal_bandwidth_gbps", nominal_bw);
+
+  Model target = LoadModel(target_dir, dt);
+  Model spec = LoadModel(spec_dir, dt);
+  std::printf("target %s: %.1f GB on device, loaded in %.1f s; speculator "
+              "%s: %.1f GB, %.1f s\n",
+              target_dir.c_str(), target.weights->bytes() / 1e9,
+              target.load_seconds, spec_dir.c_str(),
+              spec.weights->bytes() / 1e9, spec.load_seconds);
+  top.Num("target_weight_gb", target.weights->bytes() / 1e9);
+  top.Num("speculator_weight_gb", spec.weights->bytes() / 1e9);
+
+  // GEMM MFU of the target's projections at M = prompt length, using layer
+  // 0's weights and random bf16 activations.
+  std::string gemm_json = "[";
+  {
+    const ModelConfig& c = target.config;
+    const CudaLayerWeights& w = target.weights->layer(0);
+    struct Shape {
+      const char* name;
+      const void* w;
+      int out, in;
+    };
+    const Shape shapes[] = {
+        {"qkv", w.wqkv, c.qkv_dim(), c.hidden_size},
+        {"o", w.wo, c.hidden_size, c.num_attention_heads * c.head_dim},
+        {"gate_up", w.w_gate_up, 2 * c.intermediate_size, c.hidden_size},
+        {"down", w.w_down, c.hidden_size, c.intermediate_size}};
+    std::printf("\nGEMM MFU (target projections, %% of the %.0f TFLOP/s "
+                "cuBLAS peak):\n  M      qkv    o      gate_up down\n",
+                peak);
+    for (int M : lens) {
+      const size_t max_in = std::max(c.hidden_size, c.intermediate_size);
+      const size_t max_out = 2 * static_cast<size_t>(c.intermediate_size);
+      absl::StatusOr<DeviceBuffer> x =
+          DeviceBuffer::Allocate(size_t{2} * M * max_in);
+      absl::StatusOr<DeviceBuffer> y =
+          DeviceBuffer::Allocate(size_t{2} * M * max_out);
+      Die(x.status(), "alloc");
+      Die(y.status(), "alloc");
+      cudaMemset(x->get(), 0x3c, size_t{2} * M * max_in);  // ~0.01 in bf16
+      std::printf("  %-6d", M);
+      for (const Shape& s : shapes) {
+        double best = 1e30;
+        for (int r = 0; r < 4; ++r) {
+          const double t0 = Now();
+          Die(CublasLinear(handle, dt, x->get(), M, s.in, s.w, s.out, y->get(),
+                           dt, 0.0f),
+              "gemm");
+          cudaDeviceSynchronize();
+          if (r >= 1) best = std::min(best, Now() - t0);
+        }
+        const double tflops = 2.0 * M * double(s.out) * s.in / best / 1e12;
+        std::printf(" %5.1f%%", 100.0 * tflops / peak);
+        if (gemm_json.size() > 1) gemm_json += ", ";
+        gemm_json += absl::StrFormat(
+            "{\"m\": %d, \"gemm\": \"%s\", \"tflops\": %.2f, \"mfu\": %.4f}",
+            M, s.name, tflops, tflops / peak);
+      }
+      std::printf("\n");
+    }
+  }
+  gemm_json += "]";
+  top.Raw("gemm", gemm_json);
+
+  const int max_len = *std::max_element(lens.begin(), lens.end());
+  const int max_k = ks.empty() ? 0 : *std::max_element(ks.begin(), ks.end());
+  std::unique_ptr<CudaKvCache> tcache =
+      NewCache(target, max_len + std::max(decode_steps, max_k + 1) + 8, dt);
+  std::unique_ptr<CudaKvCache> scache =
+      NewCache(spec, max_len + std::max(decode_steps, lookahead) + 8, dt);
+  absl::StatusOr<std::unique_ptr<CudaQueryCapture>> capture =
+      CudaQueryCapture::Create(spec.config, 1 + lookahead);
+  Die(capture.status(), "capture");
+
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  std::uniform_int_distribution<int> tok(
+      0, std::min(target.config.vocab_size, spec.config.vocab_size) - 1);
+
+  // Warm-up: cuBLAS heuristics, kernel loading.
+  {
+    std::vector<int> ids(512), pos(512);
+    for (int i = 0; i < 512; ++i) ids[i] = tok(rng), pos[i] = i;
+    TimePrefill(target, tcache.get(), ids, pos);
+    TimePrefill(spec, scache.get(), ids, pos);
+  }
+
+  std::string rows_json = "[";
+  std::printf("\n%-6s %9s %9s %9s %9s %9s %9s %8s %8s %9s %9s\n", "prompt",
+              "full_s", "score_s", "keep", "kept_s", "ttft_s", "speedup",
+              "tgt_MFU", "dec_t/s", "dec_bw%", "spec_t/s");
+  for (int P : lens) {
+    std::vector<int> ids(P), pos(P);
+    for (int i = 0; i < P; ++i) ids[i] = tok(rng), pos[i] = i;
+
+    // Target: full prefill.
+    std::vector<double> full;
+    for (int r = 0; r < reps; ++r) {
+      full.push_back(TimePrefill(target, tcache.get(), ids, pos));
+    }
+    const double t_full = Median(full);
+    const double flops =
+        LayerFlopsPerToken(target.config) * P +
+        AttentionFlops(target.config, P) +
+        2.0 * target.config.hidden_size * double(target.config.vocab_size);
+    const double mfu = flops / t_full / 1e12 / peak;
+
+    // Target decode after the full prefill (context P).
+    const double t_dec = TimeDecode(target, tcache.get(), ids[0], decode_steps);
+    const double dec_bw =
+        DecodeBytes(target, P + decode_steps / 2, dt) / t_dec / 1e9;
+
+    // Verify rounds at context P: k + 1 rows, all logits, rolled back.
+    std::string verify_json = "[";
+    for (int k : ks) {
+      const int base = tcache->size();
+      std::vector<int> vids(k + 1), vpos(k + 1), rows(k + 1);
+      for (int i = 0; i <= k; ++i) {
+        vids[i] = tok(rng);
+        vpos[i] = tcache->last_position() + 1 + i;
+        rows[i] = i;
+      }
+      std::vector<double> ts;
+      for (int r = 0; r < reps + 2; ++r) {
+        ForwardInput in;
+        in.token_ids = vids;
+        in.position_ids = vpos;
+        in.logit_rows = rows;
+        ForwardOutput out;
+        const double t0 = Now();
+        Die(target.engine->Forward(in, tcache.get(), &out), "verify");
+        ts.push_back(Now() - t0);
+        Die(tcache->Truncate(base), "truncate");
+      }
+      if (verify_json.size() > 1) verify_json += ", ";
+      verify_json += absl::StrFormat("{\"k\": %d, \"seconds\": %.6f}", k,
+                                     Median(ts));
+    }
+    verify_json += "]";
+    std::printf("verify rounds at context %d (k: seconds): %s\n", P,
+                verify_json.c_str());
+
+    // Speculator: scoring = prefill with capture + look-ahead + reduction +
+    // selection; then its decode rate at context P.
+    std::vector<double> t_score, t_prefill_s, t_look, t_reduce;
+    std::vector<float> importance;
+    for (int r = 0; r < reps; ++r) {
+      scache->Clear();
+      (*capture)->Clear();
+      const double t0 = Now();
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      in.capture_query_rows = {P - 1};
+      ForwardOutput out;
+      Die(spec.engine->Forward(in, scache.get(), &out, capture->get()),
+          "spec prefill");
+      const double t1 = Now();
+      int next = Argmax(out.logits);
+      for (int s = 0; s < lookahead; ++s) {
+        const int p = P + s;
+        ForwardInput d;
+        d.token_ids = absl::MakeConstSpan(&next, 1);
+        d.position_ids = absl::MakeConstSpan(&p, 1);
+        d.capture_query_rows = {0};
+        Die(spec.engine->Forward(d, scache.get(), &out, capture->get()),
+            "look-ahead");
+        next = Argmax(out.logits);
+      }
+      const double t2 = Now();
+      absl::StatusOr<std::vector<float>> imp = ScorePromptOnDevice(
+          **capture, *scache, P, ScoringOptions(), spec.engine->stream());
+      Die(imp.status(), "score");
+      importance = *std::move(imp);
+      const double t3 = Now();
+      t_prefill_s.push_back(t1 - t0);
+      t_look.push_back(t2 - t1);
+      t_reduce.push_back(t3 - t2);
+      t_score.push_back(t3 - t0);
+    }
+    const double spec_dec =
+        TimeDecode(spec, scache.get(), ids[0], decode_steps);
+
+    // Kept-token prefills.
+    for (float keep : keeps) {
+      SelectionOptions sel;
+      sel.keep_ratio = keep;
+      sel.chunk_size = absl::GetFlag(FLAGS_chunk_size);
+      const double ts0 = Now();
+      absl::StatusOr<Selection> s = SelectTokens(importance, sel);
+      const double t_select = Now() - ts0;
+      Die(s.status(), "select");
+      std::vector<int> kept_ids;
+      for (int i : s->kept_indices) kept_ids.push_back(ids[i]);
+      std::vector<double> kt;
+      for (int r = 0; r < reps; ++r) {
+        kt.push_back(TimePrefill(target, tcache.get(), kept_ids,
+                                 s->position_ids));
+      }
+      const double t_kept = Median(kt);
+      const double t_scoring = Median(t_score) + t_select;
+      const double ttft = t_scoring + t_kept;
+      std::printf("%-6d %9.4f %9.4f %9.2f %9.4f %9.4f %8.2fx %7.1f%% %8.1f "
+                  "%8.1f%% %9.1f\n",
+                  P, t_full, t_scoring, keep, t_kept, ttft, t_full / ttft,
+                  100 * mfu, 1.0 / t_dec, 100 * dec_bw / copy_bw,
+                  1.0 / spec_dec);
+      Json row;
+      row.Num("prompt_len", P);
+      row.Num("keep", keep);
+      row.Num("kept_tokens", s->kept_indices.size());
+      row.Num("target_full_prefill_s", t_full);
+      row.Num("target_full_prefill_tflops", flops / t_full / 1e12);
+      row.Num("target_full_prefill_mfu", mfu);
+      row.Num("target_kept_prefill_s", t_kept);
+      row.Num("spec_prefill_s", Median(t_prefill_s));
+      row.Num("spec_lookahead_s", Median(t_look));
+      row.Num("spec_reduce_s", Median(t_reduce));
+      row.Num("select_s", t_select);
+      row.Num("scoring_s", t_scoring);
+      row.Num("ttft_s", ttft);
+      row.Num("ttft_speedup", t_full / ttft);
+      row.Num("target_decode_tok_s", 1.0 / t_dec);
+      row.Num("target_decode_gbps", dec_bw);
+      row.Num("target_decode_bw_fraction", dec_bw / copy_bw);
+      row.Num("spec_decode_tok_s", 1.0 / spec_dec);
+      row.Raw("verify", verify_json);
+      if (rows_json.size() > 1) rows_json += ", ";
+      rows_json += row.Done();
+    }
+  }
+  rows_json += "]";
+  top.Raw("rows", rows_json);
+  cublasDestroy(handle);
+
+  const std::string json_out = absl::GetFlag(FLAGS_json_out);
+  if (!json_out.empty()) {
+    std::ofstream f(json_out);
+    f << top.Done() << "\n";
+    if (!f) {
+      std::fprintf(stderr, "error: cannot write %s\n", json_out.c_str());
+      return 1;
+    }
+    std::printf("\nwrote %s\n", json_out.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace specserve
+
+int main(int argc, char** argv) { return specserve::Main(argc, argv); }

@@ -1,0 +1,511 @@
+// Causal grouped-query attention over the device KV cache (see kernels.h):
+// a tensor-core FlashAttention-2 style kernel for prefill batches and a
+// split-K (flash-decoding) kernel for decode / verify rows and head
+// dimensions the tensor-core kernel does not cover.
+
+#include <mma.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common/cuda/cuda_types.cuh"
+#include "common/cuda/kernels.h"
+
+namespace specserve {
+namespace cuda_kernels {
+namespace {
+
+using cuda_detail::CeilDiv;
+using cuda_detail::FromF32;
+using cuda_detail::ToF32;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------
+// Split-K attention. Block = 128 threads = 16 queries x 8 threads. A
+// "query" is one (row, head) pair of a kv head's group, flattened as
+// row * group + head_in_group, so decode (1 row, 4 heads of a group) and
+// verify rows share each K/V tile the block loads. Thread (qi, sub) owns
+// keys sub, sub + 8, ... of each tile for the scores and dimensions sub,
+// sub + 8, ... of the output.
+// ---------------------------------------------------------------------------
+constexpr int kSkQueries = 16;
+constexpr int kSkThreads = 128;
+constexpr int kSkMaxDims = 32;  // per thread: head_dim <= 256
+constexpr int kSkMaxKeysPerThread = 4;
+
+int SkKeyTile(int head_dim) {
+  return head_dim <= 128 ? 32 : 8;  // keeps shared memory under 48 KB
+}
+
+size_t SkSmemBytes(int head_dim) {
+  const int kt = SkKeyTile(head_dim);
+  return sizeof(float) *
+         (static_cast<size_t>(kSkQueries) * (head_dim + 1) +  // Q
+          static_cast<size_t>(kt) * (head_dim + 1) +          // K
+          static_cast<size_t>(kt) * head_dim +                // V
+          static_cast<size_t>(kSkQueries) * kt);              // P
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSkThreads)
+    SplitKAttentionKernel(AttentionArgs a, int keys_per_split, int key_tile,
+                          float* __restrict__ part_o,
+                          float* __restrict__ part_m,
+                          float* __restrict__ part_l) {
+  extern __shared__ float sk_smem[];
+  const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
+  const int group = H / KV;
+  const int n = a.n, first = a.first;
+  const int nq = n * group;  // queries of this kv head
+  const int g = blockIdx.y, s = blockIdx.z;
+  const int q0 = blockIdx.x * kSkQueries;
+  const int KT = key_tile;
+  float* Qs = sk_smem;                               // [16][D + 1]
+  float* Ks = Qs + kSkQueries * (D + 1);             // [KT][D + 1]
+  float* Vs = Ks + KT * (D + 1);                     // [KT][D]
+  float* Ps = Vs + KT * D;                           // [16][KT]
+  const T* q = static_cast<const T*>(a.q);
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+
+  const int qi = threadIdx.x >> 3, sub = threadIdx.x & 7;
+  const int flat = q0 + qi;
+  const bool valid = flat < nq;
+  const int r = valid ? flat / group : 0;
+  const int h = g * group + (valid ? flat % group : 0);
+  const int qslot = first + r;
+
+  // Keys any query of the tile may see: [0, first + last row + 1).
+  const int last_flat = min(nq, q0 + kSkQueries) - 1;
+  const int kmax = first + last_flat / group + 1;
+  const int ks = s * keys_per_split;
+  const int ke = min(ks + keys_per_split, kmax);
+
+  for (int idx = threadIdx.x; idx < kSkQueries * D; idx += blockDim.x) {
+    const int i = idx / D, d = idx % D;
+    const int f = q0 + i;
+    float v = 0.0f;
+    if (f < nq) {
+      const int rr = f / group, hh = g * group + f % group;
+      v = ToF32<T>(q[(static_cast<size_t>(rr) * H + hh) * D + d]) * a.scale *
+          kLog2e;
+    }
+    Qs[i * (D + 1) + d] = v;
+  }
+
+  float acc[kSkMaxDims];
+#pragma unroll
+  for (int j = 0; j < kSkMaxDims; ++j) acc[j] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+
+  for (int k0 = ks; k0 < ke; k0 += KT) {
+    const int nk = min(KT, ke - k0);
+    __syncthreads();  // previous tile fully consumed (and Q stored)
+    for (int idx = threadIdx.x; idx < KT * D; idx += blockDim.x) {
+      const int j = idx / D, d = idx % D;
+      float kv = 0.0f, vv = 0.0f;
+      if (j < nk) {
+        const size_t src = (static_cast<size_t>(k0 + j) * KV + g) * D + d;
+        kv = ToF32<T>(kc[src]);
+        vv = ToF32<T>(vc[src]);
+      }
+      Ks[j * (D + 1) + d] = kv;
+      Vs[j * D + d] = vv;
+    }
+    __syncthreads();
+
+    float sc[kSkMaxKeysPerThread];
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+      const int j = sub + 8 * t;
+      float x = -INFINITY;
+      if (j < KT && valid && j < nk && k0 + j <= qslot) {
+        const float* qr = Qs + qi * (D + 1);
+        const float* kr = Ks + j * (D + 1);
+        float dot = 0.0f;
+        for (int d = 0; d < D; ++d) dot = fmaf(qr[d], kr[d], dot);
+        x = dot;
+      }
+      sc[t] = x;
+      tmax = fmaxf(tmax, x);
+    }
+    // The 8 threads of a query are 8 consecutive lanes of one warp.
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    const float m_new = fmaxf(m, tmax);
+    float alpha = 1.0f, psum = 0.0f;
+    if (m_new != -INFINITY) {
+      alpha = exp2f(m - m_new);  // 0 when m is still -inf
+#pragma unroll
+      for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+        sc[t] = exp2f(sc[t] - m_new);  // 0 for masked keys
+        psum += sc[t];
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < kSkMaxKeysPerThread; ++t) sc[t] = 0.0f;
+    }
+    psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+    l = l * alpha + psum;
+    m = m_new;
+#pragma unroll
+    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+      const int j = sub + 8 * t;
+      if (j < KT) Ps[qi * KT + j] = sc[t];
+    }
+#pragma unroll
+    for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
+    __syncwarp();
+    for (int j = 0; j < nk; ++j) {
+      const float p = Ps[qi * KT + j];
+      const float* vr = Vs + j * D;
+#pragma unroll
+      for (int jj = 0; jj < kSkMaxDims; ++jj) {
+        const int d = sub + 8 * jj;
+        if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
+      }
+    }
+  }
+
+  if (!valid) return;
+  const size_t idx = (static_cast<size_t>(s) * n + r) * H + h;
+  if (sub == 0) {
+    part_m[idx] = m;
+    part_l[idx] = l;
+  }
+#pragma unroll
+  for (int jj = 0; jj < kSkMaxDims; ++jj) {
+    const int d = sub + 8 * jj;
+    if (d < D) part_o[idx * D + d] = acc[jj];
+  }
+}
+
+// Merges the splits' partial softmaxes of one (row, head): block per pair.
+template <typename T>
+__global__ void SplitKCombineKernel(int n, int num_heads, int head_dim,
+                                    int num_splits,
+                                    const float* __restrict__ part_o,
+                                    const float* __restrict__ part_m,
+                                    const float* __restrict__ part_l,
+                                    T* __restrict__ out) {
+  const size_t pair = blockIdx.x;  // r * H + h
+  const size_t stride = static_cast<size_t>(n) * num_heads;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) {
+    mx = fmaxf(mx, part_m[s * stride + pair]);
+  }
+  float denom = 0.0f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float ms = part_m[s * stride + pair];
+    if (ms != -INFINITY) denom += part_l[s * stride + pair] * exp2f(ms - mx);
+  }
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+      const float ms = part_m[s * stride + pair];
+      if (ms != -INFINITY) {
+        o += part_o[(s * stride + pair) * head_dim + d] * exp2f(ms - mx);
+      }
+    }
+    out[pair * head_dim + d] = FromF32<T>(o * inv);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// FlashAttention (tensor cores). Block = 4 warps = 64 query rows of ONE
+// head; each warp owns 16 rows. Per 64-key tile: S = Q K^T (WMMA 16x16x16,
+// fp32 accumulators) into a per-warp fp32 scratch, online softmax by the
+// warp (lane = row * 2 + half: half a row's 64 columns), P stored as T,
+// then P V (WMMA) into the same scratch and folded into the lane's fp32
+// output registers (its row, half of head_dim).
+// ---------------------------------------------------------------------------
+namespace wmma = nvcuda::wmma;
+
+constexpr int kFaRows = 64;
+constexpr int kFaKeys = 64;
+constexpr int kFaThreads = 128;
+
+template <typename T, int D>
+struct FaLayout {
+  static constexpr int kLdT = D + 8;  // Q/K/V rows (T): 16-byte padding
+  static constexpr int kSW = D > kFaKeys ? D : kFaKeys;
+  static constexpr int kLdS = kSW + 4;     // fp32 scratch rows
+  static constexpr int kLdP = kFaKeys + 8;  // P rows (T)
+  static constexpr size_t kTileBytes = sizeof(T) * kFaRows * kLdT;
+  static constexpr size_t kScratchBytes = sizeof(float) * 4 * 16 * kLdS;
+  static constexpr size_t kPBytes = sizeof(T) * 4 * 16 * kLdP;
+  static constexpr size_t kBytes = 3 * kTileBytes + kScratchBytes + kPBytes;
+  // WMMA pointers must be 32-byte aligned: every region and every 16-row /
+  // 16-column fragment offset is a multiple of 32 bytes.
+  static_assert(kTileBytes % 32 == 0 && kScratchBytes % 32 == 0, "align");
+  static_assert((16 * kLdT * sizeof(T)) % 32 == 0, "align");
+  static_assert((16 * kLdS * sizeof(float)) % 32 == 0, "align");
+  static_assert((16 * kLdP * sizeof(T)) % 32 == 0, "align");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kFaThreads)
+    FlashAttentionKernel(AttentionArgs a) {
+  using L = FaLayout<T, D>;
+  extern __shared__ __align__(128) unsigned char fa_smem[];
+  T* Qs = reinterpret_cast<T*>(fa_smem);
+  T* Ks = Qs + kFaRows * L::kLdT;
+  T* Vs = Ks + kFaRows * L::kLdT;
+  float* Sall = reinterpret_cast<float*>(Vs + kFaRows * L::kLdT);
+  T* Pall = reinterpret_cast<T*>(Sall + 4 * 16 * L::kLdS);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* Sw = Sall + warp * 16 * L::kLdS;
+  T* Pw = Pall + warp * 16 * L::kLdP;
+  const int H = a.num_heads, KV = a.num_kv_heads, n = a.n, first = a.first;
+  const int h = blockIdx.y, g = h / (H / KV);
+  const int q0 = blockIdx.x * kFaRows;
+  const T* q = static_cast<const T*>(a.q);
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  constexpr int kVec = D / 8;  // 16-byte vectors per row
+
+  for (int idx = threadIdx.x; idx < kFaRows * kVec; idx += kFaThreads) {
+    const int r = idx / kVec, c = (idx % kVec) * 8;
+    const int i = q0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (i < n) {
+      v = *reinterpret_cast<const uint4*>(
+          q + (static_cast<size_t>(i) * H + h) * D + c);
+    }
+    *reinterpret_cast<uint4*>(Qs + r * L::kLdT + c) = v;
+  }
+
+  const int row = lane >> 1, half = lane & 1;
+  const int qi = q0 + warp * 16 + row;
+  const bool row_valid = qi < n;
+  const int qslot = first + qi;
+  const float sl2 = a.scale * kLog2e;
+  // Keys the block needs, and those this warp's rows can see.
+  const int kend = first + min(n, q0 + kFaRows);
+  const int warp_kend = first + min(n, q0 + warp * 16 + 16);
+
+  float o[D / 2];
+#pragma unroll
+  for (int d = 0; d < D / 2; ++d) o[d] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+
+  for (int k0 = 0; k0 < kend; k0 += kFaKeys) {
+    __syncthreads();  // previous tile consumed; Q stored on the first pass
+    for (int idx = threadIdx.x; idx < kFaKeys * kVec; idx += kFaThreads) {
+      const int j = idx / kVec, c = (idx % kVec) * 8;
+      const int slot = k0 + j;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (slot < kend) {
+        const size_t src = (static_cast<size_t>(slot) * KV + g) * D + c;
+        kv = *reinterpret_cast<const uint4*>(kc + src);
+        vv = *reinterpret_cast<const uint4*>(vc + src);
+      }
+      *reinterpret_cast<uint4*>(Ks + j * L::kLdT + c) = kv;
+      *reinterpret_cast<uint4*>(Vs + j * L::kLdT + c) = vv;
+    }
+    __syncthreads();
+    if (k0 >= warp_kend) continue;  // warp-uniform: tile after all its rows
+
+    // S = Q K^T for the warp's 16 rows x 64 keys.
+#pragma unroll
+    for (int nt = 0; nt < kFaKeys / 16; ++nt) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> sacc;
+      wmma::fill_fragment(sacc, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, Qs + warp * 16 * L::kLdT + kk * 16,
+                               L::kLdT);
+        // K tile is [key][d] row-major = K^T column-major.
+        wmma::load_matrix_sync(fb, Ks + nt * 16 * L::kLdT + kk * 16, L::kLdT);
+        wmma::mma_sync(sacc, fa, fb, sacc);
+      }
+      wmma::store_matrix_sync(Sw + nt * 16, sacc, L::kLdS,
+                              wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // Online softmax of this lane's half row (32 columns), log2 domain.
+    float p[32];
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int col = half * 32 + c;
+      const bool ok = row_valid && (k0 + col) <= qslot;
+      p[c] = ok ? Sw[row * L::kLdS + col] * sl2 : -INFINITY;
+      tmax = fmaxf(tmax, p[c]);
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    const float m_new = fmaxf(m, tmax);
+    float alpha = 1.0f, psum = 0.0f;
+    if (m_new != -INFINITY) {
+      alpha = exp2f(m - m_new);
+#pragma unroll
+      for (int c = 0; c < 32; ++c) {
+        p[c] = exp2f(p[c] - m_new);
+        psum += p[c];
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < 32; ++c) p[c] = 0.0f;
+    }
+    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+    l = l * alpha + psum;
+    m = m_new;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      Pw[row * L::kLdP + half * 32 + c] = FromF32<T>(p[c]);
+    }
+#pragma unroll
+    for (int d = 0; d < D / 2; ++d) o[d] *= alpha;
+    __syncwarp();
+
+    // O += P V: 16 rows x D, reusing the fp32 scratch.
+#pragma unroll
+    for (int dt = 0; dt < D / 16; ++dt) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> pacc;
+      wmma::fill_fragment(pacc, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < kFaKeys / 16; ++kk) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
+        wmma::load_matrix_sync(pa, Pw + kk * 16, L::kLdP);
+        wmma::load_matrix_sync(vb, Vs + kk * 16 * L::kLdT + dt * 16, L::kLdT);
+        wmma::mma_sync(pacc, pa, vb, pacc);
+      }
+      wmma::store_matrix_sync(Sw + dt * 16, pacc, L::kLdS,
+                              wmma::mem_row_major);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int d = 0; d < D / 2; ++d) {
+      o[d] += Sw[row * L::kLdS + half * (D / 2) + d];
+    }
+    __syncwarp();  // scratch read before the next tile's S overwrites it
+  }
+
+  if (!row_valid) return;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  T* out = static_cast<T*>(a.out) + (static_cast<size_t>(qi) * H + h) * D +
+           half * (D / 2);
+#pragma unroll
+  for (int d = 0; d < D / 2; ++d) out[d] = FromF32<T>(o[d] * inv);
+}
+
+template <typename T, int D>
+cudaError_t LaunchFlash(const AttentionArgs& a, cudaStream_t stream) {
+  using L = FaLayout<T, D>;
+  // Above 48 KB of dynamic shared memory a kernel must opt in. Cheap and
+  // idempotent, so done at every launch (no static state across devices).
+  cudaError_t err = cudaFuncSetAttribute(
+      FlashAttentionKernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(L::kBytes));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(CeilDiv(a.n, kFaRows), a.num_heads);
+  FlashAttentionKernel<T, D><<<grid, kFaThreads, L::kBytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchFlashDim(const AttentionArgs& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 16:
+      return LaunchFlash<T, 16>(a, stream);
+    case 32:
+      return LaunchFlash<T, 32>(a, stream);
+    case 64:
+      return LaunchFlash<T, 64>(a, stream);
+    case 128:
+      return LaunchFlash<T, 128>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+bool ValidShape(const AttentionArgs& a) {
+  return a.n > 0 && a.first >= 0 && a.num_heads > 0 && a.num_kv_heads > 0 &&
+         a.num_heads % a.num_kv_heads == 0 && a.head_dim > 0 &&
+         a.q != nullptr && a.k_cache != nullptr && a.v_cache != nullptr &&
+         a.out != nullptr;
+}
+
+}  // namespace
+
+bool FlashAttentionSupported(int head_dim, CudaDType dtype) {
+  return (dtype == CudaDType::kBF16 || dtype == CudaDType::kFP16) &&
+         (head_dim == 16 || head_dim == 32 || head_dim == 64 ||
+          head_dim == 128);
+}
+
+cudaError_t FlashAttention(const AttentionArgs& args, cudaStream_t stream) {
+  if (!ValidShape(args) || !FlashAttentionSupported(args.head_dim, args.dtype)) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.dtype == CudaDType::kBF16) {
+    return LaunchFlashDim<__nv_bfloat16>(args, stream);
+  }
+  return LaunchFlashDim<__half>(args, stream);
+}
+
+int SplitKAttentionSplits(const AttentionArgs& args, int num_sms) {
+  if (!ValidShape(args)) return 1;
+  const int group = args.num_heads / args.num_kv_heads;
+  const int64_t qtiles =
+      (static_cast<int64_t>(args.n) * group + kSkQueries - 1) / kSkQueries;
+  const int64_t base = qtiles * args.num_kv_heads;
+  const int64_t want = std::max<int64_t>(1, 2 * int64_t{num_sms});
+  if (base >= want) return 1;
+  int64_t splits = (want + base - 1) / base;
+  // At least 64 keys per split: fewer do not pay for the merge.
+  const int64_t total = int64_t{args.first} + args.n;
+  splits = std::min<int64_t>(splits, (total + 63) / 64);
+  return static_cast<int>(std::clamp<int64_t>(splits, 1, 64));
+}
+
+size_t SplitKAttentionWorkspaceBytes(const AttentionArgs& args,
+                                     int num_splits) {
+  const size_t pairs = static_cast<size_t>(std::max(num_splits, 1)) *
+                       std::max(args.n, 0) * std::max(args.num_heads, 0);
+  return sizeof(float) * pairs * (static_cast<size_t>(args.head_dim) + 2);
+}
+
+cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
+                            void* workspace, cudaStream_t stream) {
+  if (!ValidShape(args) || args.head_dim > 8 * kSkMaxDims || num_splits < 1 ||
+      workspace == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int group = args.num_heads / args.num_kv_heads;
+  const size_t pairs =
+      static_cast<size_t>(num_splits) * args.n * args.num_heads;
+  float* part_o = static_cast<float*>(workspace);
+  float* part_m = part_o + pairs * args.head_dim;
+  float* part_l = part_m + pairs;
+  const int64_t total = int64_t{args.first} + args.n;
+  const int keys_per_split =
+      static_cast<int>((total + num_splits - 1) / num_splits);
+  const int key_tile = SkKeyTile(args.head_dim);
+  const dim3 grid(CeilDiv(static_cast<size_t>(args.n) * group, kSkQueries),
+                  args.num_kv_heads, num_splits);
+  const size_t smem = SkSmemBytes(args.head_dim);
+  SPECSERVE_DISPATCH_DTYPE(
+      args.dtype, T,
+      SplitKAttentionKernel<T><<<grid, kSkThreads, smem, stream>>>(
+          args, keys_per_split, key_tile, part_o, part_m, part_l);
+      SplitKCombineKernel<T><<<args.n * args.num_heads,
+                               args.head_dim >= 128 ? 128 : 32, 0, stream>>>(
+          args.n, args.num_heads, args.head_dim, num_splits, part_o, part_m,
+          part_l, static_cast<T*>(args.out)));
+  return cudaGetLastError();
+}
+
+}  // namespace cuda_kernels
+}  // namespace specserve

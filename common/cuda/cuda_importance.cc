@@ -1,0 +1,181 @@
+#include "common/cuda/cuda_importance.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_status.h"
+
+namespace specserve {
+
+absl::StatusOr<std::unique_ptr<CudaImportance>> CudaImportance::Create(
+    int prompt_len, int num_rows, int num_heads, int num_kv_heads,
+    int head_dim, int num_layers, const ScoringOptions& opts,
+    cudaStream_t stream) {
+  // The CPU accumulator's shape checks, plus the kernels'
+  // head_dim limit.
+  auto bad = [](const char* what, int v) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaImportance: ", what, " ", v));
+  };
+  if (prompt_len < 1) return bad("prompt_len must be >= 1, got", prompt_len);
+  if (num_rows < 1) return bad("num_rows must be >= 1, got", num_rows);
+  if (num_heads < 1) return bad("num_heads must be >= 1, got", num_heads);
+  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) {
+    return bad("num_kv_heads must divide num_heads, got", num_kv_heads);
+  }
+  if (head_dim < 1 || head_dim > 256) {
+    return bad("head_dim must be in [1, 256], got", head_dim);
+  }
+  if (num_layers < 1) return bad("num_layers must be >= 1, got", num_layers);
+  SPECSERVE_RETURN_IF_ERROR(ValidateScoringOptions(opts, num_layers));
+
+  std::unique_ptr<CudaImportance> imp(new CudaImportance());
+  imp->prompt_len_ = prompt_len;
+  imp->num_rows_ = num_rows;
+  imp->num_heads_ = num_heads;
+  imp->num_kv_heads_ = num_kv_heads;
+  imp->head_dim_ = head_dim;
+  imp->num_layers_ = num_layers;
+  imp->opts_ = opts;
+  imp->stream_ = stream;
+  imp->added_.assign(num_layers, false);
+  const size_t plane = static_cast<size_t>(num_rows) * prompt_len;
+  absl::StatusOr<DeviceBuffer> logits =
+      DeviceBuffer::Allocate(sizeof(float) * plane * num_heads);
+  if (!logits.ok()) return logits.status();
+  absl::StatusOr<DeviceBuffer> running =
+      DeviceBuffer::Allocate(sizeof(float) * plane);
+  if (!running.ok()) return running.status();
+  absl::StatusOr<DeviceBuffer> result =
+      DeviceBuffer::Allocate(sizeof(float) * prompt_len);
+  if (!result.ok()) return result.status();
+  imp->logits_ = *std::move(logits);
+  imp->running_ = *std::move(running);
+  imp->result_ = *std::move(result);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      imp->running_.get(), 0, sizeof(float) * plane, stream));
+  return imp;
+}
+
+bool CudaImportance::UsesLayer(int layer) const {
+  if (layer < 0 || layer >= num_layers_) return false;
+  return opts_.num_layers_used == 0 ||
+         layer >= num_layers_ - opts_.num_layers_used;
+}
+
+bool CudaImportance::complete() const {
+  const int used =
+      opts_.num_layers_used == 0 ? num_layers_ : opts_.num_layers_used;
+  return layers_added_ == used;
+}
+
+absl::Status CudaImportance::AddLayer(int layer, const float* queries,
+                                      const void* keys, CudaDType key_dtype,
+                                      size_t key_row_stride) {
+  if (layer < 0 || layer >= num_layers_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AddLayer: layer ", layer, " is outside [0, ", num_layers_, ")"));
+  }
+  if (queries == nullptr || keys == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AddLayer: layer ", layer, ": ",
+                     queries == nullptr ? "queries" : "keys", " is null"));
+  }
+  if (key_row_stride < static_cast<size_t>(num_kv_heads_) * head_dim_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AddLayer: key_row_stride ", key_row_stride,
+                     " is smaller than num_kv_heads * head_dim = ",
+                     num_kv_heads_ * head_dim_));
+  }
+  if (!UsesLayer(layer)) return absl::OkStatus();
+  if (added_[layer]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("AddLayer: layer ", layer, " was already added"));
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportanceLogits(
+      queries, keys, key_dtype, key_row_stride, prompt_len_, num_rows_,
+      num_heads_, num_kv_heads_, head_dim_, scale, logits_.as<float>(),
+      stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportanceSoftmax(
+      logits_.as<float>(), num_heads_ * num_rows_, prompt_len_, stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportancePoolFold(
+      logits_.as<float>(), num_rows_, num_heads_, prompt_len_,
+      opts_.pool_kernel_size,
+      opts_.head_layer_aggregation == ScoringOptions::Aggregation::kMax,
+      running_.as<float>(), stream_));
+  added_[layer] = true;
+  ++layers_added_;
+  return absl::OkStatus();
+}
+
+float CudaImportance::FinalScale() const {
+  if (opts_.head_layer_aggregation == ScoringOptions::Aggregation::kMean &&
+      layers_added_ > 0) {
+    return static_cast<float>(
+        1.0 / (static_cast<double>(layers_added_) * num_heads_));
+  }
+  return 1.0f;
+}
+
+absl::StatusOr<std::vector<float>> CudaImportance::Importance() const {
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportanceMeanRows(
+      running_.as<float>(), num_rows_, prompt_len_, FinalScale(),
+      result_.as<float>(), stream_));
+  std::vector<float> host(prompt_len_);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host.data(), result_.get(), sizeof(float) * prompt_len_,
+                      cudaMemcpyDeviceToHost, stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return host;
+}
+
+absl::StatusOr<std::vector<std::vector<float>>>
+CudaImportance::PerRowImportance() const {
+  const size_t plane = static_cast<size_t>(num_rows_) * prompt_len_;
+  std::vector<float> flat(plane);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(flat.data(), running_.get(), sizeof(float) * plane,
+                      cudaMemcpyDeviceToHost, stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const float scale = FinalScale();
+  std::vector<std::vector<float>> out(num_rows_,
+                                      std::vector<float>(prompt_len_));
+  for (int r = 0; r < num_rows_; ++r) {
+    for (int j = 0; j < prompt_len_; ++j) {
+      out[r][j] = flat[static_cast<size_t>(r) * prompt_len_ + j] * scale;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<float>> ScorePromptOnDevice(
+    const CudaQueryCapture& capture, const CudaKvCache& cache, int prompt_len,
+    const ScoringOptions& opts, cudaStream_t stream) {
+  if (capture.rows() < 1) {
+    return absl::InvalidArgumentError("ScorePromptOnDevice: capture is empty");
+  }
+  if (prompt_len < 1 || prompt_len > cache.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ScorePromptOnDevice: prompt_len ", prompt_len,
+                     " outside [1, cache size ", cache.size(), "]"));
+  }
+  if (capture.num_layers() != cache.num_layers() ||
+      cache.row_width() % capture.head_dim() != 0) {
+    return absl::InvalidArgumentError(
+        "ScorePromptOnDevice: capture and cache shapes differ");
+  }
+  const int kv_heads = cache.row_width() / capture.head_dim();
+  absl::StatusOr<std::unique_ptr<CudaImportance>> imp = CudaImportance::Create(
+      prompt_len, capture.rows(), capture.num_heads(), kv_heads,
+      capture.head_dim(), capture.num_layers(), opts, stream);
+  if (!imp.ok()) return imp.status();
+  for (int l = 0; l < capture.num_layers(); ++l) {
+    SPECSERVE_RETURN_IF_ERROR((*imp)->AddLayer(
+        l, capture.layer_queries(l), cache.keys(l), cache.dtype(),
+        cache.row_width()));
+  }
+  return (*imp)->Importance();
+}
+
+}  // namespace specserve

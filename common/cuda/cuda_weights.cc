@@ -1,0 +1,127 @@
+#include "common/cuda/cuda_weights.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_status.h"
+
+namespace specserve {
+namespace {
+
+constexpr size_t kStagingFloats = size_t{16} << 20;  // 64 MiB
+
+// Copies `src` to a new device buffer as `dtype` (fp32 stays fp32), through
+// the fp32 staging buffer. Synchronous.
+absl::StatusOr<DeviceBuffer> UploadTensor(const std::vector<float>& src,
+                                          size_t expected, CudaDType dtype,
+                                          DeviceBuffer& staging,
+                                          const std::string& name) {
+  if (src.size() != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaWeights: tensor ", name, " has ", src.size(),
+                     " elements, the config implies ", expected));
+  }
+  absl::StatusOr<DeviceBuffer> buf =
+      DeviceBuffer::Allocate(src.size() * CudaDTypeBytes(dtype));
+  if (!buf.ok()) return buf.status();
+  if (dtype == CudaDType::kF32) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+        buf->get(), src.data(), src.size() * sizeof(float),
+        cudaMemcpyHostToDevice));
+    return buf;
+  }
+  for (size_t off = 0; off < src.size(); off += kStagingFloats) {
+    const size_t count = std::min(kStagingFloats, src.size() - off);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(staging.get(), src.data() + off,
+                                              count * sizeof(float),
+                                              cudaMemcpyHostToDevice));
+    char* dst = buf->as<char>() + off * CudaDTypeBytes(dtype);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ConvertFromF32(
+        staging.as<float>(), dst, dtype, count, /*stream=*/nullptr));
+  }
+  // The staging buffer is reused by the next tensor: wait for the
+  // conversions (legacy default stream, ordered after the copies).
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return buf;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const CudaWeights>> CudaWeights::Upload(
+    const ModelWeights& weights, CudaDType dtype) {
+  if (dtype == CudaDType::kF32) {
+    return absl::InvalidArgumentError(
+        "CudaWeights: dtype must be bf16 or fp16, got f32");
+  }
+  const ModelConfig& c = weights.config;
+  if (static_cast<int>(weights.layers.size()) != c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CudaWeights: ", weights.layers.size(), " layers, config has ",
+        c.num_hidden_layers));
+  }
+  std::shared_ptr<CudaWeights> out(new CudaWeights());
+  out->config_ = c;
+  out->dtype_ = dtype;
+  absl::StatusOr<DeviceBuffer> staging =
+      DeviceBuffer::Allocate(kStagingFloats * sizeof(float));
+  if (!staging.ok()) return staging.status();
+
+  const size_t hidden = c.hidden_size, ffn = c.intermediate_size;
+  const size_t vocab = c.vocab_size;
+  const size_t qd = static_cast<size_t>(c.num_attention_heads) * c.head_dim;
+  auto add = [&](const std::vector<float>& src, size_t expected,
+                 CudaDType dt, const std::string& name,
+                 const void** dst) -> absl::Status {
+    absl::StatusOr<DeviceBuffer> buf =
+        UploadTensor(src, expected, dt, *staging, name);
+    if (!buf.ok()) return buf.status();
+    *dst = buf->get();
+    out->bytes_ += buf->bytes();
+    out->buffers_.push_back(*std::move(buf));
+    return absl::OkStatus();
+  };
+  auto add_f32 = [&](const std::vector<float>& src, size_t expected,
+                     const std::string& name,
+                     const float** dst) -> absl::Status {
+    const void* p = nullptr;
+    SPECSERVE_RETURN_IF_ERROR(add(src, expected, CudaDType::kF32, name, &p));
+    *dst = static_cast<const float*>(p);
+    return absl::OkStatus();
+  };
+
+  SPECSERVE_RETURN_IF_ERROR(
+      add(weights.embed, vocab * hidden, dtype, "embed", &out->embed_));
+  if (weights.lm_head_weight.empty()) {
+    out->lm_head_ = out->embed_;
+  } else {
+    SPECSERVE_RETURN_IF_ERROR(add(weights.lm_head_weight, vocab * hidden,
+                                  dtype, "lm_head", &out->lm_head_));
+  }
+  SPECSERVE_RETURN_IF_ERROR(
+      add_f32(weights.final_norm, hidden, "final_norm", &out->final_norm_));
+  out->layers_.resize(c.num_hidden_layers);
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& w = weights.layers[l];
+    CudaLayerWeights& d = out->layers_[l];
+    const std::string p = absl::StrCat("layers.", l, ".");
+    SPECSERVE_RETURN_IF_ERROR(
+        add_f32(w.attn_norm, hidden, p + "attn_norm", &d.attn_norm));
+    SPECSERVE_RETURN_IF_ERROR(add(w.wqkv,
+                                  static_cast<size_t>(c.qkv_dim()) * hidden,
+                                  dtype, p + "wqkv", &d.wqkv));
+    SPECSERVE_RETURN_IF_ERROR(
+        add(w.wo, hidden * qd, dtype, p + "wo", &d.wo));
+    SPECSERVE_RETURN_IF_ERROR(
+        add_f32(w.mlp_norm, hidden, p + "mlp_norm", &d.mlp_norm));
+    SPECSERVE_RETURN_IF_ERROR(add(w.w_gate_up, 2 * ffn * hidden, dtype,
+                                  p + "w_gate_up", &d.w_gate_up));
+    SPECSERVE_RETURN_IF_ERROR(
+        add(w.w_down, hidden * ffn, dtype, p + "w_down", &d.w_down));
+  }
+  return std::shared_ptr<const CudaWeights>(std::move(out));
+}
+
+}  // namespace specserve

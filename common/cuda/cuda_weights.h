@@ -1,0 +1,71 @@
+#ifndef SPECSERVE_COMMON_CUDA_CUDA_WEIGHTS_H_
+#define SPECSERVE_COMMON_CUDA_CUDA_WEIGHTS_H_
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/cuda/device_buffer.h"
+#include "common/cuda/kernels.h"
+#include "common/model/config.h"
+#include "common/model/weights.h"
+
+namespace specserve {
+
+/// Device pointers of one decoder layer. Projections are `dtype()` in the
+/// fused layouts of LayerWeights ([out, in] row-major); RMSNorm weights stay
+/// fp32 (tiny, and the norm is computed in fp32).
+struct CudaLayerWeights {
+  const float* attn_norm = nullptr;  ///< fp32 [hidden]
+  const void* wqkv = nullptr;        ///< T [(H + 2*KV) * head_dim, hidden]
+  const void* wo = nullptr;          ///< T [hidden, H * head_dim]
+  const float* mlp_norm = nullptr;   ///< fp32 [hidden]
+  const void* w_gate_up = nullptr;   ///< T [2 * ffn, hidden]
+  const void* w_down = nullptr;      ///< T [hidden, ffn]
+};
+
+/// A Llama model's parameters on the device (FasterTransformer's weight
+/// struct, apart from the CudaTransformer that runs them): converted from the
+/// host ModelWeights (fp32) to bf16 (default) or fp16 with round-to-nearest-
+/// even on the device. Immutable after Upload; shared by any number of
+/// CudaTransformers. Frees its device memory on destruction.
+class CudaWeights {
+ public:
+  /// Uploads `weights` to the current CUDA device as `dtype` (kBF16 or
+  /// kFP16), staging through a 64 MiB fp32 device buffer. The host copy can
+  /// be dropped afterwards.
+  /// Errors: INVALID_ARGUMENT for dtype kF32 or weights whose tensor sizes do
+  /// not match their config; RESOURCE_EXHAUSTED when device memory runs out;
+  /// INTERNAL for other CUDA errors (e.g. no device).
+  static absl::StatusOr<std::shared_ptr<const CudaWeights>> Upload(
+      const ModelWeights& weights, CudaDType dtype = CudaDType::kBF16);
+
+  const ModelConfig& config() const { return config_; }
+  CudaDType dtype() const { return dtype_; }
+  /// T [vocab, hidden].
+  const void* embed() const { return embed_; }
+  /// T [vocab, hidden]: embed() when tied.
+  const void* lm_head() const { return lm_head_; }
+  /// fp32 [hidden].
+  const float* final_norm() const { return final_norm_; }
+  const CudaLayerWeights& layer(int l) const { return layers_[l]; }
+  /// Device bytes held (a tied lm_head counted once).
+  size_t bytes() const { return bytes_; }
+
+ private:
+  CudaWeights() = default;
+
+  ModelConfig config_;
+  CudaDType dtype_ = CudaDType::kBF16;
+  std::vector<DeviceBuffer> buffers_;
+  const void* embed_ = nullptr;
+  const void* lm_head_ = nullptr;
+  const float* final_norm_ = nullptr;
+  std::vector<CudaLayerWeights> layers_;
+  size_t bytes_ = 0;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_CUDA_CUDA_WEIGHTS_H_

@@ -1,0 +1,230 @@
+// Element-wise and row-wise kernels of the CUDA Llama forward (see
+// kernels.h). fp32 math throughout; T is only the storage type.
+
+#include <cmath>
+
+#include "common/cuda/cuda_types.cuh"
+#include "common/cuda/kernels.h"
+
+namespace specserve {
+
+size_t CudaDTypeBytes(CudaDType dtype) {
+  return dtype == CudaDType::kF32 ? 4 : 2;
+}
+
+const char* CudaDTypeName(CudaDType dtype) {
+  switch (dtype) {
+    case CudaDType::kF32:
+      return "f32";
+    case CudaDType::kBF16:
+      return "bf16";
+    case CudaDType::kFP16:
+      return "fp16";
+  }
+  return "?";
+}
+
+namespace cuda_kernels {
+namespace {
+
+using cuda_detail::CeilDiv;
+using cuda_detail::FromF32;
+using cuda_detail::ToF32;
+
+constexpr int kThreads = 256;
+// Grid-stride loops: enough blocks to fill an H100 several times over.
+constexpr unsigned kMaxBlocks = 4096;
+
+unsigned GridFor(size_t n) {
+  const unsigned blocks = CeilDiv(n, kThreads);
+  return blocks == 0 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+template <typename T>
+__global__ void ConvertFromF32Kernel(const float* __restrict__ src,
+                                     T* __restrict__ dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    dst[i] = FromF32<T>(src[i]);
+  }
+}
+
+template <typename T>
+__global__ void ConvertToF32Kernel(const T* __restrict__ src,
+                                   float* __restrict__ dst, size_t n) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
+       i += size_t{gridDim.x} * blockDim.x) {
+    dst[i] = ToF32<T>(src[i]);
+  }
+}
+
+template <typename T>
+__global__ void EmbeddingGatherKernel(const T* __restrict__ table,
+                                      const int* __restrict__ ids, int hidden,
+                                      float* __restrict__ out) {
+  const size_t row = blockIdx.x;
+  const T* src = table + static_cast<size_t>(ids[row]) * hidden;
+  float* dst = out + row * hidden;
+  for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+    dst[c] = ToF32<T>(src[c]);
+  }
+}
+
+template <typename T>
+__global__ void RmsNormKernel(const float* __restrict__ x,
+                              const int* __restrict__ rows, int dim,
+                              const float* __restrict__ w, float eps,
+                              T* __restrict__ out) {
+  __shared__ float scratch[32];
+  const size_t r = blockIdx.x;
+  const size_t src_row = rows != nullptr ? rows[r] : r;
+  const float* xr = x + src_row * dim;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < dim; c += blockDim.x) ss += xr[c] * xr[c];
+  ss = cuda_detail::BlockSum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / dim + eps);
+  T* o = out + r * dim;
+  for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+    o[c] = FromF32<T>(xr[c] * scale * w[c]);
+  }
+}
+
+// One block per row: cos/sin of the row's position for every frequency in
+// shared memory (double, as the CPU reference), then the rotation of every q
+// and k head, and the stores of q, k and v.
+template <typename T>
+__global__ void RopeQkvStoreKernel(RopeArgs a) {
+  extern __shared__ float cs_sn[];  // [half] cos, then [half] sin
+  const int half = a.head_dim / 2;
+  const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
+  const size_t row = blockIdx.x;
+  const size_t qkv_dim = static_cast<size_t>(H + 2 * KV) * D;
+  const double pos = a.positions[row];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const double inv_freq = pow(a.theta, -2.0 * i / D);
+    double s, c;
+    sincos(pos * inv_freq, &s, &c);
+    cs_sn[i] = static_cast<float>(c);
+    cs_sn[half + i] = static_cast<float>(s);
+  }
+  __syncthreads();
+  float* x = a.qkv + row * qkv_dim;
+  T* q_out = static_cast<T*>(a.q_out);
+  T* k_cache = static_cast<T*>(a.k_cache);
+  T* v_cache = static_cast<T*>(a.v_cache);
+  const size_t rw = static_cast<size_t>(KV) * D;
+  const size_t slot = static_cast<size_t>(a.cache_first) + row;
+  for (int idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
+    const int h = idx / half, i = idx % half;
+    float* v = x + static_cast<size_t>(h) * D;
+    const float x1 = v[i], x2 = v[i + half];
+    const float c = cs_sn[i], s = cs_sn[half + i];
+    const float y1 = x1 * c - x2 * s;
+    const float y2 = x2 * c + x1 * s;
+    v[i] = y1;
+    v[i + half] = y2;
+    if (h < H) {
+      if (q_out != nullptr) {
+        T* dst = q_out + row * H * D + static_cast<size_t>(h) * D;
+        dst[i] = FromF32<T>(y1);
+        dst[i + half] = FromF32<T>(y2);
+      }
+    } else if (k_cache != nullptr) {
+      T* dst = k_cache + slot * rw + static_cast<size_t>(h - H) * D;
+      dst[i] = FromF32<T>(y1);
+      dst[i + half] = FromF32<T>(y2);
+    }
+  }
+  if (v_cache != nullptr) {
+    const float* vs = x + static_cast<size_t>(H + KV) * D;
+    T* dst = v_cache + slot * rw;
+    for (int idx = threadIdx.x; idx < KV * D; idx += blockDim.x) {
+      dst[idx] = FromF32<T>(vs[idx]);
+    }
+  }
+}
+
+template <typename T>
+__global__ void SiluMulKernel(const T* __restrict__ gu, int rows, int ffn,
+                              T* __restrict__ out) {
+  const size_t total = static_cast<size_t>(rows) * ffn;
+  for (size_t idx = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
+       idx < total; idx += size_t{gridDim.x} * blockDim.x) {
+    const size_t r = idx / ffn, i = idx % ffn;
+    const float g = ToF32<T>(gu[r * 2 * ffn + i]);
+    const float u = ToF32<T>(gu[r * 2 * ffn + ffn + i]);
+    out[idx] = FromF32<T>(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+}  // namespace
+
+cudaError_t ConvertFromF32(const float* src, void* dst, CudaDType dst_dtype,
+                           size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaGetLastError();
+  SPECSERVE_DISPATCH_DTYPE(dst_dtype, T,
+                           ConvertFromF32Kernel<T>
+                           <<<GridFor(n), kThreads, 0, stream>>>(
+                               src, static_cast<T*>(dst), n));
+  return cudaGetLastError();
+}
+
+cudaError_t ConvertToF32(const void* src, CudaDType src_dtype, float* dst,
+                         size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaGetLastError();
+  SPECSERVE_DISPATCH_DTYPE(src_dtype, T,
+                           ConvertToF32Kernel<T>
+                           <<<GridFor(n), kThreads, 0, stream>>>(
+                               static_cast<const T*>(src), dst, n));
+  return cudaGetLastError();
+}
+
+cudaError_t EmbeddingGather(const void* table, CudaDType dtype, const int* ids,
+                            int n, int hidden, float* out,
+                            cudaStream_t stream) {
+  if (n <= 0 || hidden <= 0) return cudaErrorInvalidValue;
+  SPECSERVE_DISPATCH_DTYPE(dtype, T,
+                           EmbeddingGatherKernel<T><<<n, kThreads, 0, stream>>>(
+                               static_cast<const T*>(table), ids, hidden,
+                               out));
+  return cudaGetLastError();
+}
+
+cudaError_t RmsNorm(const float* x, const int* rows, int num_rows, int dim,
+                    const float* w, float eps, void* out, CudaDType out_dtype,
+                    cudaStream_t stream) {
+  if (num_rows <= 0 || dim <= 0) return cudaErrorInvalidValue;
+  const int threads = dim >= 4096 ? 1024 : (dim >= 1024 ? 512 : 128);
+  SPECSERVE_DISPATCH_DTYPE(out_dtype, T,
+                           RmsNormKernel<T><<<num_rows, threads, 0, stream>>>(
+                               x, rows, dim, w, eps, static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t RopeQkvStore(const RopeArgs& args, cudaStream_t stream) {
+  if (args.n <= 0 || args.head_dim <= 0 || args.head_dim % 2 != 0 ||
+      args.num_heads <= 0 || args.num_kv_heads <= 0 || args.qkv == nullptr ||
+      args.positions == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = sizeof(float) * args.head_dim;
+  SPECSERVE_DISPATCH_DTYPE(args.dtype, T,
+                           RopeQkvStoreKernel<T>
+                           <<<args.n, 128, smem, stream>>>(args));
+  return cudaGetLastError();
+}
+
+cudaError_t SiluMul(const void* gu, int rows, int ffn, void* out,
+                    CudaDType dtype, cudaStream_t stream) {
+  if (rows <= 0 || ffn <= 0) return cudaErrorInvalidValue;
+  const size_t total = static_cast<size_t>(rows) * ffn;
+  SPECSERVE_DISPATCH_DTYPE(dtype, T,
+                           SiluMulKernel<T>
+                           <<<GridFor(total), kThreads, 0, stream>>>(
+                               static_cast<const T*>(gu), rows, ffn,
+                               static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+}  // namespace cuda_kernels
+}  // namespace specserve

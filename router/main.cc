@@ -1,0 +1,133 @@
+// The router binary: the public specserve.v1.Router API in front of the
+// speculator and target services (issue 5), with /metrics over HTTP.
+//   bazel run //router:router -- --speculator 127.0.0.1:50061
+//       --target 127.0.0.1:50052 --tokenizer models/stories260K
+//       --port 50051 --metrics_port 9151
+// Prints "listening on <port>, metrics on <port>" to stderr when ready and
+// shuts down cleanly on SIGINT / SIGTERM. Exit status 2 for bad flags.
+
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/time/time.h"
+#include "common/engine/transformer.h"
+#include "common/service/grpc_util.h"
+#include "common/util/paths.h"
+#include "router/router_server.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
+ABSL_FLAG(int, port, 50051, "gRPC port (0 = any free port)");
+ABSL_FLAG(int, metrics_port, 9151, "Prometheus /metrics port (0 = any)");
+ABSL_FLAG(std::string, speculator, "",
+          "speculator replicas: comma-separated host:port or dns:///name:port "
+          "(empty = no speculation)");
+ABSL_FLAG(std::string, target, "",
+          "target replicas: comma-separated host:port or dns:///name:port");
+ABSL_FLAG(std::string, tokenizer, "",
+          "model directory whose tokenizer the router uses (its fingerprint "
+          "must match the services'); empty = token-id prompts only");
+ABSL_FLAG(int, max_concurrent_requests, 64,
+          "requests served at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, speculator_deadline_ms, 2000,
+          "deadline of each speculator call (Score, Draft round); past it "
+          "the request falls back to the target alone");
+ABSL_FLAG(int, request_deadline_ms, 300000,
+          "deadline of requests whose client set none");
+ABSL_FLAG(double, shutdown_grace_s, 5, "seconds open requests get on exit");
+ABSL_FLAG(int, default_max_new_tokens, 256, "max_new_tokens when unset");
+ABSL_FLAG(double, default_temperature, 0, "temperature when unset (0=greedy)");
+ABSL_FLAG(int, default_top_k, 0, "top_k when unset (0 = off)");
+ABSL_FLAG(double, default_top_p, 1, "top_p when unset");
+ABSL_FLAG(bool, default_spec_prefill, true,
+          "Speculative Prefill on when the request does not say");
+ABSL_FLAG(double, default_keep_ratio, 0.3, "keep ratio when unset");
+ABSL_FLAG(int, default_chunk_size, 32, "selection chunk size when unset");
+ABSL_FLAG(int, default_pool_kernel_size, 13, "pooling kernel when unset");
+ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");
+ABSL_FLAG(int, default_keep_first, 1, "forced keeps at the start when unset");
+ABSL_FLAG(int, default_keep_last, 1, "forced keeps at the end when unset");
+ABSL_FLAG(int, default_min_prompt_tokens, 0,
+          "prompts shorter than this are not pruned, when unset");
+ABSL_FLAG(bool, default_spec_decode, true,
+          "speculative decoding on when the request does not say");
+ABSL_FLAG(int, default_num_draft_tokens, 4, "drafts per round when unset");
+
+namespace specserve {
+namespace {
+
+int Run() {
+  RouterServerOptions o;
+  o.host = absl::GetFlag(FLAGS_host);
+  o.speculator = absl::GetFlag(FLAGS_speculator);
+  o.target = absl::GetFlag(FLAGS_target);
+  const std::string tok = absl::GetFlag(FLAGS_tokenizer);
+  o.tokenizer_dir = tok.empty() ? "" : ResolveUserPath(tok);
+  o.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  o.speculator_deadline =
+      absl::Milliseconds(absl::GetFlag(FLAGS_speculator_deadline_ms));
+  o.request_deadline =
+      absl::Milliseconds(absl::GetFlag(FLAGS_request_deadline_ms));
+  RequestDefaults& d = o.defaults;
+  d.max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  d.temperature = static_cast<float>(absl::GetFlag(FLAGS_default_temperature));
+  d.top_k = absl::GetFlag(FLAGS_default_top_k);
+  d.top_p = static_cast<float>(absl::GetFlag(FLAGS_default_top_p));
+  d.spec_prefill = absl::GetFlag(FLAGS_default_spec_prefill);
+  d.keep_ratio = static_cast<float>(absl::GetFlag(FLAGS_default_keep_ratio));
+  d.chunk_size = absl::GetFlag(FLAGS_default_chunk_size);
+  d.pool_kernel_size = absl::GetFlag(FLAGS_default_pool_kernel_size);
+  d.look_ahead = absl::GetFlag(FLAGS_default_look_ahead);
+  d.keep_first = absl::GetFlag(FLAGS_default_keep_first);
+  d.keep_last = absl::GetFlag(FLAGS_default_keep_last);
+  d.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
+  d.spec_decode = absl::GetFlag(FLAGS_default_spec_decode);
+  d.num_draft_tokens = absl::GetFlag(FLAGS_default_num_draft_tokens);
+
+  // Block the stop signals in every thread (threads inherit the mask); the
+  // main thread takes them synchronously with sigwait below.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+
+  EnableHealthAndReflection();
+  auto server = RouterServer::Create(o);
+  if (!server.ok()) {
+    std::fprintf(stderr, "router: %s\n", server.status().ToString().c_str());
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  if (absl::Status s = (*server)->Start(absl::GetFlag(FLAGS_port)); !s.ok()) {
+    std::fprintf(stderr, "router: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  int metrics_port = 0;
+  auto exposer = StartMetricsExposer(absl::GetFlag(FLAGS_metrics_port),
+                                     (*server)->registry(), &metrics_port);
+  if (!exposer.ok()) {
+    std::fprintf(stderr, "router: %s\n", exposer.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "listening on %d, metrics on %d\n", (*server)->port(),
+               metrics_port);
+  std::fflush(stderr);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  std::fprintf(stderr, "router: signal %d, shutting down\n", sig);
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
+  return 0;
+}
+
+}  // namespace
+}  // namespace specserve
+
+int main(int argc, char** argv) {
+  specserve::MaybeReexecForAvx512(argv);
+  absl::ParseCommandLine(argc, argv);
+  return specserve::Run();
+}

@@ -1,0 +1,152 @@
+// ReplicaPool: replica-list parsing and DNS expansion, round-robin over
+// healthy replicas (real target servers on loopback), dead replicas,
+// compatibility verdicts, and reconnect re-checks.
+
+#include "router/replica_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "router/request_runner.h"
+#include "router/test_env.h"
+
+namespace specserve {
+namespace {
+
+using namespace router_test;  // NOLINT: test helpers
+
+TEST(ParseReplicaListTest, AcceptsHostPortsAndDnsNames) {
+  auto r = ParseReplicaList(
+      " 127.0.0.1:50051, localhost:1,[::1]:65535,dns:///svc.local:80,dns:h:2,",
+      "--target");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, (std::vector<std::string>{"127.0.0.1:50051", "localhost:1",
+                                          "[::1]:65535", "dns:///svc.local:80",
+                                          "dns:h:2"}));
+  EXPECT_TRUE(ParseReplicaList("", "--speculator")->empty());
+  for (const char* bad : {"localhost", ":80", "h:0", "h:65536", "h:x",
+                          "dns:///name", "[::1:80", "a:1,b"}) {
+    auto s = ParseReplicaList(bad, "--target");
+    EXPECT_TRUE(absl::IsInvalidArgument(s.status())) << bad;
+    EXPECT_NE(s.status().message().find("--target"), std::string::npos);
+  }
+}
+
+TEST(ResolveReplicaEntryTest, ExpandsDnsNamesOnly) {
+  EXPECT_EQ(*ResolveReplicaEntry("localhost:7"),
+            std::vector<std::string>{"localhost:7"});
+  auto r = ResolveReplicaEntry("dns:///localhost:7");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_FALSE(r->empty());
+  for (const std::string& a : *r) {
+    EXPECT_TRUE(a == "127.0.0.1:7" || a == "[::1]:7") << a;
+  }
+  r = ResolveReplicaEntry("dns:127.0.0.1:9");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, std::vector<std::string>{"127.0.0.1:9"});
+}
+
+class ReplicaPoolTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { SetEngineThreads(1); }
+
+  std::unique_ptr<ReplicaPool> MakePool(const std::string& list,
+                                        ReplicaPool::CheckFn check = nullptr) {
+    ReplicaPoolOptions o;
+    o.service = "target";
+    o.health_period = absl::Milliseconds(50);
+    auto p = ReplicaPool::Create(list, "--target", o, TargetInfoFn(),
+                                 std::move(check));
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *std::move(p) : nullptr;
+  }
+};
+
+TEST_F(ReplicaPoolTest, RoundRobinsOverHealthyReplicasAndSkipsDeadOnes) {
+  auto a = StartTarget(), b = StartTarget();
+  const std::string dead = Addr(DeadPort());
+  auto pool =
+      MakePool(absl::StrCat(Addr(a->port()), ",", dead, ",", Addr(b->port())));
+  pool->Start();
+  EXPECT_EQ(pool->num_healthy(), 2);
+  EXPECT_EQ(pool->endpoints().size(), 3u);
+  ASSERT_TRUE(pool->model_info().has_value());
+  EXPECT_EQ(pool->model_info()->model_id(), "stories260K");
+  std::map<std::string, int> picks;
+  for (int i = 0; i < 10; ++i) {
+    auto r = pool->Pick();
+    ASSERT_TRUE(r.ok()) << r.status();
+    ++picks[r->address];
+  }
+  EXPECT_EQ(picks[Addr(a->port())], 5);
+  EXPECT_EQ(picks[Addr(b->port())], 5);
+  EXPECT_EQ(picks.count(dead), 0u);
+
+  // A replica reported down is skipped at once; the checker confirms it.
+  b->Shutdown();
+  pool->ReportFailure(Addr(b->port()));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(pool->Pick()->address, Addr(a->port()));
+  EXPECT_TRUE(Eventually([&] { return pool->num_healthy() == 1; }));
+  a->Shutdown();
+  EXPECT_TRUE(Eventually([&] { return pool->num_healthy() == 0; }));
+  auto none = pool->Pick();
+  EXPECT_TRUE(absl::IsUnavailable(none.status())) << none.status();
+  EXPECT_NE(none.status().message().find(dead), std::string::npos);
+}
+
+TEST_F(ReplicaPoolTest, IncompatibleReplicasBlockServing) {
+  auto t = StartTarget();
+  std::atomic<bool> accept{false};
+  std::atomic<int> checks{0};
+  auto pool = MakePool(Addr(t->port()), [&](const std::string& address,
+                                            const v1::ModelInfo& info) {
+    ++checks;
+    if (accept) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("mismatch at ", address, " ", info.model_id()));
+  });
+  pool->Start();
+  EXPECT_EQ(checks, 1);
+  auto r = pool->Pick();
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.status()));
+  EXPECT_NE(r.status().message().find("stories260K"), std::string::npos);
+  EXPECT_TRUE(absl::IsFailedPrecondition(pool->compatibility()));
+  // A verdict is re-evaluated when the replica is re-checked (reconnect).
+  accept = true;
+  pool->ReportFailure(Addr(t->port()));
+  EXPECT_TRUE(Eventually([&] { return pool->compatibility().ok(); }));
+  EXPECT_TRUE(pool->Pick().ok());
+}
+
+TEST_F(ReplicaPoolTest, PicksUpAReplicaThatStartsLate) {
+  const int port = DeadPort();
+  auto pool = MakePool(Addr(port));
+  pool->Start();
+  EXPECT_TRUE(absl::IsUnavailable(pool->Pick().status()));
+  TargetServerOptions o;
+  o.model_dir = kTargetModel;
+  o.host = "127.0.0.1";
+  auto t = TargetServer::Create(o);
+  ASSERT_TRUE(t.ok());
+  if (!(*t)->Start(port).ok()) GTEST_SKIP() << "port " << port << " taken";
+  EXPECT_TRUE(Eventually([&] { return pool->Pick().ok(); }));
+}
+
+TEST_F(ReplicaPoolTest, DnsEntriesExpandToReplicas) {
+  auto t = StartTarget();
+  auto pool = MakePool(absl::StrCat("dns:///localhost:", t->port()));
+  pool->Start();
+  // localhost may resolve to ::1 too, where nothing listens.
+  const auto eps = pool->endpoints();
+  EXPECT_NE(std::find(eps.begin(), eps.end(), Addr(t->port())), eps.end());
+  EXPECT_EQ(pool->num_healthy(), 1);
+  EXPECT_EQ(pool->Pick()->address, Addr(t->port()));
+}
+
+}  // namespace
+}  // namespace specserve

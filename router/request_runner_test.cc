@@ -1,0 +1,526 @@
+// RequestRunner against the bundled pair served in-process over loopback:
+// losslessness (greedy output token-identical to the target alone) under
+// every speculation setting, Speculative Prefill's kept tokens at their
+// original positions, fallbacks, cancellation, stop strings, validation.
+
+#include "router/request_runner.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/tokenizer/tokenizer.h"
+#include "gtest/gtest.h"
+#include "prometheus/text_serializer.h"
+#include "protos/speculator.grpc.pb.h"
+#include "router/metrics.h"
+#include "router/test_env.h"
+
+namespace specserve {
+namespace {
+
+using namespace router_test;  // NOLINT: test helpers
+
+struct Outcome {
+  absl::Status status;
+  v1::GenerateTextResponse response;
+  int chunks = 0;
+};
+
+class RequestRunnerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    SetEngineThreads(1);
+    model_ = new Transformer(testing_util::LoadBundled("stories260K"));
+    auto tok = LoadTokenizer(kTargetModel);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    tokenizer_ = tok->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete tokenizer_;
+  }
+
+  void SetUp() override {
+    speculator_ = StartSpeculator();
+    target_ = StartTarget();
+    ASSERT_NE(speculator_, nullptr);
+    ASSERT_NE(target_, nullptr);
+    Connect(Addr(speculator_->port()), Addr(target_->port()));
+  }
+
+  // (Re)builds the backends for these replica lists.
+  void Connect(const std::string& spec, const std::string& target) {
+    ReplicaPoolOptions po;
+    po.health_period = absl::Milliseconds(100);
+    po.service = "speculator";
+    auto s = ReplicaPool::Create(spec, "--speculator", po, SpeculatorInfoFn(),
+                                 nullptr);
+    ASSERT_TRUE(s.ok()) << s.status();
+    po.service = "target";
+    auto t =
+        ReplicaPool::Create(target, "--target", po, TargetInfoFn(), nullptr);
+    ASSERT_TRUE(t.ok()) << t.status();
+    spec_pool_ = *std::move(s);
+    target_pool_ = *std::move(t);
+    spec_pool_->Start();
+    target_pool_->Start();
+    backends_.tokenizer = tokenizer_;
+    backends_.speculator = spec_pool_.get();
+    backends_.target = target_pool_.get();
+    backends_.metrics = &metrics_;
+  }
+
+  // Runs `req`; `on_chunk` sees every chunk (and may cancel the runner).
+  Outcome Run(const v1::GenerateTextRequest& req,
+              std::function<void(const v1::GenerateTextChunk&, RequestRunner*)>
+                  on_chunk = {}) {
+    RequestRunner runner(&backends_);
+    Outcome out;
+    out.status = runner.Run(req, absl::Now(), absl::Now() + absl::Seconds(30),
+                            [&](const v1::GenerateTextChunk& c) {
+                              ++out.chunks;
+                              AppendChunk(c, &out.response);
+                              if (on_chunk) on_chunk(c, &runner);
+                            });
+    return out;
+  }
+
+  static v1::GenerateTextRequest Request(const std::string& text, int max_new,
+                                         float keep_ratio, bool spec_decode) {
+    v1::GenerateTextRequest r;
+    r.set_text(text);
+    r.mutable_sampling()->set_max_new_tokens(max_new);
+    r.mutable_speculative_prefill()->set_enabled(true);
+    r.mutable_speculative_prefill()->set_keep_ratio(keep_ratio);
+    r.mutable_speculative_decoding()->set_enabled(spec_decode);
+    return r;
+  }
+
+  std::vector<int> Encode(const std::string& text) {
+    auto ids = tokenizer_->Encode(text, true);
+    EXPECT_TRUE(ids.ok());
+    return ids.ok() ? *ids : std::vector<int>();
+  }
+  std::vector<int> FullReference(const std::string& text, int max_new) {
+    const std::vector<int> p = Encode(text);
+    return Reference(*model_, p, {}, static_cast<int>(p.size()), max_new);
+  }
+  static std::vector<int> Ids(const v1::GenerateTextResponse& r) {
+    return {r.token_ids().begin(), r.token_ids().end()};
+  }
+  std::string Decode(const std::vector<int>& ids) {
+    auto t = tokenizer_->Decode(ids);
+    EXPECT_TRUE(t.ok());
+    return t.ok() ? *t : "";
+  }
+
+  static Transformer* model_;
+  static Tokenizer* tokenizer_;
+  std::shared_ptr<prometheus::Registry> registry_ =
+      std::make_shared<prometheus::Registry>();
+  RouterMetrics metrics_{*registry_};
+  std::unique_ptr<SpeculatorServer> speculator_;
+  std::unique_ptr<TargetServer> target_;
+  std::unique_ptr<ReplicaPool> spec_pool_;
+  std::unique_ptr<ReplicaPool> target_pool_;
+  RouterBackends backends_;
+};
+
+Transformer* RequestRunnerTest::model_ = nullptr;
+Tokenizer* RequestRunnerTest::tokenizer_ = nullptr;
+
+TEST_F(RequestRunnerTest, GreedyWithSpeculationIsTokenIdenticalToTarget) {
+  const std::string text = StoryPrompt(2);
+  const int kNew = 48;
+  const std::vector<int> want = FullReference(text, kNew);
+  for (bool spec_decode : {true, false}) {
+    SCOPED_TRACE(spec_decode);
+    Outcome o = Run(Request(text, kNew, 1.f, spec_decode));
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    const v1::GenerateTextResponse& r = o.response;
+    EXPECT_EQ(Ids(r), want);
+    EXPECT_EQ(r.text(), Decode(want));
+    EXPECT_EQ(r.finish_reason(), want.size() == kNew ? "length" : "eos");
+    EXPECT_EQ(r.usage().prompt_tokens(), int(Encode(text).size()));
+    EXPECT_EQ(r.usage().kept_prompt_tokens(), r.usage().prompt_tokens());
+    EXPECT_EQ(r.usage().completion_tokens(), int(want.size()));
+    const v1::GenerationStats& s = r.stats();
+    EXPECT_EQ(s.fallback_reason(), "");
+    EXPECT_FLOAT_EQ(s.keep_ratio(), 1.f);
+    EXPECT_GT(s.ttft_s(), 0);
+    EXPECT_GE(s.total_s(), s.ttft_s());
+    EXPECT_GT(s.speculate_s(), 0);
+    EXPECT_GT(s.target_prefill_s(), 0);
+    if (!spec_decode) {
+      EXPECT_EQ(s.num_drafts(), 0);
+      EXPECT_EQ(s.accepted_per_position_size(), 0);
+      continue;
+    }
+    EXPECT_GT(s.num_drafts(), 0);
+    EXPECT_GE(s.num_draft_tokens(), s.num_drafts());
+    EXPECT_LE(s.num_accepted_tokens(), s.num_draft_tokens());
+    EXPECT_GT(s.num_accepted_tokens(), 0);  // the draft model is decent
+    EXPECT_DOUBLE_EQ(s.mean_acceptance_length(),
+                     1.0 + double(s.num_accepted_tokens()) / s.num_drafts());
+    int sum = 0;
+    for (int i = 0; i < s.accepted_per_position_size(); ++i) {
+      sum += s.accepted_per_position(i);
+      if (i > 0) {  // accepting position i needs i-1 accepted
+        EXPECT_LE(s.accepted_per_position(i), s.accepted_per_position(i - 1));
+      }
+    }
+    EXPECT_EQ(sum, s.num_accepted_tokens());
+    // Fewer target rounds than tokens: drafts were accepted.
+    EXPECT_LT(o.chunks, int(want.size()));
+  }
+  // Both sessions are gone once the request returns.
+  EXPECT_EQ(speculator_->sessions().num_sessions(), 0);
+  EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
+}
+
+TEST_F(RequestRunnerTest, DraftingWithoutPruningAndPlainServingAreLossless) {
+  const std::string text = StoryPrompt(3);
+  const std::vector<int> want = FullReference(text, 40);
+  for (auto [prefill, decode] :
+       {std::pair{false, true}, std::pair{false, false}}) {
+    v1::GenerateTextRequest req = Request(text, 40, 0.1f, decode);
+    req.mutable_speculative_prefill()->set_enabled(prefill);
+    Outcome o = Run(req);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(Ids(o.response), want);
+    EXPECT_EQ(o.response.usage().kept_prompt_tokens(),
+              o.response.usage().prompt_tokens());
+    EXPECT_EQ(o.response.stats().num_drafts() > 0, decode);
+    EXPECT_EQ(o.response.stats().speculate_s() > 0, decode);
+  }
+}
+
+TEST_F(RequestRunnerTest, PrunedPrefillKeepsOriginalPositions) {
+  const std::string text = StoryPrompt(15);
+  const std::vector<int> prompt = Encode(text);
+  const int n = static_cast<int>(prompt.size());
+  ASSERT_GT(n, 150);
+  // What the speculator keeps for these options (Score is deterministic).
+  v1::ScoreRequest sreq;
+  sreq.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+  sreq.mutable_options()->set_keep_ratio(0.3f);
+  sreq.mutable_options()->set_chunk_size(8);
+  v1::ScoreResponse sresp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  ASSERT_TRUE(v1::Speculator::NewStub(
+                  grpc::CreateChannel(Addr(speculator_->port()),
+                                      grpc::InsecureChannelCredentials()))
+                  ->Score(&ctx, sreq, &sresp)
+                  .ok());
+  const std::vector<int> kept(sresp.kept_indices().begin(),
+                              sresp.kept_indices().end());
+  ASSERT_LT(kept.size(), prompt.size() / 2);
+  std::vector<int> kept_ids;
+  for (int k : kept) kept_ids.push_back(prompt[k]);
+  const std::vector<int> want = Reference(*model_, kept_ids, kept, n, 32);
+
+  for (bool spec_decode : {false, true}) {
+    SCOPED_TRACE(spec_decode);
+    v1::GenerateTextRequest req = Request(text, 32, 0.3f, spec_decode);
+    req.mutable_speculative_prefill()->set_chunk_size(8);
+    Outcome o = Run(req);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(o.response.usage().prompt_tokens(), n);
+    EXPECT_EQ(o.response.usage().kept_prompt_tokens(), int(kept.size()));
+    EXPECT_FLOAT_EQ(o.response.stats().keep_ratio(), float(kept.size()) / n);
+    EXPECT_EQ(Ids(o.response), want);
+  }
+  // The plain full-prompt continuation differs (pruning is visible).
+  EXPECT_NE(want, FullReference(text, 32));
+}
+
+TEST_F(RequestRunnerTest, SampledRequestsAreReproducibleBySeed) {
+  v1::GenerateTextRequest req = Request(StoryPrompt(2), 40, 1.f, true);
+  req.mutable_sampling()->set_temperature(0.8f);
+  req.mutable_sampling()->set_top_p(0.9f);
+  req.mutable_sampling()->set_seed(7);
+  Outcome a = Run(req), b = Run(req);
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  EXPECT_EQ(Ids(a.response), Ids(b.response));
+  EXPECT_GT(a.response.stats().num_drafts(), 0);
+  for (int id : a.response.token_ids()) {
+    EXPECT_GE(id, 0);
+    EXPECT_LT(id, 512);
+  }
+  req.mutable_sampling()->set_seed(8);
+  Outcome c = Run(req);
+  ASSERT_TRUE(c.status.ok());
+  EXPECT_NE(Ids(a.response), Ids(c.response));
+}
+
+TEST_F(RequestRunnerTest, SpeculatorDownBeforeTheRequestFallsBack) {
+  const std::string text = StoryPrompt(2);
+  speculator_->Shutdown(absl::ZeroDuration());
+  for (int i = 0; i < 2; ++i) {  // known-bad on the second request
+    Outcome o = Run(Request(text, 24, 0.3f, true));
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(o.response.stats().fallback_reason(), "speculator_unavailable");
+    EXPECT_EQ(Ids(o.response), FullReference(text, 24));
+    EXPECT_EQ(o.response.usage().kept_prompt_tokens(),
+              o.response.usage().prompt_tokens());
+    EXPECT_EQ(o.response.stats().num_drafts(), 0);
+  }
+  const std::string m =
+      prometheus::TextSerializer().Serialize(registry_->Collect());
+  EXPECT_EQ(MetricValue(m, "specserve_router_fallbacks_total",
+                        {"speculator_unavailable"}),
+            2);
+}
+
+// A Speculator whose Score never answers (until cancelled).
+class HangingSpeculator final : public v1::Speculator::Service {
+ public:
+  grpc::Status Info(grpc::ServerContext*, const v1::InfoRequest*,
+                    v1::ModelInfo* out) override {
+    out->set_vocab_size(512);
+    return grpc::Status::OK;
+  }
+  grpc::Status Score(grpc::ServerContext* ctx, const v1::ScoreRequest*,
+                     v1::ScoreResponse*) override {
+    while (!ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(2));
+    return grpc::Status::CANCELLED;
+  }
+};
+
+TEST_F(RequestRunnerTest, SpeculatorPastItsDeadlineFallsBack) {
+  HangingSpeculator hanging;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&hanging);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  Connect(Addr(port), Addr(target_->port()));
+  backends_.speculator_deadline = absl::Milliseconds(100);
+  const std::string text = StoryPrompt(2);
+  const absl::Time t0 = absl::Now();
+  Outcome o = Run(Request(text, 16, 0.3f, true));
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.response.stats().fallback_reason(), "speculator_deadline");
+  EXPECT_EQ(Ids(o.response), FullReference(text, 16));
+  EXPECT_GE(took, absl::Milliseconds(100));
+  EXPECT_LT(took, absl::Seconds(3));
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+TEST_F(RequestRunnerTest, SpeculatorKilledMidGenerationStillCompletes) {
+  const std::string text = StoryPrompt(2);
+  const int kNew = 60;
+  Outcome o = Run(Request(text, kNew, 1.f, true),
+                  [&](const v1::GenerateTextChunk&, RequestRunner*) {
+                    // Between the first verify round and the next Draft.
+                    if (speculator_ != nullptr) {
+                      speculator_->Shutdown(absl::ZeroDuration());
+                    }
+                  });
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(Ids(o.response), FullReference(text, kNew));
+  EXPECT_EQ(o.response.stats().fallback_reason().rfind(
+                "speculator_failed_mid_generation: ", 0),
+            0u)
+      << o.response.stats().fallback_reason();
+  EXPECT_EQ(o.response.stats().num_drafts(), 1);  // only the look-ahead
+  EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
+}
+
+TEST_F(RequestRunnerTest, CancelFreesBothSessions) {
+  Outcome o = Run(Request(StoryPrompt(2), 400, 1.f, true),
+                  [&](const v1::GenerateTextChunk&, RequestRunner* r) {
+                    EXPECT_EQ(speculator_->sessions().num_sessions(), 1);
+                    EXPECT_EQ(target_->active_sessions(), 1);
+                    r->Cancel();
+                  });
+  EXPECT_TRUE(absl::IsCancelled(o.status)) << o.status;
+  EXPECT_EQ(o.chunks, 1);
+  EXPECT_TRUE(Eventually([&] {
+    return speculator_->sessions().num_sessions() == 0 &&
+           target_->active_sessions() == 0;
+  }));
+}
+
+TEST_F(RequestRunnerTest, StopStringsCutTheText) {
+  const std::string text = StoryPrompt(1);
+  const std::vector<int> ids = FullReference(text, 60);
+  const std::string full = Decode(ids);
+  ASSERT_GT(full.size(), 60u);
+  // A stop string spanning a token boundary in the middle of the output.
+  const std::string stop = full.substr(30, 7);
+  const size_t at = full.find(stop);
+  v1::GenerateTextRequest req = Request(text, 60, 1.f, true);
+  req.mutable_sampling()->add_stop("never appears \x01");
+  req.mutable_sampling()->add_stop(stop);
+  std::string streamed;
+  Outcome o = Run(req, [&](const v1::GenerateTextChunk& c, RequestRunner*) {
+    streamed += c.text();
+    // Held back: nothing past the stop string's start is ever sent.
+    EXPECT_LE(streamed.size(), at);
+  });
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.response.text(), full.substr(0, at));
+  EXPECT_EQ(o.response.finish_reason(), "stop");
+  // Token ids up to the one completing the match, a prefix of the output.
+  const std::vector<int> got = Ids(o.response);
+  ASSERT_LT(got.size(), ids.size());
+  EXPECT_EQ(got, std::vector<int>(ids.begin(), ids.begin() + got.size()));
+  EXPECT_NE(Decode(got).find(stop), std::string::npos);
+  EXPECT_EQ(o.response.usage().completion_tokens(), int(got.size()));
+  EXPECT_TRUE(Eventually([&] {
+    return speculator_->sessions().num_sessions() == 0 &&
+           target_->active_sessions() == 0;
+  }));
+}
+
+TEST(StopStringFilterTest, HoldsBackPossibleStartsAndCutsAtTheFirstMatch) {
+  StopStringFilter f({"abc", "", "xy"});
+  EXPECT_EQ(f.Append("12a"), "12");  // "a" may start "abc"
+  EXPECT_EQ(f.Append("b"), "");
+  EXPECT_EQ(f.Append("d"), "abd");
+  EXPECT_EQ(f.Append("x"), "");
+  EXPECT_EQ(f.Append("zab"), "xz");
+  EXPECT_EQ(f.Append("cxy tail"), "");  // "abc" completes first
+  EXPECT_TRUE(f.matched());
+  EXPECT_EQ(f.Append("more"), "");
+  EXPECT_EQ(f.Flush(), "");
+
+  StopStringFilter g({"xy", "abc"});
+  EXPECT_EQ(g.Append("--ab"), "--");
+  EXPECT_EQ(g.Flush(), "ab");  // end of stream: held text is real text
+  EXPECT_FALSE(g.matched());
+  StopStringFilter h({"é!"});
+  EXPECT_EQ(h.Append("caf\xc3\xa9"), "caf");
+  EXPECT_EQ(h.Append("!"), "");
+  EXPECT_TRUE(h.matched());
+}
+
+TEST(ResolveOptionsTest, AppliesDefaults) {
+  RequestDefaults d;
+  d.max_new_tokens = 7;
+  d.keep_ratio = 0.5f;
+  d.num_draft_tokens = 3;
+  d.spec_decode = false;
+  auto r = ResolveOptions(v1::GenerateTextRequest(), d);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->max_new_tokens, 7);
+  EXPECT_FLOAT_EQ(r->prefill.keep_ratio(), 0.5f);
+  EXPECT_EQ(r->prefill.chunk_size(), 32);
+  EXPECT_EQ(r->prefill.look_ahead(), 8);
+  EXPECT_EQ(r->num_draft_tokens, 3);
+  EXPECT_TRUE(r->spec_prefill);
+  EXPECT_FALSE(r->spec_decode);
+  EXPECT_FLOAT_EQ(r->sampling.top_p(), 1.f);
+  EXPECT_FALSE(r->has_seed);
+  d.top_p = 0;
+  EXPECT_TRUE(absl::IsInvalidArgument(ValidateDefaults(d)));
+}
+
+TEST(ResolveOptionsTest, RejectsBadFieldsNamingThem) {
+  struct Case {
+    std::function<void(v1::GenerateTextRequest*)> edit;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* r) { r->mutable_sampling()->set_max_new_tokens(0); },
+       "sampling.max_new_tokens"},
+      {[](auto* r) { r->mutable_sampling()->set_temperature(-1); },
+       "temperature"},
+      {[](auto* r) { r->mutable_sampling()->set_top_k(-1); }, "top_k"},
+      {[](auto* r) { r->mutable_sampling()->set_top_p(0); }, "sampling.top_p"},
+      {[](auto* r) { r->mutable_sampling()->set_top_p(1.5f); },
+       "sampling.top_p"},
+      {[](auto* r) { r->mutable_sampling()->add_stop(""); },
+       "sampling.stop[0]"},
+      {[](auto* r) { r->mutable_sampling()->add_stop_token_ids(-3); },
+       "sampling.stop_token_ids[0]"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_keep_ratio(0); },
+       "speculative_prefill.keep_ratio"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_keep_ratio(1.1f); },
+       "speculative_prefill.keep_ratio"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_chunk_size(0); },
+       "speculative_prefill.chunk_size"},
+      {[](auto* r) {
+         r->mutable_speculative_prefill()->set_pool_kernel_size(4);
+       },
+       "speculative_prefill.pool_kernel_size"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_look_ahead(65); },
+       "speculative_prefill.look_ahead"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_keep_first(-1); },
+       "speculative_prefill.keep_first"},
+      {[](auto* r) {
+         r->mutable_speculative_decoding()->set_num_draft_tokens(0);
+       },
+       "speculative_decoding.num_draft_tokens"},
+      {[](auto* r) {
+         r->mutable_speculative_decoding()->set_num_draft_tokens(65);
+       },
+       "speculative_decoding.num_draft_tokens"},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateTextRequest req;
+    c.edit(&req);
+    auto r = ResolveOptions(req, RequestDefaults());
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << c.field;
+    EXPECT_NE(r.status().message().find(c.field), absl::string_view::npos)
+        << r.status();
+  }
+}
+
+TEST_F(RequestRunnerTest, RejectsBadPrompts) {
+  v1::GenerateTextRequest req;
+  EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));  // no prompt
+  req.set_text("");
+  EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));
+  req.mutable_token_ids();
+  EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));
+  req.mutable_token_ids()->add_ids(1);
+  req.mutable_token_ids()->add_ids(512);
+  Outcome o = Run(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(o.status));
+  EXPECT_NE(o.status.message().find("token_ids.ids[1]"), std::string::npos);
+  req.mutable_token_ids()->clear_ids();
+  for (int i = 0; i < 512; ++i) req.mutable_token_ids()->add_ids(5);
+  o = Run(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(o.status));
+  EXPECT_NE(o.status.message().find("max context"), std::string::npos);
+  req.set_text("hello");
+  req.mutable_sampling()->add_stop_token_ids(600);
+  EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));
+  backends_.tokenizer = nullptr;
+  req.mutable_sampling()->clear_stop_token_ids();
+  EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));
+}
+
+TEST_F(RequestRunnerTest, TokenIdPromptsAreUsedAsGiven) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432, 383, 286};
+  v1::GenerateTextRequest req;
+  req.mutable_token_ids()->mutable_ids()->Add(prompt.begin(), prompt.end());
+  req.mutable_sampling()->set_max_new_tokens(20);
+  backends_.tokenizer = nullptr;  // ids in, ids out
+  Outcome o = Run(req);
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(Ids(o.response), Reference(*model_, prompt, {}, 8, 20));
+  EXPECT_EQ(o.response.text(), "");
+}
+
+TEST_F(RequestRunnerTest, TargetDownIsUnavailableQuickly) {
+  target_->Shutdown();
+  const absl::Time t0 = absl::Now();
+  Outcome o = Run(Request(StoryPrompt(1), 8, 0.3f, true));
+  EXPECT_TRUE(absl::IsUnavailable(o.status)) << o.status;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  Connect(Addr(speculator_->port()), Addr(DeadPort()));
+  o = Run(Request(StoryPrompt(1), 8, 0.3f, true));
+  EXPECT_TRUE(absl::IsUnavailable(o.status)) << o.status;
+  EXPECT_NE(o.status.message().find("target"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace specserve
