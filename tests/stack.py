@@ -104,20 +104,24 @@ class Stack:
     def __init__(self, speculator_model="models/stories260K-draft",
                  target_model="models/stories260K",
                  tokenizer="models/stories260K", router_args=(),
-                 speculator_args=(), target_args=(), router_port=0):
+                 speculator_args=(), target_args=(), router_port=0,
+                 metrics_ports=(0, 0, 0)):
+        """metrics_ports: (speculator, target, router); 0 = any free port."""
         self.services = []
         try:
             self.speculator = self._start(
                 "speculator", [find_binary("speculator_service/speculator_service"),
                                "--model", speculator_model, "--port", "0",
-                               "--metrics_port", "0"] + list(speculator_args))
+                               "--metrics_port", str(metrics_ports[0])] +
+                list(speculator_args))
             self.target = self._start(
                 "target", [find_binary("target_service/target_service"),
                            "--model", target_model, "--port", "0",
-                           "--metrics_port", "0"] + list(target_args))
+                           "--metrics_port", str(metrics_ports[1])] +
+                list(target_args))
             self.router = self._start(
                 "router", [find_binary("router/router"), "--port", str(router_port),
-                           "--metrics_port", "0",
+                           "--metrics_port", str(metrics_ports[2]),
                            "--speculator", self.speculator.address,
                            "--target", self.target.address,
                            "--tokenizer", tokenizer] + list(router_args))

@@ -19,9 +19,9 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from stack import Stack, find_binary  # noqa: E402
 
-DEMO_PROMPT = ("Once upon a time, there was a little dog named Max. Max liked "
-               "to run in the big green park near his house. One sunny day, Max "
-               "found a red ball under a tree.")
+# A 267-token story: long enough for chunked selection (32-token chunks,
+# keep 0.3) to have something to choose from.
+DEMO_PROMPT_FILE = "tests/data/golden/prompts/written_tom_kite.txt"
 
 
 def main():
@@ -30,13 +30,18 @@ def main():
     mode.add_argument("--demo", action="store_true", default=True)
     mode.add_argument("--serve", action="store_true")
     ap.add_argument("--router_port", type=int, default=50050)
-    ap.add_argument("--prompt", default=DEMO_PROMPT)
+    ap.add_argument("--prompt", default=None,
+                    help="prompt text (default: the story in %s)" % DEMO_PROMPT_FILE)
     ap.add_argument("client_args", nargs="*",
                     help="extra //tools:client flags, after --")
     a = ap.parse_args()
     os.chdir(REPO)
     port = a.router_port if a.serve else 0
-    with Stack(router_port=port) as stack:
+    # --serve uses the default metrics ports that
+    # deploy/prometheus/prometheus-local.yml scrapes.
+    metrics = (9161, 9092, 9151) if a.serve else (0, 0, 0)
+    prompt = a.prompt or open(os.path.join(REPO, DEMO_PROMPT_FILE)).read().strip()
+    with Stack(router_port=port, metrics_ports=metrics) as stack:
         if a.serve:
             print("speculator %s (metrics :%d), target %s (metrics :%d), "
                   "router %s (metrics :%d). Ctrl-C stops." % (
@@ -51,7 +56,7 @@ def main():
                 pass
             return 0
         cmd = [find_binary("tools/client"), "--router", stack.router.address,
-               "--prompt", a.prompt, "--max_new_tokens", "96",
+               "--prompt", prompt, "--max_new_tokens", "96",
                "--stop_token_ids", "1"] + a.client_args
         return subprocess.call(cmd)
 

@@ -338,7 +338,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const double peak = CublasPeakTflops(handle, dt, 8192);
-  const double copy_bw = CopyBandwidthGBps(size_t{4} << 30);
+  const double copy_bw = CopyBandwidthGBps(static_cast<size_t>(4) << 30);
   const double nominal_bw = NominalBandwidthGBps();
   std::printf("cuBLAS %s GEMM 8192^3: %.1f TFLOP/s; D2D copy %.0f GB/s "
               "(nominal %.0f GB/s)\n",
@@ -380,12 +380,12 @@ int Main(int argc, char** argv) {
       const size_t max_in = std::max(c.hidden_size, c.intermediate_size);
       const size_t max_out = 2 * static_cast<size_t>(c.intermediate_size);
       absl::StatusOr<DeviceBuffer> x =
-          DeviceBuffer::Allocate(size_t{2} * M * max_in);
+          DeviceBuffer::Allocate(static_cast<size_t>(2) * M * max_in);
       absl::StatusOr<DeviceBuffer> y =
-          DeviceBuffer::Allocate(size_t{2} * M * max_out);
+          DeviceBuffer::Allocate(static_cast<size_t>(2) * M * max_out);
       Die(x.status(), "alloc");
       Die(y.status(), "alloc");
-      cudaMemset(x->get(), 0x3c, size_t{2} * M * max_in);  // ~0.01 in bf16
+      cudaMemset(x->get(), 0x3c, static_cast<size_t>(2) * M * max_in);  // ~0.01 in bf16
       std::printf("  %-6d", M);
       for (const Shape& s : shapes) {
         double best = 1e30;

@@ -229,7 +229,7 @@ TEST_F(CudaTest, ConvertRoundsToNearestEven) {
 
 TEST_F(CudaTest, EmbeddingGatherMatchesCpu) {
   const int vocab = 1001, hidden = 300, n = 37;
-  const std::vector<float> table = Rounded(Normal(size_t{vocab} * hidden),
+  const std::vector<float> table = Rounded(Normal(static_cast<size_t>(vocab) * hidden),
                                            CudaDType::kBF16);
   std::vector<int> ids(n);
   for (int& id : ids) id = Uniform(0, vocab - 1);
@@ -241,9 +241,9 @@ TEST_F(CudaTest, EmbeddingGatherMatchesCpu) {
   EXPECT_LAUNCH_OK(ck::EmbeddingGather(d_table.get(), CudaDType::kBF16,
                                        d_ids.as<int>(), n, hidden,
                                        d_out.as<float>(), nullptr));
-  std::vector<float> ref(size_t{n} * hidden);
+  std::vector<float> ref(static_cast<size_t>(n) * hidden);
   for (int i = 0; i < n; ++i) {
-    std::copy_n(&table[size_t{ids[i]} * hidden], hidden, &ref[size_t{i} * hidden]);
+    std::copy_n(&table[static_cast<size_t>(ids[i]) * hidden], hidden, &ref[static_cast<size_t>(i) * hidden]);
   }
   EXPECT_EQ(RelErr(Download(d_out.get(), CudaDType::kF32, ref.size()), ref),
             0.0);
@@ -254,7 +254,7 @@ TEST_F(CudaTest, RmsNormMatchesCpu) {
     SCOPED_TRACE(dim);
     const int rows = 7;
     const float eps = 1e-5f;
-    const std::vector<float> x = Normal(size_t{rows} * dim, 2.0f);
+    const std::vector<float> x = Normal(static_cast<size_t>(rows) * dim, 2.0f);
     const std::vector<float> w = Normal(dim, 0.3f, 1.0f);
     std::vector<float> ref(x.size());
     kernels::RmsNorm(x.data(), dim, w.data(), eps, rows, dim, ref.data(), dim);
@@ -278,8 +278,8 @@ TEST_F(CudaTest, RmsNormMatchesCpu) {
                                  CudaDType::kF32, nullptr));
     std::vector<float> ref_pick;
     for (int r : pick) {
-      ref_pick.insert(ref_pick.end(), &ref[size_t{r} * dim],
-                      &ref[size_t{r} * dim] + dim);
+      ref_pick.insert(ref_pick.end(), &ref[static_cast<size_t>(r) * dim],
+                      &ref[static_cast<size_t>(r) * dim] + dim);
     }
     EXPECT_LT(RelErr(Download(d_out.get(), CudaDType::kF32, ref_pick.size()),
                      ref_pick),
@@ -298,7 +298,7 @@ TEST_F(CudaTest, RopeAtExplicitPositionsMatchesCpuAndStoresQkv) {
     const int qkv_dim = (s.H + 2 * s.KV) * s.D, rw = s.KV * s.D;
     const double theta = 500000.0;
     const int first = 4, capacity = first + s.n + 3;
-    const std::vector<float> qkv = Normal(size_t{s.n} * qkv_dim);
+    const std::vector<float> qkv = Normal(static_cast<size_t>(s.n) * qkv_dim);
     std::vector<int> pos(s.n);
     for (int& p : pos) p = Uniform(0, 131071);  // any order, large values
     std::vector<float> ref = qkv;
@@ -331,15 +331,15 @@ TEST_F(CudaTest, RopeAtExplicitPositionsMatchesCpuAndStoresQkv) {
                 1e-5);
       std::vector<float> ref_q, ref_k, ref_v;
       for (int i = 0; i < s.n; ++i) {
-        const float* row = &ref[size_t{i} * qkv_dim];
+        const float* row = &ref[static_cast<size_t>(i) * qkv_dim];
         ref_q.insert(ref_q.end(), row, row + s.H * s.D);
         ref_k.insert(ref_k.end(), row + s.H * s.D, row + (s.H + s.KV) * s.D);
         ref_v.insert(ref_v.end(), row + (s.H + s.KV) * s.D, row + qkv_dim);
       }
       const double tol = dt == CudaDType::kF32 ? 1e-5 : 1e-2;
       EXPECT_LT(RelErr(Download(d_q.get(), dt, ref_q.size()), ref_q), tol);
-      const std::vector<float> k = Download(d_k.get(), dt, size_t{capacity} * rw);
-      const std::vector<float> v = Download(d_v.get(), dt, size_t{capacity} * rw);
+      const std::vector<float> k = Download(d_k.get(), dt, static_cast<size_t>(capacity) * rw);
+      const std::vector<float> v = Download(d_v.get(), dt, static_cast<size_t>(capacity) * rw);
       EXPECT_LT(RelErr(std::vector<float>(k.begin() + first * rw,
                                           k.begin() + (first + s.n) * rw),
                        ref_k),
@@ -350,8 +350,8 @@ TEST_F(CudaTest, RopeAtExplicitPositionsMatchesCpuAndStoresQkv) {
                 tol);
       // Slots outside [first, first + n) are untouched (still poison).
       for (int slot : {0, first - 1, first + s.n, capacity - 1}) {
-        EXPECT_TRUE(std::isnan(k[size_t{slot} * rw])) << "slot " << slot;
-        EXPECT_TRUE(std::isnan(v[size_t{slot} * rw])) << "slot " << slot;
+        EXPECT_TRUE(std::isnan(k[static_cast<size_t>(slot) * rw])) << "slot " << slot;
+        EXPECT_TRUE(std::isnan(v[static_cast<size_t>(slot) * rw])) << "slot " << slot;
       }
     }
   }
@@ -359,11 +359,11 @@ TEST_F(CudaTest, RopeAtExplicitPositionsMatchesCpuAndStoresQkv) {
 
 TEST_F(CudaTest, SiluMulMatchesCpu) {
   const int rows = 5, ffn = 1000;
-  const std::vector<float> gu = Normal(size_t{rows} * 2 * ffn, 2.0f);
+  const std::vector<float> gu = Normal(static_cast<size_t>(rows) * 2 * ffn, 2.0f);
   for (CudaDType dt : {CudaDType::kF32, CudaDType::kBF16}) {
     SCOPED_TRACE(CudaDTypeName(dt));
     const std::vector<float> in = Rounded(gu, dt);
-    std::vector<float> ref(size_t{rows} * ffn);
+    std::vector<float> ref(static_cast<size_t>(rows) * ffn);
     kernels::SiluMul(in.data(), rows, ffn, ref.data());
     DeviceBuffer d_gu = UploadAs(in, dt);
     DeviceBuffer d_out = Poisoned(ref.size() * CudaDTypeBytes(dt));
@@ -400,9 +400,9 @@ TEST_F(CublasTest, LinearMatchesCpuSgemm) {
                                   " beta=", beta));
         // Operands rounded on the host: the CPU then multiplies exactly the
         // values the GPU holds, and both accumulate in fp32.
-        const std::vector<float> x = Rounded(Normal(size_t{n} * in), dt);
-        const std::vector<float> w = Rounded(Normal(size_t{out} * in, 0.05f), dt);
-        const std::vector<float> y0 = Normal(size_t{n} * out);
+        const std::vector<float> x = Rounded(Normal(static_cast<size_t>(n) * in), dt);
+        const std::vector<float> w = Rounded(Normal(static_cast<size_t>(out) * in, 0.05f), dt);
+        const std::vector<float> y0 = Normal(static_cast<size_t>(n) * out);
         std::vector<float> ref = y0;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f,
                     x.data(), in, w.data(), in, beta, ref.data(), out);
@@ -445,17 +445,17 @@ std::vector<float> ReferenceAttention(const std::vector<float>& q,
                                       int first, int H, int KV, int D) {
   const int group = H / KV;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  std::vector<float> out(size_t{n} * H * D);
+  std::vector<float> out(static_cast<size_t>(n) * H * D);
   std::vector<double> s;
   for (int i = 0; i < n; ++i) {
     const int visible = first + i + 1;
     for (int h = 0; h < H; ++h) {
       const int g = h / group;
-      const float* qr = &q[(size_t{i} * H + h) * D];
+      const float* qr = &q[(static_cast<size_t>(i) * H + h) * D];
       s.assign(visible, 0.0);
       double mx = -1e300;
       for (int j = 0; j < visible; ++j) {
-        const float* kr = &k[(size_t{j} * KV + g) * D];
+        const float* kr = &k[(static_cast<size_t>(j) * KV + g) * D];
         double dot = 0;
         for (int d = 0; d < D; ++d) dot += double{qr[d]} * kr[d];
         s[j] = dot * scale;
@@ -466,9 +466,9 @@ std::vector<float> ReferenceAttention(const std::vector<float>& q,
       for (int d = 0; d < D; ++d) {
         double o = 0;
         for (int j = 0; j < visible; ++j) {
-          o += s[j] * v[(size_t{j} * KV + g) * D + d];
+          o += s[j] * v[(static_cast<size_t>(j) * KV + g) * D + d];
         }
-        out[(size_t{i} * H + h) * D + d] = static_cast<float>(o / sum);
+        out[(static_cast<size_t>(i) * H + h) * D + d] = static_cast<float>(o / sum);
       }
     }
   }
@@ -486,9 +486,9 @@ class AttentionTest : public CudaTest {
   double Run(const AttnCase& c, CudaDType dt, const std::string& path) {
     const int total = c.first + c.n;
     // Scaled so that softmaxes are peaky enough for masking to matter.
-    const std::vector<float> q = Rounded(Normal(size_t{c.n} * c.H * c.D, 2.0f), dt);
-    const std::vector<float> k = Rounded(Normal(size_t{total} * c.KV * c.D), dt);
-    const std::vector<float> v = Rounded(Normal(size_t{total} * c.KV * c.D), dt);
+    const std::vector<float> q = Rounded(Normal(static_cast<size_t>(c.n) * c.H * c.D, 2.0f), dt);
+    const std::vector<float> k = Rounded(Normal(static_cast<size_t>(total) * c.KV * c.D), dt);
+    const std::vector<float> v = Rounded(Normal(static_cast<size_t>(total) * c.KV * c.D), dt);
     const std::vector<float> ref =
         ReferenceAttention(q, k, v, c.n, c.first, c.H, c.KV, c.D);
     DeviceBuffer d_q = UploadAs(q, dt), d_k = UploadAs(k, dt),
@@ -622,11 +622,11 @@ TEST_F(CudaTest, ImportanceMatchesCpuAccumulator) {
         c.prompt_len, c.rows, c.H, c.KV, c.D, c.layers, c.opts);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     for (int l = 0; l < c.layers; ++l) {
-      const std::vector<float> q = Normal(size_t{c.rows} * c.H * c.D, 1.5f);
+      const std::vector<float> q = Normal(static_cast<size_t>(c.rows) * c.H * c.D, 1.5f);
       std::vector<float> keys =
-          Rounded(Normal(size_t{cached} * stride, 1.5f), CudaDType::kBF16);
+          Rounded(Normal(static_cast<size_t>(cached) * stride, 1.5f), CudaDType::kBF16);
       // Poison the look-ahead rows: reading them would show.
-      for (size_t i = size_t{c.prompt_len} * stride; i < keys.size(); ++i) {
+      for (size_t i = static_cast<size_t>(c.prompt_len) * stride; i < keys.size(); ++i) {
         keys[i] = std::numeric_limits<float>::quiet_NaN();
       }
       ASSERT_OK(cpu->AddLayer(l, q.data(), keys.data(), stride));
@@ -963,7 +963,7 @@ TEST_P(ModelTest, KvRollbackRestoresState) {
     absl::StatusOr<std::vector<float>> keys = gc.CopyKeysToHost(l);
     ASSERT_TRUE(keys.ok()) << keys.status();
     std::vector<float> ref(cpu_cache.keys(l),
-                           cpu_cache.keys(l) + size_t{gc.size()} * gc.row_width());
+                           cpu_cache.keys(l) + static_cast<size_t>(gc.size()) * gc.row_width());
     EXPECT_LT(RelErr(*keys, ref), kModelTolBf16) << "layer " << l;
   }
 }
@@ -1032,8 +1032,8 @@ TEST_P(ModelTest, DeviceScoringMatchesCpuScoring) {
   std::vector<std::vector<float>> cpu_q(L);
   auto keep_cpu_queries = [&](const ForwardOutput& o) {
     for (int l = 0; l < L; ++l) {
-      cpu_q[l].insert(cpu_q[l].end(), o.queries.begin() + size_t{l} * H * D,
-                      o.queries.begin() + size_t{l + 1} * H * D);
+      cpu_q[l].insert(cpu_q[l].end(), o.queries.begin() + static_cast<size_t>(l) * H * D,
+                      o.queries.begin() + static_cast<size_t>(l + 1) * H * D);
     }
   };
   const std::vector<int> pos = Iota(0, n);
@@ -1065,7 +1065,7 @@ TEST_P(ModelTest, DeviceScoringMatchesCpuScoring) {
   absl::StatusOr<std::vector<float>> gpu_scores = ScorePromptOnDevice(
       **capture, **gpu_cache, n, opts, e.gpu->stream());
   ASSERT_TRUE(gpu_scores.ok()) << gpu_scores.status();
-  ASSERT_EQ(gpu_scores->size(), size_t{n});
+  ASSERT_EQ(gpu_scores->size(), static_cast<size_t>(n));
 
   // (1) The device reduction on the device's own queries and keys equals
   // the CPU reduction of the same numbers (fp32 math): 1e-5, same chunks.
@@ -1077,7 +1077,7 @@ TEST_P(ModelTest, DeviceScoringMatchesCpuScoring) {
   for (int l = 0; l < L; ++l) {
     absl::StatusOr<std::vector<float>> keys = (*gpu_cache)->CopyKeysToHost(l);
     ASSERT_TRUE(keys.ok()) << keys.status();
-    ASSERT_OK(same_inputs->AddLayer(l, gq->data() + size_t{l} * rows * H * D,
+    ASSERT_OK(same_inputs->AddLayer(l, gq->data() + static_cast<size_t>(l) * rows * H * D,
                                     keys->data(), (*gpu_cache)->row_width()));
   }
   EXPECT_LT(RelErr(*gpu_scores, same_inputs->Importance()), 1e-5);

@@ -99,8 +99,8 @@ __global__ void ImportancePoolFoldKernel(const float* __restrict__ probs,
   const size_t total = static_cast<size_t>(rows) * len;
   const int hk = kernel / 2;
   const float inv_k = 1.0f / kernel;
-  for (size_t idx = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
-       idx < total; idx += size_t{gridDim.x} * blockDim.x) {
+  for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+       idx < total; idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const int r = static_cast<int>(idx / len);
     const int j = static_cast<int>(idx % len);
     const int t0 = j - hk < 0 ? 0 : j - hk;

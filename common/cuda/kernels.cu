@@ -43,8 +43,8 @@ unsigned GridFor(size_t n) {
 template <typename T>
 __global__ void ConvertFromF32Kernel(const float* __restrict__ src,
                                      T* __restrict__ dst, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
-       i += size_t{gridDim.x} * blockDim.x) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     dst[i] = FromF32<T>(src[i]);
   }
 }
@@ -52,8 +52,8 @@ __global__ void ConvertFromF32Kernel(const float* __restrict__ src,
 template <typename T>
 __global__ void ConvertToF32Kernel(const T* __restrict__ src,
                                    float* __restrict__ dst, size_t n) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n;
-       i += size_t{gridDim.x} * blockDim.x) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     dst[i] = ToF32<T>(src[i]);
   }
 }
@@ -148,8 +148,8 @@ template <typename T>
 __global__ void SiluMulKernel(const T* __restrict__ gu, int rows, int ffn,
                               T* __restrict__ out) {
   const size_t total = static_cast<size_t>(rows) * ffn;
-  for (size_t idx = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
-       idx < total; idx += size_t{gridDim.x} * blockDim.x) {
+  for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+       idx < total; idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const size_t r = idx / ffn, i = idx % ffn;
     const float g = ToF32<T>(gu[r * 2 * ffn + i]);
     const float u = ToF32<T>(gu[r * 2 * ffn + ffn + i]);

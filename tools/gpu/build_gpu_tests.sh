@@ -16,9 +16,12 @@
 #
 # Usage: tools/gpu/build_gpu_tests.sh [-j JOBS]     (from anywhere)
 # Env: CUDA_HOME (default /usr/local/cuda), CXX (default g++), OUT_DIR
-# (default .device/gpu; .device/ is git-ignored, so carry it explicitly).
-# Objects are cached under OUT_DIR/obj and rebuilt when their source or any
-# header of the tree is newer.
+# (default .device/gpu; .device/ is git-ignored, so carry it explicitly:
+# the three binaries take ~40 MB of the device tool's 64 MiB). Objects are
+# cached in OBJ_DIR (default .device/gpu-obj, not needed on the GPU
+# machine) and rebuilt when their source or any header of the tree is
+# newer. The library objects go into an archive so each program links only
+# what it uses (only the test needs OpenBLAS, for the CPU reference).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -33,6 +36,7 @@ done
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 CXX=${CXX:-g++}
 OUT_DIR=${OUT_DIR:-.device/gpu}
+OBJ_DIR=${OBJ_DIR:-.device/gpu-obj}
 NVCC="$CUDA_HOME/bin/nvcc"
 LIBDIR=/usr/lib/x86_64-linux-gnu
 
@@ -74,19 +78,19 @@ TEST_SRCS=(common/cuda/cuda_backend_test.cc common/cuda/device_test.cc)
 BENCH_SRCS=(bench/gpu/gpu_bench.cc)
 SYNTH_SRCS=(tools/make_synthetic_checkpoint.cc)
 
-mkdir -p "$OUT_DIR/obj"
+mkdir -p "$OUT_DIR" "$OBJ_DIR"
 # Newest header in the tree: objects older than it are rebuilt.
-HEADER_STAMP="$OUT_DIR/obj/.headers"
+HEADER_STAMP="$OBJ_DIR/.headers"
 newest=$(find common bench tools -name '*.h' -o -name '*.cuh' | xargs ls -t | head -1)
 touch -r "$newest" "$HEADER_STAMP"
 
-obj_of() { echo "$OUT_DIR/obj/$(echo "$1" | tr / _).o"; }
+obj_of() { echo "$OBJ_DIR/$(echo "$1" | tr / _).o"; }
 
 export -f obj_of
-export OUT_DIR NVCC HEADER_STAMP CXX
+export OBJ_DIR NVCC HEADER_STAMP CXX
 export CXXFLAGS_STR="${CXXFLAGS[*]}" NVCCFLAGS_STR="${NVCCFLAGS[*]}"
 
-echo "build_gpu_tests: compiling with $JOBS jobs into $OUT_DIR"
+echo "build_gpu_tests: compiling with $JOBS jobs into $OBJ_DIR"
 printf '%s\n' "${LIB_SRCS[@]}" "${CU_SRCS[@]}" "${TEST_SRCS[@]}" \
     "${BENCH_SRCS[@]}" "${SYNTH_SRCS[@]}" |
   xargs -P "$JOBS" -I{} bash -c '
@@ -115,19 +119,22 @@ link() {  # output, objects...
       "$LIBDIR/libgtest.a" $ABSL_LIBS -Wl,--end-group \
     "$OPENBLAS_A" "$GFORTRAN_A" "$QUADMATH_A" \
     "$CUDA_HOME/lib64/libcudart_static.a" \
-    -L"$CUDA_HOME/lib64" -lcublas -lcublasLt \
+    -L"$CUDA_HOME/lib64" -Wl,--as-needed -lcublas -lcublasLt \
     -Wl,-rpath,'$ORIGIN/lib:/usr/local/cuda/lib64' \
     -ldl -lrt -lpthread -lm
   strip --strip-unneeded "$out"
 }
 
-LIB_OBJS=$(objs "${LIB_SRCS[@]}" "${CU_SRCS[@]}")
-# shellcheck disable=SC2046,SC2086
-link "$OUT_DIR/cuda_backend_test" $LIB_OBJS $(objs "${TEST_SRCS[@]}")
-# shellcheck disable=SC2046,SC2086
-link "$OUT_DIR/gpu_bench" $LIB_OBJS $(objs "${BENCH_SRCS[@]}")
-# shellcheck disable=SC2046,SC2086
-link "$OUT_DIR/make_synthetic_checkpoint" $LIB_OBJS $(objs "${SYNTH_SRCS[@]}")
+LIB_A="$OBJ_DIR/libspecserve_gpu.a"
+rm -f "$LIB_A"
+# shellcheck disable=SC2046
+ar rcs "$LIB_A" $(objs "${LIB_SRCS[@]}" "${CU_SRCS[@]}")
+# shellcheck disable=SC2046
+link "$OUT_DIR/cuda_backend_test" $(objs "${TEST_SRCS[@]}") "$LIB_A"
+# shellcheck disable=SC2046
+link "$OUT_DIR/gpu_bench" $(objs "${BENCH_SRCS[@]}") "$LIB_A"
+# shellcheck disable=SC2046
+link "$OUT_DIR/make_synthetic_checkpoint" $(objs "${SYNTH_SRCS[@]}") "$LIB_A"
 
 echo "build_gpu_tests: done:"
 ls -la "$OUT_DIR"/cuda_backend_test "$OUT_DIR"/gpu_bench \
