@@ -35,6 +35,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -261,11 +262,22 @@ std::vector<Ablation> Ablations(bool smoke, int scorer_layers) {
   return a;
 }
 
+// The methods of the tables and plots. Baselines keep as many tokens as
+// SpecPrefill (chunk 32); their "_c8" twins (JSON only) match SpecPrefill
+// (chunk 8)'s count and are what that variant is compared with.
 const std::vector<std::string> kMethods = {"specprefill", "specprefill_chunk8",
                                            "random", "recent", "sink_recent"};
 const std::vector<std::string> kBaselines = {"random", "recent", "sink_recent"};
+const char kC8[] = "_c8";
 
-std::string MethodLabel(const std::string& m) {
+std::vector<std::string> AllMethods() {
+  std::vector<std::string> all = kMethods;
+  for (const auto& b : kBaselines) all.push_back(b + kC8);
+  return all;
+}
+
+std::string MethodLabel(std::string m) {
+  if (absl::EndsWith(m, kC8)) m.resize(m.size() - 3);
   static const std::map<std::string, std::string> kLabels = {
       {"specprefill", "SpecPrefill (chunk 32)"},
       {"specprefill_chunk8", "SpecPrefill (chunk 8)"},
@@ -281,8 +293,9 @@ absl::Status EvalPair(const Pair& p, const RunConfig& cfg, bool ablations,
   const int R = static_cast<int>(cfg.ratios.size());
   // [method][ratio][seed]
   std::map<std::string, std::vector<std::vector<Samples>>> acc;
-  for (const auto& m : kMethods) {
-    acc[m].assign(R, std::vector<Samples>(m == "random" ? cfg.seeds : 1));
+  for (const auto& m : AllMethods()) {
+    acc[m].assign(
+        R, std::vector<Samples>(absl::StartsWith(m, "random") ? cfg.seeds : 1));
   }
   const std::vector<Ablation> abl =
       ablations ? Ablations(cfg.smoke, p.scorer_m->config().num_hidden_layers)
@@ -304,22 +317,25 @@ absl::Status EvalPair(const Pair& p, const RunConfig& cfg, bool ablations,
     for (int r = 0; r < R; ++r) {
       auto kept = SelectKept(*imp, cfg.ratios[r], 32);
       if (!kept.ok()) return kept.status();
-      const int count = static_cast<int>(kept->size());
       auto kept8 = SelectKept(*imp, cfg.ratios[r], 8);
       if (!kept8.ok()) return kept8.status();
       absl::Status s;
       s.Update(Record(p, prompt, *full, *kept, &acc["specprefill"][r][0]));
       s.Update(
           Record(p, prompt, *full, *kept8, &acc["specprefill_chunk8"][r][0]));
-      for (int seed = 0; seed < cfg.seeds; ++seed) {
-        const uint64_t sd = (uint64_t(seed) << 32) ^ (pi * 1000003u) ^ r;
-        s.Update(Record(p, prompt, *full, KeepRandom(n, count, sd),
-                        &acc["random"][r][seed]));
+      for (const std::string suffix : {"", kC8}) {
+        const int count =
+            static_cast<int>(suffix.empty() ? kept->size() : kept8->size());
+        for (int seed = 0; seed < cfg.seeds; ++seed) {
+          const uint64_t sd = (uint64_t(seed) << 32) ^ (pi * 1000003u) ^ r;
+          s.Update(Record(p, prompt, *full, KeepRandom(n, count, sd),
+                          &acc["random" + suffix][r][seed]));
+        }
+        s.Update(Record(p, prompt, *full, KeepRecent(n, count),
+                        &acc["recent" + suffix][r][0]));
+        s.Update(Record(p, prompt, *full, KeepSinkRecent(n, count, 4),
+                        &acc["sink_recent" + suffix][r][0]));
       }
-      s.Update(
-          Record(p, prompt, *full, KeepRecent(n, count), &acc["recent"][r][0]));
-      s.Update(Record(p, prompt, *full, KeepSinkRecent(n, count, 4),
-                      &acc["sink_recent"][r][0]));
       if (!s.ok()) return s;
     }
     // Ablations: one Score() per scoring configuration, reused across
@@ -355,7 +371,7 @@ absl::Status EvalPair(const Pair& p, const RunConfig& cfg, bool ablations,
   // Aggregate. The random baseline's per-prompt value is its mean over
   // seeds; its seed std is the std of the per-seed means.
   std::map<std::string, std::vector<Samples>> per_prompt;
-  for (const auto& m : kMethods) {
+  for (const auto& m : AllMethods()) {
     per_prompt[m].resize(R);
     for (int r = 0; r < R; ++r) {
       const auto& seeds = acc[m][r];
@@ -379,6 +395,10 @@ absl::Status EvalPair(const Pair& p, const RunConfig& cfg, bool ablations,
                   {"keep_ratio", cfg.ratios[r]},
                   {"prompts", p.prompts.size()},
                   {"kept_fraction", ComputeMeanStd(avg.kept).mean}};
+      if (!absl::StartsWith(m, "specprefill")) {
+        row["count_matched_to"] =
+            absl::EndsWith(m, kC8) ? "specprefill_chunk8" : "specprefill";
+      }
       for (int mi = 0; mi < 3; ++mi) {
         row[kMetrics[mi]] = ComputeMeanStd(MetricOf(avg, mi)).mean;
       }
@@ -404,7 +424,8 @@ absl::Status EvalPair(const Pair& p, const RunConfig& cfg, bool ablations,
       for (const auto& b : kBaselines) {
         for (int mi = 0; mi < 3; ++mi) {
           const auto& a = MetricOf(per_prompt[sp][r], mi);
-          const auto& c = MetricOf(per_prompt[b][r], mi);
+          const std::string bm = sp == "specprefill" ? b : b + kC8;
+          const auto& c = MetricOf(per_prompt[bm][r], mi);
           const double sign = mi == 1 ? -1 : 1;
           std::vector<double> d;
           for (size_t i = 0; i < a.size(); ++i)
@@ -417,7 +438,7 @@ absl::Status EvalPair(const Pair& p, const RunConfig& cfg, bool ablations,
           comparisons->push_back({{"pair", p.name},
                                   {"method", sp},
                                   {"keep_ratio", cfg.ratios[r]},
-                                  {"baseline", b},
+                                  {"baseline", bm},
                                   {"metric", kMetrics[mi]},
                                   {"specprefill", ComputeMeanStd(a).mean},
                                   {"baseline_value", ComputeMeanStd(c).mean},
@@ -803,12 +824,33 @@ std::string FidelityMarkdown(const json& j) {
 
   md +=
       "### Where Speculative Prefill does NOT beat a baseline\n\n"
+      "Each variant is compared with baselines that keep exactly as many "
+      "tokens as it does on every prompt.\n\n"
       "Paired over prompts: advantage = SpecPrefill - baseline per prompt, "
       "oriented so positive favours SpecPrefill. W = wins (mean advantage "
       "above 2 standard errors), t = tie (within +-2 se), **L** = loses "
       "(below -2 se). Cells: top-1 / KL / match. Every non-W cell is a "
       "place where SpecPrefill does not beat that baseline; the numbers are "
       "in `comparisons` in the JSON.\n\n";
+  {
+    // Headline: SpecPrefill (chunk 32) over all pairs, ratios and metrics.
+    std::map<std::string, std::array<int, 3>> total;
+    for (const auto& c : j["comparisons"]) {
+      if (c["method"] != "specprefill") continue;
+      const std::string v = c["verdict"];
+      ++total[c["baseline"]][v == "wins" ? 0 : v == "ties" ? 1 : 2];
+    }
+    md +=
+        "**Headline**, SpecPrefill (chunk 32) over both pairs, all ratios "
+        "and metrics (wins / ties / losses):";
+    for (const auto& b : kBaselines) {
+      const auto& t = total[b];
+      absl::StrAppend(&md, " vs ", MethodLabel(b), " ", t[0], " / ", t[1],
+                      " / ", t[2], ";");
+    }
+    md.back() = '.';
+    md += "\n\n";
+  }
   for (const std::string sp : {"specprefill", "specprefill_chunk8"}) {
     // verdicts[pair][ratio][baseline] = "x / y / z"; tallies per baseline.
     std::map<std::string, std::map<double, std::map<std::string, std::string>>>
@@ -818,8 +860,10 @@ std::string FidelityMarkdown(const json& j) {
         losses;
     for (const auto& c : j["comparisons"]) {
       if (c["method"] != sp) continue;
-      const std::string pair = c["pair"], base = c["baseline"],
-                        v = c["verdict"], metric = c["metric"];
+      const std::string pair = c["pair"], v = c["verdict"],
+                        metric = c["metric"];
+      std::string base = c["baseline"];  // "_c8" twins share the column
+      if (absl::EndsWith(base, kC8)) base.resize(base.size() - 3);
       const double ratio = c["keep_ratio"];
       std::string& cell = cells[pair][ratio][base];
       if (!cell.empty()) cell += " / ";
@@ -915,8 +959,8 @@ std::string MarkdownReport(const json& j) {
     // Baselines at the same ratios, for reference (same count as default).
     const std::string abl_pair = j["ablations"][0]["pair"];
     for (const auto& r : j["fidelity"]) {
-      if (r["pair"] != abl_pair || r["method"] == "specprefill" ||
-          r["method"] == "specprefill_chunk8") {
+      if (r["pair"] != abl_pair || r.contains("count_matched_to") == false ||
+          r["count_matched_to"] != "specprefill") {
         continue;
       }
       bool used = false;

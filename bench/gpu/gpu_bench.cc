@@ -412,10 +412,12 @@ int Main(int argc, char** argv) {
 
   const int max_len = *std::max_element(lens.begin(), lens.end());
   const int max_k = ks.empty() ? 0 : *std::max_element(ks.begin(), ks.end());
+  // Prefill, then decode steps, then a verify round on top.
   std::unique_ptr<CudaKvCache> tcache =
-      NewCache(target, max_len + std::max(decode_steps, max_k + 1) + 8, dt);
+      NewCache(target, max_len + decode_steps + max_k + 1 + 8, dt);
+  // Prefill, look-ahead steps, then decode steps.
   std::unique_ptr<CudaKvCache> scache =
-      NewCache(spec, max_len + std::max(decode_steps, lookahead) + 8, dt);
+      NewCache(spec, max_len + lookahead + decode_steps + 8, dt);
   absl::StatusOr<std::unique_ptr<CudaQueryCapture>> capture =
       CudaQueryCapture::Create(spec.config, 1 + lookahead);
   Die(capture.status(), "capture");

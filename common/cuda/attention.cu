@@ -432,9 +432,12 @@ cudaError_t LaunchFlashDim(const AttentionArgs& a, cudaStream_t stream) {
 
 bool ValidShape(const AttentionArgs& a) {
   return a.n > 0 && a.first >= 0 && a.num_heads > 0 && a.num_kv_heads > 0 &&
-         a.num_heads % a.num_kv_heads == 0 && a.head_dim > 0 &&
-         a.q != nullptr && a.k_cache != nullptr && a.v_cache != nullptr &&
-         a.out != nullptr;
+         a.num_heads % a.num_kv_heads == 0 && a.head_dim > 0;
+}
+
+bool ValidArgs(const AttentionArgs& a) {
+  return ValidShape(a) && a.q != nullptr && a.k_cache != nullptr &&
+         a.v_cache != nullptr && a.out != nullptr;
 }
 
 }  // namespace
@@ -446,7 +449,7 @@ bool FlashAttentionSupported(int head_dim, CudaDType dtype) {
 }
 
 cudaError_t FlashAttention(const AttentionArgs& args, cudaStream_t stream) {
-  if (!ValidShape(args) || !FlashAttentionSupported(args.head_dim, args.dtype)) {
+  if (!ValidArgs(args) || !FlashAttentionSupported(args.head_dim, args.dtype)) {
     return cudaErrorInvalidValue;
   }
   if (args.dtype == CudaDType::kBF16) {
@@ -479,7 +482,7 @@ size_t SplitKAttentionWorkspaceBytes(const AttentionArgs& args,
 
 cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
                             void* workspace, cudaStream_t stream) {
-  if (!ValidShape(args) || args.head_dim > 8 * kSkMaxDims || num_splits < 1 ||
+  if (!ValidArgs(args) || args.head_dim > 8 * kSkMaxDims || num_splits < 1 ||
       workspace == nullptr) {
     return cudaErrorInvalidValue;
   }

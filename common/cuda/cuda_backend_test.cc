@@ -58,10 +58,18 @@ namespace {
 
 namespace ck = cuda_kernels;
 
-// Model-level bounds: relative error of a batch of logits rows, and of the
-// captured queries, vs the fp32 CPU engine.
-constexpr double kModelTolBf16 = 3e-2;
-constexpr double kModelTolFp16 = 1e-2;
+// Model-level bounds vs the fp32 CPU engine, calibrated with a host
+// emulation of the device's bf16 rounding points on the bundled checkpoints
+// (4 seeds each): batches of >= 100 logits rows reached 1.1e-2 relative
+// error (stories260K-draft; the others <= 7e-3) and captured queries
+// 6e-3, but single rows of the 48-wide stories260K-draft reached 9.5e-2, so
+// small batches (decode, verify) get a looser bound. fp16 keeps 3 more
+// mantissa bits. Wrong attention, positions or cache handling give errors
+// of order 1.
+constexpr double kBatchTolBf16 = 3e-2;
+constexpr double kRowsTolBf16 = 1.5e-1;
+constexpr double kBatchTolFp16 = 1e-2;
+constexpr double kRowsTolFp16 = 4e-2;
 
 #define EXPECT_CUDA_OK(expr) EXPECT_EQ((expr), cudaSuccess) << #expr
 #define ASSERT_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
@@ -206,6 +214,123 @@ class CudaTest : public ::testing::Test {
   uint64_t seed_ = 0;
   std::mt19937_64 rng_;
 };
+
+ModelConfig SmallConfig() {
+  ModelConfig c;
+  c.hidden_size = 64;
+  c.intermediate_size = 128;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.vocab_size = 100;
+  c.max_position_embeddings = 256;
+  return c;
+}
+
+// ---------------------------------------------------------------------------
+// Host-side logic: argument checks that return before any CUDA call and the
+// split-K plan. These run (and must pass) on machines without a GPU too.
+// ---------------------------------------------------------------------------
+
+TEST(CudaHostTest, DTypeHelpers) {
+  EXPECT_EQ(CudaDTypeBytes(CudaDType::kF32), 4u);
+  EXPECT_EQ(CudaDTypeBytes(CudaDType::kBF16), 2u);
+  EXPECT_EQ(CudaDTypeBytes(CudaDType::kFP16), 2u);
+  EXPECT_STREQ(CudaDTypeName(CudaDType::kBF16), "bf16");
+}
+
+TEST(CudaHostTest, LaunchersRejectBadShapesBeforeTouchingTheDevice) {
+  EXPECT_FALSE(ck::FlashAttentionSupported(8, CudaDType::kBF16));
+  EXPECT_FALSE(ck::FlashAttentionSupported(64, CudaDType::kF32));
+  EXPECT_FALSE(ck::FlashAttentionSupported(256, CudaDType::kBF16));
+  EXPECT_TRUE(ck::FlashAttentionSupported(16, CudaDType::kFP16));
+  EXPECT_TRUE(ck::FlashAttentionSupported(128, CudaDType::kBF16));
+  ck::AttentionArgs a;  // n = 0, null pointers
+  EXPECT_EQ(ck::FlashAttention(a, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(ck::SplitKAttention(a, 1, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  ck::RopeArgs r;
+  r.n = 2;
+  r.head_dim = 7;  // odd
+  EXPECT_EQ(ck::RopeQkvStore(r, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(ck::EmbeddingGather(nullptr, CudaDType::kBF16, nullptr, 0, 8,
+                                nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ImportanceLogits(nullptr, nullptr, CudaDType::kBF16, 8, 10, 1,
+                                 4, 2, 8, 1.0f, nullptr, nullptr),
+            cudaErrorInvalidValue);  // stride 8 < kv_heads * head_dim
+  EXPECT_EQ(ck::ImportancePoolFold(nullptr, 1, 4, 10, 4, true, nullptr,
+                                   nullptr),
+            cudaErrorInvalidValue);  // even pool kernel
+}
+
+TEST(CudaHostTest, SplitKPlanFillsTheDeviceOnlyWhenItPays) {
+  ck::AttentionArgs a;  // the plan reads shapes only
+  a.num_heads = 32;
+  a.num_kv_heads = 8;
+  a.head_dim = 128;
+  // Decode on a 32K cache (Llama-3.1-8B shape, 132 SMs): 8 kv heads x 33
+  // splits ~ 2 blocks per SM.
+  a.n = 1;
+  a.first = 32767;
+  EXPECT_EQ(ck::SplitKAttentionSplits(a, 132), 33);
+  // A long prefill already has thousands of blocks.
+  a.n = 4096;
+  a.first = 0;
+  EXPECT_EQ(ck::SplitKAttentionSplits(a, 132), 1);
+  // A short cache: at least 64 keys per split.
+  a.n = 1;
+  a.first = 100;
+  EXPECT_EQ(ck::SplitKAttentionSplits(a, 132), 2);
+  // Capped at 64.
+  a.num_kv_heads = 1;
+  a.num_heads = 1;
+  a.first = 1 << 20;
+  EXPECT_EQ(ck::SplitKAttentionSplits(a, 132), 64);
+  a.num_heads = 32;
+  a.num_kv_heads = 8;
+  a.n = 9;
+  EXPECT_EQ(ck::SplitKAttentionWorkspaceBytes(a, 5),
+            sizeof(float) * 5 * 9 * 32 * (128 + 2));
+  a.num_kv_heads = 5;  // does not divide num_heads
+  EXPECT_EQ(ck::SplitKAttentionSplits(a, 132), 1);
+}
+
+TEST(CudaHostTest, FactoriesValidateBeforeAllocating) {
+  const ModelConfig c = SmallConfig();
+  EXPECT_EQ(CudaKvCache::Create(c, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaKvCache::Create(c, 257).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaQueryCapture::Create(c, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // kv heads must divide heads; pool kernel must be odd; head_dim <= 256.
+  EXPECT_EQ(CudaImportance::Create(10, 1, 6, 4, 8, 2, ScoringOptions())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  ScoringOptions even;
+  even.pool_kernel_size = 4;
+  EXPECT_EQ(CudaImportance::Create(10, 1, 4, 2, 8, 2, even).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaImportance::Create(10, 1, 4, 2, 512, 2, ScoringOptions())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaImportance::Create(0, 1, 4, 2, 8, 2, ScoringOptions())
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  ModelWeights w;
+  w.config = c;  // no layers
+  EXPECT_EQ(CudaWeights::Upload(w, CudaDType::kF32).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaWeights::Upload(w, CudaDType::kBF16).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaTransformer::Create(nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
 
 // ---------------------------------------------------------------------------
 // Element-wise and row-wise kernels
@@ -562,34 +687,54 @@ TEST_F(AttentionTest, FlashMatchesReference) {
   }
 }
 
-TEST_F(AttentionTest, FlashRejectsUnsupportedShapes) {
-  EXPECT_FALSE(ck::FlashAttentionSupported(8, CudaDType::kBF16));
-  EXPECT_FALSE(ck::FlashAttentionSupported(64, CudaDType::kF32));
-  EXPECT_TRUE(ck::FlashAttentionSupported(128, CudaDType::kBF16));
-  ck::AttentionArgs a;
-  EXPECT_EQ(ck::FlashAttention(a, nullptr), cudaErrorInvalidValue);
-  cudaGetLastError();
-}
-
 // ---------------------------------------------------------------------------
 // Speculative Prefill scoring kernels vs ImportanceAccumulator
 // ---------------------------------------------------------------------------
 
-// Kept chunks must be identical when both sides score the same inputs in
-// fp32 (differences are ~1e-7 relative; random chunk scores are far apart).
+// The selections SelectTokens makes from importances `got` (device) and
+// `want` (reference) at `keep` / `chunk` agree: the same chunks are kept,
+// except chunks whose `want` score lies within `tie_rel` (relative) of the
+// selection threshold (the lowest kept chunk score), where rounding may
+// break a near-tie either way; and no more than a fifth of the kept chunks
+// differ.
+void ExpectSelectionsAgree(const std::vector<float>& got,
+                           const std::vector<float>& want, float keep,
+                           int chunk, double tie_rel) {
+  SCOPED_TRACE(absl::StrCat("keep ", keep, " chunk ", chunk));
+  SelectionOptions opts;
+  opts.keep_ratio = keep;
+  opts.chunk_size = chunk;
+  absl::StatusOr<Selection> g = SelectTokens(got, opts);
+  absl::StatusOr<Selection> w = SelectTokens(want, opts);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_EQ(g->kept_chunks.size(), w->kept_chunks.size());
+  ASSERT_FALSE(w->kept_chunks.empty());
+  std::vector<float> sorted = w->chunk_scores;
+  std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+  const double threshold = sorted[w->kept_chunks.size() - 1];
+  const std::set<int> gk(g->kept_chunks.begin(), g->kept_chunks.end());
+  const std::set<int> wk(w->kept_chunks.begin(), w->kept_chunks.end());
+  int differing = 0;
+  for (int c = 0; c < static_cast<int>(w->chunk_scores.size()); ++c) {
+    if (gk.count(c) == wk.count(c)) continue;
+    ++differing;
+    EXPECT_LE(std::abs(w->chunk_scores[c] - threshold), tie_rel * threshold)
+        << "chunk " << c << " (score " << w->chunk_scores[c]
+        << ", threshold " << threshold << ") kept by one side only";
+  }
+  EXPECT_LE(differing * 5, static_cast<int>(wk.size()));
+  if (differing == 0) {
+    EXPECT_EQ(g->kept_indices, w->kept_indices);
+  }
+}
+
+// Both sides scored the same inputs in fp32 (differences ~1e-7 relative).
 void ExpectSameSelection(const std::vector<float>& got,
                          const std::vector<float>& want) {
   for (float keep : {0.1f, 0.3f}) {
     for (int chunk : {1, 32}) {
-      SelectionOptions opts;
-      opts.keep_ratio = keep;
-      opts.chunk_size = chunk;
-      absl::StatusOr<Selection> a = SelectTokens(got, opts);
-      absl::StatusOr<Selection> b = SelectTokens(want, opts);
-      ASSERT_TRUE(a.ok()) << a.status();
-      ASSERT_TRUE(b.ok()) << b.status();
-      EXPECT_EQ(a->kept_indices, b->kept_indices)
-          << "keep " << keep << " chunk " << chunk;
+      ExpectSelectionsAgree(got, want, keep, chunk, 1e-5);
     }
   }
 }
@@ -660,14 +805,7 @@ TEST_F(CudaTest, ImportanceMatchesCpuAccumulator) {
   }
 }
 
-TEST_F(CudaTest, ImportanceRejectsBadArguments) {
-  absl::StatusOr<std::unique_ptr<CudaImportance>> bad =
-      CudaImportance::Create(10, 1, 6, 4, 8, 2, ScoringOptions());
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  ScoringOptions even;
-  even.pool_kernel_size = 4;
-  EXPECT_EQ(CudaImportance::Create(10, 1, 4, 2, 8, 2, even).status().code(),
-            absl::StatusCode::kInvalidArgument);
+TEST_F(CudaTest, ImportanceRejectsBadLayers) {
   absl::StatusOr<std::unique_ptr<CudaImportance>> imp =
       CudaImportance::Create(10, 1, 4, 2, 8, 2, ScoringOptions());
   ASSERT_TRUE(imp.ok()) << imp.status();
@@ -688,25 +826,8 @@ TEST_F(CudaTest, ImportanceRejectsBadArguments) {
 // KV cache
 // ---------------------------------------------------------------------------
 
-ModelConfig SmallConfig() {
-  ModelConfig c;
-  c.hidden_size = 64;
-  c.intermediate_size = 128;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 16;
-  c.vocab_size = 100;
-  c.max_position_embeddings = 256;
-  return c;
-}
-
 TEST_F(CudaTest, KvCacheReserveTruncateCapacity) {
   const ModelConfig c = SmallConfig();
-  EXPECT_EQ(CudaKvCache::Create(c, 0).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(CudaKvCache::Create(c, 257).status().code(),
-            absl::StatusCode::kInvalidArgument);
   absl::StatusOr<std::unique_ptr<CudaKvCache>> cache = CudaKvCache::Create(c, 10);
   ASSERT_TRUE(cache.ok()) << cache.status();
   CudaKvCache& kv = **cache;
@@ -778,32 +899,43 @@ int Argmax(const float* x, int n) {
 
 // Compares the logits rows of a CPU and a GPU forward: relative error of the
 // whole batch under `tol`, and the same top-1 token in every row whose CPU
-// margin (top-1 minus top-2) exceeds the largest |difference| seen, i.e.
-// rows the GPU's rounding cannot flip. Requires at least half the rows to
-// be decidable so that the top-1 check is not vacuous.
+// margin (top-1 minus top-2) exceeds 0.05 standard deviations of the row's
+// logits (a threshold independent of the GPU's error; in the emulation
+// every such row agreed, and 49-86% of the rows of a random-token prefill
+// qualified). At least `min_decidable` of the rows must qualify so that
+// the top-1 check is not vacuous.
 void ExpectLogitsMatch(const ForwardOutput& cpu, const ForwardOutput& gpu,
-                       int vocab, double tol) {
+                       int vocab, double tol, double min_decidable) {
   ASSERT_EQ(cpu.logit_rows, gpu.logit_rows);
   ASSERT_EQ(cpu.logits.size(), gpu.logits.size());
   EXPECT_LT(RelErr(gpu.logits, cpu.logits), tol);
-  float max_diff = 0;
-  for (size_t i = 0; i < cpu.logits.size(); ++i) {
-    max_diff = std::max(max_diff, std::abs(cpu.logits[i] - gpu.logits[i]));
-  }
   const int rows = static_cast<int>(cpu.logit_rows.size());
   int decidable = 0;
   for (int r = 0; r < rows; ++r) {
     const float* c = cpu.logits_row(r, vocab);
+    double mean = 0, sq = 0;
+    for (int j = 0; j < vocab; ++j) mean += c[j];
+    mean /= vocab;
+    for (int j = 0; j < vocab; ++j) sq += (c[j] - mean) * (c[j] - mean);
+    const double sd = std::sqrt(sq / vocab);
     std::vector<float> sorted(c, c + vocab);
     std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
                       std::greater<float>());
-    if (sorted[0] - sorted[1] <= 2 * max_diff) continue;
+    if (sorted[0] - sorted[1] <= 0.05 * sd) continue;
     ++decidable;
     EXPECT_EQ(Argmax(gpu.logits_row(r, vocab), vocab), Argmax(c, vocab))
-        << "row " << cpu.logit_rows[r] << " (margin " << sorted[0] - sorted[1]
-        << ", max |diff| " << max_diff << ")";
+        << "row " << cpu.logit_rows[r] << " (CPU margin "
+        << sorted[0] - sorted[1] << ", logit sd " << sd << ")";
   }
-  EXPECT_GE(decidable * 2, rows) << "too few rows with a clear top-1";
+  EXPECT_GE(decidable, min_decidable * rows)
+      << "too few rows with a clear top-1";
+}
+
+// Forward output of single-row steps gathered into one batch.
+void Append(const ForwardOutput& step, ForwardOutput* all) {
+  all->logit_rows.push_back(static_cast<int>(all->logit_rows.size()));
+  all->logits.insert(all->logits.end(), step.logits.begin(),
+                     step.logits.end());
 }
 
 std::vector<int> Iota(int from, int n) {
@@ -818,7 +950,9 @@ class ModelTest : public CudaTest,
 TEST_P(ModelTest, PrefillDecodeVerifyAndQueriesMatchCpu) {
   for (CudaDType dt : {CudaDType::kBF16, CudaDType::kFP16}) {
     SCOPED_TRACE(CudaDTypeName(dt));
-    const double tol = dt == CudaDType::kBF16 ? kModelTolBf16 : kModelTolFp16;
+    const bool bf16 = dt == CudaDType::kBF16;
+    const double batch_tol = bf16 ? kBatchTolBf16 : kBatchTolFp16;
+    const double rows_tol = bf16 ? kRowsTolBf16 : kRowsTolFp16;
     Engines e = LoadEngines(GetParam(), dt);
     ASSERT_NE(e.gpu, nullptr);
     const ModelConfig& c = e.cpu->config();
@@ -846,12 +980,13 @@ TEST_P(ModelTest, PrefillDecodeVerifyAndQueriesMatchCpu) {
       ForwardOutput cpu_out, gpu_out;
       ASSERT_OK(e.cpu->Forward(in, &cpu_cache, &cpu_out));
       ASSERT_OK(e.gpu->Forward(in, gpu_cache->get(), &gpu_out));
-      ExpectLogitsMatch(cpu_out, gpu_out, vocab, tol);
-      EXPECT_LT(RelErr(gpu_out.queries, cpu_out.queries), tol);
+      ExpectLogitsMatch(cpu_out, gpu_out, vocab, batch_tol, 1.0 / 3);
+      EXPECT_LT(RelErr(gpu_out.queries, cpu_out.queries), batch_tol);
       EXPECT_EQ((*gpu_cache)->size(), n);
       EXPECT_EQ((*gpu_cache)->positions(), cpu_cache.positions());
 
       // Decode: one row at a time, the CPU's greedy tokens for both.
+      ForwardOutput cpu_steps, gpu_steps;
       int next = Argmax(cpu_out.logits_row(n - 1, vocab), vocab);
       for (int step = 0; step < 6; ++step) {
         const int p = n + step;
@@ -861,8 +996,13 @@ TEST_P(ModelTest, PrefillDecodeVerifyAndQueriesMatchCpu) {
         ForwardOutput co, go;
         ASSERT_OK(e.cpu->Forward(d, &cpu_cache, &co));
         ASSERT_OK(e.gpu->Forward(d, gpu_cache->get(), &go));
-        EXPECT_LT(RelErr(go.logits, co.logits), tol) << "decode step " << step;
+        Append(co, &cpu_steps);
+        Append(go, &gpu_steps);
         next = Argmax(co.logits.data(), vocab);
+      }
+      {
+        SCOPED_TRACE("decode steps");
+        ExpectLogitsMatch(cpu_steps, gpu_steps, vocab, rows_tol, 0.0);
       }
 
       // Verify round: 5 draft tokens, logits for all of them.
@@ -876,7 +1016,8 @@ TEST_P(ModelTest, PrefillDecodeVerifyAndQueriesMatchCpu) {
       ForwardOutput cv, gv;
       ASSERT_OK(e.cpu->Forward(v, &cpu_cache, &cv));
       ASSERT_OK(e.gpu->Forward(v, gpu_cache->get(), &gv));
-      EXPECT_LT(RelErr(gv.logits, cv.logits), tol) << "verify round";
+      SCOPED_TRACE("verify round");
+      ExpectLogitsMatch(cv, gv, vocab, rows_tol, 0.0);
     }
   }
 }
@@ -904,7 +1045,7 @@ TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {
   ForwardOutput co, go;
   ASSERT_OK(e.cpu->Forward(in, &cpu_cache, &co));
   ASSERT_OK(e.gpu->Forward(in, gpu_cache->get(), &go));
-  ExpectLogitsMatch(co, go, vocab, kModelTolBf16);
+  ExpectLogitsMatch(co, go, vocab, kBatchTolBf16, 1.0 / 3);
   const int tok = Argmax(co.logits_row(static_cast<int>(kept.size()) - 1, vocab),
                          vocab);
   ForwardInput d;
@@ -913,7 +1054,7 @@ TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {
   ForwardOutput cd, gd;
   ASSERT_OK(e.cpu->Forward(d, &cpu_cache, &cd));
   ASSERT_OK(e.gpu->Forward(d, gpu_cache->get(), &gd));
-  EXPECT_LT(RelErr(gd.logits, cd.logits), kModelTolBf16);
+  ExpectLogitsMatch(cd, gd, vocab, kRowsTolBf16, 0.0);
   EXPECT_EQ((*gpu_cache)->last_position(), prompt);
 }
 
@@ -956,7 +1097,7 @@ TEST_P(ModelTest, KvRollbackRestoresState) {
   ASSERT_OK(gc.Truncate(n));
   ForwardOutput cb, gb;
   run(b, n, &cb, &gb);
-  ExpectLogitsMatch(cb, gb, vocab, kModelTolBf16);
+  ExpectLogitsMatch(cb, gb, vocab, kRowsTolBf16, 0.0);
   EXPECT_EQ(gc.positions(), cpu_cache.positions());
   // The cached keys after the rollback are the CPU's to bf16 precision.
   for (int l = 0; l < c.num_hidden_layers; ++l) {
@@ -964,7 +1105,7 @@ TEST_P(ModelTest, KvRollbackRestoresState) {
     ASSERT_TRUE(keys.ok()) << keys.status();
     std::vector<float> ref(cpu_cache.keys(l),
                            cpu_cache.keys(l) + static_cast<size_t>(gc.size()) * gc.row_width());
-    EXPECT_LT(RelErr(*keys, ref), kModelTolBf16) << "layer " << l;
+    EXPECT_LT(RelErr(*keys, ref), kBatchTolBf16) << "layer " << l;
   }
 }
 
@@ -1095,27 +1236,9 @@ TEST_P(ModelTest, DeviceScoringMatchesCpuScoring) {
   }
   const std::vector<float> cpu_scores = cpu_acc->Importance();
   EXPECT_LT(RelErr(*gpu_scores, cpu_scores), 5e-2);
-  SelectionOptions sel;
-  sel.keep_ratio = 0.3f;
-  sel.chunk_size = 16;
-  absl::StatusOr<Selection> cs = SelectTokens(cpu_scores, sel);
-  absl::StatusOr<Selection> gs = SelectTokens(*gpu_scores, sel);
-  ASSERT_TRUE(cs.ok() && gs.ok());
-  std::vector<float> sorted = cs->chunk_scores;
-  std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-  const float threshold = sorted[cs->kept_chunks.size() - 1];
-  const std::set<int> ck(cs->kept_chunks.begin(), cs->kept_chunks.end());
-  const std::set<int> gk(gs->kept_chunks.begin(), gs->kept_chunks.end());
-  int differing = 0;
-  for (int chunk = 0; chunk < static_cast<int>(cs->chunk_scores.size());
-       ++chunk) {
-    if (ck.count(chunk) == gk.count(chunk)) continue;
-    ++differing;
-    EXPECT_NEAR(cs->chunk_scores[chunk], threshold, 0.05 * threshold)
-        << "chunk " << chunk << " kept by only one side is not a near-tie";
+  for (float keep : {0.1f, 0.3f}) {
+    ExpectSelectionsAgree(*gpu_scores, cpu_scores, keep, 16, 5e-2);
   }
-  EXPECT_LE(differing * 5, static_cast<int>(ck.size()))
-      << "more than 20% of the kept chunks differ";
 }
 
 INSTANTIATE_TEST_SUITE_P(BundledCheckpoints, ModelTest,

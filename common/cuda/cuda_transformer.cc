@@ -2,6 +2,7 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -258,7 +259,7 @@ absl::Status CudaTransformer::Run(const ForwardInput& in,
   struct Regions {
     int* ints;  // [n] ids, [n] positions, [r] logit rows
     float* x;   // fp32 [n, hidden] residual stream
-    void* xn;   // T [n, hidden] normed input of a projection (and lm_head)
+    void* xn;   // T [max(n, r), hidden] normed input of a projection
     float* qkv; // fp32 [n, qkv_dim]
     void* q;    // T [n, H * D]
     void* attn; // T [n, H * D]
@@ -272,7 +273,8 @@ absl::Status CudaTransformer::Run(const ForwardInput& in,
     Carver cv(base);
     reg->ints = static_cast<int*>(cv.Take(sizeof(int) * (2 * N + r)));
     reg->x = static_cast<float*>(cv.Take(sizeof(float) * N * hidden));
-    reg->xn = cv.Take(tb * N * hidden);
+    // Also holds the final norm of the logit rows (which may repeat).
+    reg->xn = cv.Take(tb * std::max<size_t>(N, r) * hidden);
     reg->qkv = static_cast<float*>(cv.Take(sizeof(float) * N * qkv_dim));
     reg->q = cv.Take(tb * N * qrow);
     reg->attn = cv.Take(tb * N * qrow);

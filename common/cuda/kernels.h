@@ -127,7 +127,9 @@ cudaError_t FlashAttention(const AttentionArgs& args, cudaStream_t stream);
 
 /// Number of key splits SplitKAttention should use so that about two blocks
 /// per SM are busy (`num_sms` multiprocessors): 1 for long batches, up to 64
-/// for one decode row over a long cache.
+/// for one decode row over a long cache, at least 64 keys per split. Reads
+/// only the shape fields of `args` (pointers may be null); 1 for an invalid
+/// shape. Host-only, no CUDA call.
 int SplitKAttentionSplits(const AttentionArgs& args, int num_sms);
 
 /// Device scratch bytes SplitKAttention needs for `num_splits`: partial

@@ -17,7 +17,7 @@
 # Usage: tools/gpu/build_gpu_tests.sh [-j JOBS]     (from anywhere)
 # Env: CUDA_HOME (default /usr/local/cuda), CXX (default g++), OUT_DIR
 # (default .device/gpu; .device/ is git-ignored, so carry it explicitly:
-# the three binaries take ~40 MB of the device tool's 64 MiB). Objects are
+# the three binaries take ~35 MB of the device tool's 64 MiB). Objects are
 # cached in OBJ_DIR (default .device/gpu-obj, not needed on the GPU
 # machine) and rebuilt when their source or any header of the tree is
 # newer. The library objects go into an archive so each program links only
@@ -57,6 +57,7 @@ QUADMATH_A=$($CXX -print-file-name=libquadmath.a)
 CXXFLAGS=(-std=c++17 -O2 -DNDEBUG -march=x86-64-v3 -DNOMINMAX -Wall
           -Wno-sign-compare -I. -idirafter "$CUDA_HOME/include"
           -DGTEST_HAS_PTHREAD=1 -pthread)
+# shellcheck disable=SC2054  # the commas belong to -gencode's values
 NVCCFLAGS=(-std=c++17 -O3 -Xcompiler -fPIC
            -gencode arch=compute_90,code=sm_90
            -gencode arch=compute_90,code=compute_90
@@ -81,7 +82,8 @@ SYNTH_SRCS=(tools/make_synthetic_checkpoint.cc)
 mkdir -p "$OUT_DIR" "$OBJ_DIR"
 # Newest header in the tree: objects older than it are rebuilt.
 HEADER_STAMP="$OBJ_DIR/.headers"
-newest=$(find common bench tools -name '*.h' -o -name '*.cuh' | xargs ls -t | head -1)
+newest=$(find common bench tools \( -name '*.h' -o -name '*.cuh' \) \
+           -printf '%T@ %p\n' | sort -n | tail -1 | cut -d' ' -f2-)
 touch -r "$newest" "$HEADER_STAMP"
 
 obj_of() { echo "$OBJ_DIR/$(echo "$1" | tr / _).o"; }
@@ -91,6 +93,7 @@ export OBJ_DIR NVCC HEADER_STAMP CXX
 export CXXFLAGS_STR="${CXXFLAGS[*]}" NVCCFLAGS_STR="${NVCCFLAGS[*]}"
 
 echo "build_gpu_tests: compiling with $JOBS jobs into $OBJ_DIR"
+# shellcheck disable=SC2016  # the script is expanded by the inner bash
 printf '%s\n' "${LIB_SRCS[@]}" "${CU_SRCS[@]}" "${TEST_SRCS[@]}" \
     "${BENCH_SRCS[@]}" "${SYNTH_SRCS[@]}" |
   xargs -P "$JOBS" -I{} bash -c '

@@ -1,0 +1,44 @@
+# shellcheck shell=bash
+# Sourced by the run_gpu_*.sh scripts: makes cuBLAS 13 loadable for the
+# self-contained binaries in .device/gpu (everything else is linked in).
+# Looks in $CUDA_HOME/lib64, the usual toolkit folders, then the pip wheels
+# PyTorch brings (nvidia-cublas: nvidia/cublas/lib or nvidia/cu13/lib).
+
+find_cublas_dir() {
+  local d
+  for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
+           /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64 \
+           /usr/lib/x86_64-linux-gnu; do
+    if [ -e "$d/libcublas.so.13" ] && [ -e "$d/libcublasLt.so.13" ]; then
+      echo "$d"
+      return 0
+    fi
+  done
+  if command -v python3 >/dev/null 2>&1; then
+    python3 - <<'PY' 2>/dev/null && return 0
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+for root in roots:
+    for hit in glob.glob(os.path.join(root, "nvidia", "**", "libcublas.so.13"),
+                         recursive=True):
+        d = os.path.dirname(hit)
+        if os.path.exists(os.path.join(d, "libcublasLt.so.13")):
+            print(d)
+            sys.exit(0)
+sys.exit(1)
+PY
+  fi
+  return 1
+}
+
+if CUBLAS_DIR=$(find_cublas_dir); then
+  export LD_LIBRARY_PATH="$CUBLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "gpu_env: cuBLAS from $CUBLAS_DIR"
+else
+  echo "gpu_env: libcublas.so.13 / libcublasLt.so.13 not found (CUDA 13" \
+       "toolkit or the nvidia-cublas wheel); set CUDA_HOME" >&2
+fi
+
+# glibc >= 2.36 is needed (binaries built on Debian 12).
+GLIBC_VERSION=$(ldd --version 2>/dev/null | head -1 | grep -o '[0-9]*\.[0-9]*$' || true)
+echo "gpu_env: glibc ${GLIBC_VERSION:-unknown}"
