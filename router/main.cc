@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "common/engine/transformer.h"
 #include "common/service/grpc_util.h"
+#include "common/service/server_main.h"
 #include "common/util/paths.h"
 #include "router/router_server.h"
 
@@ -88,39 +89,17 @@ int Run() {
   d.spec_decode = absl::GetFlag(FLAGS_default_spec_decode);
   d.num_draft_tokens = absl::GetFlag(FLAGS_default_num_draft_tokens);
 
-  // Block the stop signals in every thread (threads inherit the mask); the
-  // main thread takes them synchronously with sigwait below.
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
-
+  const sigset_t stop = BlockStopSignals();
   EnableHealthAndReflection();
   auto server = RouterServer::Create(o);
   if (!server.ok()) {
     std::fprintf(stderr, "router: %s\n", server.status().ToString().c_str());
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  if (absl::Status s = (*server)->Start(absl::GetFlag(FLAGS_port)); !s.ok()) {
-    std::fprintf(stderr, "router: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  int metrics_port = 0;
-  auto exposer = StartMetricsExposer(absl::GetFlag(FLAGS_metrics_port),
-                                     (*server)->registry(), &metrics_port);
-  if (!exposer.ok()) {
-    std::fprintf(stderr, "router: %s\n", exposer.status().ToString().c_str());
-    return 1;
-  }
-  std::fprintf(stderr, "listening on %d, metrics on %d\n", (*server)->port(),
-               metrics_port);
-  std::fflush(stderr);
-  int sig = 0;
-  sigwait(&stop, &sig);
-  std::fprintf(stderr, "router: signal %d, shutting down\n", sig);
-  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
-  return 0;
+  return ServeUntilStopSignal("router", **server, absl::GetFlag(FLAGS_port),
+                              absl::GetFlag(FLAGS_metrics_port),
+                              (*server)->registry(), stop,
+                              absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "common/engine/transformer.h"
 #include "common/service/grpc_util.h"
+#include "common/service/server_main.h"
 #include "common/util/paths.h"
 #include "speculator_service/speculator_server.h"
 
@@ -70,14 +71,7 @@ int Run() {
   o.defaults.keep_last = absl::GetFlag(FLAGS_default_keep_last);
   o.defaults.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
 
-  // Block the stop signals in every thread (threads inherit the mask); the
-  // main thread takes them synchronously with sigwait below.
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
-
+  const sigset_t stop = BlockStopSignals();
   SetEngineThreads(o.engine_threads);
   EnableHealthAndReflection();
   auto server = SpeculatorServer::Create(o);
@@ -85,24 +79,10 @@ int Run() {
     std::fprintf(stderr, "error: %s\n", server.status().ToString().c_str());
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  if (absl::Status s = (*server)->Start(absl::GetFlag(FLAGS_port)); !s.ok()) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  int metrics_port = 0;
-  auto exposer = StartMetricsExposer(absl::GetFlag(FLAGS_metrics_port),
-                                     (*server)->registry_ptr(), &metrics_port);
-  if (!exposer.ok()) {
-    std::fprintf(stderr, "error: %s\n", exposer.status().ToString().c_str());
-    return 1;
-  }
-  std::fprintf(stderr, "listening on %d, metrics on %d\n", (*server)->port(),
-               metrics_port);
-  int sig = 0;
-  sigwait(&stop, &sig);
-  std::fprintf(stderr, "signal %d: shutting down\n", sig);
-  (*server)->Shutdown(absl::Seconds(5));
-  return 0;
+  return ServeUntilStopSignal("speculator_service", **server,
+                              absl::GetFlag(FLAGS_port),
+                              absl::GetFlag(FLAGS_metrics_port),
+                              (*server)->registry_ptr(), stop, absl::Seconds(5));
 }
 
 }  // namespace

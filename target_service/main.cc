@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "common/engine/transformer.h"
 #include "common/service/grpc_util.h"
+#include "common/service/server_main.h"
 #include "target_service/target_server.h"
 
 ABSL_FLAG(std::string, model, "", "HF Llama checkpoint directory (required)");
@@ -39,13 +40,7 @@ int main(int argc, char** argv) {
   specserve::MaybeReexecForAvx512(argv);
   absl::ParseCommandLine(argc, argv);
 
-  // Block the stop signals in every thread (threads inherit the mask) and
-  // wait for them synchronously below: no work in a signal handler.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  const sigset_t stop = specserve::BlockStopSignals();
 
   specserve::EnableHealthAndReflection();
   specserve::TargetServerOptions options;
@@ -64,25 +59,8 @@ int main(int argc, char** argv) {
                  server.status().ToString().c_str());
     return 1;
   }
-  if (absl::Status s = (*server)->Start(absl::GetFlag(FLAGS_port)); !s.ok()) {
-    std::fprintf(stderr, "target_service: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  int metrics_port = 0;
-  auto exposer = specserve::StartMetricsExposer(
-      absl::GetFlag(FLAGS_metrics_port), (*server)->registry(), &metrics_port);
-  if (!exposer.ok()) {
-    std::fprintf(stderr, "target_service: %s\n",
-                 exposer.status().ToString().c_str());
-    return 1;
-  }
-  std::fprintf(stderr, "listening on %d, metrics on %d\n", (*server)->port(),
-               metrics_port);
-  std::fflush(stderr);
-
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
-  std::fprintf(stderr, "target_service: signal %d, shutting down\n", sig);
-  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
-  return 0;
+  return specserve::ServeUntilStopSignal(
+      "target_service", **server, absl::GetFlag(FLAGS_port),
+      absl::GetFlag(FLAGS_metrics_port), (*server)->registry(), stop,
+      absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
 }

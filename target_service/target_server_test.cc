@@ -1,4 +1,5 @@
 #include "target_service/target_server.h"
+#include "common/service/service_test_util.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -722,30 +723,7 @@ TEST_F(TargetServerTest, HealthServiceAnswersServing) {
   EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
 }
 
-// GET http://127.0.0.1:port/path with a receive timeout; "" on failure.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string body;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req =
-        absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (send(fd, req.data(), req.size(), 0) == ssize_t(req.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) body.append(buf, n);
-    }
-  }
-  close(fd);
-  return body;
-}
+using service_test::HttpGet;
 
 TEST_F(TargetServerTest, MetricsAreServedOverHttp) {
   ASSERT_TRUE(
