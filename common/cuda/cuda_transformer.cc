@@ -141,40 +141,10 @@ absl::Status CudaTransformer::Forward(const ForwardInput& in,
                                       CudaQueryCapture* capture) const {
   const ModelConfig& c = config();
   const int n = static_cast<int>(in.token_ids.size());
-  // Validation mirrors Transformer::Forward (same messages).
-  if (n == 0) return absl::InvalidArgumentError("token_ids is empty");
-  if (in.position_ids.size() != in.token_ids.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "position_ids has ", in.position_ids.size(), " entries, token_ids ",
-        n));
-  }
-  for (int i = 0; i < n; ++i) {
-    if (in.token_ids[i] < 0 || in.token_ids[i] >= c.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("token_ids[", i, "] = ", in.token_ids[i],
-                       " outside the vocabulary [0, ", c.vocab_size, ")"));
-    }
-    if (in.position_ids[i] < 0 ||
-        in.position_ids[i] >= c.max_position_embeddings) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "position_ids[", i, "] = ", in.position_ids[i], " outside [0, ",
-          c.max_position_embeddings, ")"));
-    }
-  }
-  std::vector<int> logit_rows = in.logit_rows;
-  if (logit_rows.empty()) logit_rows.push_back(n - 1);
-  for (int r : logit_rows) {
-    if (r < 0 || r >= n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("logit row ", r, " outside [0, ", n, ")"));
-    }
-  }
-  for (int r : in.capture_query_rows) {
-    if (r < 0 || r >= n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("query capture row ", r, " outside [0, ", n, ")"));
-    }
-  }
+  // The CPU backend's validation: same rules, same messages.
+  absl::StatusOr<std::vector<int>> rows_or = ValidateForwardInput(c, in);
+  if (!rows_or.ok()) return rows_or.status();
+  std::vector<int> logit_rows = *std::move(rows_or);
   if (cache == nullptr || out == nullptr) {
     return absl::InvalidArgumentError("Forward: cache and out are required");
   }

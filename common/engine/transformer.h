@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/engine/kv_cache.h"
 #include "common/model/weights.h"
@@ -42,6 +43,15 @@ struct ForwardOutput {
     return logits.data() + static_cast<size_t>(i) * vocab;
   }
 };
+
+/// Checks one forward's input against the model (shared by the CPU and
+/// CUDA backends so both reject the same inputs with the same messages):
+/// INVALID_ARGUMENT for an empty batch, mismatched lengths, a token id
+/// outside the vocabulary, a position outside [0, max_position_embeddings)
+/// or a logit / capture row outside [0, n). Returns the logit rows to
+/// compute (the last row when none were asked for).
+absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& config,
+                                                      const ForwardInput& in);
 
 /// CPU Llama forward (HF LlamaForCausalLM semantics, fp32): embedding,
 /// RMSNorm, rotate_half RoPE at explicit position ids, grouped-query causal
