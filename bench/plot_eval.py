@@ -55,8 +55,8 @@ def fidelity_plot(j, pair, out_dir):
         "set xrange [0:1]\n")
     for key, label in METRICS:
         script += f"set ylabel '{label}'\n"
-        script += "set key top right\n" if key == "kl_mean" else \
-            "set key bottom right\n"
+        corner = {"kl_mean": "top right", "match_rate": "top left"}
+        script += f"set key {corner.get(key, 'bottom right')}\n"
         plots = []
         for i, (m, mlabel) in enumerate(METHODS):
             if m == "random":

@@ -1,6 +1,7 @@
 #include "common/engine/thread_pool.h"
 
 #include <immintrin.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,13 +12,14 @@ namespace {
 
 // How long an idle worker spins before blocking.
 constexpr auto kSpin = std::chrono::microseconds(50);
+// Chunks per thread: small enough to rebalance, large enough to amortise.
+constexpr int kChunksPerThread = 4;
 
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
-  ranges_.resize(std::max(1, num_threads));
   for (int i = 1; i < std::max(1, num_threads); ++i) {
-    workers_.emplace_back([this, i] { Loop(i); });
+    workers_.emplace_back([this] { Loop(); });
   }
 }
 
@@ -29,10 +31,29 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::Loop(int index) {
-  int seen = 0;
+void ThreadPool::RunChunks(uint32_t generation) {
   for (;;) {
-    // Spin for a while: the next kernel usually follows within microseconds.
+    uint64_t cur = claim_.load(std::memory_order_acquire);
+    if (static_cast<uint32_t>(cur >> 32) != generation) return;
+    const int idx = static_cast<int>(cur & 0xffffffffu);
+    if (idx >= num_chunks_.load(std::memory_order_relaxed)) return;
+    if (!claim_.compare_exchange_weak(cur, cur + 1,
+                                      std::memory_order_acq_rel)) {
+      continue;
+    }
+    // The claim succeeded for the live job, whose fields stay put until
+    // every chunk has completed.
+    const int chunk = chunk_.load(std::memory_order_relaxed);
+    const int n = n_.load(std::memory_order_relaxed);
+    const int b = idx * chunk;
+    (*fn_.load(std::memory_order_relaxed))(b, std::min(n, b + chunk));
+    completed_.fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+void ThreadPool::Loop() {
+  uint32_t seen = 0;
+  for (;;) {
     const auto until = std::chrono::steady_clock::now() + kSpin;
     int spins = 0;
     while (generation_.load(std::memory_order_acquire) == seen &&
@@ -42,7 +63,7 @@ void ThreadPool::Loop(int index) {
         absl::MutexLock lock(&mu_);
         struct Arg {
           ThreadPool* pool;
-          int seen;
+          uint32_t seen;
         } arg{this, seen};
         mu_.Await(absl::Condition(
             +[](Arg* a) {
@@ -55,9 +76,7 @@ void ThreadPool::Loop(int index) {
     }
     if (stop_.load()) return;
     seen = generation_.load(std::memory_order_acquire);
-    const auto range = ranges_[index];
-    if (range.first < range.second) (*fn_)(range.first, range.second);
-    remaining_.fetch_sub(1, std::memory_order_acq_rel);
+    RunChunks(seen);
   }
 }
 
@@ -66,26 +85,38 @@ void ThreadPool::ParallelFor(int n, int grain,
   if (n <= 0) return;
   const int threads = num_threads();
   grain = std::max(1, grain);
-  if (threads == 1 || n <= grain) {
+  const int units = (n + grain - 1) / grain;
+  if (threads == 1 || units < 2) {
     fn(0, n);
     return;
   }
   absl::MutexLock call_lock(&call_mu_);
-  const int units = (n + grain - 1) / grain;
-  for (int t = 0; t < threads; ++t) {
-    const int b = static_cast<int>(int64_t(units) * t / threads) * grain;
-    const int e = static_cast<int>(int64_t(units) * (t + 1) / threads) * grain;
-    ranges_[t] = {std::min(b, n), std::min(e, n)};
-  }
-  fn_ = &fn;
-  remaining_.store(threads - 1, std::memory_order_release);
+  const int chunks = std::min(units, threads * kChunksPerThread);
+  const int chunk = ((units + chunks - 1) / chunks) * grain;
+  const int num_chunks = (n + chunk - 1) / chunk;
+  fn_.store(&fn, std::memory_order_relaxed);
+  n_.store(n, std::memory_order_relaxed);
+  chunk_.store(chunk, std::memory_order_relaxed);
+  num_chunks_.store(num_chunks, std::memory_order_relaxed);
+  completed_.store(0, std::memory_order_relaxed);
+  uint32_t gen;
   {
     // Publishing under mu_ wakes any worker blocked in Await.
     absl::MutexLock lock(&mu_);
-    generation_.fetch_add(1, std::memory_order_acq_rel);
+    gen = generation_.load(std::memory_order_relaxed) + 1;
+    claim_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
+    generation_.store(gen, std::memory_order_release);
   }
-  if (ranges_[0].first < ranges_[0].second) fn(ranges_[0].first, ranges_[0].second);
-  while (remaining_.load(std::memory_order_acquire) != 0) _mm_pause();
+  RunChunks(gen);
+  // Only chunks a worker has already claimed can be outstanding here.
+  for (int spins = 0;
+       completed_.load(std::memory_order_acquire) != num_chunks; ++spins) {
+    if (spins < 2000) {
+      _mm_pause();
+    } else {
+      sched_yield();  // the worker holding a chunk may need this core
+    }
+  }
 }
 
 namespace {

@@ -2,6 +2,7 @@
 #define SPECSERVE_COMMON_ENGINE_THREAD_POOL_H_
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -11,12 +12,16 @@
 namespace specserve {
 
 /// A small persistent pool for the engine's own data-parallel kernels
-/// (OpenBLAS has its own threads for GEMMs). ParallelFor splits [0, n)
-/// into one contiguous range per thread; the caller runs the first range,
-/// so a 1-thread pool runs inline. Workers spin briefly (~50 us) after a
-/// job before sleeping, so the back-to-back small kernels of a decode step
-/// do not pay a futex wake-up each (as ggml's thread pool does). One
-/// ParallelFor at a time per pool (concurrent callers are serialised).
+/// (OpenBLAS has its own threads for GEMMs).
+///
+/// ParallelFor cuts [0, n) into a few chunks per thread that the caller and
+/// the workers claim from one atomic counter, so the caller never waits for
+/// a worker that has not started: if the OS has given the other core to
+/// another process, the caller simply runs every chunk itself (a fixed
+/// per-thread split would stall the whole forward on a descheduled worker).
+/// Idle workers spin for ~50 us before sleeping, so the back-to-back small
+/// kernels of a decode step rarely pay a futex wake-up. One ParallelFor at
+/// a time per pool (concurrent callers are serialised).
 class ThreadPool {
  public:
   /// `num_threads` >= 1 including the calling thread.
@@ -25,8 +30,8 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  /// Runs fn(begin, end) over a partition of [0, n) and returns when all
-  /// ranges are done. Range boundaries are multiples of `grain`.
+  /// Runs fn(begin, end) over disjoint ranges covering [0, n) and returns
+  /// when all are done. Range boundaries are multiples of `grain`.
   void ParallelFor(int n, int grain, const std::function<void(int, int)>& fn);
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
@@ -37,15 +42,21 @@ class ThreadPool {
   static void SetDefaultThreads(int n);
 
  private:
-  void Loop(int index);
+  void Loop();
+  // Claims and runs chunks of job `generation` until none are left.
+  void RunChunks(uint32_t generation);
 
   absl::Mutex call_mu_;  // serialises ParallelFor callers
   absl::Mutex mu_;       // sleeping workers wait on generation_ here
-  std::atomic<int> generation_{0};
-  std::atomic<int> remaining_{0};
+  std::atomic<uint32_t> generation_{0};
+  // (generation << 32) | next unclaimed chunk: a claim succeeds only for
+  // the current job, so a late worker can never run a finished one.
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> completed_{0};
   std::atomic<bool> stop_{false};
-  const std::function<void(int, int)>* fn_ = nullptr;  // set before a job
-  std::vector<std::pair<int, int>> ranges_;             // set before a job
+  // The current job; written before claim_ publishes it.
+  std::atomic<const std::function<void(int, int)>*> fn_{nullptr};
+  std::atomic<int> n_{0}, chunk_{1}, num_chunks_{0};
   std::vector<std::thread> workers_;
 };
 

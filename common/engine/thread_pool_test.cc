@@ -1,6 +1,8 @@
 #include "common/engine/thread_pool.h"
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -16,12 +18,26 @@ TEST(ThreadPoolTest, CoversEveryIndexExactlyOnce) {
       for (int rep = 0; rep < 20; ++rep) {
         pool.ParallelFor(n, 4, [&](int b, int e) {
           EXPECT_EQ(b % 4, 0);
+          EXPECT_LE(e, n);
           for (int i = b; i < e; ++i) hits[i]++;
         });
       }
       for (int i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 20) << i;
     }
   }
+}
+
+// A worker that cannot run (here: busy in a long job of its own is not
+// possible, so emulate a slow chunk) must not make others wait for
+// unclaimed work: every index is still covered exactly once.
+TEST(ThreadPoolTest, UnevenChunksStillCoverEverything) {
+  ThreadPool pool(2);
+  std::vector<std::atomic<int>> hits(64);
+  pool.ParallelFor(64, 1, [&](int b, int e) {
+    if (b == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (int i = b; i < e; ++i) hits[i]++;
+  });
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(hits[i].load(), 1) << i;
 }
 
 TEST(ThreadPoolTest, DefaultPoolIsResizable) {
