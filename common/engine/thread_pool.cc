@@ -35,8 +35,10 @@ void ThreadPool::RunChunks(uint32_t generation) {
   for (;;) {
     uint64_t cur = claim_.load(std::memory_order_acquire);
     if (static_cast<uint32_t>(cur >> 32) != generation) return;
-    const int idx = static_cast<int>(cur & 0xffffffffu);
-    if (idx >= num_chunks_.load(std::memory_order_relaxed)) return;
+    const uint32_t idx = static_cast<uint32_t>(cur & 0xffffffffu);
+    if (idx >= static_cast<uint32_t>(num_chunks_.load(std::memory_order_relaxed))) {
+      return;  // all claimed, or the job is being set up (idx = ~0u)
+    }
     if (!claim_.compare_exchange_weak(cur, cur + 1,
                                       std::memory_order_acq_rel)) {
       continue;
@@ -45,7 +47,7 @@ void ThreadPool::RunChunks(uint32_t generation) {
     // every chunk has completed.
     const int chunk = chunk_.load(std::memory_order_relaxed);
     const int n = n_.load(std::memory_order_relaxed);
-    const int b = idx * chunk;
+    const int b = static_cast<int>(idx) * chunk;
     (*fn_.load(std::memory_order_relaxed))(b, std::min(n, b + chunk));
     completed_.fetch_add(1, std::memory_order_acq_rel);
   }
@@ -94,23 +96,26 @@ void ThreadPool::ParallelFor(int n, int grain,
   const int chunks = std::min(units, threads * kChunksPerThread);
   const int chunk = ((units + chunks - 1) / chunks) * grain;
   const int num_chunks = (n + chunk - 1) / chunk;
+  const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
+  // Close the previous job to late claimers before touching its fields: a
+  // worker still holding the old (generation, index) pair fails its CAS.
+  claim_.store((static_cast<uint64_t>(gen) << 32) | 0xffffffffu,
+               std::memory_order_seq_cst);
   fn_.store(&fn, std::memory_order_relaxed);
   n_.store(n, std::memory_order_relaxed);
   chunk_.store(chunk, std::memory_order_relaxed);
   num_chunks_.store(num_chunks, std::memory_order_relaxed);
   completed_.store(0, std::memory_order_relaxed);
-  uint32_t gen;
   {
     // Publishing under mu_ wakes any worker blocked in Await.
     absl::MutexLock lock(&mu_);
-    gen = generation_.load(std::memory_order_relaxed) + 1;
     claim_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
     generation_.store(gen, std::memory_order_release);
   }
   RunChunks(gen);
   // Only chunks a worker has already claimed can be outstanding here.
   for (int spins = 0;
-       completed_.load(std::memory_order_acquire) != num_chunks; ++spins) {
+       completed_.load(std::memory_order_acquire) < num_chunks; ++spins) {
     if (spins < 2000) {
       _mm_pause();
     } else {

@@ -40,6 +40,20 @@ TEST(ThreadPoolTest, UnevenChunksStillCoverEverything) {
   for (int i = 0; i < 64; ++i) ASSERT_EQ(hits[i].load(), 1) << i;
 }
 
+// Back-to-back jobs (as in a decode step): a worker that wakes late must
+// never run a chunk twice or a chunk of the wrong job.
+TEST(ThreadPoolTest, ManyBackToBackJobsRunEachChunkOnce) {
+  ThreadPool pool(2);
+  std::vector<int64_t> sums(8, 0);
+  for (int job = 0; job < 20000; ++job) {
+    std::vector<int> hits(37, 0);
+    pool.ParallelFor(37, 1, [&](int b, int e) {
+      for (int i = b; i < e; ++i) hits[i] += job + 1;  // disjoint ranges
+    });
+    for (int i = 0; i < 37; ++i) ASSERT_EQ(hits[i], job + 1) << job << " " << i;
+  }
+}
+
 TEST(ThreadPoolTest, DefaultPoolIsResizable) {
   ThreadPool::SetDefaultThreads(3);
   EXPECT_EQ(ThreadPool::Default().num_threads(), 3);

@@ -21,7 +21,7 @@ namespace {
 // and wins.
 constexpr int kMaxGemvRows = 12;
 // Below this many multiply-adds a Linear runs on the calling thread.
-constexpr int64_t kMinParallelMacs = int64_t{1} << 16;
+constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 
 // y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in].
 void Linear(const float* x, int n, int in, const float* w, int out, float* y,
