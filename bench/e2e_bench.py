@@ -97,6 +97,9 @@ def main():
                     ids = tokenize(prompt_text)[:400]
                     n_label = "%d (story)" % len(ids)
                 else:
+                    # llama2 presets have a 2048-token context: leave room
+                    # for the generated tokens and the drafts.
+                    n = min(n, 2048 - a.max_new_tokens - 16)
                     ids = [1] + [rng.randrange(3, 32000) for _ in range(n - 1)]
                     n_label = str(n)
                 for keep in a.keeps.split(","):
