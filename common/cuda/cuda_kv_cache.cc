@@ -20,57 +20,30 @@ absl::StatusOr<std::unique_ptr<CudaKvCache>> CudaKvCache::Create(
   std::unique_ptr<CudaKvCache> cache(new CudaKvCache());
   cache->num_layers_ = config.num_hidden_layers;
   cache->row_width_ = config.num_key_value_heads * config.head_dim;
-  cache->capacity_ = capacity;
+  cache->slots_ = KvSlots(capacity);
   cache->dtype_ = dtype;
   absl::StatusOr<DeviceBuffer> storage =
       DeviceBuffer::Allocate(cache->bytes_capacity());
   if (!storage.ok()) return storage.status();
   cache->storage_ = *std::move(storage);
-  cache->positions_.reserve(std::min(capacity, 4096));
   return cache;
-}
-
-absl::StatusOr<int> CudaKvCache::Reserve(int n) {
-  if (n < 0 || static_cast<int64_t>(size_) + n > capacity_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: ", size_, " cached + ", n,
-                     " new tokens exceed capacity ", capacity_));
-  }
-  const int first = size_;
-  size_ += n;
-  positions_.resize(size_, -1);
-  return first;
-}
-
-void CudaKvCache::SetPositions(int first, const int* positions, int n) {
-  for (int i = 0; i < n; ++i) positions_[first + i] = positions[i];
-}
-
-absl::Status CudaKvCache::Truncate(int n) {
-  if (n < 0 || n > size_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot truncate KV cache of ", size_, " tokens to ", n));
-  }
-  size_ = n;
-  positions_.resize(n);
-  return absl::OkStatus();
 }
 
 void* CudaKvCache::keys(int layer) const {
   const size_t plane =
-      static_cast<size_t>(capacity_) * row_width_ * CudaDTypeBytes(dtype_);
+      static_cast<size_t>(capacity()) * row_width_ * CudaDTypeBytes(dtype_);
   return storage_.as<char>() + (2 * static_cast<size_t>(layer)) * plane;
 }
 
 void* CudaKvCache::values(int layer) const {
   const size_t plane =
-      static_cast<size_t>(capacity_) * row_width_ * CudaDTypeBytes(dtype_);
+      static_cast<size_t>(capacity()) * row_width_ * CudaDTypeBytes(dtype_);
   return storage_.as<char>() + (2 * static_cast<size_t>(layer) + 1) * plane;
 }
 
 absl::StatusOr<std::vector<float>> CudaKvCache::CopyPlaneToHost(
     const void* plane) const {
-  const size_t count = static_cast<size_t>(size_) * row_width_;
+  const size_t count = static_cast<size_t>(size()) * row_width_;
   std::vector<float> host(count);
   if (count == 0) return host;
   absl::StatusOr<DeviceBuffer> tmp =
@@ -110,12 +83,12 @@ size_t CudaKvCache::BytesPerToken(const ModelConfig& config, CudaDType dtype) {
 
 size_t CudaKvCache::bytes_used() const {
   return 2 * CudaDTypeBytes(dtype_) * static_cast<size_t>(num_layers_) *
-         row_width_ * size_;
+         row_width_ * size();
 }
 
 size_t CudaKvCache::bytes_capacity() const {
   return 2 * CudaDTypeBytes(dtype_) * static_cast<size_t>(num_layers_) *
-         row_width_ * capacity_;
+         row_width_ * capacity();
 }
 
 }  // namespace specserve

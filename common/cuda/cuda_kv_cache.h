@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
+#include "common/engine/kv_slots.h"
 #include "common/model/config.h"
 
 namespace specserve {
@@ -34,8 +35,8 @@ class CudaKvCache {
       CudaDType dtype = CudaDType::kBF16);
 
   /// Number of cached tokens.
-  int size() const { return size_; }
-  int capacity() const { return capacity_; }
+  int size() const { return slots_.size(); }
+  int capacity() const { return slots_.capacity(); }
   int num_layers() const { return num_layers_; }
   CudaDType dtype() const { return dtype_; }
   /// Elements per cached token per layer for K (== for V): kv_heads *
@@ -44,26 +45,25 @@ class CudaKvCache {
 
   /// Reserves `n` more slots and returns the first. RESOURCE_EXHAUSTED (and
   /// nothing changes) when size + n > capacity or n < 0.
-  absl::StatusOr<int> Reserve(int n);
+  absl::StatusOr<int> Reserve(int n) { return slots_.Reserve(n); }
   /// Records the position ids of slots [first, first + n) after Reserve.
-  void SetPositions(int first, const int* positions, int n);
+  void SetPositions(int first, const int* positions, int n) {
+    slots_.SetPositions(first, positions, n);
+  }
   /// Rolls back to the first `n` tokens (rejected drafts). INVALID_ARGUMENT
   /// if n < 0 or n > size().
-  absl::Status Truncate(int n);
+  absl::Status Truncate(int n) { return slots_.Truncate(n); }
   /// Drops everything.
-  void Clear() {
-    size_ = 0;
-    positions_.clear();
-  }
+  void Clear() { slots_.Clear(); }
 
   /// Device pointer to layer `layer`'s keys: T [capacity, kv_heads,
   /// head_dim]; slot i at keys(layer) + i * row_width() elements.
   void* keys(int layer) const;
   void* values(int layer) const;
   /// Position id of each cached token, [size()].
-  const std::vector<int>& positions() const { return positions_; }
+  const std::vector<int>& positions() const { return slots_.positions(); }
   /// Position of the last cached token, or -1 when empty.
-  int last_position() const { return size_ ? positions_[size_ - 1] : -1; }
+  int last_position() const { return slots_.last_position(); }
 
   /// Copies slots [0, size()) of layer `layer`'s keys (or values) to the
   /// host as fp32 [size(), kv_heads, head_dim] (for tests and debugging;
@@ -84,11 +84,9 @@ class CudaKvCache {
 
   int num_layers_ = 0;
   int row_width_ = 0;
-  int capacity_ = 0;
-  int size_ = 0;
+  KvSlots slots_{0};
   CudaDType dtype_ = CudaDType::kBF16;
   DeviceBuffer storage_;  // [layers][K, V][capacity][row_width]
-  std::vector<int> positions_;
 };
 
 }  // namespace specserve

@@ -8,16 +8,15 @@ namespace specserve {
 KvCache::KvCache(const ModelConfig& config, int capacity)
     : num_layers_(config.num_hidden_layers),
       row_width_(config.num_key_value_heads * config.head_dim),
-      capacity_(capacity) {
+      slots_(capacity) {
   k_.reserve(num_layers_);
   v_.reserve(num_layers_);
-  const size_t n = static_cast<size_t>(capacity_) * row_width_;
+  const size_t n = static_cast<size_t>(capacity) * row_width_;
   for (int l = 0; l < num_layers_; ++l) {
     // Default-initialised: pages are committed only when first written.
     k_.emplace_back(new float[n]);
     v_.emplace_back(new float[n]);
   }
-  positions_.reserve(std::min(capacity_, 4096));
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
@@ -30,32 +29,6 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(
   return std::make_unique<KvCache>(config, capacity);
 }
 
-absl::StatusOr<int> KvCache::Reserve(int n) {
-  if (n < 0 || static_cast<int64_t>(size_) + n > capacity_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV cache full: ", size_, " cached + ", n,
-                     " new tokens exceed capacity ", capacity_));
-  }
-  const int first = size_;
-  size_ += n;
-  positions_.resize(size_, -1);
-  return first;
-}
-
-void KvCache::SetPositions(int first, const int* positions, int n) {
-  for (int i = 0; i < n; ++i) positions_[first + i] = positions[i];
-}
-
-absl::Status KvCache::Truncate(int n) {
-  if (n < 0 || n > size_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot truncate KV cache of ", size_, " tokens to ", n));
-  }
-  size_ = n;
-  positions_.resize(n);
-  return absl::OkStatus();
-}
-
 size_t KvCache::BytesPerToken(const ModelConfig& config) {
   return 2 * sizeof(float) * static_cast<size_t>(config.num_hidden_layers) *
          config.num_key_value_heads * config.head_dim;
@@ -63,12 +36,12 @@ size_t KvCache::BytesPerToken(const ModelConfig& config) {
 
 size_t KvCache::bytes_used() const {
   return 2 * sizeof(float) * static_cast<size_t>(num_layers_) * row_width_ *
-         size_;
+         slots_.size();
 }
 
 size_t KvCache::bytes_capacity() const {
   return 2 * sizeof(float) * static_cast<size_t>(num_layers_) * row_width_ *
-         capacity_;
+         slots_.capacity();
 }
 
 }  // namespace specserve

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/engine/kv_slots.h"
 #include "common/model/config.h"
 
 namespace specserve {
@@ -29,23 +30,25 @@ class KvCache {
       const ModelConfig& config, int capacity);
 
   /// Number of cached tokens.
-  int size() const { return size_; }
-  int capacity() const { return capacity_; }
+  int size() const { return slots_.size(); }
+  int capacity() const { return slots_.capacity(); }
   int num_layers() const { return num_layers_; }
   /// Floats per cached token per layer for K (== for V): kv_heads * head_dim.
   int row_width() const { return row_width_; }
 
   /// Reserves `n` more slots for a forward pass and returns the first slot.
   /// RESOURCE_EXHAUSTED (and nothing changes) when size + n > capacity.
-  absl::StatusOr<int> Reserve(int n);
+  absl::StatusOr<int> Reserve(int n) { return slots_.Reserve(n); }
   /// Records the position ids of slots [first, first + n) after Reserve.
-  void SetPositions(int first, const int* positions, int n);
+  void SetPositions(int first, const int* positions, int n) {
+    slots_.SetPositions(first, positions, n);
+  }
 
   /// Rolls back to the first `n` tokens (rejected drafts). INVALID_ARGUMENT
   /// if n < 0 or n > size().
-  absl::Status Truncate(int n);
+  absl::Status Truncate(int n) { return slots_.Truncate(n); }
   /// Drops everything.
-  void Clear() { size_ = 0; positions_.clear(); }
+  void Clear() { slots_.Clear(); }
 
   /// Keys of `layer`: [capacity, kv_heads, head_dim]; row i at
   /// keys(layer) + i * row_width(). Valid rows are [0, size()).
@@ -54,9 +57,9 @@ class KvCache {
   float* values(int layer) { return v_[layer].get(); }
   const float* values(int layer) const { return v_[layer].get(); }
   /// Position id of each cached token, [size()].
-  const std::vector<int>& positions() const { return positions_; }
+  const std::vector<int>& positions() const { return slots_.positions(); }
   /// Position of the last cached token, or -1 when empty.
-  int last_position() const { return size_ ? positions_[size_ - 1] : -1; }
+  int last_position() const { return slots_.last_position(); }
 
   /// Bytes of K and V for the cached tokens (what the session costs).
   size_t bytes_used() const;
@@ -68,11 +71,9 @@ class KvCache {
  private:
   int num_layers_;
   int row_width_;
-  int capacity_;
-  int size_ = 0;
+  KvSlots slots_;
   std::vector<std::unique_ptr<float[]>> k_;
   std::vector<std::unique_ptr<float[]>> v_;
-  std::vector<int> positions_;
 };
 
 }  // namespace specserve
