@@ -1,6 +1,6 @@
 // Command-line client of the router (specserve.v1.Router).
 //
-//   bazel run //tools:client -- --router localhost:50050 \
+//   bazel run //tools:client -- --router localhost:50050
 //     --prompt "Once upon a time" --max_new_tokens 64 [--stream] [--json]
 //
 // Unset request options take the router's defaults. Exit status: 0 on

@@ -3,10 +3,10 @@
 // Speculative Prefill and the original length as --next_position) is
 // prefilled, then tokens are decoded one per step at next_position + i.
 //
-//   bazel run //tools:generate -- --model models/stories260K \
+//   bazel run //tools:generate -- --model models/stories260K
 //     --prompt "Once upon a time" --max_new_tokens 64 [--json]
-//   bazel run //tools:generate -- --model models/stories260K \
-//     --token_ids 1,403,407 --position_ids 0,5,9 --next_position 12 \
+//   bazel run //tools:generate -- --model models/stories260K
+//     --token_ids 1,403,407 --position_ids 0,5,9 --next_position 12
 //     --max_new_tokens 16 --json
 
 #include <cstdio>

@@ -3,7 +3,7 @@
 //   {"rows":[{"row":2,"top":[[id,logit],...],"logsumexp":x,
 //             "logits":{"5":x,...}}]}
 // Example:
-//   bazel run //tools:logits -- --model models/stories260K \
+//   bazel run //tools:logits -- --model models/stories260K
 //     --token_ids 1,5,9 --position_ids 0,1,4 --rows all --top_k 10 --ids 5,17
 
 #include <algorithm>
