@@ -8,7 +8,8 @@ the speculator's own draft time, read from their Prometheus counters).
 
     bazel build -c opt //router //speculator_service //target_service \
         //tools:make_synthetic_checkpoint
-    /usr/bin/python3 bench/e2e_bench.py [--pairs bundled,synthetic] [--reps 3]
+    bazel run -c opt //bench:e2e_bench -- [--pairs bundled,synthetic] [--reps 3]
+    (or /usr/bin/python3 bench/e2e_bench.py ... after building the binaries)
 
 Synthetic pair: llama2-15m -> llama2-110m random weights (written once
 under /tmp/specserve_synthetic; the router runs without a tokenizer and
