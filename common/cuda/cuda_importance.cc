@@ -72,20 +72,11 @@ bool CudaImportance::complete() const {
 absl::Status CudaImportance::AddLayer(int layer, const float* queries,
                                       const void* keys, CudaDType key_dtype,
                                       size_t key_row_stride) {
-  if (layer < 0 || layer >= num_layers_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "AddLayer: layer ", layer, " is outside [0, ", num_layers_, ")"));
-  }
-  if (queries == nullptr || keys == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("AddLayer: layer ", layer, ": ",
-                     queries == nullptr ? "queries" : "keys", " is null"));
-  }
-  if (key_row_stride < static_cast<size_t>(num_kv_heads_) * head_dim_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("AddLayer: key_row_stride ", key_row_stride,
-                     " is smaller than num_kv_heads * head_dim = ",
-                     num_kv_heads_ * head_dim_));
+  if (absl::Status s =
+          CheckAddLayerArgs(layer, num_layers_, queries, keys, key_row_stride,
+                            num_kv_heads_, head_dim_);
+      !s.ok()) {
+    return s;
   }
   if (!UsesLayer(layer)) return absl::OkStatus();
   if (added_[layer]) {

@@ -556,24 +556,36 @@ void ImportanceAccumulator::ReduceKvHead(int g, int row_begin, int row_end,
   }
 }
 
-absl::Status ImportanceAccumulator::AddLayer(int layer, const float* queries,
-                                             const float* keys,
-                                             size_t key_row_stride) {
-  if (!status_.ok()) return status_;
-  if (layer < 0 || layer >= num_layers_) {
+absl::Status CheckAddLayerArgs(int layer, int num_layers, const void* queries,
+                               const void* keys, size_t key_row_stride,
+                               int num_kv_heads, int head_dim) {
+  if (layer < 0 || layer >= num_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "AddLayer: layer ", layer, " is outside [0, ", num_layers_, ")"));
+        "AddLayer: layer ", layer, " is outside [0, ", num_layers, ")"));
   }
   if (queries == nullptr || keys == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("AddLayer: layer ", layer, ": ",
                      queries == nullptr ? "queries" : "keys", " is null"));
   }
-  if (key_row_stride < static_cast<size_t>(num_kv_heads_) * head_dim_) {
+  if (key_row_stride < static_cast<size_t>(num_kv_heads) * head_dim) {
     return absl::InvalidArgumentError(
         absl::StrCat("AddLayer: key_row_stride ", key_row_stride,
                      " is smaller than num_kv_heads * head_dim = ",
-                     num_kv_heads_ * head_dim_));
+                     num_kv_heads * head_dim));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ImportanceAccumulator::AddLayer(int layer, const float* queries,
+                                             const float* keys,
+                                             size_t key_row_stride) {
+  if (!status_.ok()) return status_;
+  if (absl::Status s =
+          CheckAddLayerArgs(layer, num_layers_, queries, keys, key_row_stride,
+                            num_kv_heads_, head_dim_);
+      !s.ok()) {
+    return s;
   }
   if (!UsesLayer(layer)) return absl::OkStatus();
   if (added_[layer]) {

@@ -41,6 +41,14 @@ absl::Status ValidateScoringOptions(const ScoringOptions& opts, int num_layers);
 /// elements. Exposed for tests; the accumulator uses the same routine.
 std::vector<float> AvgPool1d(absl::Span<const float> x, int kernel);
 
+/// Argument checks of an AddLayer call shared by the CPU and CUDA
+/// accumulators: INVALID_ARGUMENT for a layer outside [0, num_layers), a
+/// null queries or keys pointer, or key_row_stride (elements) smaller than
+/// num_kv_heads * head_dim.
+absl::Status CheckAddLayerArgs(int layer, int num_layers, const void* queries,
+                               const void* keys, size_t key_row_stride,
+                               int num_kv_heads, int head_dim);
+
 /// Accumulates per-token importance layer by layer, so the full
 /// [layers, heads, rows, prompt_len] score tensor is never held: only the
 /// running max (or sum, for kMean) of shape [rows, prompt_len] plus
