@@ -59,7 +59,9 @@ void ExpectRowMatches(const float* logits, int vocab, const json& ref,
     const bool near_tie =
         (k > 0 && std::abs(double(top[k - 1][1]) - ref_logit) < 2e-3) ||
         (k < 9 && std::abs(double(top[k + 1][1]) - ref_logit) < 2e-3);
-    if (!near_tie) EXPECT_EQ(order[k], id) << where << " top" << k;
+    if (!near_tie) {
+      EXPECT_EQ(order[k], id) << where << " top" << k;
+    }
   }
   for (size_t j = 0; j < fixed_ids.size(); ++j) {
     EXPECT_NEAR(logits[int(fixed_ids[j])], double(ref["fixed_logits"][j]),

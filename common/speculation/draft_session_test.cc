@@ -168,8 +168,11 @@ TEST_F(DraftSessionTest, SampledDraftsCarryNormalisedQAndAreSeeded) {
       EXPECT_TRUE(in_support);
       ids.push_back(d.id);
     }
-    if (rep == 0) first = ids;
-    else EXPECT_EQ(ids, first);
+    if (rep == 0) {
+      first = ids;
+    } else {
+      EXPECT_EQ(ids, first);
+    }
   }
 }
 
