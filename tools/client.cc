@@ -185,6 +185,7 @@ int Run() {
     std::printf("%s\n", out.dump().c_str());
   } else {
     std::printf("\n");
+    std::fflush(stdout);  // the text before the summary on stderr
     PrintSummary(out);
   }
   return 0;
