@@ -27,9 +27,9 @@ TEST(ThreadPoolTest, CoversEveryIndexExactlyOnce) {
   }
 }
 
-// A worker that cannot run (here: busy in a long job of its own is not
-// possible, so emulate a slow chunk) must not make others wait for
-// unclaimed work: every index is still covered exactly once.
+// A slow chunk (as when the OS deschedules the thread running it) must not
+// keep the other thread from claiming the remaining chunks: every index is
+// still covered exactly once.
 TEST(ThreadPoolTest, UnevenChunksStillCoverEverything) {
   ThreadPool pool(2);
   std::vector<std::atomic<int>> hits(64);
@@ -44,7 +44,6 @@ TEST(ThreadPoolTest, UnevenChunksStillCoverEverything) {
 // never run a chunk twice or a chunk of the wrong job.
 TEST(ThreadPoolTest, ManyBackToBackJobsRunEachChunkOnce) {
   ThreadPool pool(2);
-  std::vector<int64_t> sums(8, 0);
   for (int job = 0; job < 20000; ++job) {
     std::vector<int> hits(37, 0);
     pool.ParallelFor(37, 1, [&](int b, int e) {

@@ -92,7 +92,8 @@ Transformer::Transformer(std::shared_ptr<const ModelWeights> weights)
     : weights_(std::move(weights)) {}
 
 void Transformer::Attention(int layer, int n, int first, const float* qkv,
-                            KvCache* cache, float* attn_out) const {
+                            KvCache* cache, float* attn_out,
+                            AttentionScratch* scratch) const {
   const ModelConfig& c = weights_->config;
   const int H = c.num_attention_heads, KV = c.num_key_value_heads;
   const int D = c.head_dim, group = c.gqa_group();
@@ -109,9 +110,13 @@ void Transformer::Attention(int layer, int n, int first, const float* qkv,
          static_cast<size_t>(block) * group * total > kMaxScoreFloats) {
     block /= 2;
   }
-  std::vector<float> qg(static_cast<size_t>(block) * group * D);
-  std::vector<float> og(static_cast<size_t>(block) * group * D);
-  std::vector<float> s(static_cast<size_t>(block) * group * total);
+  // resize() keeps the capacity, so only the first layer allocates.
+  std::vector<float>& qg = scratch->qg;
+  std::vector<float>& og = scratch->og;
+  std::vector<float>& s = scratch->scores;
+  qg.resize(static_cast<size_t>(block) * group * D);
+  og.resize(static_cast<size_t>(block) * group * D);
+  s.resize(static_cast<size_t>(block) * group * total);
 
   for (int g = 0; g < KV; ++g) {
     for (int i0 = 0; i0 < n; i0 += block) {
@@ -171,6 +176,7 @@ absl::Status Transformer::Forward(const ForwardInput& in, KvCache* cache,
 
   std::vector<float> x(N * hidden), h(N * hidden), qkv(N * qkv_dim);
   std::vector<float> attn(N * H * D), gu(N * 2 * ffn), act(N * ffn);
+  AttentionScratch scratch;
   for (int i = 0; i < n; ++i) {
     std::memcpy(&x[i * size_t{hidden}],
                 &weights_->embed[static_cast<size_t>(in.token_ids[i]) * hidden],
@@ -202,7 +208,7 @@ absl::Status Transformer::Forward(const ForwardInput& in, KvCache* cache,
       std::memcpy(vc + static_cast<size_t>(first + i) * rw,
                   row + (H + KV) * D, rw * sizeof(float));
     }
-    Attention(l, n, first, qkv.data(), cache, attn.data());
+    Attention(l, n, first, qkv.data(), cache, attn.data(), &scratch);
     Linear(attn.data(), n, H * D, w.wo.data(), hidden, x.data(), 1.f);
     kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps, n,
                      hidden, h.data(), hidden);

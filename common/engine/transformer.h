@@ -79,8 +79,14 @@ class Transformer {
                        ForwardOutput* out) const;
 
  private:
+  // Per-forward scratch of Attention, reused across layers (the block
+  // shape depends only on n, the cache length and the GQA group).
+  struct AttentionScratch {
+    std::vector<float> qg, og, scores;
+  };
   void Attention(int layer, int n, int first, const float* qkv,
-                 KvCache* cache, float* attn_out) const;
+                 KvCache* cache, float* attn_out,
+                 AttentionScratch* scratch) const;
 
   std::shared_ptr<const ModelWeights> weights_;
 };
