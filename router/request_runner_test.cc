@@ -27,25 +27,11 @@ struct Outcome {
   int chunks = 0;
 };
 
-class RequestRunnerTest : public ::testing::Test {
+class RequestRunnerTest : public ServicesTest {
  protected:
-  static void SetUpTestSuite() {
-    SetEngineThreads(1);
-    model_ = new Transformer(testing_util::LoadBundled("stories260K"));
-    auto tok = LoadTokenizer(kTargetModel);
-    ASSERT_TRUE(tok.ok()) << tok.status();
-    tokenizer_ = tok->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete tokenizer_;
-  }
-
   void SetUp() override {
-    speculator_ = StartSpeculator();
-    target_ = StartTarget();
-    ASSERT_NE(speculator_, nullptr);
-    ASSERT_NE(target_, nullptr);
+    ServicesTest::SetUp();
+    if (HasFatalFailure()) return;
     Connect(Addr(speculator_->port()), Addr(target_->port()));
   }
 
@@ -115,20 +101,14 @@ class RequestRunnerTest : public ::testing::Test {
     return t.ok() ? *t : "";
   }
 
-  static Transformer* model_;
-  static Tokenizer* tokenizer_;
   std::shared_ptr<prometheus::Registry> registry_ =
       std::make_shared<prometheus::Registry>();
   RouterMetrics metrics_{*registry_};
-  std::unique_ptr<SpeculatorServer> speculator_;
-  std::unique_ptr<TargetServer> target_;
   std::unique_ptr<ReplicaPool> spec_pool_;
   std::unique_ptr<ReplicaPool> target_pool_;
   RouterBackends backends_;
 };
 
-Transformer* RequestRunnerTest::model_ = nullptr;
-Tokenizer* RequestRunnerTest::tokenizer_ = nullptr;
 
 TEST_F(RequestRunnerTest, GreedyWithSpeculationIsTokenIdenticalToTarget) {
   const std::string text = StoryPrompt(2);

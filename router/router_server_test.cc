@@ -92,27 +92,8 @@ class HangingTarget final : public v1::Target::Service {
   int cancelled_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-class RouterServerTest : public ::testing::Test {
+class RouterServerTest : public ServicesTest {
  protected:
-  static void SetUpTestSuite() {
-    SetEngineThreads(1);
-    EnableHealthAndReflection();
-    model_ = new Transformer(testing_util::LoadBundled("stories260K"));
-    auto tok = LoadTokenizer(kTargetModel);
-    ASSERT_TRUE(tok.ok()) << tok.status();
-    tokenizer_ = tok->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete tokenizer_;
-  }
-
-  void SetUp() override {
-    speculator_ = StartSpeculator();
-    target_ = StartTarget();
-    ASSERT_NE(speculator_, nullptr);
-    ASSERT_NE(target_, nullptr);
-  }
   void TearDown() override {
     if (router_) router_->Shutdown();
     if (hanging_server_) hanging_server_->Shutdown();
@@ -201,10 +182,6 @@ class RouterServerTest : public ::testing::Test {
         router_->registry()->Collect());
   }
 
-  static Transformer* model_;
-  static Tokenizer* tokenizer_;
-  std::unique_ptr<SpeculatorServer> speculator_;
-  std::unique_ptr<TargetServer> target_;
   std::unique_ptr<HangingTarget> hanging_;
   std::unique_ptr<grpc::Server> hanging_server_;
   std::unique_ptr<RouterServer> router_;
@@ -212,8 +189,6 @@ class RouterServerTest : public ::testing::Test {
   std::unique_ptr<v1::Router::Stub> stub_;
 };
 
-Transformer* RouterServerTest::model_ = nullptr;
-Tokenizer* RouterServerTest::tokenizer_ = nullptr;
 
 TEST_F(RouterServerTest, StreamingAndUnaryGiveTheTargetsText) {
   StartRouter();

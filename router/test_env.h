@@ -8,7 +8,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -20,9 +19,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/service/grpc_util.h"
 #include "common/service/service_test_util.h"
 #include "common/speculation/test_util.h"
-#include "grpcpp/generic/generic_stub.h"
+#include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 #include "speculator_service/speculator_server.h"
 #include "target_service/target_server.h"
@@ -114,6 +114,38 @@ inline std::vector<int> Reference(const Transformer& model,
 
 
 
+
+/// Base fixture: the target model and tokenizer loaded once per suite (for
+/// references), and fresh in-process speculator and target services on
+/// 127.0.0.1:0 for every test.
+class ServicesTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    SetEngineThreads(1);
+    EnableHealthAndReflection();
+    model_ = new Transformer(testing_util::LoadBundled("stories260K"));
+    auto tok = LoadTokenizer(kTargetModel);
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    tokenizer_ = tok->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete tokenizer_;
+    model_ = nullptr;
+    tokenizer_ = nullptr;
+  }
+  void SetUp() override {
+    speculator_ = StartSpeculator();
+    target_ = StartTarget();
+    ASSERT_NE(speculator_, nullptr);
+    ASSERT_NE(target_, nullptr);
+  }
+
+  static inline Transformer* model_ = nullptr;
+  static inline Tokenizer* tokenizer_ = nullptr;
+  std::unique_ptr<SpeculatorServer> speculator_;
+  std::unique_ptr<TargetServer> target_;
+};
 
 }  // namespace router_test
 }  // namespace specserve
