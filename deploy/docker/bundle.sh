@@ -13,7 +13,9 @@ bin="$1" out="$2"
 mkdir -p "$out/bin" "$out/lib"
 cp -L "$bin" "$out/bin/"
 objs=("$bin")
-spm=$(ldconfig -p | awk '$1 == "libsentencepiece.so.0" {print $NF; exit}')
+# awk reads all of ldconfig's output (no early `exit`): under pipefail an
+# early exit would kill ldconfig with SIGPIPE on long caches (exit 141).
+spm=$(ldconfig -p | awk '$1 == "libsentencepiece.so.0" && !found {print $NF; found = 1}')
 if [[ -n "$spm" ]]; then objs+=("$spm"); cp -L "$spm" "$out/lib/"; fi
 system='^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|libcuda|libcudart|libcublas|libcublasLt|libnvidia-[a-z]+)\.so'
 for o in "${objs[@]}"; do
@@ -23,6 +25,6 @@ for o in "${objs[@]}"; do
       [[ "$name" =~ $system ]] || cp -L "$path" "$out/lib/$name"
     done
 done
-if ldd "$bin" | grep -q 'not found'; then
+if [[ "$(ldd "$bin")" == *'not found'* ]]; then
   echo "bundle.sh: unresolved libraries for $bin" >&2; exit 1
 fi

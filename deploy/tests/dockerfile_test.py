@@ -183,6 +183,29 @@ class DockerfileTest(unittest.TestCase):
                                capture_output=True, text=True, timeout=60)
             self.assertIn("Flags from", p.stdout + p.stderr, comp)
 
+    def test_bundle_survives_a_long_ldconfig_cache(self):
+        # Regression: `ldconfig -p | awk '... exit'` under pipefail exited 141
+        # (SIGPIPE) on machines with many libraries. A fake ldconfig prints
+        # the real cache after 200,000 filler lines.
+        comp, binary = next(iter(du.BINARIES.items()))
+        fake = du.tmpdir()
+        real = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True,
+                              check=True).stdout
+        with open(os.path.join(fake, "filler.txt"), "w") as f:
+            f.write("".join("\tlibfiller%d.so (libc6,x86-64) => /nonexistent/libfiller%d.so\n"
+                            % (i, i) for i in range(200000)))
+        with open(os.path.join(fake, "real.txt"), "w") as f:
+            f.write(real)
+        with open(os.path.join(fake, "ldconfig"), "w") as f:
+            f.write("#!/bin/sh\ncat %s/real.txt %s/filler.txt\n" % (fake, fake))
+        os.chmod(os.path.join(fake, "ldconfig"), 0o755)
+        env = dict(os.environ, PATH=fake + os.pathsep + os.environ["PATH"])
+        out = du.tmpdir()
+        p = subprocess.run(["bash", "deploy/docker/bundle.sh", binary, out], env=env,
+                           capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertTrue(os.path.isfile(os.path.join(out, "lib", "libsentencepiece.so.0")))
+
 
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
