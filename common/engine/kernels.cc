@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 namespace specserve {
@@ -230,13 +231,131 @@ void GemvBlock(const float* x, int in, const float* w, int o_begin, int o_end,
 
 }  // namespace
 
+namespace {
+
+// Rows of weights per L2 block: <= 256 KiB, a multiple of 4.
+inline int GemvBlockRows(int in) {
+  return std::max(4, std::min(64, (64 * 1024) / std::max(1, in)) & ~3);
+}
+
+// ---- AVX-512 path (run-time dispatch; the build baseline is AVX2). ----
+// 32 zmm registers: 4 weight rows x 4 input rows = 16 accumulators, 4
+// inputs and 1 weight register; per 16 FMAs 4 weight + 4 input loads.
+// The tail of `in` goes through masked loads, so no scalar loop.
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f")))
+
+// One 16-lane step of an A x R tile: A weight rows against R input rows.
+template <int A, int R>
+SPECSERVE_AVX512 inline void StepZ(const float* x, int in, const float* w0,
+                                   int i, __mmask16 m, __m512 (&acc)[A][R]) {
+  __m512 xv[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    xv[r] = _mm512_maskz_loadu_ps(m, x + size_t(r) * in + i);
+  }
+#pragma GCC unroll 4
+  for (int a = 0; a < A; ++a) {
+    const __m512 wv = _mm512_maskz_loadu_ps(m, w0 + size_t(a) * in + i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[a][r] = _mm512_fmadd_ps(wv, xv[r], acc[a][r]);
+    }
+  }
+}
+
+// Output rows [o, o + A) for R input rows; accumulators stay in registers
+// (A and R are compile-time, so the loops fully unroll).
+template <int A, int R>
+SPECSERVE_AVX512 inline void TileZ(const float* x, int in, const float* w,
+                                   float* y, int y_stride, int o, float beta) {
+  __m512 acc[A][R];
+#pragma GCC unroll 4
+  for (int a = 0; a < A; ++a) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[a][r] = _mm512_setzero_ps();
+  }
+  const float* w0 = w + size_t(o) * in;
+  int i = 0;
+  for (; i + 16 <= in; i += 16) {
+    StepZ<A, R>(x, in, w0, i, __mmask16(0xffff), acc);
+  }
+  if (i < in) {
+    StepZ<A, R>(x, in, w0, i, __mmask16((1u << (in - i)) - 1), acc);
+  }
+#pragma GCC unroll 4
+  for (int a = 0; a < A; ++a) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float& out = y[size_t(r) * y_stride + o + a];
+      out = _mm512_reduce_add_ps(acc[a][r]) + (beta == 0.f ? 0.f : beta * out);
+    }
+  }
+}
+
+template <int R>
+SPECSERVE_AVX512 void GemvBlockZ(const float* x, int in, const float* w,
+                                 int o_begin, int o_end, float* y,
+                                 int y_stride, float beta) {
+  int o = o_begin;
+  for (; o + 4 <= o_end; o += 4) TileZ<4, R>(x, in, w, y, y_stride, o, beta);
+  for (; o < o_end; ++o) TileZ<1, R>(x, in, w, y, y_stride, o, beta);
+}
+
+SPECSERVE_AVX512 void BatchedGemvAvx512(const float* x, int n, int in,
+                                        const float* w, int o_begin, int o_end,
+                                        float* y, int y_stride, float beta) {
+  const int block = GemvBlockRows(in);
+  for (int ob = o_begin; ob < o_end; ob += block) {
+    const int oe = std::min(o_end, ob + block);
+    int r = 0;
+    for (; r + 4 <= n; r += 4) {
+      GemvBlockZ<4>(x + size_t(r) * in, in, w, ob, oe,
+                    y + size_t(r) * y_stride, y_stride, beta);
+    }
+    const float* xr = x + size_t(r) * in;
+    float* yr = y + size_t(r) * y_stride;
+    switch (n - r) {
+      case 3: GemvBlockZ<3>(xr, in, w, ob, oe, yr, y_stride, beta); break;
+      case 2: GemvBlockZ<2>(xr, in, w, ob, oe, yr, y_stride, beta); break;
+      case 1: GemvBlockZ<1>(xr, in, w, ob, oe, yr, y_stride, beta); break;
+      default: break;
+    }
+  }
+}
+
+#undef SPECSERVE_AVX512
+
+bool DetectAvx512() {
+  if (std::getenv("SPECSERVE_DISABLE_AVX512") != nullptr) return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+}  // namespace
+
+bool UseAvx512() {
+  static const bool use = DetectAvx512();
+  return use;
+}
+
 void BatchedGemv(const float* x, int n, int in, const float* w, int o_begin,
                  int o_end, float* y, int y_stride, float beta) {
+  if (UseAvx512()) {
+    BatchedGemvAvx512(x, n, in, w, o_begin, o_end, y, y_stride, beta);
+  } else {
+    BatchedGemvAvx2(x, n, in, w, o_begin, o_end, y, y_stride, beta);
+  }
+}
+
+void BatchedGemvAvx2(const float* x, int n, int in, const float* w,
+                     int o_begin, int o_end, float* y, int y_stride,
+                     float beta) {
   // Weight rows in L2-sized blocks (<= 256 KiB); within a block, input rows
   // in groups of 3 (12 accumulators + 3 inputs + 1 weight register fit the
   // 16 ymm registers). Each weight block comes from memory once and from
   // L2 for the remaining groups.
-  const int block = std::max(4, std::min(64, (64 * 1024) / std::max(1, in)) & ~3);
+  const int block = GemvBlockRows(in);
   for (int ob = o_begin; ob < o_end; ob += block) {
     const int oe = std::min(o_end, ob + block);
     int r = 0;
@@ -250,6 +369,51 @@ void BatchedGemv(const float* x, int n, int in, const float* w, int o_begin,
     } else if (n - r == 1) {
       GemvBlock<1>(x + size_t(r) * in, in, w, ob, oe,
                    y + size_t(r) * y_stride, y_stride, beta);
+    }
+  }
+}
+
+void AttentionRows(const float* q, size_t q_stride, int rows, int first,
+                   int num_heads, int num_kv_heads, int head_dim,
+                   const float* k, const float* v, size_t kv_stride,
+                   const int* block_table, int block_size, float scale,
+                   float* scores, float* out, size_t out_stride) {
+  const int group = num_heads / num_kv_heads;
+  const int D = head_dim;
+  auto Slot = [&](int j) {
+    return size_t(block_table[j / block_size]) * block_size + j % block_size;
+  };
+  for (int i = 0; i < rows; ++i) {
+    const int nk = first + i + 1;  // causal over cache order
+    for (int h = 0; h < num_heads; ++h) {
+      const float* qh = q + size_t(i) * q_stride + size_t(h) * D;
+      const float* kh = k + size_t(h / group) * D;
+      const float* vh = v + size_t(h / group) * D;
+      for (int j = 0; j < nk; ++j) {
+        const float* kj = kh + Slot(j) * kv_stride;
+        __m256 acc = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= D; d += 8) {
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d),
+                                _mm256_loadu_ps(kj + d), acc);
+        }
+        float s = HorizontalSum(acc);
+        for (; d < D; ++d) s += qh[d] * kj[d];
+        scores[j] = s * scale;
+      }
+      SoftmaxPrefix(scores, nk, nk);
+      float* oh = out + size_t(i) * out_stride + size_t(h) * D;
+      std::fill(oh, oh + D, 0.f);
+      for (int j = 0; j < nk; ++j) {
+        const float* vj = vh + Slot(j) * kv_stride;
+        const __m256 p = _mm256_set1_ps(scores[j]);
+        int d = 0;
+        for (; d + 8 <= D; d += 8) {
+          _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + d),
+                                                   _mm256_loadu_ps(oh + d)));
+        }
+        for (; d < D; ++d) oh[d] += scores[j] * vj[d];
+      }
     }
   }
 }

@@ -1,5 +1,6 @@
 #include "common/engine/kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -98,21 +99,94 @@ namespace specserve {
 namespace kernels {
 namespace {
 
-TEST(KernelsTest, BatchedGemvMatchesNaive) {
-  for (int n : {1, 3, 4, 9}) {
-    for (int in : {5, 64, 77}) {
+using GemvFn = void (*)(const float*, int, int, const float*, int, int,
+                        float*, int, float);
+
+class BatchedGemvTest : public ::testing::TestWithParam<bool> {
+ protected:
+  // The dispatched kernel (AVX-512 where the CPU has it) or the AVX2 one.
+  GemvFn Kernel() const { return GetParam() ? &BatchedGemv : &BatchedGemvAvx2; }
+};
+
+TEST_P(BatchedGemvTest, MatchesNaive) {
+  const GemvFn gemv = Kernel();
+  for (int n : {1, 2, 3, 4, 5, 9, 16, 37, 64}) {
+    for (int in : {5, 64, 77, 300}) {
       const int out = 13;
       auto x = Random(size_t(n) * in, 7), w = Random(size_t(out) * in, 8);
       auto y = Random(size_t(n) * out, 9);
       auto y0 = y;
-      BatchedGemv(x.data(), n, in, w.data(), 0, 6, y.data(), out, 1.f);
-      BatchedGemv(x.data(), n, in, w.data(), 6, out, y.data(), out, 1.f);
+      gemv(x.data(), n, in, w.data(), 0, 6, y.data(), out, 1.f);
+      gemv(x.data(), n, in, w.data(), 6, out, y.data(), out, 1.f);
       for (int i = 0; i < n; ++i) {
         for (int o = 0; o < out; ++o) {
           double s = y0[i * out + o];
           for (int k = 0; k < in; ++k) s += double(x[i * in + k]) * w[o * in + k];
           ASSERT_NEAR(y[i * out + o], s, 1e-4) << n << " " << in;
         }
+      }
+    }
+  }
+}
+
+TEST_P(BatchedGemvTest, BetaZeroOverwritesAndRowsAreIndependent) {
+  // Row i's result must not depend on which other rows share the call
+  // (batched forward == per-sequence forward relies on it).
+  const GemvFn gemv = Kernel();
+  const int n = 11, in = 100, out = 9;
+  auto x = Random(size_t(n) * in, 10), w = Random(size_t(out) * in, 11);
+  std::vector<float> all(size_t(n) * out, 1e9f);
+  gemv(x.data(), n, in, w.data(), 0, out, all.data(), out, 0.f);
+  for (int i = 0; i < n; ++i) {
+    std::vector<float> one(out, -1e9f);
+    gemv(x.data() + size_t(i) * in, 1, in, w.data(), 0, out, one.data(), out,
+         0.f);
+    for (int o = 0; o < out; ++o) ASSERT_EQ(all[i * out + o], one[o]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, BatchedGemvTest, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? "Dispatched" : "Avx2";
+                         });
+
+TEST(KernelsTest, AttentionRowsMatchesNaive) {
+  // Slots 0..7 in blocks of 3: logical block b lives in physical block
+  // table[b] of a 4-block pool, out of order.
+  const int H = 4, KV = 2, D = 12, first = 5, rows = 3, bs = 3;
+  const int total = first + rows, qs = H * D + 3, kvs = KV * D + 1;
+  const std::vector<int> table = {2, 0, 3};
+  auto q = Random(size_t(rows) * qs, 12);
+  auto kp = Random(size_t(4 * bs) * kvs, 13), vp = Random(size_t(4 * bs) * kvs, 14);
+  std::vector<float> k(size_t(total) * kvs), v(size_t(total) * kvs);
+  for (int j = 0; j < total; ++j) {
+    const size_t phys = size_t(table[j / bs]) * bs + j % bs;
+    std::copy_n(&kp[phys * kvs], kvs, &k[size_t(j) * kvs]);
+    std::copy_n(&vp[phys * kvs], kvs, &v[size_t(j) * kvs]);
+  }
+  const float scale = 1.f / std::sqrt(float(D));
+  std::vector<float> scores(total), out(size_t(rows) * H * D);
+  AttentionRows(q.data(), qs, rows, first, H, KV, D, kp.data(), vp.data(),
+                kvs, table.data(), bs, scale, scores.data(), out.data(),
+                H * D);
+  for (int i = 0; i < rows; ++i) {
+    for (int h = 0; h < H; ++h) {
+      const int g = h / (H / KV), nk = first + i + 1;
+      std::vector<double> p(nk);
+      double mx = -1e300, sum = 0;
+      for (int j = 0; j < nk; ++j) {
+        double dot = 0;
+        for (int d = 0; d < D; ++d) {
+          dot += double(q[i * qs + h * D + d]) * k[j * kvs + g * D + d];
+        }
+        p[j] = dot * scale;
+        mx = std::max(mx, p[j]);
+      }
+      for (double& x : p) sum += (x = std::exp(x - mx));
+      for (int d = 0; d < D; ++d) {
+        double o = 0;
+        for (int j = 0; j < nk; ++j) o += p[j] / sum * v[j * kvs + g * D + d];
+        ASSERT_NEAR(out[(i * H + h) * D + d], o, 1e-5) << i << " " << h;
       }
     }
   }
