@@ -26,7 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 
 ABSL_FLAG(std::string, models,
           "stories260K,stories260K-draft,tinystories-656K,synthetic:llama2-15m,"
@@ -36,6 +36,12 @@ ABSL_FLAG(std::string, lengths, "128,512,2048", "prompt lengths (tokens)");
 ABSL_FLAG(int, decode_tokens, 32, "decode steps timed per model");
 ABSL_FLAG(int, threads, 2, "GEMM threads");
 ABSL_FLAG(int, reps, 2, "timed repetitions per prefill (best is reported)");
+ABSL_FLAG(std::string, batch_model, "synthetic:llama2-110m",
+          "model of the batched decode table (empty = skip it)");
+ABSL_FLAG(std::string, batch_sizes, "1,4,16,64",
+          "sequences decoded together, one row each per forward");
+ABSL_FLAG(int, batch_context, 128,
+          "tokens each batched sequence holds before the timed steps");
 
 namespace specserve {
 namespace bench {
@@ -56,6 +62,93 @@ double SgemmRateForModel(const ModelConfig& c, int n) {
     secs += f / (SgemmGflops(n, out, in, 2) * 1e9);
   }
   return flops / secs / 1e9;
+}
+
+// Batched decode: B sequences, each holding batch_context tokens, decode
+// one row each per forward (ModelRunner's batch). A decode step streams
+// every weight once however many rows it carries, so tokens/s should grow
+// nearly linearly with B until the GEMMs become compute-bound.
+int RunBatchedDecode(double bw) {
+  const std::string spec = absl::GetFlag(FLAGS_batch_model);
+  auto w = LoadBenchModel(spec);
+  if (!w.ok()) {
+    std::fprintf(stderr, "%s: %s\n", spec.c_str(),
+                 w.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<int> sizes;
+  for (auto b : absl::StrSplit(absl::GetFlag(FLAGS_batch_sizes), ',')) {
+    sizes.push_back(std::stoi(std::string(b)));
+  }
+  const ModelConfig& c = (*w)->config;
+  const int steps = absl::GetFlag(FLAGS_decode_tokens);
+  const int ctx = std::min(absl::GetFlag(FLAGS_batch_context),
+                           c.max_position_embeddings - steps - 1);
+  const int max_b = *std::max_element(sizes.begin(), sizes.end());
+  KvCacheOptions o;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(c) *
+                 (static_cast<size_t>(max_b) * (ctx + steps + 16) + ctx);
+  auto runner = CpuModelRunner::Create(*w, o);
+  if (!runner.ok()) {
+    std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+    return 1;
+  }
+  ModelRunner& model = **runner;
+  std::mt19937 rng(1);
+  std::vector<int> ids(ctx), pos(ctx);
+  for (int& t : ids) t = rng() % c.vocab_size;
+  std::iota(pos.begin(), pos.end(), 0);
+  // One prefill, forked B times: the forks share its blocks (copy-on-write
+  // of the partial last block on their first decode step).
+  auto prompt = model.NewSequence(ctx + steps + 1);
+  if (!prompt.ok()) return 1;
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  ForwardOutput first;
+  if (!model.Forward(in, prompt->get(), &first).ok()) return 1;
+  const double weight_mb = (*w)->bytes() / 1e6;
+  std::printf(
+      "\nBatched decode, %s (%.0f MB of weights), %d cached tokens per "
+      "sequence, %d steps\n\n| batch | step ms | tokens/s (all sequences) | "
+      "x batch 1 | weight reads / s |\n|---|---|---|---|---|\n",
+      spec.c_str(), weight_mb, ctx, steps);
+  double base = 0;
+  for (int b : sizes) {
+    std::vector<std::unique_ptr<KvSequence>> seqs;
+    for (int i = 0; i < b; ++i) seqs.push_back((*prompt)->Fork());
+    std::vector<int> tok(b), p(b, ctx);
+    for (int& t : tok) t = rng() % c.vocab_size;
+    std::vector<SequenceForward> batch(b);
+    std::vector<ForwardOutput> outs;
+    double t_sum = 0;
+    for (int s = 0; s <= steps; ++s) {
+      for (int i = 0; i < b; ++i) {
+        batch[i].kv = seqs[i].get();
+        batch[i].input.token_ids = absl::MakeConstSpan(&tok[i], 1);
+        batch[i].input.position_ids = absl::MakeConstSpan(&p[i], 1);
+      }
+      const double t0 = Now();
+      if (absl::Status st = model.Forward(batch, &outs); !st.ok()) {
+        std::fprintf(stderr, "batch %d: %s\n", b, st.ToString().c_str());
+        return 1;
+      }
+      if (s > 0) t_sum += Now() - t0;  // step 0 warms up (and copies)
+      for (int i = 0; i < b; ++i) {
+        tok[i] = rng() % c.vocab_size;
+        ++p[i];
+      }
+    }
+    const double step = t_sum / steps;
+    const double tok_s = b / step;
+    if (base == 0) base = tok_s;
+    std::printf("| %d | %.2f | %.0f | %.1fx | %.1f (%.0f GB/s) |\n", b,
+                step * 1e3, tok_s, tok_s / base, 1 / step,
+                weight_mb / 1e3 / step);
+    std::fflush(stdout);
+  }
+  std::printf("\nSTREAM triad bandwidth: %.1f GB/s\n", bw);
+  return 0;
 }
 
 int Run() {
@@ -84,7 +177,13 @@ int Run() {
                    w.status().ToString().c_str());
       return 1;
     }
-    Transformer model(*w);
+    // Room for one prefill or decode sequence at a time.
+    auto runner = CpuModelRunner::CreateForSequences(*w, 1);
+    if (!runner.ok()) {
+      std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+      return 1;
+    }
+    ModelRunner& model = **runner;
     const ModelConfig& c = model.config();
     for (int n : lengths) {
       if (n + absl::GetFlag(FLAGS_decode_tokens) > c.max_position_embeddings) {
@@ -95,13 +194,14 @@ int Run() {
       std::iota(pos.begin(), pos.end(), 0);
       double best = 1e30;
       for (int r = 0; r <= absl::GetFlag(FLAGS_reps); ++r) {
-        KvCache cache(c, n + absl::GetFlag(FLAGS_decode_tokens));
+        auto cache = model.NewSequence(n + absl::GetFlag(FLAGS_decode_tokens));
+        if (!cache.ok()) return 1;
         ForwardInput in;
         in.token_ids = ids;
         in.position_ids = pos;
         ForwardOutput out;
         const double t0 = Now();
-        if (!model.Forward(in, &cache, &out).ok()) return 1;
+        if (!model.Forward(in, cache->get(), &out).ok()) return 1;
         const double t = Now() - t0;
         if (r > 0 || absl::GetFlag(FLAGS_reps) == 0) best = std::min(best, t);
       }
@@ -117,7 +217,9 @@ int Run() {
     // Decode: 128-token prompt, then single-token steps.
     const int n = std::min(128, c.max_position_embeddings / 2);
     const int steps = absl::GetFlag(FLAGS_decode_tokens);
-    KvCache cache(c, n + steps + 1);
+    auto cache_or = model.NewSequence(n + steps + 1);
+    if (!cache_or.ok()) return 1;
+    KvSequence* cache = cache_or->get();
     std::vector<int> ids(n), pos(n);
     for (int& t : ids) t = rng() % c.vocab_size;
     std::iota(pos.begin(), pos.end(), 0);
@@ -125,14 +227,14 @@ int Run() {
     in.token_ids = ids;
     in.position_ids = pos;
     ForwardOutput out;
-    if (!model.Forward(in, &cache, &out).ok()) return 1;
+    if (!model.Forward(in, cache, &out).ok()) return 1;
     const double t0 = Now();
     for (int i = 0; i < steps; ++i) {
       const int tok = rng() % c.vocab_size, p = n + i;
       ForwardInput step;
       step.token_ids = absl::MakeConstSpan(&tok, 1);
       step.position_ids = absl::MakeConstSpan(&p, 1);
-      if (!model.Forward(step, &cache, &out).ok()) return 1;
+      if (!model.Forward(step, cache, &out).ok()) return 1;
     }
     const double per_tok = (Now() - t0) / steps;
     const double bytes = (*w)->bytes();
@@ -147,6 +249,7 @@ int Run() {
     std::printf("| %s | %.1f | %.1f | %.2f | %.2fx |\n", r.model.c_str(),
                 r.tok_s, r.weight_mb, r.read_ms, r.x_read);
   }
+  if (!absl::GetFlag(FLAGS_batch_model).empty()) return RunBatchedDecode(bw);
   return 0;
 }
 

@@ -41,7 +41,7 @@
 #include "absl/strings/str_join.h"
 #include "bench/bench_util.h"
 #include "bench/eval_util.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 #include "common/speculation/draft_session.h"
 #include "common/speculation/target_session.h"
 #include "common/tokenizer/tokenizer.h"
@@ -74,6 +74,14 @@ namespace specserve {
 namespace bench {
 namespace {
 
+// A CPU runner whose KV pool holds a few max-context sequences: the
+// evaluation runs one request at a time, but a decode run keeps a target
+// and a draft session (on the two models) and scoring a session of its own.
+absl::StatusOr<std::unique_ptr<CpuModelRunner>> NewRunner(
+    std::shared_ptr<const ModelWeights> weights) {
+  return CpuModelRunner::CreateForSequences(std::move(weights), 4);
+}
+
 using json = nlohmann::ordered_json;
 
 constexpr int kGen = 32;  // greedy continuation length compared
@@ -82,7 +90,7 @@ constexpr int kGen = 32;  // greedy continuation length compared
 struct Pair {
   std::string name, scorer, target;
   std::shared_ptr<const ModelWeights> scorer_w, target_w;
-  std::unique_ptr<Transformer> scorer_m, target_m;
+  std::unique_ptr<CpuModelRunner> scorer_m, target_m;
   std::vector<std::string> prompt_names;
   std::vector<std::vector<int>> prompts;
   int truncated = 0;  // prompts cut to fit the context
@@ -153,8 +161,12 @@ absl::Status LoadPair(Pair* p, const std::vector<std::string>& files, int gen) {
   if (!tw.ok()) return tw.status();
   p->scorer_w = *sw;
   p->target_w = *tw;
-  p->scorer_m = std::make_unique<Transformer>(p->scorer_w);
-  p->target_m = std::make_unique<Transformer>(p->target_w);
+  auto scorer_m = NewRunner(p->scorer_w);
+  if (!scorer_m.ok()) return scorer_m.status();
+  auto target_m = NewRunner(p->target_w);
+  if (!target_m.ok()) return target_m.status();
+  p->scorer_m = *std::move(scorer_m);
+  p->target_m = *std::move(target_m);
   auto tok = LoadTokenizer("models/" + p->target);
   if (!tok.ok()) return tok.status();
   // Room for the continuation (target) and the look-ahead (scorer, <= 8).
@@ -178,7 +190,7 @@ absl::Status LoadPair(Pair* p, const std::vector<std::string>& files, int gen) {
 
 // Per-token importance from one Score() call (selection is redone per
 // ratio/chunk by SelectKept: importance does not depend on them).
-absl::StatusOr<std::vector<float>> ScoreImportance(const Transformer& scorer,
+absl::StatusOr<std::vector<float>> ScoreImportance(ModelRunner& scorer,
                                                    absl::Span<const int> prompt,
                                                    const ScoreOptions& opt) {
   auto session = DraftSession::Create(
@@ -481,8 +493,8 @@ double Median(std::vector<double> v) {
 // load from other processes on the shared 2-core machine hits all of them
 // alike; the table reports the best of `reps` (after a warm-up rep) and the
 // JSON also the medians.
-absl::Status MeasureTtft(const std::string& pair, const Transformer& scorer,
-                         const Transformer& target,
+absl::Status MeasureTtft(const std::string& pair, ModelRunner& scorer,
+                         ModelRunner& target,
                          const std::vector<int>& prompt,
                          const std::vector<double>& ratios, int reps,
                          int threads, json* rows) {
@@ -490,8 +502,7 @@ absl::Status MeasureTtft(const std::string& pair, const Transformer& scorer,
   auto prefill = [&](const std::vector<int>& kept) -> absl::StatusOr<double> {
     std::vector<int> toks;
     for (int i : kept) toks.push_back(prompt[i]);
-    auto cache =
-        KvCache::Create(target.config(), static_cast<int>(kept.size()));
+    auto cache = target.NewSequence(static_cast<int>(kept.size()));
     if (!cache.ok()) return cache.status();
     ForwardInput in;
     in.token_ids = toks;
@@ -563,8 +574,8 @@ struct DecodeRun {
 // (k = 0) or with `draft` proposing k tokens per round (DraftSession::Draft
 // + TargetSession::Step). Timed after both models have prefilled the
 // prompt and the target emitted its first token.
-absl::StatusOr<DecodeRun> DecodeOnce(const Transformer& draft,
-                                     const Transformer& target,
+absl::StatusOr<DecodeRun> DecodeOnce(ModelRunner& draft,
+                                     ModelRunner& target,
                                      const std::vector<int>& prompt, int gen,
                                      int k) {
   const int n = static_cast<int>(prompt.size());
@@ -618,8 +629,8 @@ absl::StatusOr<DecodeRun> DecodeOnce(const Transformer& draft,
 // and mean acceptance length. For every rep and prompt all k run back to
 // back (shared machine: load hits every k alike); each (prompt, k) keeps
 // its fastest rep. Greedy runs are deterministic, so counts do not vary.
-absl::Status MeasureDecode(const std::string& pair, const Transformer& draft,
-                           const Transformer& target,
+absl::Status MeasureDecode(const std::string& pair, ModelRunner& draft,
+                           ModelRunner& target,
                            const std::vector<std::vector<int>>& prompts,
                            int gen, const std::vector<int>& ks, int reps,
                            json* rows) {
@@ -724,7 +735,12 @@ absl::Status RunSpeed(const RunConfig& cfg, std::vector<Pair>& pairs,
     if (!sw.ok()) return sw.status();
     auto tw = LoadSynthetic("synthetic:llama2-110m", 4096);
     if (!tw.ok()) return tw.status();
-    Transformer scorer(*sw), target(*tw);
+    auto scorer_r = NewRunner(*sw);
+    if (!scorer_r.ok()) return scorer_r.status();
+    auto target_r = NewRunner(*tw);
+    if (!target_r.ok()) return target_r.status();
+    CpuModelRunner& scorer = **scorer_r;
+    CpuModelRunner& target = **target_r;
     std::mt19937 rng(0);
     auto random_prompt = [&](int len) {
       std::vector<int> pr(len);

@@ -7,7 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/decoding/sampling.h"
-#include "common/engine/kv_cache.h"
 
 namespace specserve {
 namespace bench {
@@ -47,7 +46,7 @@ std::vector<int> KeepRecent(int n, int count) {
   return KeepSinkRecent(n, count, 1);
 }
 
-absl::StatusOr<PrunedRun> RunPruned(const Transformer& target,
+absl::StatusOr<PrunedRun> RunPruned(ModelRunner& target,
                                     absl::Span<const int> prompt,
                                     absl::Span<const int> kept, int gen) {
   const ModelConfig& c = target.config();
@@ -62,7 +61,7 @@ absl::StatusOr<PrunedRun> RunPruned(const Transformer& target,
         "prompt of ", n, " tokens + ", gen, " generated exceeds the context ",
         c.max_position_embeddings));
   }
-  auto cache = KvCache::Create(c, static_cast<int>(kept.size()) + gen);
+  auto cache = target.NewSequence(static_cast<int>(kept.size()) + gen);
   if (!cache.ok()) return cache.status();
   std::vector<int> tokens;
   for (int i : kept) tokens.push_back(prompt[i]);

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "common/engine/transformer.h"
+#include "common/engine/model_runner.h"
 
 namespace specserve {
 namespace bench {
@@ -42,7 +42,7 @@ struct PrunedRun {
 /// `kept`: sorted unique indices into `prompt`, ending at n-1.
 /// Errors: INVALID_ARGUMENT for empty/unsorted `kept` or n + gen beyond the
 /// target's context; the engine's errors otherwise.
-absl::StatusOr<PrunedRun> RunPruned(const Transformer& target,
+absl::StatusOr<PrunedRun> RunPruned(ModelRunner& target,
                                     absl::Span<const int> prompt,
                                     absl::Span<const int> kept, int gen);
 

@@ -4,6 +4,7 @@
 #include <memory>
 #include <numeric>
 
+#include "common/engine/cpu_model_runner.h"
 #include "common/model/weights.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -63,10 +64,12 @@ class RunPrunedTest : public ::testing::Test {
   void SetUp() override {
     auto w = LoadModelWeights("models/stories260K");
     ASSERT_TRUE(w.ok()) << w.status();
-    model_ = std::make_unique<Transformer>(
-        std::make_shared<ModelWeights>(*std::move(w)));
+    auto r = CpuModelRunner::CreateForSequences(
+        std::make_shared<ModelWeights>(*std::move(w)), 2);
+    ASSERT_TRUE(r.ok()) << r.status();
+    model_ = *std::move(r);
   }
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<CpuModelRunner> model_;
 };
 
 TEST_F(RunPrunedTest, AllKeptEqualsFullAndPruningChangesLogits) {

@@ -16,7 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 #include "common/speculation/draft_session.h"
 
 ABSL_FLAG(std::string, models,
@@ -53,7 +53,12 @@ int Run() {
     loaded->reset();
     const bool synthetic = spec.rfind("synthetic:", 0) == 0;
     if (synthetic) weights->config.max_position_embeddings = 1 << 14;
-    Transformer model(weights);
+    auto runner = CpuModelRunner::CreateForSequences(weights, 1);
+    if (!runner.ok()) {
+      std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+      return 1;
+    }
+    ModelRunner& model = **runner;
     const ModelConfig& c = model.config();
     for (auto len_view : absl::StrSplit(absl::GetFlag(FLAGS_lengths), ',')) {
       const int n = std::stoi(std::string(len_view));

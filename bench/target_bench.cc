@@ -16,7 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 #include "common/speculation/target_session.h"
 
 ABSL_FLAG(std::string, models,
@@ -56,7 +56,13 @@ int Run() {
                    weights.status().ToString().c_str());
       return 1;
     }
-    Transformer model(*weights);
+    // One session at a time, at most the model's context each.
+    auto runner = CpuModelRunner::CreateForSequences(*weights, 1);
+    if (!runner.ok()) {
+      std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+      return 1;
+    }
+    ModelRunner& model = **runner;
     const ModelConfig& c = model.config();
     int last_n = -1;
     for (double len_d : Doubles(absl::GetFlag(FLAGS_lengths))) {

@@ -15,7 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/time/time.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
 #include "common/util/paths.h"

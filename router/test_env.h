@@ -65,6 +65,7 @@ inline std::unique_ptr<SpeculatorServer> StartSpeculator() {
   SpeculatorServerOptions o;
   o.model_dir = kDraftModel;
   o.host = "127.0.0.1";
+  o.runner.device = "cpu";  // references come from the CPU engine
   auto s = SpeculatorServer::Create(o);
   EXPECT_TRUE(s.ok()) << s.status();
   if (!s.ok() || !(*s)->Start(0).ok()) return nullptr;
@@ -75,6 +76,7 @@ inline std::unique_ptr<TargetServer> StartTarget() {
   TargetServerOptions o;
   o.model_dir = kTargetModel;
   o.host = "127.0.0.1";
+  o.runner.device = "cpu";
   auto s = TargetServer::Create(o);
   EXPECT_TRUE(s.ok()) << s.status();
   if (!s.ok() || !(*s)->Start(0).ok()) return nullptr;
@@ -99,7 +101,7 @@ inline int DeadPort() {
 /// The target's plain greedy continuation of `tokens` at `positions`
 /// (default 0..n-1), decoding from `next_position`, cut before the first
 /// EOS the way the target stops.
-inline std::vector<int> Reference(const Transformer& model,
+inline std::vector<int> Reference(ModelRunner& model,
                                   const std::vector<int>& tokens,
                                   const std::vector<int>& positions,
                                   int next_position, int n) {
@@ -123,7 +125,8 @@ class ServicesTest : public ::testing::Test {
   static void SetUpTestSuite() {
     SetEngineThreads(1);
     EnableHealthAndReflection();
-    model_ = new Transformer(testing_util::LoadBundled("stories260K"));
+    model_ = testing_util::MakeCpuRunner(testing_util::LoadBundled("stories260K"))
+                 .release();
     auto tok = LoadTokenizer(kTargetModel);
     ASSERT_TRUE(tok.ok()) << tok.status();
     tokenizer_ = tok->release();
@@ -141,7 +144,7 @@ class ServicesTest : public ::testing::Test {
     ASSERT_NE(target_, nullptr);
   }
 
-  static inline Transformer* model_ = nullptr;
+  static inline CpuModelRunner* model_ = nullptr;
   static inline Tokenizer* tokenizer_ = nullptr;
   std::unique_ptr<SpeculatorServer> speculator_;
   std::unique_ptr<TargetServer> target_;

@@ -14,7 +14,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/service/runner_flags.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
 #include "common/util/paths.h"
@@ -62,6 +63,7 @@ int Run() {
   o.kv_budget_bytes = static_cast<size_t>(
       std::max<int64_t>(0, absl::GetFlag(FLAGS_kv_budget_bytes)));
   o.session_ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
+  o.runner = RunnerOptionsFromFlags();
   o.defaults.look_ahead = absl::GetFlag(FLAGS_default_look_ahead);
   o.defaults.keep_ratio =
       static_cast<float>(absl::GetFlag(FLAGS_default_keep_ratio));

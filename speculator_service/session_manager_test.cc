@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/model/weights.h"
+#include "common/speculation/test_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
@@ -15,8 +16,9 @@ class SessionManagerTest : public ::testing::Test {
   static void SetUpTestSuite() {
     auto w = LoadModelWeights("models/stories260K-draft");
     ASSERT_TRUE(w.ok()) << w.status();
-    model_ =
-        new Transformer(std::make_shared<const ModelWeights>(*std::move(w)));
+    model_ = testing_util::MakeCpuRunner(
+                 std::make_shared<const ModelWeights>(*std::move(w)), 64)
+                 .release();
   }
   static void TearDownTestSuite() { delete model_; }
 
@@ -26,16 +28,18 @@ class SessionManagerTest : public ::testing::Test {
     return *std::move(s);
   }
   static size_t Bytes(int capacity) {
-    return KvCache::BytesPerToken(model_->config()) * capacity;
+    return model_->kv_cache().bytes_per_block() *
+           PagedKvCache::BlocksForTokens(capacity,
+                                         model_->kv_cache().block_size());
   }
 
   // Injectable clock: tests move time by hand.
   absl::Time now_ = absl::UnixEpoch();
   SessionManager::Clock clock_ = [this] { return now_; };
-  static Transformer* model_;
+  static CpuModelRunner* model_;
 };
 
-Transformer* SessionManagerTest::model_ = nullptr;
+CpuModelRunner* SessionManagerTest::model_ = nullptr;
 
 TEST_F(SessionManagerTest, IdsAreRandom128BitHexAndLeasesReturn) {
   SessionManager m({}, clock_);

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/engine/transformer.h"
+#include "common/engine/model_runner.h"
 #include "common/model/weights.h"
 #include "common/service/executor.h"
 #include "common/service/grpc_util.h"
@@ -41,7 +41,7 @@ std::string Basename(std::string path) {
 class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
  public:
   SpeculatorServiceImpl(const SpeculatorServerOptions& options,
-                        const Transformer* model, const v1::ModelInfo* info,
+                        ModelRunner* model, const v1::ModelInfo* info,
                         SessionManager* sessions, Executor* executor,
                         SpeculatorMetrics* metrics)
       : options_(options),
@@ -89,7 +89,7 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
   }
 
   const SpeculatorServerOptions& options_;
-  const Transformer* model_;
+  ModelRunner* model_;
   const v1::ModelInfo* info_;
   SessionManager* sessions_;
   Executor* executor_;
@@ -375,8 +375,12 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   auto weights = LoadModelWeights(options.model_dir);
   if (!weights.ok()) return weights.status();
   std::unique_ptr<SpeculatorServer> s(new SpeculatorServer(options));
-  s->model_ = std::make_unique<Transformer>(
-      std::make_shared<const ModelWeights>(*std::move(weights)));
+  RunnerOptions ro = options.runner;
+  ro.kv_cache.pool_bytes = options.kv_budget_bytes;
+  auto runner = CreateModelRunner(
+      std::make_shared<const ModelWeights>(*std::move(weights)), ro);
+  if (!runner.ok()) return runner.status();
+  s->model_ = *std::move(runner);
   auto tok = LoadTokenizer(options.model_dir);
   if (tok.ok()) {
     s->tokenizer_ = *std::move(tok);

@@ -12,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "prometheus/registry.h"
 #include "protos/common.pb.h"
+#include "common/engine/model_runner_factory.h"
 #include "speculator_service/request_options.h"
 #include "speculator_service/session_manager.h"
 
@@ -26,7 +27,12 @@ struct SpeculatorServerOptions {
   int engine_threads = 1;  ///< importance-reduction threads per Score.
   int max_queue = 64;      ///< queued forwards before RESOURCE_EXHAUSTED.
   int max_sessions = 64;
-  size_t kv_budget_bytes = size_t{2} << 30;  ///< KV capacity of all sessions.
+  /// KV cache of all sessions: the size of the model runner's paged pool
+  /// and the sum of the sessions' capacities admission allows.
+  size_t kv_budget_bytes = size_t{2} << 30;
+  /// Backend (--device), KV block size and CUDA dtype; its
+  /// kv_cache.pool_bytes is set from kv_budget_bytes.
+  RunnerOptions runner;
   double session_ttl_s = 300;   ///< idle seconds before a session is reaped.
   ScoreDefaults defaults;       ///< for unset SpecPrefillOptions fields.
   SessionManager::Clock clock;  ///< "now" for session TTLs; null = real.
@@ -35,7 +41,7 @@ struct SpeculatorServerOptions {
 class SpeculatorServiceImpl;
 class SpeculatorMetrics;
 class Executor;
-class Transformer;
+class ModelRunner;
 class Tokenizer;
 
 /// The specserve.v1.Speculator gRPC service (protos/speculator.proto), a
@@ -85,7 +91,7 @@ class SpeculatorServer {
   SpeculatorServerOptions options_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<SpeculatorMetrics> metrics_;
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<ModelRunner> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   v1::ModelInfo info_;
   std::unique_ptr<SessionManager> sessions_;

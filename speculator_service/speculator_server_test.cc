@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/specprefill/selection.h"
 #include "common/speculation/test_util.h"
@@ -66,8 +66,9 @@ class SpeculatorServerTest : public ::testing::Test {
     EnableHealthAndReflection();
     auto w = LoadModelWeights(kModel);
     ASSERT_TRUE(w.ok()) << w.status();
-    model_ =
-        new Transformer(std::make_shared<const ModelWeights>(*std::move(w)));
+    model_ = testing_util::MakeCpuRunner(
+                 std::make_shared<const ModelWeights>(*std::move(w)))
+                 .release();
   }
   static void TearDownTestSuite() { delete model_; }
 
@@ -76,6 +77,7 @@ class SpeculatorServerTest : public ::testing::Test {
     SpeculatorServerOptions o;
     o.model_dir = kModel;
     o.host = "127.0.0.1";
+    o.runner.device = "cpu";  // compared with the CPU engine's references
     o.clock = [this] {
       return absl::UnixEpoch() + absl::Seconds(now_s_.load());
     };
@@ -138,14 +140,14 @@ class SpeculatorServerTest : public ::testing::Test {
     return cond();
   }
 
-  static Transformer* model_;
+  static CpuModelRunner* model_;
   std::atomic<double> now_s_{1000};
   std::unique_ptr<SpeculatorServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Speculator::Stub> stub_;
 };
 
-Transformer* SpeculatorServerTest::model_ = nullptr;
+CpuModelRunner* SpeculatorServerTest::model_ = nullptr;
 
 TEST_F(SpeculatorServerTest, ScoreReturnsSortedKeptIndicesWithForcedEnds) {
   for (int n : {1, 2, 37, 100, 300}) {
@@ -480,7 +482,7 @@ TEST_F(SpeculatorServerTest, CapacityLimitsAreResourceExhausted) {
   EXPECT_TRUE(Score(MakeScore({1, 7}, true), &r3).ok());
 
   // KV budget: a session is charged the model's full context.
-  const size_t per_session = KvCache::BytesPerToken(model_->config()) *
+  const size_t per_session = CpuModelRunner::BytesPerToken(model_->config()) *
                              model_->config().max_position_embeddings;
   server_.reset();
   StartServer([&](SpeculatorServerOptions* o) {

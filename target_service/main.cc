@@ -16,7 +16,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/time/time.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/service/runner_flags.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
 #include "target_service/target_server.h"
@@ -51,6 +52,7 @@ int main(int argc, char** argv) {
   options.workers = absl::GetFlag(FLAGS_workers);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.kv_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
+  options.runner = specserve::RunnerOptionsFromFlags();
   options.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
   options.max_drafts = absl::GetFlag(FLAGS_max_drafts);
   auto server = specserve::TargetServer::Create(options);

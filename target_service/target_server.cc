@@ -444,18 +444,21 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
     options.model_id = dir.substr(dir.find_last_of('/') + 1);
   }
   SetEngineThreads(options.threads);
-  return std::unique_ptr<TargetServer>(new TargetServer(
-      std::move(options),
-      std::make_shared<const ModelWeights>(*std::move(weights)),
-      tokenizer.ok() ? *std::move(tokenizer) : nullptr));
+  RunnerOptions ro = options.runner;
+  ro.kv_cache.pool_bytes = static_cast<size_t>(options.kv_budget_bytes);
+  auto runner = CreateModelRunner(
+      std::make_shared<const ModelWeights>(*std::move(weights)), ro);
+  if (!runner.ok()) return runner.status();
+  return std::unique_ptr<TargetServer>(
+      new TargetServer(std::move(options), *std::move(runner),
+                       tokenizer.ok() ? *std::move(tokenizer) : nullptr));
 }
 
 TargetServer::TargetServer(TargetServerOptions options,
-                           std::shared_ptr<const ModelWeights> weights,
+                           std::unique_ptr<ModelRunner> model,
                            std::unique_ptr<Tokenizer> tokenizer)
     : options_(std::move(options)),
-      weights_(std::move(weights)),
-      model_(std::make_unique<Transformer>(weights_)),
+      model_(std::move(model)),
       tokenizer_(std::move(tokenizer)),
       registry_(std::make_shared<prometheus::Registry>()),
       metrics_(std::make_unique<Metrics>(*registry_)),

@@ -35,7 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/engine/transformer.h"
+#include "common/engine/model_runner_factory.h"
 #include "common/service/executor.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
@@ -56,7 +56,12 @@ struct TargetServerOptions {
   int threads = 0;           ///< OpenBLAS threads; 0 = library default.
   int workers = 2;           ///< Executor threads running forwards (>= 1).
   int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
-  int64_t kv_budget_bytes = int64_t{2} << 30;  ///< sum of KV reservations.
+  /// KV cache of all streams: the size of the model runner's paged pool and
+  /// the sum of the streams' reservations admission allows.
+  int64_t kv_budget_bytes = int64_t{2} << 30;
+  /// Backend (--device), KV block size and CUDA dtype; its
+  /// kv_cache.pool_bytes is set from kv_budget_bytes.
+  RunnerOptions runner;
   int default_max_new_tokens = 256;  ///< used when the request says 0.
   int max_drafts = 64;       ///< drafts per message at most, [0, 64].
 };
@@ -88,7 +93,7 @@ class TargetServer {
   /// Bytes of KV cache reserved by the admitted sessions.
   int64_t kv_reserved_bytes() const;
   /// The model this server runs.
-  const Transformer& model() const { return *model_; }
+  ModelRunner& model() const { return *model_; }
 
   class GenerateReactor;  // one per Generate stream (target_server.cc)
 
@@ -97,7 +102,7 @@ class TargetServer {
   struct Metrics;
 
   TargetServer(TargetServerOptions options,
-               std::shared_ptr<const ModelWeights> weights,
+               std::unique_ptr<ModelRunner> model,
                std::unique_ptr<Tokenizer> tokenizer);
 
   /// Charges one session of `bytes` KV; RESOURCE_EXHAUSTED naming the limit.
@@ -106,8 +111,7 @@ class TargetServer {
   void Release(int64_t bytes);
 
   const TargetServerOptions options_;
-  std::shared_ptr<const ModelWeights> weights_;
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<ModelRunner> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<Metrics> metrics_;

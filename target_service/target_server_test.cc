@@ -16,7 +16,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/engine/kv_cache.h"
 #include "common/service/grpc_util.h"
 #include "common/speculation/draft_session.h"
 #include "common/speculation/target_session.h"
@@ -117,7 +116,7 @@ StreamResult RunStream(v1::Target::Stub* stub, v1::Prefill prefill,
 }
 
 // The same request run through TargetSession in-process.
-std::vector<int> RunInProcess(const Transformer& model, TargetRequest r,
+std::vector<int> RunInProcess(ModelRunner& model, TargetRequest r,
                               const DraftFn& drafts) {
   auto s = TargetSession::Create(&model, std::move(r));
   EXPECT_TRUE(s.ok()) << s.status();
@@ -182,13 +181,14 @@ class TargetServerTest : public ::testing::Test {
     draft_w_ = LoadBundled("stories260K-draft");
     ASSERT_NE(target_w_, nullptr);
     ASSERT_NE(draft_w_, nullptr);
-    target_ = std::make_unique<Transformer>(target_w_);
-    draft_ = std::make_unique<Transformer>(draft_w_);
+    target_ = testing_util::MakeCpuRunner(target_w_);
+    draft_ = testing_util::MakeCpuRunner(draft_w_);
   }
 
   static std::unique_ptr<TargetServer> StartServer(TargetServerOptions o) {
     o.model_dir = "models/stories260K";
     o.host = "127.0.0.1";
+    o.runner.device = "cpu";  // compared with the CPU engine in-process
     auto server = TargetServer::Create(o);
     EXPECT_TRUE(server.ok()) << server.status();
     if (!server.ok()) return nullptr;
@@ -214,7 +214,7 @@ class TargetServerTest : public ::testing::Test {
   std::unique_ptr<TargetServer> server_;
   std::unique_ptr<v1::Target::Stub> stub_;
   std::shared_ptr<const ModelWeights> target_w_, draft_w_;
-  std::unique_ptr<Transformer> target_, draft_;
+  std::unique_ptr<CpuModelRunner> target_, draft_;
 };
 
 TEST_F(TargetServerTest, GreedyWithDraftModelDraftsEqualsPlainGreedy) {
@@ -567,9 +567,11 @@ TEST_F(TargetServerTest, ProtocolErrors) {
 
 TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
   const ModelConfig& config = target_->config();
-  const int64_t small = static_cast<int64_t>(KvCache::BytesPerToken(config)) *
-                        TargetSession::CapacityFor(config,
-                                                   MakeRequest(kPrompt, 10));
+  const int64_t small = static_cast<int64_t>(
+      target_->kv_cache().bytes_per_block() *
+      PagedKvCache::BlocksForTokens(
+          TargetSession::CapacityFor(config, MakeRequest(kPrompt, 10)),
+          target_->kv_cache().block_size()));
   // Room for one small session at a time.
   TargetServerOptions o;
   o.kv_budget_bytes = small;

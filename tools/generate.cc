@@ -14,7 +14,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/engine/model_runner_factory.h"
+#include "common/service/runner_flags.h"
 #include "common/speculation/target_session.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/util/cli.h"
@@ -81,7 +83,11 @@ int Run() {
 
   auto weights = LoadModelWeights(dir);
   if (!weights.ok()) return ReportCliError(weights.status());
-  Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
+  auto runner = CreateModelRunner(
+      std::make_shared<const ModelWeights>(*std::move(weights)),
+      RunnerOptionsFromFlags());
+  if (!runner.ok()) return ReportCliError(runner.status());
+  ModelRunner& model = **runner;
   const std::vector<int> prompt_ids = req.token_ids;
   auto session = TargetSession::Create(&model, std::move(req));
   if (!session.ok()) return ReportCliError(session.status());

@@ -14,7 +14,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/engine/model_runner_factory.h"
+#include "common/service/runner_flags.h"
 #include "common/util/cli.h"
 #include "common/util/parse.h"
 #include "common/util/paths.h"
@@ -47,7 +49,11 @@ int Run() {
   if (!extra.ok()) return ReportCliError(extra.status());
   auto weights = LoadModelWeights(ResolveUserPath(absl::GetFlag(FLAGS_model)));
   if (!weights.ok()) return ReportCliError(weights.status());
-  Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
+  auto runner = CreateModelRunner(
+      std::make_shared<const ModelWeights>(*std::move(weights)),
+      RunnerOptionsFromFlags());
+  if (!runner.ok()) return ReportCliError(runner.status());
+  ModelRunner& model = **runner;
   const int vocab = model.config().vocab_size;
   const int n = static_cast<int>(ids->size());
 
@@ -68,7 +74,7 @@ int Run() {
       return ReportCliError(absl::InvalidArgumentError("--ids: id outside the vocabulary"));
     }
   }
-  auto cache = KvCache::Create(model.config(), std::max(1, n));
+  auto cache = model.NewSequence(std::max(1, n));
   if (!cache.ok()) return ReportCliError(cache.status());
   ForwardOutput out;
   if (auto s = model.Forward(in, cache->get(), &out); !s.ok()) return ReportCliError(s);

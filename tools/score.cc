@@ -17,7 +17,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/engine/model_runner_factory.h"
+#include "common/service/runner_flags.h"
 #include "common/model/weights.h"
 #include "common/speculation/draft_session.h"
 #include "common/tokenizer/tokenizer.h"
@@ -84,7 +86,11 @@ int Run() {
   SetEngineThreads(absl::GetFlag(FLAGS_threads));
   auto weights = LoadModelWeights(dir);
   if (!weights.ok()) return ReportCliError(weights.status());
-  Transformer model(std::make_shared<const ModelWeights>(*std::move(weights)));
+  auto runner = CreateModelRunner(
+      std::make_shared<const ModelWeights>(*std::move(weights)),
+      RunnerOptionsFromFlags());
+  if (!runner.ok()) return ReportCliError(runner.status());
+  ModelRunner& model = **runner;
   const ModelConfig& config = model.config();
   if (absl::Status s =
           ValidatePrompt(prompt, opts->look_ahead, config,

@@ -41,15 +41,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "common/cuda/cuda_importance.h"
-#include "common/cuda/cuda_kv_cache.h"
+#include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/cuda_status.h"
-#include "common/cuda/cuda_transformer.h"
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/engine/model_runner.h"
+#include "common/engine/paged_kv_cache.h"
 #include "common/model/weights.h"
 #include "common/specprefill/importance.h"
 #include "common/specprefill/selection.h"
@@ -205,11 +206,14 @@ struct Model {
   std::string name;
   ModelConfig config;
   std::shared_ptr<const CudaWeights> weights;
-  std::unique_ptr<CudaTransformer> engine;
+  std::unique_ptr<CudaModelRunner> engine;
   double load_seconds = 0;
 };
 
-Model LoadModel(const std::string& dir, CudaDType dt) {
+// Loads `dir` onto the device with a runner whose paged KV pool holds one
+// sequence of `kv_tokens` tokens (the benchmark runs one sequence per model
+// at a time).
+Model LoadModel(const std::string& dir, CudaDType dt, int kv_tokens) {
   Model m;
   m.name = dir;
   const double t0 = Now();
@@ -220,8 +224,12 @@ Model LoadModel(const std::string& dir, CudaDType dt) {
       CudaWeights::Upload(*host, dt);
   Die(w.status(), "upload");
   m.weights = *w;
-  absl::StatusOr<std::unique_ptr<CudaTransformer>> e =
-      CudaTransformer::Create(m.weights);
+  KvCacheOptions kv;
+  kv.pool_bytes = CudaModelRunner::BytesPerToken(m.config, dt) *
+                  static_cast<size_t>(kv.block_size) *
+                  PagedKvCache::BlocksForTokens(kv_tokens, kv.block_size);
+  absl::StatusOr<std::unique_ptr<CudaModelRunner>> e =
+      CudaModelRunner::Create(m.weights, kv);
   Die(e.status(), "engine");
   m.engine = *std::move(e);
   m.load_seconds = Now() - t0;
@@ -255,16 +263,15 @@ double DecodeBytes(const Model& m, int context, CudaDType dt) {
   return tb * (layer_params + lm_head + kv);
 }
 
-std::unique_ptr<CudaKvCache> NewCache(const Model& m, int capacity,
-                                      CudaDType dt) {
-  absl::StatusOr<std::unique_ptr<CudaKvCache>> c =
-      CudaKvCache::Create(m.config, capacity, dt);
+std::unique_ptr<KvSequence> NewCache(const Model& m, int capacity) {
+  absl::StatusOr<std::unique_ptr<KvSequence>> c =
+      m.engine->NewSequence(capacity);
   Die(c.status(), "kv cache");
   return *std::move(c);
 }
 
 // One prefill of `ids` at `pos` into a cleared cache; seconds.
-double TimePrefill(const Model& m, CudaKvCache* cache,
+double TimePrefill(const Model& m, KvSequence* cache,
                    const std::vector<int>& ids, const std::vector<int>& pos) {
   cache->Clear();
   ForwardInput in;
@@ -281,7 +288,7 @@ int Argmax(const std::vector<float>& v) {
 }
 
 // Greedy decode of `steps` tokens after the cache; seconds per token.
-double TimeDecode(const Model& m, CudaKvCache* cache, int first_token,
+double TimeDecode(const Model& m, KvSequence* cache, int first_token,
                   int steps) {
   int tok = first_token;
   ForwardOutput out;
@@ -347,8 +354,14 @@ int Main(int argc, char** argv) {
   top.Num("copy_bandwidth_gbps", copy_bw);
   top.Num("nominal_bandwidth_gbps", nominal_bw);
 
-  Model target = LoadModel(target_dir, dt);
-  Model spec = LoadModel(spec_dir, dt);
+  const int max_len = *std::max_element(lens.begin(), lens.end());
+  const int max_k = ks.empty() ? 0 : *std::max_element(ks.begin(), ks.end());
+  // Target: prefill, then decode steps, then a verify round on top.
+  const int target_tokens = max_len + decode_steps + max_k + 1 + 8;
+  // Speculator: prefill, look-ahead steps, then decode steps.
+  const int spec_tokens = max_len + lookahead + decode_steps + 8;
+  Model target = LoadModel(target_dir, dt, target_tokens);
+  Model spec = LoadModel(spec_dir, dt, spec_tokens);
   std::printf("target %s: %.1f GB on device, loaded in %.1f s; speculator "
               "%s: %.1f GB, %.1f s\n",
               target_dir.c_str(), target.weights->bytes() / 1e9,
@@ -410,16 +423,10 @@ int Main(int argc, char** argv) {
   gemm_json += "]";
   top.Raw("gemm", gemm_json);
 
-  const int max_len = *std::max_element(lens.begin(), lens.end());
-  const int max_k = ks.empty() ? 0 : *std::max_element(ks.begin(), ks.end());
-  // Prefill, then decode steps, then a verify round on top.
-  std::unique_ptr<CudaKvCache> tcache =
-      NewCache(target, max_len + decode_steps + max_k + 1 + 8, dt);
-  // Prefill, look-ahead steps, then decode steps.
-  std::unique_ptr<CudaKvCache> scache =
-      NewCache(spec, max_len + lookahead + decode_steps + 8, dt);
-  absl::StatusOr<std::unique_ptr<CudaQueryCapture>> capture =
-      CudaQueryCapture::Create(spec.config, 1 + lookahead);
+  std::unique_ptr<KvSequence> tcache = NewCache(target, target_tokens);
+  std::unique_ptr<KvSequence> scache = NewCache(spec, spec_tokens);
+  absl::StatusOr<std::unique_ptr<QueryCapture>> capture =
+      spec.engine->NewQueryCapture(1 + lookahead);
   Die(capture.status(), "capture");
 
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
@@ -497,30 +504,35 @@ int Main(int argc, char** argv) {
       scache->Clear();
       (*capture)->Clear();
       const double t0 = Now();
-      ForwardInput in;
-      in.token_ids = ids;
-      in.position_ids = pos;
-      in.capture_query_rows = {P - 1};
-      ForwardOutput out;
-      Die(spec.engine->Forward(in, scache.get(), &out, capture->get()),
+      // The captured query rows stay on the device, in `capture`.
+      SequenceForward f;
+      f.kv = scache.get();
+      f.capture = capture->get();
+      f.input.token_ids = ids;
+      f.input.position_ids = pos;
+      f.input.capture_query_rows = {P - 1};
+      std::vector<ForwardOutput> out;
+      Die(spec.engine->Forward(absl::MakeConstSpan(&f, 1), &out),
           "spec prefill");
       const double t1 = Now();
-      int next = Argmax(out.logits);
+      int next = Argmax(out[0].logits);
       for (int s = 0; s < lookahead; ++s) {
         const int p = P + s;
-        ForwardInput d;
-        d.token_ids = absl::MakeConstSpan(&next, 1);
-        d.position_ids = absl::MakeConstSpan(&p, 1);
-        d.capture_query_rows = {0};
-        Die(spec.engine->Forward(d, scache.get(), &out, capture->get()),
+        SequenceForward d;
+        d.kv = scache.get();
+        d.capture = capture->get();
+        d.input.token_ids = absl::MakeConstSpan(&next, 1);
+        d.input.position_ids = absl::MakeConstSpan(&p, 1);
+        d.input.capture_query_rows = {0};
+        Die(spec.engine->Forward(absl::MakeConstSpan(&d, 1), &out),
             "look-ahead");
-        next = Argmax(out.logits);
+        next = Argmax(out[0].logits);
       }
       const double t2 = Now();
-      absl::StatusOr<std::vector<float>> imp = ScorePromptOnDevice(
-          **capture, *scache, P, ScoringOptions(), spec.engine->stream());
+      absl::StatusOr<ImportanceResult> imp = spec.engine->ScoreImportance(
+          *scache, P, **capture, ScoringOptions(), /*num_threads=*/1);
       Die(imp.status(), "score");
-      importance = *std::move(imp);
+      importance = std::move(imp->importance);
       const double t3 = Now();
       t_prefill_s.push_back(t1 - t0);
       t_look.push_back(t2 - t1);

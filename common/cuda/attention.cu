@@ -48,6 +48,13 @@ size_t SkSmemBytes(int head_dim) {
           static_cast<size_t>(kSkQueries) * kt);              // P
 }
 
+// Physical cache row of logical slot t (identity for a contiguous cache).
+__device__ __forceinline__ size_t PhysSlot(const AttentionArgs& a, int t) {
+  if (a.block_table == nullptr) return static_cast<size_t>(t);
+  return static_cast<size_t>(a.block_table[t / a.block_size]) * a.block_size +
+         t % a.block_size;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kSkThreads)
     SplitKAttentionKernel(AttentionArgs a, int keys_per_split, int key_tile,
@@ -107,7 +114,7 @@ __global__ void __launch_bounds__(kSkThreads)
       const int j = idx / D, d = idx % D;
       float kv = 0.0f, vv = 0.0f;
       if (j < nk) {
-        const size_t src = (static_cast<size_t>(k0 + j) * KV + g) * D + d;
+        const size_t src = (PhysSlot(a, k0 + j) * KV + g) * D + d;
         kv = ToF32<T>(kc[src]);
         vv = ToF32<T>(vc[src]);
       }
@@ -304,7 +311,7 @@ __global__ void __launch_bounds__(kFaThreads)
       const int slot = k0 + j;
       uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
       if (slot < kend) {
-        const size_t src = (static_cast<size_t>(slot) * KV + g) * D + c;
+        const size_t src = (PhysSlot(a, slot) * KV + g) * D + c;
         kv = *reinterpret_cast<const uint4*>(kc + src);
         vv = *reinterpret_cast<const uint4*>(vc + src);
       }

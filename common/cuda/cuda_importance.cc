@@ -140,33 +140,4 @@ CudaImportance::PerRowImportance() const {
   return out;
 }
 
-absl::StatusOr<std::vector<float>> ScorePromptOnDevice(
-    const CudaQueryCapture& capture, const CudaKvCache& cache, int prompt_len,
-    const ScoringOptions& opts, cudaStream_t stream) {
-  if (capture.rows() < 1) {
-    return absl::InvalidArgumentError("ScorePromptOnDevice: capture is empty");
-  }
-  if (prompt_len < 1 || prompt_len > cache.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ScorePromptOnDevice: prompt_len ", prompt_len,
-                     " outside [1, cache size ", cache.size(), "]"));
-  }
-  if (capture.num_layers() != cache.num_layers() ||
-      cache.row_width() % capture.head_dim() != 0) {
-    return absl::InvalidArgumentError(
-        "ScorePromptOnDevice: capture and cache shapes differ");
-  }
-  const int kv_heads = cache.row_width() / capture.head_dim();
-  absl::StatusOr<std::unique_ptr<CudaImportance>> imp = CudaImportance::Create(
-      prompt_len, capture.rows(), capture.num_heads(), kv_heads,
-      capture.head_dim(), capture.num_layers(), opts, stream);
-  if (!imp.ok()) return imp.status();
-  for (int l = 0; l < capture.num_layers(); ++l) {
-    SPECSERVE_RETURN_IF_ERROR((*imp)->AddLayer(
-        l, capture.layer_queries(l), cache.keys(l), cache.dtype(),
-        cache.row_width()));
-  }
-  return (*imp)->Importance();
-}
-
 }  // namespace specserve

@@ -17,8 +17,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/cuda/cuda_kv_cache.h"
-#include "common/cuda/cuda_transformer.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/specprefill/importance.h"
@@ -49,8 +47,9 @@ class CudaImportance {
   /// `queries`: device fp32 [num_rows, num_heads, head_dim] post-RoPE queries
   ///   of the scoring rows at this layer.
   /// `keys`: device, `key_dtype`; prompt token i's [num_kv_heads, head_dim]
-  ///   at keys + i * key_row_stride ELEMENTS (a CudaKvCache plane with
-  ///   row_width() as the stride). Only the first prompt_len rows are read.
+  ///   at keys + i * key_row_stride ELEMENTS (a CudaModelRunner K plane with
+  ///   the KV row width as the stride). Only the first prompt_len rows are
+  ///   read.
   /// Errors as ImportanceAccumulator::AddLayer: INVALID_ARGUMENT for a layer
   /// outside [0, num_layers), null pointers or key_row_stride <
   /// num_kv_heads * head_dim; FAILED_PRECONDITION if the layer was already
@@ -87,16 +86,6 @@ class CudaImportance {
   DeviceBuffer running_;  // fp32 [rows, prompt_len]
   DeviceBuffer result_;   // fp32 [prompt_len]
 };
-
-/// Scores a prompt from a query capture and the speculator's cache in one
-/// call: every layer of `capture` (rows [0, capture.rows()) are the scoring
-/// rows) against the first `prompt_len` cached keys. Runs on `stream` and
-/// returns the importance [prompt_len] (the input of SelectTokens).
-/// Errors: INVALID_ARGUMENT if the capture is empty, prompt_len is outside
-/// [1, cache.size()], or shapes differ; others as CudaImportance.
-absl::StatusOr<std::vector<float>> ScorePromptOnDevice(
-    const CudaQueryCapture& capture, const CudaKvCache& cache, int prompt_len,
-    const ScoringOptions& opts, cudaStream_t stream = nullptr);
 
 }  // namespace specserve
 

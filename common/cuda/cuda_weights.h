@@ -26,10 +26,10 @@ struct CudaLayerWeights {
 };
 
 /// A Llama model's parameters on the device (FasterTransformer's weight
-/// struct, apart from the CudaTransformer that runs them): converted from the
+/// struct, apart from the CudaModelRunner that runs them): converted from the
 /// host ModelWeights (fp32) to bf16 (default) or fp16 with round-to-nearest-
 /// even on the device. Immutable after Upload; shared by any number of
-/// CudaTransformers. Frees its device memory on destruction.
+/// CudaModelRunners. Frees its device memory on destruction.
 class CudaWeights {
  public:
   /// Uploads `weights` to the current CUDA device as `dtype` (kBF16 or

@@ -1,8 +1,8 @@
 #ifndef SPECSERVE_COMMON_CUDA_DEVICE_H_
 #define SPECSERVE_COMMON_CUDA_DEVICE_H_
 
-// Backend selection: which engine (the CPU Transformer or the CUDA
-// CudaTransformer) a service runs, from a `--device cpu|cuda` flag whose
+// Backend selection: which ModelRunner (CpuModelRunner or
+// CudaModelRunner) a service runs, from a `--device cpu|cuda` flag whose
 // default is cuda when a GPU is present.
 
 #include <string>

@@ -49,6 +49,20 @@ __global__ void ConvertFromF32Kernel(const float* __restrict__ src,
   }
 }
 
+// One block per gathered row; 2-byte / 4-byte elements copied as is.
+template <typename T>
+__global__ void GatherKvRowsKernel(const T* __restrict__ pool,
+                                   const int* __restrict__ table,
+                                   int block_size, int row_width,
+                                   T* __restrict__ dst) {
+  const int t = blockIdx.x;
+  const size_t src_row =
+      static_cast<size_t>(table[t / block_size]) * block_size + t % block_size;
+  const T* src = pool + src_row * row_width;
+  T* out = dst + static_cast<size_t>(t) * row_width;
+  for (int i = threadIdx.x; i < row_width; i += blockDim.x) out[i] = src[i];
+}
+
 template <typename T>
 __global__ void ConvertToF32Kernel(const T* __restrict__ src,
                                    float* __restrict__ dst, size_t n) {
@@ -113,7 +127,9 @@ __global__ void RopeQkvStoreKernel(RopeArgs a) {
   T* k_cache = static_cast<T*>(a.k_cache);
   T* v_cache = static_cast<T*>(a.v_cache);
   const size_t rw = static_cast<size_t>(KV) * D;
-  const size_t slot = static_cast<size_t>(a.cache_first) + row;
+  const size_t slot = a.slots != nullptr
+                          ? static_cast<size_t>(a.slots[row])
+                          : static_cast<size_t>(a.cache_first) + row;
   for (int idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
     const int h = idx / half, i = idx % half;
     float* v = x + static_cast<size_t>(h) * D;
@@ -223,6 +239,20 @@ cudaError_t SiluMul(const void* gu, int rows, int ffn, void* out,
                            <<<GridFor(total), kThreads, 0, stream>>>(
                                static_cast<const T*>(gu), rows, ffn,
                                static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
+                         const int* block_table, int block_size, int count,
+                         int row_width, void* dst, cudaStream_t stream) {
+  if (pool == nullptr || block_table == nullptr || dst == nullptr ||
+      block_size < 1 || count < 1 || row_width < 1) {
+    return cudaErrorInvalidValue;
+  }
+  SPECSERVE_DISPATCH_DTYPE(dtype, T,
+                           GatherKvRowsKernel<T><<<count, 128, 0, stream>>>(
+                               static_cast<const T*>(pool), block_table,
+                               block_size, row_width, static_cast<T*>(dst)));
   return cudaGetLastError();
 }
 

@@ -75,6 +75,9 @@ struct RopeArgs {
   void* k_cache = nullptr;
   void* v_cache = nullptr;
   int cache_first = 0;
+  /// int [n] physical cache row of each row (a paged cache), or null for
+  /// rows cache_first + i.
+  const int* slots = nullptr;
   /// T of q_out, k_cache and v_cache (any CudaDType).
   CudaDType dtype = CudaDType::kBF16;
 };
@@ -112,6 +115,12 @@ struct AttentionArgs {
   int head_dim = 0;
   /// Softmax scale, normally 1 / sqrt(head_dim).
   float scale = 1.0f;
+  /// Paged cache (PagedAttention): int [>= ceil((first + n) / block_size)]
+  /// physical block ids; logical slot t lives at row block_table[t /
+  /// block_size] * block_size + t % block_size of k_cache / v_cache. Null =
+  /// contiguous (slot t at row t).
+  const int* block_table = nullptr;
+  int block_size = 1;
 };
 
 /// Whether FlashAttention handles `head_dim` and `dtype`: head_dim in
@@ -144,6 +153,14 @@ size_t SplitKAttentionWorkspaceBytes(const AttentionArgs& args,
 /// `workspace`: SplitKAttentionWorkspaceBytes(args, num_splits) bytes.
 cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
                             void* workspace, cudaStream_t stream);
+
+/// Gathers `count` logical slots of one sequence from a paged K or V plane
+/// into dense rows: dst[t, :] = pool[block_table[t / block_size] *
+/// block_size + t % block_size, :] for t < count. pool / dst: T [*,
+/// row_width]; block_table: int device array.
+cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
+                         const int* block_table, int block_size, int count,
+                         int row_width, void* dst, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Speculative Prefill token importance (arXiv 2502.02789 section 3.2; docs

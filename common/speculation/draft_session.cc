@@ -41,8 +41,8 @@ absl::Status ValidateScoreOptions(const ScoreOptions& options,
   return ValidateSelectionOptions(options.selection);
 }
 
-DraftSession::DraftSession(const Transformer* model,
-                           std::unique_ptr<KvCache> cache,
+DraftSession::DraftSession(ModelRunner* model,
+                           std::unique_ptr<KvSequence> cache,
                            const SamplingParams& sampling)
     : model_(model),
       cache_(std::move(cache)),
@@ -50,9 +50,9 @@ DraftSession::DraftSession(const Transformer* model,
       rng_(sampling.seed) {}
 
 absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
-    const Transformer* model, int capacity, const SamplingParams& sampling) {
+    ModelRunner* model, int capacity, const SamplingParams& sampling) {
   if (auto s = ValidateSamplingParams(sampling); !s.ok()) return s;
-  auto cache = KvCache::Create(model->config(), capacity);
+  auto cache = model->NewSequence(capacity);
   if (!cache.ok()) return cache.status();
   return std::unique_ptr<DraftSession>(
       new DraftSession(model, *std::move(cache), sampling));
@@ -110,77 +110,66 @@ absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
     return s;
   }
   const int n = static_cast<int>(prompt.size());
-  if (n + options.look_ahead > cache_->capacity()) {
+  if (n + options.look_ahead > cache_->max_tokens()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt of ", n, " tokens + look_ahead ", options.look_ahead,
-        " exceeds the speculator's context of ", cache_->capacity(),
+        " exceeds the speculator's context of ", cache_->max_tokens(),
         " tokens"));
   }
-  const int H = c.num_attention_heads, D = c.head_dim;
-  const size_t per_row = static_cast<size_t>(H) * D;
   ScoreResult result;
+  // The scoring rows' queries stay where the model runs (host or device).
+  auto capture = model_->NewQueryCapture(1 + options.look_ahead);
+  if (!capture.ok()) return capture.status();
 
   // 1. Full-prompt prefill, capturing the last prompt row's queries.
   int64_t t0 = NowNs();
-  ForwardInput in;
-  in.token_ids = prompt;
   std::vector<int> pos(n);
   std::iota(pos.begin(), pos.end(), 0);
-  in.position_ids = pos;
-  in.capture_query_rows = {n - 1};
-  ForwardOutput out;
-  if (auto s = model_->Forward(in, cache_.get(), &out); !s.ok()) return s;
-  cached_.assign(prompt.begin(), prompt.end());
-  // queries[l] holds [rows, H, D] for layer l; row 0 = last prompt token.
-  std::vector<std::vector<float>> queries(c.num_hidden_layers);
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    queries[l].assign(out.queries.begin() + l * per_row,
-                      out.queries.begin() + (l + 1) * per_row);
+  SequenceForward prefill;
+  prefill.kv = cache_.get();
+  prefill.input.token_ids = prompt;
+  prefill.input.position_ids = pos;
+  prefill.input.capture_query_rows = {n - 1};
+  prefill.capture = capture->get();
+  std::vector<ForwardOutput> outs;
+  if (auto s = model_->Forward(absl::MakeConstSpan(&prefill, 1), &outs);
+      !s.ok()) {
+    return s;
   }
+  cached_.assign(prompt.begin(), prompt.end());
   int64_t t1 = NowNs();
   result.prefill_ns = t1 - t0;
 
   // 2. Greedy look-ahead, capturing each fed token's queries; stop at EOS.
   const std::vector<int>& eos = c.eos_token_ids;
   for (int j = 0; j < options.look_ahead; ++j) {
-    const int tok = Argmax(absl::MakeConstSpan(out.logits.data(), c.vocab_size));
+    const int tok =
+        Argmax(absl::MakeConstSpan(outs[0].logits.data(), c.vocab_size));
     if (std::find(eos.begin(), eos.end(), tok) != eos.end()) break;
     result.look_ahead_tokens.push_back(tok);
     const int p = static_cast<int>(cached_.size());
-    ForwardInput step;
-    step.token_ids = absl::MakeConstSpan(&tok, 1);
-    step.position_ids = absl::MakeConstSpan(&p, 1);
-    step.capture_query_rows = {0};
-    if (auto s = model_->Forward(step, cache_.get(), &out); !s.ok()) return s;
-    cached_.push_back(tok);
-    for (int l = 0; l < c.num_hidden_layers; ++l) {
-      queries[l].insert(queries[l].end(), out.queries.begin() + l * per_row,
-                        out.queries.begin() + (l + 1) * per_row);
+    SequenceForward step;
+    step.kv = cache_.get();
+    step.input.token_ids = absl::MakeConstSpan(&tok, 1);
+    step.input.position_ids = absl::MakeConstSpan(&p, 1);
+    step.input.capture_query_rows = {0};
+    step.capture = capture->get();
+    if (auto s = model_->Forward(absl::MakeConstSpan(&step, 1), &outs);
+        !s.ok()) {
+      return s;
     }
+    cached_.push_back(tok);
   }
   int64_t t2 = NowNs();
   result.look_ahead_ns = t2 - t1;
 
   // 3. Score against the prompt keys only, one layer at a time.
-  const int rows = 1 + static_cast<int>(result.look_ahead_tokens.size());
-  auto acc = ImportanceAccumulator::Create(n, rows, H, c.num_key_value_heads,
-                                           D, c.num_hidden_layers,
-                                           options.scoring);
-  if (!acc.ok()) return acc.status();
-  // Spawning workers costs tens of microseconds per layer: small prompts
-  // (tiny models, short inputs) score on the calling thread.
-  const int64_t work = int64_t{n} * rows * H * D;
-  acc->set_num_threads(work < (int64_t{1} << 20) ? 1 : options.num_threads);
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    if (!acc->UsesLayer(l)) continue;
-    if (auto s = acc->AddLayer(l, queries[l].data(), cache_->keys(l),
-                               cache_->row_width());
-        !s.ok()) {
-      return s;
-    }
-  }
-  result.importance = acc->Importance();
-  result.per_row_importance = acc->PerRowImportance();
+  auto importance = model_->ScoreImportance(*cache_, n, **capture,
+                                            options.scoring,
+                                            options.num_threads);
+  if (!importance.ok()) return importance.status();
+  result.importance = std::move(importance->importance);
+  result.per_row_importance = std::move(importance->per_row_importance);
   auto sel = SelectTokens(result.importance, options.selection);
   if (!sel.ok()) return sel.status();
   result.selection = *std::move(sel);
@@ -220,7 +209,7 @@ absl::StatusOr<std::vector<DraftToken>> DraftSession::Draft(
 
   std::vector<DraftToken> drafts;
   const int pending = static_cast<int>(committed_.size() - keep);
-  const int room = cache_->capacity() - static_cast<int>(keep);
+  const int room = cache_->max_tokens() - static_cast<int>(keep);
   if (pending > room) return drafts;  // context full: the target goes alone
   const int num = std::min(k, room - pending + 1);
   ForwardOutput out;

@@ -9,8 +9,7 @@
 #include "absl/types/span.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/verification.h"
-#include "common/engine/kv_cache.h"
-#include "common/engine/transformer.h"
+#include "common/engine/model_runner.h"
 #include "common/specprefill/importance.h"
 #include "common/specprefill/selection.h"
 
@@ -53,7 +52,7 @@ class DraftSession {
   /// `capacity`: KV cache tokens (<= the model's max context).
   /// INVALID_ARGUMENT for bad sampling params or capacity.
   static absl::StatusOr<std::unique_ptr<DraftSession>> Create(
-      const Transformer* model, int capacity, const SamplingParams& sampling);
+      ModelRunner* model, int capacity, const SamplingParams& sampling);
 
   /// Speculative Prefill scoring of `prompt` (token ids, BOS included; the
   /// session must be fresh). Rows = the last prompt token + the look-ahead
@@ -81,17 +80,19 @@ class DraftSession {
   const std::vector<int>& committed() const { return committed_; }
   /// Bytes of KV cache currently used.
   size_t kv_bytes() const { return cache_->bytes_used(); }
+  /// Tokens in the KV cache.
+  int kv_tokens() const { return cache_->size(); }
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
 
  private:
-  DraftSession(const Transformer* model, std::unique_ptr<KvCache> cache,
+  DraftSession(ModelRunner* model, std::unique_ptr<KvSequence> cache,
                const SamplingParams& sampling);
   // Forwards tokens_[cache size ..) and returns the last row's logits.
   absl::Status Extend(absl::Span<const int> tokens, ForwardOutput* out);
   DraftToken Propose(const float* logits);
 
-  const Transformer* model_;
-  std::unique_ptr<KvCache> cache_;
+  ModelRunner* model_;
+  std::unique_ptr<KvSequence> cache_;  // this request's blocks in the model's paged cache
   SamplingParams sampling_;
   Rng rng_;
   std::vector<int> cached_;     // token ids in the KV cache, in order

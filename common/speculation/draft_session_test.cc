@@ -18,7 +18,7 @@ class DraftSessionTest : public ::testing::Test {
   void SetUp() override {
     weights_ = LoadBundled("stories260K-draft");
     ASSERT_NE(weights_, nullptr);
-    model_ = std::make_unique<Transformer>(weights_);
+    model_ = testing_util::MakeCpuRunner(weights_);
   }
   std::unique_ptr<DraftSession> NewSession(SamplingParams p = {}) {
     auto s = DraftSession::Create(model_.get(), 512, p);
@@ -26,7 +26,7 @@ class DraftSessionTest : public ::testing::Test {
     return *std::move(s);
   }
   std::shared_ptr<const ModelWeights> weights_;
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<CpuModelRunner> model_;
 };
 
 // End to end against the independent reference: the model's own queries

@@ -24,8 +24,8 @@ int TargetSession::CapacityFor(const ModelConfig& config,
       std::min<int64_t>(want, config.max_position_embeddings));
 }
 
-TargetSession::TargetSession(const Transformer* model, TargetRequest request,
-                             std::unique_ptr<KvCache> cache)
+TargetSession::TargetSession(ModelRunner* model, TargetRequest request,
+                             std::unique_ptr<KvSequence> cache)
     : model_(model),
       request_(std::move(request)),
       cache_(std::move(cache)),
@@ -33,7 +33,7 @@ TargetSession::TargetSession(const Transformer* model, TargetRequest request,
       rng_(request_.sampling.seed) {}
 
 absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
-    const Transformer* model, TargetRequest r) {
+    ModelRunner* model, TargetRequest r) {
   const ModelConfig& c = model->config();
   const int n = static_cast<int>(r.token_ids.size());
   const int max_ctx = c.max_position_embeddings;
@@ -81,7 +81,7 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
   if (!r.ignore_eos) r.stop.eos_token_ids = c.eos_token_ids;
   r.stop.max_context = max_ctx;
   if (auto s = ValidateStopConditions(r.stop, c.vocab_size); !s.ok()) return s;
-  auto cache = KvCache::Create(c, CapacityFor(c, r));
+  auto cache = model->NewSequence(CapacityFor(c, r));
   if (!cache.ok()) return cache.status();
   return std::unique_ptr<TargetSession>(
       new TargetSession(model, std::move(r), *std::move(cache)));

@@ -10,8 +10,7 @@
 #include "common/decoding/sampling.h"
 #include "common/decoding/stop.h"
 #include "common/decoding/verification.h"
-#include "common/engine/kv_cache.h"
-#include "common/engine/transformer.h"
+#include "common/engine/model_runner.h"
 
 namespace specserve {
 
@@ -55,7 +54,7 @@ class TargetSession {
   /// last position or >= max context, bad sampling or stop conditions,
   /// max_new_tokens < 1.
   static absl::StatusOr<std::unique_ptr<TargetSession>> Create(
-      const Transformer* model, TargetRequest request);
+      ModelRunner* model, TargetRequest request);
 
   /// Runs the next round with `drafts` (validated: ids in the vocabulary,
   /// well-formed q when sampling; at most max_drafts). Drafts past the
@@ -69,17 +68,19 @@ class TargetSession {
   const std::vector<int>& output() const { return output_; }
   /// Bytes of KV cache in use / reserved for this request.
   size_t kv_bytes() const { return cache_->bytes_used(); }
+  /// Tokens in the KV cache.
+  int kv_tokens() const { return cache_->size(); }
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
   /// Tokens the KV cache may need: kept + max_new_tokens + max_drafts.
   static int CapacityFor(const ModelConfig& config, const TargetRequest& r);
 
  private:
-  TargetSession(const Transformer* model, TargetRequest request,
-                std::unique_ptr<KvCache> cache);
+  TargetSession(ModelRunner* model, TargetRequest request,
+                std::unique_ptr<KvSequence> cache);
 
-  const Transformer* model_;
+  ModelRunner* model_;
   TargetRequest request_;
-  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<KvSequence> cache_;  // this request's blocks in the model's paged cache
   StopChecker stop_;
   Rng rng_;
   bool prefilled_ = false;

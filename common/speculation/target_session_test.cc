@@ -22,8 +22,8 @@ class TargetSessionTest : public ::testing::Test {
     draft_w_ = LoadBundled("stories260K-draft");
     ASSERT_NE(target_w_, nullptr);
     ASSERT_NE(draft_w_, nullptr);
-    target_ = std::make_unique<Transformer>(target_w_);
-    draft_ = std::make_unique<Transformer>(draft_w_);
+    target_ = testing_util::MakeCpuRunner(target_w_);
+    draft_ = testing_util::MakeCpuRunner(draft_w_);
   }
   TargetRequest Request(std::vector<int> ids, int max_new) {
     TargetRequest r;
@@ -34,7 +34,7 @@ class TargetSessionTest : public ::testing::Test {
     return r;
   }
   std::shared_ptr<const ModelWeights> target_w_, draft_w_;
-  std::unique_ptr<Transformer> target_, draft_;
+  std::unique_ptr<CpuModelRunner> target_, draft_;
 };
 
 const std::vector<int> kPrompt = {1, 403, 407, 261, 378, 432, 383, 286, 261,
@@ -114,12 +114,14 @@ TEST_F(TargetSessionTest, KvCacheRollsBackToAcceptedLength) {
   EXPECT_EQ(r->num_accepted, 2);
   EXPECT_EQ(r->tokens, std::vector<int>(want.begin(), want.begin() + 3));
   // Cached: prompt + the two accepted drafts (the correction is fed next).
-  const size_t per_token = KvCache::BytesPerToken(target_->config());
-  EXPECT_EQ((*s)->kv_bytes(), (kPrompt.size() + 2) * per_token);
+  EXPECT_EQ((*s)->kv_tokens(), static_cast<int>(kPrompt.size() + 2));
+  const size_t per_block = target_->kv_cache().bytes_per_block();
+  const int bs = target_->kv_cache().block_size();
+  EXPECT_EQ((*s)->kv_bytes(), (kPrompt.size() + 2 + bs - 1) / bs * per_block);
   auto r2 = (*s)->Step({});
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->tokens, std::vector<int>{want[3]});
-  EXPECT_EQ((*s)->kv_bytes(), (kPrompt.size() + 3) * per_token);
+  EXPECT_EQ((*s)->kv_tokens(), static_cast<int>(kPrompt.size() + 3));
 }
 
 // Lossless speculative sampling on real models: the first token emitted by
@@ -130,15 +132,15 @@ TEST_F(TargetSessionTest, SpeculativeSamplingMatchesTargetDistribution) {
   sp.temperature = 1.0f;
   sp.top_k = 20;
   const int vocab = target_->config().vocab_size;
-  auto last_logits = [&](const Transformer& m) {
-    KvCache cache(m.config(), 64);
+  auto last_logits = [&](ModelRunner& m) {
+    auto cache = *m.NewSequence(64);
     std::vector<int> pos(kPrompt.size());
     std::iota(pos.begin(), pos.end(), 0);
     ForwardInput in;
     in.token_ids = kPrompt;
     in.position_ids = pos;
     ForwardOutput out;
-    EXPECT_TRUE(m.Forward(in, &cache, &out).ok());
+    EXPECT_TRUE(m.Forward(in, cache.get(), &out).ok());
     return out.logits;
   };
   const std::vector<float> p_logits = last_logits(*target_);

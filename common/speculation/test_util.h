@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/decoding/sampling.h"
-#include "common/engine/transformer.h"
+#include "common/engine/cpu_model_runner.h"
 #include "nlohmann/json.hpp"
 
 namespace specserve {
@@ -22,6 +22,16 @@ inline std::shared_ptr<const ModelWeights> LoadBundled(const std::string& m) {
   auto w = LoadModelWeights("models/" + m);
   if (!w.ok()) return nullptr;
   return std::make_shared<const ModelWeights>(*std::move(w));
+}
+
+/// A CPU runner whose KV pool holds `sequences` max-context sequences.
+inline std::unique_ptr<CpuModelRunner> MakeCpuRunner(
+    std::shared_ptr<const ModelWeights> weights, int sequences = 8) {
+  KvCacheOptions o;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(weights->config) *
+                 weights->config.max_position_embeddings * sequences;
+  auto r = CpuModelRunner::Create(std::move(weights), o);
+  return r.ok() ? *std::move(r) : nullptr;
 }
 
 inline nlohmann::json ReadJson(const std::string& path) {
@@ -34,7 +44,7 @@ inline nlohmann::json ReadJson(const std::string& path) {
 /// Greedy continuation of `tokens` at positions `positions`, decoding
 /// continuing at `next_position` + i, one token per forward (the plain,
 /// unspeculated reference).
-inline std::vector<int> GreedyReference(const Transformer& model,
+inline std::vector<int> GreedyReference(ModelRunner& model,
                                         const std::vector<int>& tokens,
                                         std::vector<int> positions,
                                         int next_position, int n) {
@@ -42,13 +52,15 @@ inline std::vector<int> GreedyReference(const Transformer& model,
     positions.resize(tokens.size());
     std::iota(positions.begin(), positions.end(), 0);
   }
-  KvCache cache(model.config(), model.config().max_position_embeddings);
+  auto seq = model.NewSequence(model.config().max_position_embeddings);
+  if (!seq.ok()) return {};
+  KvSequence* cache = seq->get();
   ForwardInput in;
   in.token_ids = tokens;
   in.position_ids = positions;
   ForwardOutput out;
   std::vector<int> result;
-  if (!model.Forward(in, &cache, &out).ok()) return result;
+  if (!model.Forward(in, cache, &out).ok()) return result;
   const int vocab = model.config().vocab_size;
   for (int i = 0; i < n; ++i) {
     const int tok = Argmax(absl::MakeConstSpan(out.logits.data(), vocab));
@@ -58,7 +70,7 @@ inline std::vector<int> GreedyReference(const Transformer& model,
     ForwardInput step;
     step.token_ids = absl::MakeConstSpan(&result.back(), 1);
     step.position_ids = absl::MakeConstSpan(&p, 1);
-    if (!model.Forward(step, &cache, &out).ok()) return {};
+    if (!model.Forward(step, cache, &out).ok()) return {};
   }
   return result;
 }

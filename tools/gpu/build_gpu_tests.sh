@@ -66,12 +66,13 @@ NVCCFLAGS=(-std=c++17 -O3 -Xcompiler -fPIC
 LIB_SRCS=(
   common/model/config.cc common/model/safetensors.cc common/model/weights.cc
   common/model/synthetic.cc
-  common/engine/kernels.cc common/engine/kv_cache.cc
-  common/engine/thread_pool.cc common/engine/transformer.cc
+  common/engine/kernels.cc common/engine/thread_pool.cc
+  common/engine/block_pool.cc common/engine/paged_kv_cache.cc
+  common/engine/model_runner.cc common/engine/cpu_model_runner.cc
   common/specprefill/importance.cc common/specprefill/selection.cc
   common/cuda/device.cc common/cuda/cuda_status.cc common/cuda/device_buffer.cc
-  common/cuda/linear.cc common/cuda/cuda_weights.cc common/cuda/cuda_kv_cache.cc
-  common/cuda/cuda_transformer.cc common/cuda/cuda_importance.cc
+  common/cuda/linear.cc common/cuda/cuda_weights.cc
+  common/cuda/cuda_model_runner.cc common/cuda/cuda_importance.cc
 )
 CU_SRCS=(common/cuda/kernels.cu common/cuda/attention.cu
          common/cuda/importance.cu)

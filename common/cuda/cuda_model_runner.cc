@@ -1,0 +1,555 @@
+#include "common/cuda/cuda_model_runner.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_importance.h"
+#include "common/cuda/cuda_status.h"
+#include "common/cuda/kernels.h"
+#include "common/cuda/linear.h"
+
+namespace specserve {
+namespace {
+
+// Sub-buffers of the workspace start on 256-byte boundaries (cudaMalloc's
+// alignment): the attention kernels use 16-byte vector loads and WMMA needs
+// 32-byte aligned tiles.
+constexpr size_t kAlign = 256;
+
+size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Carves aligned regions out of one allocation: first a dry run to size it,
+// then the same calls against the real base pointer.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  void* Take(size_t bytes) {
+    void* p = base_ == nullptr ? nullptr : base_ + offset_;
+    offset_ = AlignUp(offset_ + bytes);
+    return p;
+  }
+  size_t size() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// CudaQueryCapture
+// ---------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<CudaQueryCapture>> CudaQueryCapture::Create(
+    const ModelConfig& config, int max_rows) {
+  if (max_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaQueryCapture: max_rows must be >= 1, got ",
+                     max_rows));
+  }
+  std::unique_ptr<CudaQueryCapture> cap(new CudaQueryCapture());
+  cap->max_rows_ = max_rows;
+  cap->num_layers_ = config.num_hidden_layers;
+  cap->num_heads_ = config.num_attention_heads;
+  cap->head_dim_ = config.head_dim;
+  absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(
+      sizeof(float) * static_cast<size_t>(cap->num_layers_) * max_rows *
+      cap->num_heads_ * cap->head_dim_);
+  if (!buf.ok()) return buf.status();
+  cap->storage_ = *std::move(buf);
+  return cap;
+}
+
+float* CudaQueryCapture::mutable_layer_queries(int layer) const {
+  return storage_.as<float>() + static_cast<size_t>(layer) * max_rows_ *
+                                    num_heads_ * head_dim_;
+}
+
+const float* CudaQueryCapture::layer_queries(int layer) const {
+  return mutable_layer_queries(layer);
+}
+
+absl::StatusOr<std::vector<float>> CudaQueryCapture::CopyToHost() const {
+  const size_t row = static_cast<size_t>(num_heads_) * head_dim_;
+  std::vector<float> host(static_cast<size_t>(num_layers_) * rows_ * row);
+  if (host.empty()) return host;
+  // Rows are contiguous at the start of each layer's plane.
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
+      host.data(), rows_ * row * sizeof(float), storage_.get(),
+      max_rows_ * row * sizeof(float), rows_ * row * sizeof(float),
+      num_layers_, cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// ---------------------------------------------------------------------------
+// CudaModelRunner
+// ---------------------------------------------------------------------------
+
+size_t CudaModelRunner::BytesPerToken(const ModelConfig& c, CudaDType dtype) {
+  return 2 * CudaDTypeBytes(dtype) * static_cast<size_t>(c.num_hidden_layers) *
+         c.num_key_value_heads * c.head_dim;
+}
+
+CudaModelRunner::CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
+                                 cudaStream_t stream, cublasHandle_t cublas,
+                                 int num_sms)
+    : weights_(std::move(weights)),
+      stream_(stream),
+      cublas_(cublas),
+      num_sms_(num_sms),
+      row_width_(weights_->config().num_key_value_heads *
+                 weights_->config().head_dim) {}
+
+CudaModelRunner::~CudaModelRunner() {
+  cublasDestroy(cublas_);
+  cudaStreamDestroy(stream_);
+}
+
+absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
+    std::shared_ptr<const CudaWeights> weights, const KvCacheOptions& o) {
+  if (weights == nullptr) {
+    return absl::InvalidArgumentError("CudaModelRunner: weights is null");
+  }
+  const ModelConfig& c = weights->config();
+  const size_t per_token = BytesPerToken(c, weights->dtype());
+  SPECSERVE_RETURN_IF_ERROR(ValidateKvCacheOptions(o, per_token));
+  const int num_blocks =
+      o.pool_bytes == 0
+          ? PagedKvCache::BlocksForTokens(c.max_position_embeddings,
+                                          o.block_size)
+          : PagedKvCache::BlocksForBytes(o.pool_bytes, o.block_size,
+                                         per_token);
+  int device = 0, num_sms = 0;
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+      &num_sms, cudaDevAttrMultiProcessorCount, device));
+  cudaStream_t stream = nullptr;
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t cublas = nullptr;
+  const cublasStatus_t st = cublasCreate(&cublas);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    cudaStreamDestroy(stream);
+    return CublasStatus(st, "cublasCreate");
+  }
+  const cublasStatus_t st2 = cublasSetStream(cublas, stream);
+  if (st2 != CUBLAS_STATUS_SUCCESS) {
+    cublasDestroy(cublas);
+    cudaStreamDestroy(stream);
+    return CublasStatus(st2, "cublasSetStream");
+  }
+  std::unique_ptr<CudaModelRunner> r(
+      new CudaModelRunner(std::move(weights), stream, cublas, num_sms));
+  absl::StatusOr<DeviceBuffer> pool =
+      DeviceBuffer::Allocate(per_token * o.block_size * size_t(num_blocks));
+  if (!pool.ok()) return pool.status();
+  r->pool_ = *std::move(pool);
+  CudaModelRunner* self = r.get();
+  r->cache_ = std::make_unique<PagedKvCache>(
+      num_blocks, o.block_size, per_token,
+      [self](int src, int dst) { return self->CopyBlock(src, dst); });
+  return r;
+}
+
+void* CudaModelRunner::keys(int layer) const {
+  const size_t plane = static_cast<size_t>(cache_->num_blocks()) *
+                       cache_->block_size() * row_width_ *
+                       CudaDTypeBytes(weights_->dtype());
+  return pool_.as<char>() + 2 * static_cast<size_t>(layer) * plane;
+}
+
+void* CudaModelRunner::values(int layer) const {
+  const size_t plane = static_cast<size_t>(cache_->num_blocks()) *
+                       cache_->block_size() * row_width_ *
+                       CudaDTypeBytes(weights_->dtype());
+  return pool_.as<char>() + (2 * static_cast<size_t>(layer) + 1) * plane;
+}
+
+absl::Status CudaModelRunner::CopyBlock(int src, int dst) {
+  const size_t block = static_cast<size_t>(cache_->block_size()) *
+                       row_width_ * CudaDTypeBytes(weights_->dtype());
+  for (int l = 0; l < config().num_hidden_layers; ++l) {
+    for (void* plane : {keys(l), values(l)}) {
+      char* p = static_cast<char*>(plane);
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          p + dst * block, p + src * block, block, cudaMemcpyDeviceToDevice,
+          stream_));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> CudaModelRunner::CopyKeysToHost(
+    int layer, const KvSequence& kv, int count) const {
+  if (layer < 0 || layer >= config().num_hidden_layers || count < 1 ||
+      count > kv.size()) {
+    return absl::InvalidArgumentError("CopyKeysToHost: bad layer or count");
+  }
+  // Copy-on-write copies (KvSequence::Reserve outside Forward) are queued
+  // on stream_; the reads below run on the default stream.
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  const CudaDType dt = weights_->dtype();
+  const size_t n = static_cast<size_t>(count) * row_width_;
+  absl::StatusOr<DeviceBuffer> tmp =
+      DeviceBuffer::Allocate(n * (CudaDTypeBytes(dt) + sizeof(float)) +
+                             sizeof(int) * kv.block_table().size());
+  if (!tmp.ok()) return tmp.status();
+  int* d_table = tmp->as<int>();
+  char* dense = tmp->as<char>() + sizeof(int) * kv.block_table().size();
+  float* f32 = reinterpret_cast<float*>(dense + n * CudaDTypeBytes(dt));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      d_table, kv.block_table().data(), sizeof(int) * kv.block_table().size(),
+      cudaMemcpyHostToDevice));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherKvRows(
+      keys(layer), dt, d_table, cache_->block_size(), count, row_width_,
+      dense, nullptr));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cuda_kernels::ConvertToF32(dense, dt, f32, n, nullptr));
+  std::vector<float> host(n);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      host.data(), f32, n * sizeof(float), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+void CudaModelRunner::set_attention_path(AttentionPath path) {
+  absl::MutexLock lock(&mu_);
+  attention_path_ = path;
+}
+
+absl::StatusOr<std::unique_ptr<QueryCapture>> CudaModelRunner::NewQueryCapture(
+    int max_rows) {
+  absl::StatusOr<std::unique_ptr<CudaQueryCapture>> c =
+      CudaQueryCapture::Create(config(), max_rows);
+  if (!c.ok()) return c.status();
+  return std::unique_ptr<QueryCapture>(*std::move(c));
+}
+
+absl::Status CudaModelRunner::Forward(absl::Span<const SequenceForward> batch,
+                                      std::vector<ForwardOutput>* out) {
+  const ModelConfig& c = config();
+  // The CPU backend's validation: same rules, same messages.
+  absl::StatusOr<std::vector<std::vector<int>>> rows_or =
+      ValidateBatch(c, *cache_, batch);
+  if (!rows_or.ok()) return rows_or.status();
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (batch[i].capture == nullptr) continue;
+    auto* cap = dynamic_cast<CudaQueryCapture*>(batch[i].capture);
+    if (cap == nullptr || cap->num_layers() != c.num_hidden_layers ||
+        cap->num_heads() != c.num_attention_heads ||
+        cap->head_dim() != c.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch[", i,
+          "]: the query capture belongs to another backend or model shape"));
+    }
+    const int nq = static_cast<int>(batch[i].input.capture_query_rows.size());
+    if (cap->rows() + nq > cap->max_rows()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "query capture full: ", cap->rows(), " rows + ", nq,
+          " new exceed max_rows ", cap->max_rows()));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  std::vector<int> first;
+  SPECSERVE_RETURN_IF_ERROR(ReserveBatch(batch, &first));
+  absl::Status status = Run(batch, *rows_or, first, out);
+  if (!status.ok()) {
+    // Nothing is appended on failure. Drain the stream first so no kernel
+    // still writes into what the caller may reuse.
+    cudaStreamSynchronize(stream_);
+    cudaGetLastError();
+    UnreserveBatch(batch, first);
+  }
+  return status;
+}
+
+absl::Status CudaModelRunner::Run(
+    absl::Span<const SequenceForward> batch,
+    const std::vector<std::vector<int>>& logit_rows,
+    const std::vector<int>& first, std::vector<ForwardOutput>* out) {
+  const ModelConfig& c = config();
+  const CudaDType dt = weights_->dtype();
+  const size_t tb = CudaDTypeBytes(dt);
+  const int S = static_cast<int>(batch.size());
+  const int hidden = c.hidden_size, H = c.num_attention_heads;
+  const int KV = c.num_key_value_heads, D = c.head_dim;
+  const int ffn = c.intermediate_size, qkv_dim = c.qkv_dim();
+  const int L = c.num_hidden_layers, vocab = c.vocab_size;
+  const size_t qrow = static_cast<size_t>(H) * D;
+  const int bs = cache_->block_size();
+
+  // Rows of all sequences, concatenated; per-sequence offsets of the logit
+  // rows, the host-captured queries and the block tables.
+  std::vector<int> row0(S + 1, 0), lr0(S + 1, 0), hq0(S + 1, 0), bt0(S + 1, 0);
+  for (int i = 0; i < S; ++i) {
+    const ForwardInput& in = batch[i].input;
+    row0[i + 1] = row0[i] + static_cast<int>(in.token_ids.size());
+    lr0[i + 1] = lr0[i] + static_cast<int>(logit_rows[i].size());
+    hq0[i + 1] = hq0[i] + (batch[i].capture == nullptr
+                               ? static_cast<int>(in.capture_query_rows.size())
+                               : 0);
+    bt0[i + 1] = bt0[i] + static_cast<int>(batch[i].kv->block_table().size());
+  }
+  const int N = row0[S], R = lr0[S], NQ = hq0[S];
+  const size_t NN = N;
+
+  // Attention plan per sequence.
+  std::vector<cuda_kernels::AttentionArgs> attn(S);
+  std::vector<bool> use_flash(S);
+  std::vector<int> splits(S, 0);
+  size_t split_ws = 0;
+  for (int i = 0; i < S; ++i) {
+    cuda_kernels::AttentionArgs& a = attn[i];
+    a.dtype = dt;
+    a.n = row0[i + 1] - row0[i];
+    a.first = first[i];
+    a.num_heads = H;
+    a.num_kv_heads = KV;
+    a.head_dim = D;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    a.block_size = bs;
+    bool flash = cuda_kernels::FlashAttentionSupported(D, dt);
+    if (attention_path_ == AttentionPath::kAuto) {
+      flash = flash && a.n >= kFlashMinRows;
+    } else if (attention_path_ == AttentionPath::kSplitK) {
+      flash = false;
+    }
+    use_flash[i] = flash;
+    if (!flash) {
+      splits[i] = cuda_kernels::SplitKAttentionSplits(a, num_sms_);
+      split_ws = std::max(split_ws, cuda_kernels::SplitKAttentionWorkspaceBytes(
+                                        a, splits[i]));
+    }
+  }
+
+  // Workspace layout (sized by a dry run with a null base).
+  struct Regions {
+    int* ints;  // [N] ids, [N] positions, [N] slots, [R] logit rows, tables
+    float* x;   // fp32 [N, hidden] residual stream
+    void* xn;   // T [max(N, R), hidden] normed input of a projection
+    float* qkv; // fp32 [N, qkv_dim]
+    void* q;    // T [N, H * D]
+    void* attn; // T [N, H * D]
+    void* gu;   // T [N, 2 * ffn]
+    void* act;  // T [N, ffn]
+    float* logits;    // fp32 [R, vocab]
+    float* captured;  // fp32 [L, NQ, H * D] (host capture only)
+    void* split_ws;   // split-K partials
+  };
+  const size_t num_ints = 3 * NN + R + bt0[S];
+  auto carve = [&](char* base, Regions* reg) {
+    Carver cv(base);
+    reg->ints = static_cast<int*>(cv.Take(sizeof(int) * num_ints));
+    reg->x = static_cast<float*>(cv.Take(sizeof(float) * NN * hidden));
+    // Also holds the final norm of the logit rows (which may repeat).
+    reg->xn = cv.Take(tb * std::max<size_t>(NN, R) * hidden);
+    reg->qkv = static_cast<float*>(cv.Take(sizeof(float) * NN * qkv_dim));
+    reg->q = cv.Take(tb * NN * qrow);
+    reg->attn = cv.Take(tb * NN * qrow);
+    reg->gu = cv.Take(tb * NN * 2 * ffn);
+    reg->act = cv.Take(tb * NN * ffn);
+    reg->logits = static_cast<float*>(
+        cv.Take(sizeof(float) * static_cast<size_t>(R) * vocab));
+    reg->captured = static_cast<float*>(
+        cv.Take(sizeof(float) * L * static_cast<size_t>(NQ) * qrow));
+    reg->split_ws = cv.Take(split_ws);
+    return cv.size();
+  };
+  Regions reg;
+  SPECSERVE_RETURN_IF_ERROR(workspace_.Reserve(carve(nullptr, &reg)));
+  carve(workspace_.as<char>(), &reg);
+  int* d_ids = reg.ints;
+  int* d_pos = reg.ints + N;
+  int* d_slots = reg.ints + 2 * N;
+  int* d_rows = reg.ints + 3 * N;
+  int* d_tables = reg.ints + 3 * N + R;
+
+  std::vector<int> host_ints(num_ints);
+  for (int i = 0; i < S; ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int n = row0[i + 1] - row0[i];
+    for (int t = 0; t < n; ++t) {
+      host_ints[row0[i] + t] = in.token_ids[t];
+      host_ints[N + row0[i] + t] = in.position_ids[t];
+      host_ints[2 * N + row0[i] + t] = batch[i].kv->PhysicalSlot(first[i] + t);
+    }
+    for (size_t j = 0; j < logit_rows[i].size(); ++j) {
+      host_ints[3 * N + lr0[i] + j] = row0[i] + logit_rows[i][j];
+    }
+    const std::vector<int>& table = batch[i].kv->block_table();
+    std::copy(table.begin(), table.end(),
+              host_ints.begin() + 3 * N + R + bt0[i]);
+    attn[i].block_table = d_tables + bt0[i];
+    attn[i].q = static_cast<char*>(reg.q) + tb * row0[i] * qrow;
+    attn[i].out = static_cast<char*>(reg.attn) + tb * row0[i] * qrow;
+  }
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      reg.ints, host_ints.data(), sizeof(int) * host_ints.size(),
+      cudaMemcpyHostToDevice, stream_));
+
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::EmbeddingGather(
+      weights_->embed(), dt, d_ids, N, hidden, reg.x, stream_));
+  for (int l = 0; l < L; ++l) {
+    const CudaLayerWeights& w = weights_->layer(l);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
+        reg.x, nullptr, N, hidden, w.attn_norm, c.rms_norm_eps, reg.xn, dt,
+        stream_));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
+                                           w.wqkv, qkv_dim, reg.qkv,
+                                           CudaDType::kF32, 0.0f));
+    cuda_kernels::RopeArgs rope;
+    rope.qkv = reg.qkv;
+    rope.n = N;
+    rope.num_heads = H;
+    rope.num_kv_heads = KV;
+    rope.head_dim = D;
+    rope.positions = d_pos;
+    rope.theta = c.rope_theta;
+    rope.q_out = reg.q;
+    rope.k_cache = keys(l);
+    rope.v_cache = values(l);
+    rope.slots = d_slots;
+    rope.dtype = dt;
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RopeQkvStore(rope, stream_));
+    // Post-RoPE fp32 queries of the capture rows (q heads lead each row).
+    for (int i = 0; i < S; ++i) {
+      const std::vector<int>& cap_rows = batch[i].input.capture_query_rows;
+      auto* cap = static_cast<CudaQueryCapture*>(batch[i].capture);
+      for (size_t j = 0; j < cap_rows.size(); ++j) {
+        float* dst =
+            cap != nullptr
+                ? cap->mutable_layer_queries(l) + (cap->rows() + j) * qrow
+                : reg.captured +
+                      (static_cast<size_t>(l) * NQ + hq0[i] + j) * qrow;
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+            dst,
+            reg.qkv + static_cast<size_t>(row0[i] + cap_rows[j]) * qkv_dim,
+            sizeof(float) * qrow, cudaMemcpyDeviceToDevice, stream_));
+      }
+    }
+    for (int i = 0; i < S; ++i) {
+      cuda_kernels::AttentionArgs& a = attn[i];
+      a.k_cache = keys(l);
+      a.v_cache = values(l);
+      if (use_flash[i]) {
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::FlashAttention(a, stream_));
+      } else {
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SplitKAttention(
+            a, splits[i], reg.split_ws, stream_));
+      }
+    }
+    // o_proj with beta = 1: the residual add, into the fp32 stream.
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.attn, N, H * D,
+                                           w.wo, hidden, reg.x,
+                                           CudaDType::kF32, 1.0f));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
+        reg.x, nullptr, N, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
+        stream_));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
+                                           w.w_gate_up, 2 * ffn, reg.gu, dt,
+                                           0.0f));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cuda_kernels::SiluMul(reg.gu, N, ffn, reg.act, dt, stream_));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.act, N, ffn,
+                                           w.w_down, hidden, reg.x,
+                                           CudaDType::kF32, 1.0f));
+  }
+
+  // Final norm and vocabulary projection for the requested rows only.
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
+      reg.x, d_rows, R, hidden, weights_->final_norm(), c.rms_norm_eps,
+      reg.xn, dt, stream_));
+  SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
+                                         weights_->lm_head(), vocab,
+                                         reg.logits, CudaDType::kF32, 0.0f));
+  std::vector<float> logits(static_cast<size_t>(R) * vocab);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      logits.data(), reg.logits, sizeof(float) * logits.size(),
+      cudaMemcpyDeviceToHost, stream_));
+  std::vector<float> queries(static_cast<size_t>(L) * NQ * qrow);
+  if (!queries.empty()) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        queries.data(), reg.captured, sizeof(float) * queries.size(),
+        cudaMemcpyDeviceToHost, stream_));
+  }
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  out->assign(S, ForwardOutput());
+  for (int i = 0; i < S; ++i) {
+    ForwardOutput& o = (*out)[i];
+    o.logit_rows = logit_rows[i];
+    o.logits.assign(logits.begin() + static_cast<size_t>(lr0[i]) * vocab,
+                    logits.begin() + static_cast<size_t>(lr0[i + 1]) * vocab);
+    const int nq = static_cast<int>(batch[i].input.capture_query_rows.size());
+    if (batch[i].capture != nullptr) {
+      static_cast<CudaQueryCapture*>(batch[i].capture)->rows_ += nq;
+    } else if (nq > 0) {
+      o.queries.resize(static_cast<size_t>(L) * nq * qrow);
+      for (int l = 0; l < L; ++l) {
+        std::copy_n(
+            queries.begin() + (static_cast<size_t>(l) * NQ + hq0[i]) * qrow,
+            nq * qrow, o.queries.begin() + static_cast<size_t>(l) * nq * qrow);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ImportanceResult> CudaModelRunner::ScoreImportance(
+    const KvSequence& kv, int prompt_len, const QueryCapture& capture,
+    const ScoringOptions& options, int /*num_threads*/) {
+  const auto* cap = dynamic_cast<const CudaQueryCapture*>(&capture);
+  if (cap == nullptr) {
+    return absl::InvalidArgumentError(
+        "the query capture belongs to another backend");
+  }
+  if (cap->rows() < 1) {
+    return absl::InvalidArgumentError("the query capture is empty");
+  }
+  if (prompt_len < 1 || prompt_len > kv.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_len ", prompt_len, " outside [1, ", kv.size(), "]"));
+  }
+  const ModelConfig& c = config();
+  const CudaDType dt = weights_->dtype();
+  absl::StatusOr<std::unique_ptr<CudaImportance>> imp = CudaImportance::Create(
+      prompt_len, cap->rows(), c.num_attention_heads, c.num_key_value_heads,
+      c.head_dim, c.num_hidden_layers, options, stream_);
+  if (!imp.ok()) return imp.status();
+  // The prompt's keys of one layer, gathered from the sequence's blocks.
+  const size_t table_bytes = sizeof(int) * kv.block_table().size();
+  absl::StatusOr<DeviceBuffer> tmp = DeviceBuffer::Allocate(
+      AlignUp(table_bytes) +
+      static_cast<size_t>(prompt_len) * row_width_ * CudaDTypeBytes(dt));
+  if (!tmp.ok()) return tmp.status();
+  int* d_table = tmp->as<int>();
+  void* dense = tmp->as<char>() + AlignUp(table_bytes);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d_table, kv.block_table().data(), table_bytes,
+                      cudaMemcpyHostToDevice, stream_));
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    if (!(*imp)->UsesLayer(l)) continue;
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherKvRows(
+        keys(l), dt, d_table, cache_->block_size(), prompt_len, row_width_,
+        dense, stream_));
+    SPECSERVE_RETURN_IF_ERROR(
+        (*imp)->AddLayer(l, cap->layer_queries(l), dense, dt, row_width_));
+  }
+  ImportanceResult result;
+  absl::StatusOr<std::vector<std::vector<float>>> per_row =
+      (*imp)->PerRowImportance();
+  if (!per_row.ok()) return per_row.status();
+  absl::StatusOr<std::vector<float>> importance = (*imp)->Importance();
+  if (!importance.ok()) return importance.status();
+  result.importance = *std::move(importance);
+  result.per_row_importance = *std::move(per_row);
+  return result;
+}
+
+}  // namespace specserve

@@ -1,0 +1,160 @@
+#ifndef SPECSERVE_COMMON_CUDA_CUDA_MODEL_RUNNER_H_
+#define SPECSERVE_COMMON_CUDA_CUDA_MODEL_RUNNER_H_
+
+#include <cublas_api.h>
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/cuda/cuda_weights.h"
+#include "common/cuda/device_buffer.h"
+#include "common/cuda/kernels.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/engine/model_runner.h"
+
+namespace specserve {
+
+/// Post-RoPE queries of Speculative Prefill's scoring rows, kept on the
+/// device across forward passes (the last prompt row from the prefill, then
+/// one row per look-ahead decode step) so that the device reduction can
+/// score them without a round trip through the host.
+class CudaQueryCapture : public QueryCapture {
+ public:
+  /// Room for `max_rows` rows of a model with `config`'s shape.
+  /// INVALID_ARGUMENT if max_rows < 1; RESOURCE_EXHAUSTED / INTERNAL from
+  /// cudaMalloc.
+  static absl::StatusOr<std::unique_ptr<CudaQueryCapture>> Create(
+      const ModelConfig& config, int max_rows);
+
+  int rows() const override { return rows_; }
+  int max_rows() const override { return max_rows_; }
+  void Clear() override { rows_ = 0; }
+  /// Synchronous copy; CUDA errors as INTERNAL.
+  absl::StatusOr<std::vector<float>> CopyToHost() const override;
+
+  int num_layers() const { return num_layers_; }
+  int num_heads() const { return num_heads_; }
+  int head_dim() const { return head_dim_; }
+  /// Device fp32 [max_rows, num_heads, head_dim] of layer `layer`; rows
+  /// [0, rows()) are valid.
+  const float* layer_queries(int layer) const;
+
+ private:
+  friend class CudaModelRunner;
+  CudaQueryCapture() = default;
+  float* mutable_layer_queries(int layer) const;
+
+  int rows_ = 0;
+  int max_rows_ = 0;
+  int num_layers_ = 0;
+  int num_heads_ = 0;
+  int head_dim_ = 0;
+  DeviceBuffer storage_;  // [layers][max_rows][heads][head_dim]
+};
+
+/// CUDA backend of ModelRunner with the CPU runner's semantics
+/// (common/engine/cpu_model_runner.h; HF LlamaForCausalLM): embedding
+/// gather, RMSNorm, rotate_half RoPE at explicit position ids, grouped-query
+/// causal attention of each sequence over its blocks of the paged cache
+/// (FlashAttention-style tensor-core kernel for prefill chunks, split-K
+/// kernel for decode / verify rows), SiLU-gated MLP, final norm and lm_head
+/// for the requested rows only. The projections are cuBLAS GEMMs over the
+/// concatenated rows of every sequence in the batch.
+///
+/// Precision: weights, KV cache and GEMM inputs are the weights' dtype (bf16
+/// or fp16); every GEMM accumulates in fp32 (cuBLAS, CUBLAS_COMPUTE_32F); the
+/// residual stream, norms, RoPE, softmax and logits are fp32.
+///
+/// The KV pool is device memory: per layer K and V planes of [num_blocks *
+/// block_size, kv_heads, head_dim] in the weights' dtype, allocated up
+/// front. One instance owns a CUDA stream, a cuBLAS handle and a workspace
+/// that grows to the largest batch seen; Forward calls are serialised (the
+/// GPU runs one at a time anyway). Construct on the device that runs it.
+class CudaModelRunner : public ModelRunner {
+ public:
+  /// Which attention kernel Forward uses. kAuto: FlashAttention for
+  /// sequences with >= kFlashMinRows new rows when the head_dim / dtype are
+  /// supported, split-K otherwise. The others force one (tests,
+  /// benchmarks); kFlash falls back to split-K where unsupported.
+  enum class AttentionPath { kAuto, kFlash, kSplitK };
+  static constexpr int kFlashMinRows = 32;
+
+  /// Creates the stream, the cuBLAS handle and the KV pool.
+  /// INVALID_ARGUMENT for null weights or bad cache options;
+  /// RESOURCE_EXHAUSTED when the pool does not fit; INTERNAL when CUDA or
+  /// cuBLAS cannot start (no device included).
+  static absl::StatusOr<std::unique_ptr<CudaModelRunner>> Create(
+      std::shared_ptr<const CudaWeights> weights,
+      const KvCacheOptions& cache_options = {});
+  ~CudaModelRunner() override;
+  CudaModelRunner(const CudaModelRunner&) = delete;
+  CudaModelRunner& operator=(const CudaModelRunner&) = delete;
+
+  const ModelConfig& config() const override { return weights_->config(); }
+  std::string backend() const override { return "cuda"; }
+  PagedKvCache& kv_cache() override { return *cache_; }
+  const CudaWeights& weights() const { return *weights_; }
+  /// The stream every kernel of Forward runs on.
+  cudaStream_t stream() const { return stream_; }
+  /// Multiprocessors of the device (sizes the split-K grid).
+  int num_sms() const { return num_sms_; }
+  /// Bytes one token costs across all layers (K and V) at `dtype`.
+  static size_t BytesPerToken(const ModelConfig& config, CudaDType dtype);
+
+  void set_attention_path(AttentionPath path);
+
+  absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
+      int max_rows) override;
+  /// Synchronous: returns when the logits (and host queries) are on the
+  /// host. Errors as ModelRunner::Forward, plus INVALID_ARGUMENT for a
+  /// capture of another backend or shape.
+  using ModelRunner::Forward;
+  absl::Status Forward(absl::Span<const SequenceForward> batch,
+                       std::vector<ForwardOutput>* out) override;
+  /// The device reduction (CudaImportance) over the sequence's prompt keys,
+  /// gathered from its blocks; only prompt_len floats per row come back.
+  absl::StatusOr<ImportanceResult> ScoreImportance(
+      const KvSequence& kv, int prompt_len, const QueryCapture& capture,
+      const ScoringOptions& options, int num_threads) override;
+
+  /// Device pointer to layer `layer`'s key (value) plane: T [num_blocks *
+  /// block_size, kv_heads * head_dim].
+  void* keys(int layer) const;
+  void* values(int layer) const;
+  /// Copies `kv`'s first `count` keys (values) of `layer` to the host as
+  /// fp32 [count, kv_heads * head_dim] (tests; synchronous).
+  absl::StatusOr<std::vector<float>> CopyKeysToHost(int layer,
+                                                    const KvSequence& kv,
+                                                    int count) const;
+
+ private:
+  CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
+                  cudaStream_t stream, cublasHandle_t cublas, int num_sms);
+  absl::Status CopyBlock(int src, int dst);
+  absl::Status Run(absl::Span<const SequenceForward> batch,
+                   const std::vector<std::vector<int>>& logit_rows,
+                   const std::vector<int>& first,
+                   std::vector<ForwardOutput>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::shared_ptr<const CudaWeights> weights_;
+  cudaStream_t stream_;
+  cublasHandle_t cublas_;
+  int num_sms_;
+  int row_width_ = 0;
+  std::unique_ptr<PagedKvCache> cache_;
+  DeviceBuffer pool_;  // [layers][K, V][num_blocks * block_size][row_width]
+  absl::Mutex mu_;
+  AttentionPath attention_path_ ABSL_GUARDED_BY(mu_) = AttentionPath::kAuto;
+  DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_CUDA_CUDA_MODEL_RUNNER_H_

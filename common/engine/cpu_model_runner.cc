@@ -1,0 +1,523 @@
+#include "common/engine/cpu_model_runner.h"
+
+#include <cblas.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/engine/kernels.h"
+#include "common/engine/thread_pool.h"
+
+namespace specserve {
+namespace {
+
+// Up to this many rows, Linear streams the weights once with BatchedGemv
+// (decode and verify rounds, batched or not); beyond it OpenBLAS sgemm is
+// compute-bound and wins.
+constexpr int kMaxGemvRows = 64;
+// Sequences with up to this many new rows (decode, verify) attend with
+// kernels::AttentionRows straight from their blocks; longer prefill chunks
+// use GEMMs.
+constexpr int kMaxDirectAttentionRows = 16;
+// Below this many multiply-adds a Linear runs on the calling thread.
+constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
+// Caps the attention score block at ~16M floats (64 MiB) per call.
+constexpr size_t kMaxScoreFloats = size_t{1} << 24;
+// Target rows (query tokens x heads of a GQA group) per score GEMM.
+constexpr int kTargetGemmRows = 256;
+
+// y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in].
+void Linear(const float* x, int n, int in, const float* w, int out, float* y,
+            float beta) {
+  if (n <= kMaxGemvRows) {
+    // Waking the pool costs tens of microseconds: small weights (tiny
+    // models, which fit in cache) run inline.
+    if (static_cast<int64_t>(out) * in * n < kMinParallelMacs) {
+      kernels::BatchedGemv(x, n, in, w, 0, out, y, out, beta);
+      return;
+    }
+    ThreadPool::Default().ParallelFor(out, 16, [&](int b, int e) {
+      kernels::BatchedGemv(x, n, in, w, b, e, y, out, beta);
+    });
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.f, x,
+                in, w, in, beta, y, out);
+  }
+}
+
+// Host-side query capture: per layer [max_rows, heads, head_dim] fp32.
+class CpuQueryCapture : public QueryCapture {
+ public:
+  CpuQueryCapture(const ModelConfig& c, int max_rows)
+      : max_rows_(max_rows),
+        row_(static_cast<size_t>(c.num_attention_heads) * c.head_dim),
+        layers_(c.num_hidden_layers) {
+    for (auto& l : layers_) l.resize(max_rows * row_);
+  }
+  int rows() const override { return rows_; }
+  int max_rows() const override { return max_rows_; }
+  void Clear() override { rows_ = 0; }
+  absl::StatusOr<std::vector<float>> CopyToHost() const override {
+    std::vector<float> out;
+    out.reserve(layers_.size() * rows_ * row_);
+    for (const auto& l : layers_) {
+      out.insert(out.end(), l.begin(), l.begin() + rows_ * row_);
+    }
+    return out;
+  }
+  float* row(int layer, int r) { return &layers_[layer][r * row_]; }
+  const float* layer(int l) const { return layers_[l].data(); }
+
+  int rows_ = 0;
+
+ private:
+  int max_rows_;
+  size_t row_;
+  std::vector<std::vector<float>> layers_;
+};
+
+}  // namespace
+
+struct CpuModelRunner::Scratch {
+  std::vector<float> qg, og, scores;  // attention blocks
+  std::vector<float> k_dense, v_dense;  // gathered K/V of a sequence
+};
+
+absl::Status ValidateKvCacheOptions(const KvCacheOptions& o,
+                                    size_t bytes_per_token) {
+  if (o.block_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv block_size must be >= 1, got ", o.block_size));
+  }
+  if (o.pool_bytes != 0 &&
+      o.pool_bytes < bytes_per_token * static_cast<size_t>(o.block_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV cache pool of ", o.pool_bytes, " bytes holds no block of ",
+        o.block_size, " tokens (", bytes_per_token * o.block_size,
+        " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+size_t CpuModelRunner::BytesPerToken(const ModelConfig& c) {
+  return 2 * sizeof(float) * static_cast<size_t>(c.num_hidden_layers) *
+         c.num_key_value_heads * c.head_dim;
+}
+
+absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
+    std::shared_ptr<const ModelWeights> weights, const KvCacheOptions& o) {
+  if (weights == nullptr) {
+    return absl::InvalidArgumentError("CpuModelRunner: weights is null");
+  }
+  const ModelConfig& c = weights->config;
+  const size_t per_token = BytesPerToken(c);
+  if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
+  const int num_blocks =
+      o.pool_bytes == 0
+          ? PagedKvCache::BlocksForTokens(c.max_position_embeddings,
+                                          o.block_size)
+          : PagedKvCache::BlocksForBytes(o.pool_bytes, o.block_size,
+                                         per_token);
+  return std::unique_ptr<CpuModelRunner>(
+      new CpuModelRunner(std::move(weights), o, num_blocks));
+}
+
+absl::StatusOr<std::unique_ptr<CpuModelRunner>>
+CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
+                                   int sequences, int block_size) {
+  if (weights == nullptr) {
+    return absl::InvalidArgumentError("CpuModelRunner: weights is null");
+  }
+  KvCacheOptions o;
+  o.block_size = block_size;
+  o.pool_bytes = BytesPerToken(weights->config) *
+                 PagedKvCache::BlocksForTokens(
+                     weights->config.max_position_embeddings, block_size) *
+                 block_size * std::max(sequences, 1);
+  return Create(std::move(weights), o);
+}
+
+CpuModelRunner::CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
+                               const KvCacheOptions& o, int num_blocks)
+    : weights_(std::move(weights)),
+      row_width_(weights_->config.num_key_value_heads *
+                 weights_->config.head_dim) {
+  const ModelConfig& c = weights_->config;
+  cache_ = std::make_unique<PagedKvCache>(
+      num_blocks, o.block_size, BytesPerToken(c),
+      [this](int src, int dst) { return CopyBlock(src, dst); });
+  const size_t n = static_cast<size_t>(num_blocks) * o.block_size * row_width_;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    // Default-initialised: pages are committed only when first written.
+    k_.emplace_back(new float[n]);
+    v_.emplace_back(new float[n]);
+  }
+}
+
+absl::Status CpuModelRunner::CopyBlock(int src, int dst) {
+  const size_t rows = cache_->block_size();
+  const size_t len = rows * row_width_;
+  for (size_t l = 0; l < k_.size(); ++l) {
+    std::memcpy(&k_[l][dst * len], &k_[l][src * len], len * sizeof(float));
+    std::memcpy(&v_[l][dst * len], &v_[l][src * len], len * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<QueryCapture>> CpuModelRunner::NewQueryCapture(
+    int max_rows) {
+  if (max_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query capture: max_rows must be >= 1, got ", max_rows));
+  }
+  return std::make_unique<CpuQueryCapture>(config(), max_rows);
+}
+
+void CpuModelRunner::DenseKv(int layer, const KvSequence& kv, int count,
+                             std::vector<float>* k_buf,
+                             std::vector<float>* v_buf, const float** k,
+                             const float** v) const {
+  const int bs = kv.block_size();
+  const int nb = PagedKvCache::BlocksForTokens(count, bs);
+  const std::vector<int>& table = kv.block_table();
+  bool contiguous = true;
+  for (int b = 1; b < nb && contiguous; ++b) {
+    contiguous = table[b] == table[0] + b;
+  }
+  const size_t base = static_cast<size_t>(table[0]) * bs * row_width_;
+  if (contiguous) {
+    *k = k_[layer].get() + base;
+    *v = v_[layer].get() + base;
+    return;
+  }
+  k_buf->resize(static_cast<size_t>(count) * row_width_);
+  v_buf->resize(static_cast<size_t>(count) * row_width_);
+  for (int b = 0; b < nb; ++b) {
+    const int rows = std::min(bs, count - b * bs);
+    const size_t src = static_cast<size_t>(table[b]) * bs * row_width_;
+    const size_t dst = static_cast<size_t>(b) * bs * row_width_;
+    std::memcpy(k_buf->data() + dst, k_[layer].get() + src,
+                rows * row_width_ * sizeof(float));
+    std::memcpy(v_buf->data() + dst, v_[layer].get() + src,
+                rows * row_width_ * sizeof(float));
+  }
+  *k = k_buf->data();
+  *v = v_buf->data();
+}
+
+void CpuModelRunner::Attention(int n, int first, const float* q,
+                               size_t q_stride, const float* K, const float* V,
+                               float* attn_out, Scratch* scratch) const {
+  const ModelConfig& c = weights_->config;
+  const int H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int D = c.head_dim, group = c.gqa_group();
+  const int rw = row_width_;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int total = first + n;
+
+  int block = std::max(1, kTargetGemmRows / group);
+  block = std::min(block, n);
+  while (block > 1 &&
+         static_cast<size_t>(block) * group * total > kMaxScoreFloats) {
+    block /= 2;
+  }
+  // resize() keeps the capacity, so only the first call allocates.
+  std::vector<float>& qg = scratch->qg;
+  std::vector<float>& og = scratch->og;
+  std::vector<float>& s = scratch->scores;
+  qg.resize(static_cast<size_t>(block) * group * D);
+  og.resize(static_cast<size_t>(block) * group * D);
+  s.resize(static_cast<size_t>(block) * group * total);
+
+  for (int g = 0; g < KV; ++g) {
+    for (int i0 = 0; i0 < n; i0 += block) {
+      const int i1 = std::min(n, i0 + block);
+      const int m = (i1 - i0) * group;
+      const int nk = first + i1;  // keys visible to the block's last row
+      // Gather the group's query heads: row (i - i0) * group + hh.
+      for (int i = i0; i < i1; ++i) {
+        for (int hh = 0; hh < group; ++hh) {
+          std::memcpy(&qg[(static_cast<size_t>(i - i0) * group + hh) * D],
+                      q + static_cast<size_t>(i) * q_stride +
+                          (g * group + hh) * D,
+                      D * sizeof(float));
+        }
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nk, D, scale,
+                  qg.data(), D, K + g * D, rw, 0.f, s.data(), nk);
+      for (int i = i0; i < i1; ++i) {
+        const int allowed = first + i + 1;  // causal over cache order
+        for (int hh = 0; hh < group; ++hh) {
+          kernels::SoftmaxPrefix(
+              &s[(static_cast<size_t>(i - i0) * group + hh) * nk], allowed,
+              nk);
+        }
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, nk, 1.f,
+                  s.data(), nk, V + g * D, rw, 0.f, og.data(), D);
+      for (int i = i0; i < i1; ++i) {
+        for (int hh = 0; hh < group; ++hh) {
+          std::memcpy(attn_out + static_cast<size_t>(i) * H * D +
+                          (g * group + hh) * D,
+                      &og[(static_cast<size_t>(i - i0) * group + hh) * D],
+                      D * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
+                                     std::vector<ForwardOutput>* out) {
+  const ModelConfig& c = weights_->config;
+  absl::StatusOr<std::vector<std::vector<int>>> rows_or =
+      ValidateBatch(c, *cache_, batch);
+  if (!rows_or.ok()) return rows_or.status();
+  std::vector<std::vector<int>> logit_rows = *std::move(rows_or);
+  const int S = static_cast<int>(batch.size());
+  for (int i = 0; i < S; ++i) {
+    QueryCapture* cap = batch[i].capture;
+    if (cap == nullptr) continue;
+    if (dynamic_cast<CpuQueryCapture*>(cap) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch[", i, "]: the query capture belongs to another backend"));
+    }
+    const int nq = static_cast<int>(batch[i].input.capture_query_rows.size());
+    if (cap->rows() + nq > cap->max_rows()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "query capture full: ", cap->rows(), " rows + ", nq,
+          " new exceed max_rows ", cap->max_rows()));
+    }
+  }
+  std::vector<int> first;
+  if (absl::Status s = ReserveBatch(batch, &first); !s.ok()) return s;
+
+  // Rows of all sequences, concatenated: sequence i owns [row0[i],
+  // row0[i + 1]).
+  std::vector<int> row0(S + 1, 0);
+  for (int i = 0; i < S; ++i) {
+    row0[i + 1] = row0[i] + static_cast<int>(batch[i].input.token_ids.size());
+  }
+  const int N = row0[S];
+  std::vector<int> positions(N);
+  for (int i = 0; i < S; ++i) {
+    std::copy(batch[i].input.position_ids.begin(),
+              batch[i].input.position_ids.end(), positions.begin() + row0[i]);
+  }
+
+  const int hidden = c.hidden_size, H = c.num_attention_heads;
+  const int KV = c.num_key_value_heads, D = c.head_dim;
+  const int ffn = c.intermediate_size, qkv_dim = c.qkv_dim();
+  const int rw = row_width_;
+  const size_t NN = N;
+
+  // Sequences whose few new rows attend without GEMMs, and their work
+  // (multiply-adds) to decide whether to wake the pool.
+  std::vector<int> direct;
+  int64_t direct_work = 0;
+  for (int i = 0; i < S; ++i) {
+    const int n = row0[i + 1] - row0[i];
+    if (n <= kMaxDirectAttentionRows) {
+      direct.push_back(i);
+      direct_work += int64_t{2} * n * (first[i] + n) * H * D;
+    }
+  }
+
+  std::vector<float> x(NN * hidden), h(NN * hidden), qkv(NN * qkv_dim);
+  std::vector<float> attn(NN * H * D), gu(NN * 2 * ffn), act(NN * ffn);
+  Scratch scratch;
+  for (int i = 0; i < S; ++i) {
+    const ForwardInput& in = batch[i].input;
+    for (size_t t = 0; t < in.token_ids.size(); ++t) {
+      std::memcpy(&x[(row0[i] + t) * static_cast<size_t>(hidden)],
+                  &weights_->embed[static_cast<size_t>(in.token_ids[t]) *
+                                   hidden],
+                  hidden * sizeof(float));
+    }
+  }
+  out->assign(S, ForwardOutput());
+  const size_t qrow = static_cast<size_t>(H) * D;
+  for (int i = 0; i < S; ++i) {
+    const int nq = static_cast<int>(batch[i].input.capture_query_rows.size());
+    if (batch[i].capture == nullptr) {
+      (*out)[i].queries.assign(c.num_hidden_layers * nq * qrow, 0.f);
+    }
+  }
+
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& w = weights_->layers[l];
+    kernels::RmsNorm(x.data(), hidden, w.attn_norm.data(), c.rms_norm_eps, N,
+                     hidden, h.data(), hidden);
+    Linear(h.data(), N, hidden, w.wqkv.data(), qkv_dim, qkv.data(), 0.f);
+    // RoPE on q heads and k heads (contiguous: q then k in each row).
+    kernels::ApplyRope(qkv.data(), qkv_dim, N, H + KV, D, positions.data(),
+                       c.rope_theta);
+    float* kc = k_[l].get();
+    float* vc = v_[l].get();
+    for (int i = 0; i < S; ++i) {
+      const SequenceForward& e = batch[i];
+      const std::vector<int>& cap_rows = e.input.capture_query_rows;
+      const int nq = static_cast<int>(cap_rows.size());
+      for (int j = 0; j < nq; ++j) {
+        const float* src = &qkv[(row0[i] + cap_rows[j]) * static_cast<size_t>(qkv_dim)];
+        float* dst =
+            e.capture != nullptr
+                ? static_cast<CpuQueryCapture*>(e.capture)->row(
+                      l, e.capture->rows() + j)
+                : &(*out)[i].queries[((static_cast<size_t>(l) * nq) + j) *
+                                     qrow];
+        std::memcpy(dst, src, qrow * sizeof(float));
+      }
+      const int n = row0[i + 1] - row0[i];
+      for (int t = 0; t < n; ++t) {
+        const float* row = &qkv[(row0[i] + t) * static_cast<size_t>(qkv_dim)];
+        const size_t slot = e.kv->PhysicalSlot(first[i] + t);
+        std::memcpy(kc + slot * rw, row + H * D, rw * sizeof(float));
+        std::memcpy(vc + slot * rw, row + (H + KV) * D, rw * sizeof(float));
+      }
+      if (n > kMaxDirectAttentionRows) {
+        // Prefill chunks: GEMMs (OpenBLAS's threads) over dense K/V.
+        const float *K, *V;
+        DenseKv(l, *e.kv, first[i] + n, &scratch.k_dense, &scratch.v_dense,
+                &K, &V);
+        Attention(n, first[i], &qkv[row0[i] * static_cast<size_t>(qkv_dim)],
+                  qkv_dim, K, V, &attn[row0[i] * qrow], &scratch);
+      }
+    }
+    // Decode and verify rows: straight from the blocks, sequences spread
+    // over the engine's threads.
+    if (!direct.empty()) {
+      const float scale = 1.f / std::sqrt(static_cast<float>(D));
+      auto attend = [&](int b, int e) {
+        std::vector<float> scores;
+        for (int d = b; d < e; ++d) {
+          const int i = direct[d];
+          const int n = row0[i + 1] - row0[i];
+          scores.resize(first[i] + n);
+          kernels::AttentionRows(
+              &qkv[row0[i] * static_cast<size_t>(qkv_dim)], qkv_dim, n,
+              first[i], H, KV, D, kc, vc, rw, batch[i].kv->block_table().data(),
+              batch[i].kv->block_size(), scale, scores.data(),
+              &attn[row0[i] * qrow], qrow);
+        }
+      };
+      if (direct_work < kMinParallelMacs) {
+        attend(0, static_cast<int>(direct.size()));
+      } else {
+        ThreadPool::Default().ParallelFor(static_cast<int>(direct.size()), 1,
+                                          attend);
+      }
+    }
+    Linear(attn.data(), N, H * D, w.wo.data(), hidden, x.data(), 1.f);
+    kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps, N,
+                     hidden, h.data(), hidden);
+    Linear(h.data(), N, hidden, w.w_gate_up.data(), 2 * ffn, gu.data(), 0.f);
+    kernels::SiluMul(gu.data(), N, ffn, act.data());
+    Linear(act.data(), N, ffn, w.w_down.data(), hidden, x.data(), 1.f);
+  }
+  for (int i = 0; i < S; ++i) {
+    if (batch[i].capture != nullptr) {
+      static_cast<CpuQueryCapture*>(batch[i].capture)->rows_ +=
+          static_cast<int>(batch[i].input.capture_query_rows.size());
+    }
+  }
+
+  // Final norm and vocabulary projection for the requested rows of every
+  // sequence, in one GEMM.
+  int R = 0;
+  for (const auto& r : logit_rows) R += static_cast<int>(r.size());
+  std::vector<float> hr(static_cast<size_t>(R) * hidden);
+  int j = 0;
+  for (int i = 0; i < S; ++i) {
+    for (int r : logit_rows[i]) {
+      kernels::RmsNorm(&x[(row0[i] + r) * static_cast<size_t>(hidden)], hidden,
+                       weights_->final_norm.data(), c.rms_norm_eps, 1, hidden,
+                       &hr[j++ * static_cast<size_t>(hidden)], hidden);
+    }
+  }
+  std::vector<float> logits(static_cast<size_t>(R) * c.vocab_size);
+  Linear(hr.data(), R, hidden, weights_->lm_head(), c.vocab_size,
+         logits.data(), 0.f);
+  size_t off = 0;
+  for (int i = 0; i < S; ++i) {
+    const size_t len = logit_rows[i].size() * static_cast<size_t>(c.vocab_size);
+    (*out)[i].logits.assign(logits.begin() + off, logits.begin() + off + len);
+    (*out)[i].logit_rows = std::move(logit_rows[i]);
+    off += len;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ImportanceResult> CpuModelRunner::ScoreImportance(
+    const KvSequence& kv, int prompt_len, const QueryCapture& capture,
+    const ScoringOptions& options, int num_threads) {
+  const ModelConfig& c = config();
+  const auto* cap = dynamic_cast<const CpuQueryCapture*>(&capture);
+  if (cap == nullptr) {
+    return absl::InvalidArgumentError(
+        "the query capture belongs to another backend");
+  }
+  if (cap->rows() < 1) {
+    return absl::InvalidArgumentError("the query capture is empty");
+  }
+  if (prompt_len < 1 || prompt_len > kv.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_len ", prompt_len, " outside [1, ", kv.size(), "]"));
+  }
+  const int rows = cap->rows();
+  const int H = c.num_attention_heads, D = c.head_dim;
+  absl::StatusOr<ImportanceAccumulator> acc = ImportanceAccumulator::Create(
+      prompt_len, rows, H, c.num_key_value_heads, D, c.num_hidden_layers,
+      options);
+  if (!acc.ok()) return acc.status();
+  // Spawning workers costs tens of microseconds per layer: small prompts
+  // (tiny models, short inputs) score on the calling thread.
+  const int64_t work = int64_t{prompt_len} * rows * H * D;
+  acc->set_num_threads(work < (int64_t{1} << 20) ? 1 : num_threads);
+  std::vector<float> k_buf, v_buf;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    if (!acc->UsesLayer(l)) continue;
+    const float *K, *V;
+    DenseKv(l, kv, prompt_len, &k_buf, &v_buf, &K, &V);
+    if (absl::Status s = acc->AddLayer(l, cap->layer(l), K, row_width_);
+        !s.ok()) {
+      return s;
+    }
+  }
+  ImportanceResult result;
+  result.importance = acc->Importance();
+  result.per_row_importance = acc->PerRowImportance();
+  return result;
+}
+
+void SetEngineThreads(int n) {
+  if (n > 0) {
+    openblas_set_num_threads(n);
+    ThreadPool::SetDefaultThreads(n);
+  }
+}
+
+std::string OpenBlasCoreName() { return openblas_get_corename(); }
+
+void MaybeReexecForAvx512(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f")) return;
+  // Newer OpenBLAS builds detect AVX-512 cores themselves (e.g. Cooperlake,
+  // SkylakeX); only AVX2 fallbacks (Haswell, Zen) need the override.
+  const std::string core = openblas_get_corename();
+  if (core.find("lake") != std::string::npos ||
+      core.find("Sapphire") != std::string::npos) {
+    return;
+  }
+  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+  execv("/proc/self/exe", argv);
+  // execv failed: carry on with the default kernels.
+}
+
+}  // namespace specserve

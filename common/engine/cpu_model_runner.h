@@ -1,0 +1,119 @@
+#ifndef SPECSERVE_COMMON_ENGINE_CPU_MODEL_RUNNER_H_
+#define SPECSERVE_COMMON_ENGINE_CPU_MODEL_RUNNER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/engine/model_runner.h"
+#include "common/engine/paged_kv_cache.h"
+#include "common/model/weights.h"
+
+namespace specserve {
+
+/// Options of a model runner's paged KV cache.
+struct KvCacheOptions {
+  /// Bytes of K + V the pool holds (the pool gets floor(bytes /
+  /// bytes_per_block) blocks). 0 = room for one sequence at the model's max
+  /// context.
+  size_t pool_bytes = 0;
+  int block_size = 16;  ///< tokens per block, >= 1.
+};
+
+/// INVALID_ARGUMENT naming the field for block_size < 1, or a pool smaller
+/// than one block.
+absl::Status ValidateKvCacheOptions(const KvCacheOptions& options,
+                                    size_t bytes_per_token);
+
+/// CPU backend of ModelRunner (HF LlamaForCausalLM semantics, fp32):
+/// embedding, RMSNorm, rotate_half RoPE at explicit position ids,
+/// grouped-query causal attention over each sequence's cached + new tokens,
+/// SiLU-gated MLP, final norm, tied or separate lm_head. The projections
+/// and the MLP run over the rows of ALL sequences at once: OpenBLAS sgemm
+/// for prefill-sized batches, a batched GEMV that streams the weights once
+/// for up to 12 rows (decode and verify). Attention runs per sequence over
+/// its blocks (in place when they are physically contiguous, else gathered).
+///
+/// The KV pool is fp32 host memory, [num_blocks * block_size, kv_heads,
+/// head_dim] per layer for K and for V, committed page by page as blocks
+/// are first written. Forward calls on distinct sequences may run
+/// concurrently.
+class CpuModelRunner : public ModelRunner {
+ public:
+  /// INVALID_ARGUMENT for null weights or bad cache options.
+  static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Create(
+      std::shared_ptr<const ModelWeights> weights,
+      const KvCacheOptions& cache_options = {});
+
+  /// A runner whose pool holds `sequences` sequences at the model's max
+  /// context (tools, benchmarks, tests).
+  static absl::StatusOr<std::unique_ptr<CpuModelRunner>> CreateForSequences(
+      std::shared_ptr<const ModelWeights> weights, int sequences,
+      int block_size = 16);
+
+  const ModelConfig& config() const override { return weights_->config; }
+  std::string backend() const override { return "cpu"; }
+  PagedKvCache& kv_cache() override { return *cache_; }
+  const ModelWeights& weights() const { return *weights_; }
+
+  /// Bytes one token costs across all layers (fp32 K and V).
+  static size_t BytesPerToken(const ModelConfig& config);
+
+  absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
+      int max_rows) override;
+  using ModelRunner::Forward;
+  absl::Status Forward(absl::Span<const SequenceForward> batch,
+                       std::vector<ForwardOutput>* out) override;
+  absl::StatusOr<ImportanceResult> ScoreImportance(
+      const KvSequence& kv, int prompt_len, const QueryCapture& capture,
+      const ScoringOptions& options, int num_threads) override;
+
+  /// Layer `layer`'s key (or value) plane: [num_blocks * block_size,
+  /// kv_heads * head_dim]; physical row r at + r * row_width().
+  const float* keys(int layer) const { return k_[layer].get(); }
+  const float* values(int layer) const { return v_[layer].get(); }
+  int row_width() const { return row_width_; }
+
+ private:
+  struct Scratch;
+  CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
+                 const KvCacheOptions& options, int num_blocks);
+  // Copy-on-write of one block, every layer.
+  absl::Status CopyBlock(int src, int dst);
+  // Pointers to `kv`'s first `count` keys and values of `layer` as dense
+  // [count, row_width] rows: the pool itself when the blocks are
+  // physically contiguous, else gathered into the scratch.
+  void DenseKv(int layer, const KvSequence& kv, int count,
+               std::vector<float>* k_buf, std::vector<float>* v_buf,
+               const float** k, const float** v) const;
+  // Causal GQA attention of one sequence's n new rows (cache slots
+  // [first, first + n)) over K/V rows [0, first + n).
+  void Attention(int n, int first, const float* q, size_t q_stride,
+                 const float* K, const float* V, float* attn_out,
+                 Scratch* scratch) const;
+
+  std::shared_ptr<const ModelWeights> weights_;
+  int row_width_;
+  std::unique_ptr<PagedKvCache> cache_;
+  std::vector<std::unique_ptr<float[]>> k_;
+  std::vector<std::unique_ptr<float[]>> v_;
+};
+
+/// Sets the number of threads OpenBLAS and the engine's pool use
+/// (process-wide). n <= 0 keeps the library's default.
+void SetEngineThreads(int n);
+
+/// If the CPU has AVX-512 and OPENBLAS_CORETYPE is unset, re-executes the
+/// current program with OPENBLAS_CORETYPE=SkylakeX so Debian's OpenBLAS picks
+/// its AVX-512 kernels (it reads the variable only when the library loads).
+/// Call first thing in main(); returns only when no re-exec happened.
+void MaybeReexecForAvx512(char** argv);
+
+/// The OpenBLAS core in use ("Haswell", "SkylakeX", "Cooperlake", ...).
+std::string OpenBlasCoreName();
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_ENGINE_CPU_MODEL_RUNNER_H_

@@ -1,0 +1,544 @@
+// Golden tests of the CPU forward against an independent float64 PyTorch
+// reference (tests/data/golden/README.md), plus position and KV-rollback
+// properties.
+
+#include "common/engine/cpu_model_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace specserve {
+namespace {
+
+using nlohmann::json;
+
+json ReadJson(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return json::parse(ss.str());
+}
+
+std::shared_ptr<const ModelWeights> Load(const std::string& model) {
+  auto w = LoadModelWeights("models/" + model);
+  EXPECT_TRUE(w.ok()) << w.status();
+  return std::make_shared<const ModelWeights>(*std::move(w));
+}
+
+// A runner whose pool holds `blocks` blocks of `block_size` tokens (0 =
+// one max-context sequence).
+std::unique_ptr<CpuModelRunner> Runner(const std::string& model,
+                                       int block_size = 16, int blocks = 0) {
+  auto w = Load(model);
+  KvCacheOptions o;
+  o.block_size = block_size;
+  o.pool_bytes = blocks * CpuModelRunner::BytesPerToken(w->config) *
+                 static_cast<size_t>(block_size);
+  auto r = CpuModelRunner::Create(w, o);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return *std::move(r);
+}
+
+std::unique_ptr<KvSequence> Seq(ModelRunner& runner, int capacity) {
+  auto s = runner.NewSequence(capacity);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return *std::move(s);
+}
+
+double LogSumExp(const float* x, int n) {
+  double m = *std::max_element(x, x + n), s = 0;
+  for (int i = 0; i < n; ++i) s += std::exp(x[i] - m);
+  return m + std::log(s);
+}
+
+int Argmax(const float* x, int n) {
+  return static_cast<int>(std::max_element(x, x + n) - x);
+}
+
+// Compares one logits row with a golden row summary: top-10 ids in order
+// (where the reference's neighbouring logits are not near-ties), logits of
+// the top 10 and of the fixed ids within 1e-3, and the logsumexp.
+void ExpectRowMatches(const float* logits, int vocab, const json& ref,
+                      const json& fixed_ids, const std::string& where) {
+  const json& top = ref["top10"];
+  std::vector<int> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + 10, order.end(),
+                    [&](int a, int b) { return logits[a] > logits[b]; });
+  for (int k = 0; k < 10; ++k) {
+    const int id = top[k][0];
+    const double ref_logit = top[k][1];
+    EXPECT_NEAR(logits[id], ref_logit, 1e-3) << where << " top" << k;
+    const bool near_tie =
+        (k > 0 && std::abs(double(top[k - 1][1]) - ref_logit) < 2e-3) ||
+        (k < 9 && std::abs(double(top[k + 1][1]) - ref_logit) < 2e-3);
+    if (!near_tie) {
+      EXPECT_EQ(order[k], id) << where << " top" << k;
+    }
+  }
+  for (size_t j = 0; j < fixed_ids.size(); ++j) {
+    EXPECT_NEAR(logits[int(fixed_ids[j])], double(ref["fixed_logits"][j]),
+                1e-3)
+        << where << " fixed id " << fixed_ids[j];
+  }
+  EXPECT_NEAR(LogSumExp(logits, vocab), double(ref["logsumexp"]), 1e-3)
+      << where;
+}
+
+class GoldenTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GoldenTest, LogitsGreedyAndDecodeRowsMatchReference) {
+  const json golden = ReadJson("tests/data/golden/" + GetParam() + ".json");
+  auto model_ptr = Runner(golden["model_dir"]);
+  CpuModelRunner& model = *model_ptr;
+  const int vocab = model.config().vocab_size;
+  const json& fixed = golden["fixed_token_ids"];
+  for (const json& cs : golden["cases"]) {
+    const std::string name = cs["name"];
+    SCOPED_TRACE(name);
+    const std::vector<int> ids = cs["token_ids"];
+    const std::vector<int> pos = cs["position_ids"];
+    auto cache = Seq(model, model.config().max_position_embeddings);
+    ForwardInput in;
+    in.token_ids = ids;
+    in.position_ids = pos;
+    for (const json& r : cs["rows"]) in.logit_rows.push_back(r["row"]);
+    in.logit_rows.push_back(static_cast<int>(ids.size()) - 1);
+    ForwardOutput out;
+    ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+    for (size_t j = 0; j < cs["rows"].size(); ++j) {
+      ExpectRowMatches(out.logits_row(j, vocab), vocab, cs["rows"][j], fixed,
+                       name + " row " + std::to_string(int(cs["rows"][j]["row"])));
+    }
+    // Greedy continuation: token 0 from the last prompt row, token i from
+    // feeding token i-1 at start_position + i - 1 (original positions).
+    const json& greedy = cs["greedy"];
+    const std::vector<int> want = greedy["token_ids"];
+    const int robust = greedy["robust_prefix_len"];
+    const int start = greedy["start_position"];
+    std::vector<int> got = {
+        Argmax(out.logits_row(cs["rows"].size(), vocab), vocab)};
+    std::map<int, json> decode_rows;
+    for (const json& d : cs["decode_rows"]) decode_rows[d["step"]] = d;
+    for (int i = 1; i < static_cast<int>(want.size()); ++i) {
+      // Feed the reference's token so later steps stay comparable even
+      // past a legitimate near-tie divergence.
+      const int fed = want[i - 1];
+      const int p = start + i - 1;
+      ForwardInput step;
+      step.token_ids = absl::MakeConstSpan(&fed, 1);
+      step.position_ids = absl::MakeConstSpan(&p, 1);
+      ForwardOutput o;
+      ASSERT_TRUE(model.Forward(step, cache.get(), &o).ok());
+      got.push_back(Argmax(o.logits.data(), vocab));
+      auto it = decode_rows.find(i - 1);
+      if (it != decode_rows.end()) {
+        ASSERT_EQ(int(it->second["fed_token"]), fed);
+        ASSERT_EQ(int(it->second["position"]), p);
+        ExpectRowMatches(o.logits.data(), vocab, it->second, fixed,
+                         name + " decode step " + std::to_string(i - 1));
+      }
+    }
+    ASSERT_GE(robust, 1);
+    for (int i = 0; i < robust; ++i) {
+      EXPECT_EQ(got[i], want[i]) << name << " greedy token " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllModels, GoldenTest,
+                         ::testing::Values("stories260K", "stories260K-draft",
+                                           "tinystories-656K",
+                                           "tinystories-656K-draft"));
+
+std::vector<float> LastLogits(CpuModelRunner& model,
+                              const std::vector<int>& ids,
+                              const std::vector<int>& pos) {
+  auto cache = Seq(model, 512);
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  ForwardOutput out;
+  EXPECT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  return out.logits;
+}
+
+float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+TEST(CpuModelRunnerTest, PositionsChangeLogitsAndShiftInvarianceHolds) {
+  auto model_ptr = Runner("stories260K");
+  CpuModelRunner& model = *model_ptr;
+  const std::vector<int> ids = {1, 403, 407, 261, 378, 432};
+  const auto a = LastLogits(model, ids, {0, 1, 2, 3, 4, 5});
+  const auto b = LastLogits(model, ids, {0, 1, 2, 3, 4, 9});
+  const auto c = LastLogits(model, ids, {0, 2, 4, 6, 8, 10});
+  EXPECT_GT(MaxAbsDiff(a, b), 1e-2);
+  EXPECT_GT(MaxAbsDiff(a, c), 1e-2);
+  // RoPE attention depends only on relative positions: a common shift of
+  // every position leaves the logits unchanged (up to fp32 rounding).
+  const auto d = LastLogits(model, ids, {17, 18, 19, 20, 21, 22});
+  EXPECT_LT(MaxAbsDiff(a, d), 2e-3);
+}
+
+TEST(CpuModelRunnerTest, IncrementalEqualsOneShot) {
+  auto model_ptr = Runner("tinystories-656K");
+  CpuModelRunner& model = *model_ptr;
+  const std::vector<int> ids = {1, 200, 31, 95, 400, 7, 1999, 12};
+  const std::vector<int> pos = {0, 1, 3, 4, 8, 9, 10, 11};
+  const auto full = LastLogits(model, ids, pos);
+  auto cache = Seq(model, 64);
+  ForwardOutput out;
+  for (size_t i = 0; i < ids.size(); i += 3) {
+    const size_t n = std::min<size_t>(3, ids.size() - i);
+    ForwardInput in;
+    in.token_ids = absl::MakeConstSpan(&ids[i], n);
+    in.position_ids = absl::MakeConstSpan(&pos[i], n);
+    ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  }
+  EXPECT_LT(MaxAbsDiff(full, out.logits), 1e-4);
+}
+
+TEST(CpuModelRunnerTest, KvRollbackEqualsFromScratch) {
+  auto model_ptr = Runner("stories260K");
+  CpuModelRunner& model = *model_ptr;
+  const std::vector<int> a = {1, 403, 407, 261, 378};
+  const std::vector<int> b = {432, 383, 286};
+  const std::vector<int> c = {500, 17, 99, 42};
+  auto pos = [](int from, size_t n) {
+    std::vector<int> p(n);
+    std::iota(p.begin(), p.end(), from);
+    return p;
+  };
+  auto cache = Seq(model, 64);
+  ForwardOutput out;
+  ForwardInput in;
+  const auto pa = pos(0, a.size());
+  in.token_ids = a;
+  in.position_ids = pa;
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  const auto pb = pos(a.size(), b.size());
+  in.token_ids = b;
+  in.position_ids = pb;
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  ASSERT_TRUE(cache->Truncate(a.size()).ok());
+  const auto pc = pos(a.size(), c.size());
+  in.token_ids = c;
+  in.position_ids = pc;
+  in.logit_rows = {0, 1, 2, 3};
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+
+  auto fresh = Seq(model, 64);
+  std::vector<int> ac = a;
+  ac.insert(ac.end(), c.begin(), c.end());
+  const auto pac = pos(0, ac.size());
+  ForwardInput all;
+  all.token_ids = ac;
+  all.position_ids = pac;
+  all.logit_rows = {5, 6, 7, 8};
+  ForwardOutput ref;
+  ASSERT_TRUE(model.Forward(all, fresh.get(), &ref).ok());
+  EXPECT_LT(MaxAbsDiff(out.logits, ref.logits), 1e-4);
+  EXPECT_EQ(cache->size(), fresh->size());
+  EXPECT_EQ(cache->positions(), fresh->positions());
+}
+
+TEST(CpuModelRunnerTest, QueryCaptureMatchesRowsAndKeysAreCached) {
+  auto model_ptr = Runner("stories260K-draft");
+  CpuModelRunner& model = *model_ptr;
+  const auto& c = model.config();
+  const std::vector<int> ids = {1, 403, 407, 261, 378, 432};
+  const std::vector<int> pos = {0, 1, 2, 3, 4, 5};
+  auto cache = Seq(model, 16);
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  in.capture_query_rows = {5, 2};
+  ForwardOutput out;
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  const size_t per = size_t(c.num_attention_heads) * c.head_dim;
+  ASSERT_EQ(out.queries.size(), c.num_hidden_layers * 2 * per);
+  // The same prefix forwarded alone captures the same row-2 queries.
+  auto cache2 = Seq(model, 16);
+  ForwardInput in2;
+  in2.token_ids = absl::MakeConstSpan(ids.data(), 3);
+  in2.position_ids = absl::MakeConstSpan(pos.data(), 3);
+  in2.capture_query_rows = {2};
+  ForwardOutput out2;
+  ASSERT_TRUE(model.Forward(in2, cache2.get(), &out2).ok());
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    for (size_t j = 0; j < per; ++j) {
+      ASSERT_NEAR(out.queries[(l * 2 + 1) * per + j], out2.queries[l * per + j],
+                  1e-5);
+    }
+    // Cached keys of the shared prefix agree too.
+    for (int t = 0; t < 3; ++t) {
+      const int rw = model.row_width();
+      for (int j = 0; j < rw; ++j) {
+        ASSERT_NEAR(model.keys(l)[cache->PhysicalSlot(t) * rw + j],
+                    model.keys(l)[cache2->PhysicalSlot(t) * rw + j], 1e-5);
+      }
+    }
+  }
+}
+
+TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
+  auto model_ptr = Runner("stories260K");
+  CpuModelRunner& model = *model_ptr;
+  auto cache = Seq(model, 4);
+  ForwardOutput out;
+  std::vector<int> ids = {1, 2}, pos = {0, 1};
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  EXPECT_EQ(model.Forward(ForwardInput{}, cache.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<int> bad = {1, 512};
+  in.token_ids = bad;
+  EXPECT_EQ(model.Forward(in, cache.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  in.token_ids = ids;
+  std::vector<int> badpos = {0, 512};
+  in.position_ids = badpos;
+  EXPECT_EQ(model.Forward(in, cache.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  in.position_ids = pos;
+  in.logit_rows = {2};
+  EXPECT_EQ(model.Forward(in, cache.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->size(), 0);
+  in.logit_rows = {};
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  EXPECT_EQ(model.Forward(in, cache.get(), &out).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache->size(), 4);
+}
+
+// A mixed batch (the prefill of one sequence at pruned positions, a decode
+// row of a second, a 4-draft verify round of a third) gives the logits and
+// captured queries each sequence gets alone.
+TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
+  for (const char* name : {"stories260K", "tinystories-656K"}) {
+    SCOPED_TRACE(name);
+    auto model_ptr = Runner(name, /*block_size=*/4, /*blocks=*/512);
+    CpuModelRunner& model = *model_ptr;
+    const int vocab = model.config().vocab_size;
+    std::mt19937 rng(7);
+    auto tokens = [&](int n) {
+      std::vector<int> t(n);
+      for (int& x : t) x = 1 + rng() % (vocab - 1);
+      return t;
+    };
+    // Histories: B and C already hold a prompt.
+    const std::vector<int> hb = tokens(37), hc = tokens(23);
+    std::vector<int> pb(hb.size()), pc(hc.size());
+    std::iota(pb.begin(), pb.end(), 0);
+    for (size_t i = 0; i < pc.size(); ++i) pc[i] = 3 * i + 1;  // pruned
+    // The new tokens of this step.
+    const std::vector<int> na = tokens(29), nb = tokens(1), nc = tokens(5);
+    std::vector<int> pa(na.size());
+    for (size_t i = 0; i < pa.size(); ++i) pa[i] = 2 * i + (i > 10 ? 9 : 0);
+    const std::vector<int> qb = {static_cast<int>(hb.size())};
+    std::vector<int> qc(nc.size());
+    std::iota(qc.begin(), qc.end(), pc.back() + 1);
+
+    auto prefill = [&](KvSequence* kv, const std::vector<int>& ids,
+                       const std::vector<int>& pos) {
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      ForwardOutput out;
+      ASSERT_TRUE(model.Forward(in, kv, &out).ok());
+    };
+    auto step_input = [](const std::vector<int>& ids,
+                         const std::vector<int>& pos,
+                         std::vector<int> logit_rows) {
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      in.logit_rows = std::move(logit_rows);
+      in.capture_query_rows = {static_cast<int>(ids.size()) - 1};
+      return in;
+    };
+    const ForwardInput ia = step_input(na, pa, {0, 10, 28});
+    const ForwardInput ib = step_input(nb, qb, {});
+    const ForwardInput ic = step_input(nc, qc, {0, 1, 2, 3, 4});
+
+    // Alone.
+    std::vector<ForwardOutput> alone(3);
+    {
+      auto a = Seq(model, 512), b = Seq(model, 512), c = Seq(model, 512);
+      prefill(b.get(), hb, pb);
+      prefill(c.get(), hc, pc);
+      ASSERT_TRUE(model.Forward(ia, a.get(), &alone[0]).ok());
+      ASSERT_TRUE(model.Forward(ib, b.get(), &alone[1]).ok());
+      ASSERT_TRUE(model.Forward(ic, c.get(), &alone[2]).ok());
+    }
+    // Together, with the sequences' blocks interleaved in the pool.
+    auto a = Seq(model, 512), b = Seq(model, 512), c = Seq(model, 512);
+    prefill(b.get(), hb, pb);
+    prefill(c.get(), hc, pc);
+    std::vector<SequenceForward> batch(3);
+    batch[0].kv = a.get();
+    batch[0].input = ia;
+    batch[1].kv = b.get();
+    batch[1].input = ib;
+    batch[2].kv = c.get();
+    batch[2].input = ic;
+    std::vector<ForwardOutput> together;
+    ASSERT_TRUE(model.Forward(batch, &together).ok());
+    ASSERT_EQ(together.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(together[i].logit_rows, alone[i].logit_rows);
+      EXPECT_LT(MaxAbsDiff(together[i].logits, alone[i].logits), 1e-5) << i;
+      EXPECT_LT(MaxAbsDiff(together[i].queries, alone[i].queries), 1e-5) << i;
+    }
+    EXPECT_EQ(a->size(), 29);
+    EXPECT_EQ(b->size(), 38);
+    EXPECT_EQ(c->size(), 28);
+  }
+}
+
+// Block size 1 (every token in its own block, scattered across the pool by
+// an interleaved neighbour) and one block as large as the context (a
+// contiguous cache) give the same logits.
+TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
+  auto paged = Runner("tinystories-656K", /*block_size=*/1, /*blocks=*/2048);
+  auto dense = Runner("tinystories-656K", /*block_size=*/512, /*blocks=*/1);
+  std::mt19937 rng(11);
+  std::vector<int> ids(300);
+  for (int& x : ids) x = 1 + rng() % 2000;
+  std::vector<int> pos(ids.size());
+  std::iota(pos.begin(), pos.end(), 0);
+  auto sp = Seq(*paged, 512), other = Seq(*paged, 512);
+  auto sd = Seq(*dense, 512);
+  std::vector<float> lp, ld;
+  for (size_t i = 0; i < ids.size(); i += 50) {
+    ForwardInput in;
+    in.token_ids = absl::MakeConstSpan(&ids[i], 50);
+    in.position_ids = absl::MakeConstSpan(&pos[i], 50);
+    in.logit_rows = {0, 25, 49};
+    ForwardOutput op, od, oo;
+    ASSERT_TRUE(paged->Forward(in, sp.get(), &op).ok());
+    ASSERT_TRUE(paged->Forward(in, other.get(), &oo).ok());  // interleave
+    ASSERT_TRUE(dense->Forward(in, sd.get(), &od).ok());
+    lp.insert(lp.end(), op.logits.begin(), op.logits.end());
+    ld.insert(ld.end(), od.logits.begin(), od.logits.end());
+  }
+  EXPECT_LT(MaxAbsDiff(lp, ld), 1e-5);
+  // The paged sequence's blocks really are scattered.
+  int jumps = 0;
+  for (size_t b = 1; b < sp->block_table().size(); ++b) {
+    jumps += sp->block_table()[b] != sp->block_table()[b - 1] + 1;
+  }
+  EXPECT_GT(jumps, 0);
+}
+
+// A fork shares the prompt's blocks; each branch then extends differently
+// (copy-on-write of the shared partial block) and gets exactly what a
+// fresh sequence with the same tokens gets.
+TEST(CpuModelRunnerTest, ForkSharesBlocksAndBranchesStayIndependent) {
+  auto model_ptr = Runner("stories260K", /*block_size=*/8, /*blocks=*/64);
+  CpuModelRunner& model = *model_ptr;
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432, 383, 286,
+                                   500, 17, 99, 42, 7};  // 13: partial block
+  std::vector<int> pos(prompt.size());
+  std::iota(pos.begin(), pos.end(), 0);
+  auto root = Seq(model, 64);
+  ForwardInput in;
+  in.token_ids = prompt;
+  in.position_ids = pos;
+  ForwardOutput out;
+  ASSERT_TRUE(model.Forward(in, root.get(), &out).ok());
+  const int free_before = model.kv_cache().num_free_blocks();
+  std::unique_ptr<KvSequence> branch = root->Fork();
+  EXPECT_EQ(model.kv_cache().num_free_blocks(), free_before);  // shared
+  EXPECT_EQ(branch->block_table(), root->block_table());
+
+  const std::vector<int> ta = {300, 301, 302}, tb = {50, 60};
+  auto extend = [&](KvSequence* kv, const std::vector<int>& t) {
+    std::vector<int> p(t.size());
+    std::iota(p.begin(), p.end(), kv->size());
+    ForwardInput step;
+    step.token_ids = t;
+    step.position_ids = p;
+    step.logit_rows.resize(t.size());
+    std::iota(step.logit_rows.begin(), step.logit_rows.end(), 0);
+    ForwardOutput o;
+    EXPECT_TRUE(model.Forward(step, kv, &o).ok());
+    return o.logits;
+  };
+  const auto la = extend(root.get(), ta);
+  const auto lb = extend(branch.get(), tb);
+  EXPECT_NE(root->block_table()[1], branch->block_table()[1]);  // copied
+  EXPECT_EQ(root->block_table()[0], branch->block_table()[0]);  // shared
+  auto fresh = [&](const std::vector<int>& t) {
+    auto kv = Seq(model, 64);
+    std::vector<int> all = prompt;
+    all.insert(all.end(), t.begin(), t.end());
+    std::vector<int> p(all.size());
+    std::iota(p.begin(), p.end(), 0);
+    ForwardInput f;
+    f.token_ids = all;
+    f.position_ids = p;
+    for (size_t i = prompt.size(); i < all.size(); ++i) {
+      f.logit_rows.push_back(i);
+    }
+    ForwardOutput o;
+    EXPECT_TRUE(model.Forward(f, kv.get(), &o).ok());
+    return o.logits;
+  };
+  EXPECT_LT(MaxAbsDiff(la, fresh(ta)), 1e-4);
+  EXPECT_LT(MaxAbsDiff(lb, fresh(tb)), 1e-4);
+  root.reset();
+  branch.reset();
+  EXPECT_EQ(model.kv_cache().num_free_blocks(), 64);
+}
+
+// Out of blocks: RESOURCE_EXHAUSTED and no sequence of the batch changes;
+// truncation (rejected drafts) returns whole blocks to the pool.
+TEST(CpuModelRunnerTest, ExhaustionAndRollbackFreeBlocks) {
+  auto model_ptr = Runner("stories260K", /*block_size=*/4, /*blocks=*/5);
+  CpuModelRunner& model = *model_ptr;
+  auto a = Seq(model, 64), b = Seq(model, 64);
+  std::vector<int> ids(12, 5), pos(12);
+  std::iota(pos.begin(), pos.end(), 0);
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  ForwardOutput out;
+  ASSERT_TRUE(model.Forward(in, a.get(), &out).ok());  // 3 blocks
+  EXPECT_EQ(model.kv_cache().num_free_blocks(), 2);
+  std::vector<SequenceForward> batch(2);
+  std::vector<int> one = {9}, p12 = {12};
+  batch[0].kv = a.get();
+  batch[0].input.token_ids = one;
+  batch[0].input.position_ids = p12;
+  batch[1].kv = b.get();
+  batch[1].input = in;  // needs 3 blocks, 1 left after a's append
+  std::vector<ForwardOutput> outs;
+  EXPECT_EQ(model.Forward(batch, &outs).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(a->size(), 12);
+  EXPECT_EQ(b->size(), 0);
+  EXPECT_EQ(model.kv_cache().num_free_blocks(), 2);
+  ASSERT_TRUE(a->Truncate(5).ok());  // keeps 2 blocks
+  EXPECT_EQ(model.kv_cache().num_free_blocks(), 3);
+  EXPECT_TRUE(model.Forward(batch, &outs).ok());
+  EXPECT_EQ(model.kv_cache().num_free_blocks(), 0);
+}
+
+}  // namespace
+}  // namespace specserve

@@ -1,0 +1,124 @@
+#include "common/engine/model_runner.h"
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace specserve {
+
+absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
+                                                      const ForwardInput& in) {
+  const int n = static_cast<int>(in.token_ids.size());
+  if (n == 0) return absl::InvalidArgumentError("token_ids is empty");
+  if (in.position_ids.size() != in.token_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "position_ids has ", in.position_ids.size(), " entries, token_ids ",
+        n));
+  }
+  for (int i = 0; i < n; ++i) {
+    if (in.token_ids[i] < 0 || in.token_ids[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ids[", i, "] = ", in.token_ids[i],
+                       " outside the vocabulary [0, ", c.vocab_size, ")"));
+    }
+    if (in.position_ids[i] < 0 ||
+        in.position_ids[i] >= c.max_position_embeddings) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "position_ids[", i, "] = ", in.position_ids[i], " outside [0, ",
+          c.max_position_embeddings, ")"));
+    }
+  }
+  std::vector<int> logit_rows = in.logit_rows;
+  if (logit_rows.empty()) logit_rows.push_back(n - 1);
+  for (int r : logit_rows) {
+    if (r < 0 || r >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit row ", r, " outside [0, ", n, ")"));
+    }
+  }
+  for (int r : in.capture_query_rows) {
+    if (r < 0 || r >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("query capture row ", r, " outside [0, ", n, ")"));
+    }
+  }
+  return logit_rows;
+}
+
+absl::StatusOr<std::unique_ptr<KvSequence>> ModelRunner::NewSequence(
+    int max_tokens) {
+  const int max_ctx = config().max_position_embeddings;
+  if (max_tokens < 1 || max_tokens > max_ctx) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV cache capacity ", max_tokens, " outside [1, ", max_ctx, "]"));
+  }
+  return kv_cache().NewSequence(max_tokens);
+}
+
+absl::Status ModelRunner::Forward(const ForwardInput& in, KvSequence* kv,
+                                  ForwardOutput* out) {
+  SequenceForward entry;
+  entry.kv = kv;
+  entry.input = in;
+  std::vector<ForwardOutput> outs;
+  absl::Status s = Forward(absl::MakeConstSpan(&entry, 1), &outs);
+  if (s.ok()) *out = std::move(outs[0]);
+  return s;
+}
+
+absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
+    const ModelConfig& config, const PagedKvCache& cache,
+    absl::Span<const SequenceForward> batch) {
+  if (batch.empty()) return absl::InvalidArgumentError("the batch is empty");
+  std::vector<std::vector<int>> rows(batch.size());
+  absl::flat_hash_set<const KvSequence*> seen;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SequenceForward& e = batch[i];
+    if (e.kv == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batch[", i, "]: no KV sequence"));
+    }
+    if (e.kv->cache() != &cache) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch[", i, "]: the KV sequence belongs to another model's cache"));
+    }
+    if (!seen.insert(e.kv).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batch[", i, "]: a sequence appears twice"));
+    }
+    absl::StatusOr<std::vector<int>> r = ValidateForwardInput(config, e.input);
+    if (!r.ok()) {
+      // One sequence alone keeps the plain message callers already match.
+      if (batch.size() == 1) return r.status();
+      return absl::Status(r.status().code(),
+                          absl::StrCat("batch[", i, "]: ", r.status().message()));
+    }
+    rows[i] = *std::move(r);
+  }
+  return rows;
+}
+
+absl::Status ReserveBatch(absl::Span<const SequenceForward> batch,
+                          std::vector<int>* first) {
+  first->assign(batch.size(), 0);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int n = static_cast<int>(in.token_ids.size());
+    absl::StatusOr<int> f = batch[i].kv->Reserve(n);
+    if (!f.ok()) {
+      UnreserveBatch(batch.subspan(0, i), *first);
+      return f.status();
+    }
+    (*first)[i] = *f;
+    batch[i].kv->SetPositions(*f, in.position_ids.data(), n);
+  }
+  return absl::OkStatus();
+}
+
+void UnreserveBatch(absl::Span<const SequenceForward> batch,
+                    const std::vector<int>& first) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i].kv->Truncate(first[i]).IgnoreError();
+  }
+}
+
+}  // namespace specserve

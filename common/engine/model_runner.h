@@ -1,0 +1,163 @@
+#ifndef SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_H_
+#define SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/engine/paged_kv_cache.h"
+#include "common/model/config.h"
+#include "common/specprefill/importance.h"
+
+namespace specserve {
+
+/// One sequence's new tokens in a forward pass, appended after whatever
+/// its KV sequence already holds: a prefill chunk, one decode row, or the
+/// k + 1 rows of a verify round.
+struct ForwardInput {
+  /// [n] token ids, each in [0, vocab).
+  absl::Span<const int> token_ids;
+  /// [n] RoPE position ids, each in [0, max_position_embeddings). Any order
+  /// is accepted (Speculative Prefill passes the kept tokens' original,
+  /// non-contiguous positions); attention is causal over the cache ORDER.
+  absl::Span<const int> position_ids;
+  /// Rows (indices into [0, n)) whose logits are returned. Empty = last row
+  /// only. Rows nobody asked for never touch the vocabulary projection.
+  std::vector<int> logit_rows;
+  /// Rows whose post-RoPE queries are captured at every layer (Speculative
+  /// Prefill scores the last prompt row and the look-ahead rows).
+  std::vector<int> capture_query_rows;
+};
+
+/// One sequence's output of a forward pass.
+struct ForwardOutput {
+  /// The rows `logits` holds, in order (resolved from logit_rows).
+  std::vector<int> logit_rows;
+  /// [logit_rows.size(), vocab] fp32 logits.
+  std::vector<float> logits;
+  /// [num_layers, capture_query_rows.size(), num_heads, head_dim] post-RoPE
+  /// queries, layer-major; empty when no rows were captured or they went
+  /// to a QueryCapture.
+  std::vector<float> queries;
+
+  const float* logits_row(int i, int vocab) const {
+    return logits.data() + static_cast<size_t>(i) * vocab;
+  }
+};
+
+/// Post-RoPE queries of Speculative Prefill's scoring rows, kept where the
+/// backend computes (host or device) across forward passes: the last prompt
+/// row from the prefill, then one row per look-ahead step. Created by
+/// ModelRunner::NewQueryCapture; read by ModelRunner::ScoreImportance.
+class QueryCapture {
+ public:
+  virtual ~QueryCapture() = default;
+  /// Rows captured so far, in capture order.
+  virtual int rows() const = 0;
+  virtual int max_rows() const = 0;
+  /// Forgets every captured row.
+  virtual void Clear() = 0;
+  /// fp32 [num_layers, rows(), num_heads, head_dim] on the host (the
+  /// layout of ForwardOutput::queries). Backend errors as INTERNAL.
+  virtual absl::StatusOr<std::vector<float>> CopyToHost() const = 0;
+};
+
+/// One entry of a batched forward.
+struct SequenceForward {
+  KvSequence* kv = nullptr;  ///< the sequence's cache; appended to.
+  ForwardInput input;
+  /// If set, the captured queries are appended here (on the backend's
+  /// device) instead of ForwardOutput::queries.
+  QueryCapture* capture = nullptr;
+};
+
+/// Speculative Prefill importance of one prompt (REFERENCE.md section 1,
+/// steps 3-5).
+struct ImportanceResult {
+  std::vector<float> importance;                       ///< [prompt_len]
+  std::vector<std::vector<float>> per_row_importance;  ///< [rows][prompt_len]
+};
+
+/// Checks one sequence's input against the model (every backend rejects
+/// the same inputs with the same messages): INVALID_ARGUMENT for an empty
+/// batch, mismatched lengths, a token id outside the vocabulary, a position
+/// outside [0, max_position_embeddings) or a logit / capture row outside
+/// [0, n). Returns the logit rows to compute (the last row when none were
+/// asked for).
+absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& config,
+                                                      const ForwardInput& in);
+
+/// The model engine's one interface, implemented by the CPU
+/// (CpuModelRunner) and CUDA (CudaModelRunner) backends: a Llama-family
+/// forward over a BATCH of sequences, each contributing any number of new
+/// tokens at explicit position ids, over the runner's one paged KV cache
+/// (vLLM v1's GPUModelRunner + KVCacheManager split). The linear layers run
+/// over the concatenated rows of all sequences at once (the weights are
+/// read once per batch); attention runs per sequence over its own blocks.
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  /// "cpu" or "cuda".
+  virtual std::string backend() const = 0;
+  /// The KV cache every sequence of this model lives in.
+  virtual PagedKvCache& kv_cache() = 0;
+
+  /// A new empty sequence in kv_cache() with room for `max_tokens` tokens
+  /// (INVALID_ARGUMENT unless 1 <= max_tokens <= max_position_embeddings).
+  absl::StatusOr<std::unique_ptr<KvSequence>> NewSequence(int max_tokens);
+
+  /// Room for `max_rows` captured query rows. INVALID_ARGUMENT if
+  /// max_rows < 1; RESOURCE_EXHAUSTED / INTERNAL from device allocation.
+  virtual absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
+      int max_rows) = 0;
+
+  /// Runs every entry of `batch` in one forward pass: appends each entry's
+  /// keys and values to its sequence and fills (*out)[i] for batch[i].
+  /// Sequences must be distinct and belong to kv_cache().
+  /// Errors (then nothing is appended to any sequence or capture):
+  /// INVALID_ARGUMENT for an empty batch, a null or repeated sequence, or
+  /// an entry ValidateForwardInput rejects (the message names the entry);
+  /// RESOURCE_EXHAUSTED when a sequence is at its max_tokens, the pool has
+  /// no free block, or a capture is full; INTERNAL for backend failures.
+  virtual absl::Status Forward(absl::Span<const SequenceForward> batch,
+                               std::vector<ForwardOutput>* out) = 0;
+
+  /// One-sequence convenience form of Forward.
+  absl::Status Forward(const ForwardInput& in, KvSequence* kv,
+                       ForwardOutput* out);
+
+  /// Speculative Prefill scoring: every row of `capture` against the first
+  /// `prompt_len` cached keys of `kv`, reduced layer by layer
+  /// (ImportanceAccumulator semantics; `num_threads` for the CPU's
+  /// reduction). INVALID_ARGUMENT for an empty capture, prompt_len outside
+  /// [1, kv.size()] or bad options; INTERNAL for backend failures.
+  virtual absl::StatusOr<ImportanceResult> ScoreImportance(
+      const KvSequence& kv, int prompt_len, const QueryCapture& capture,
+      const ScoringOptions& options, int num_threads) = 0;
+};
+
+/// Shared checks of a batch (distinct, non-null sequences of `cache`,
+/// inputs valid): returns each entry's resolved logit rows, or the first
+/// error with "batch[i]: " prefixed.
+absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
+    const ModelConfig& config, const PagedKvCache& cache,
+    absl::Span<const SequenceForward> batch);
+
+/// Reserves each entry's new slots in its sequence (and records their
+/// positions); on failure rolls back the entries already reserved and
+/// returns the error. Fills `first[i]` with entry i's first new slot.
+absl::Status ReserveBatch(absl::Span<const SequenceForward> batch,
+                          std::vector<int>* first);
+
+/// Undoes ReserveBatch: truncates every entry back to first[i].
+void UnreserveBatch(absl::Span<const SequenceForward> batch,
+                    const std::vector<int>& first);
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_H_

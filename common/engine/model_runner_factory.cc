@@ -1,0 +1,56 @@
+#include "common/engine/model_runner_factory.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/cuda/cuda_model_runner.h"
+#include "common/cuda/cuda_weights.h"
+#include "common/cuda/device.h"
+
+namespace specserve {
+namespace {
+
+absl::StatusOr<CudaDType> ParseCudaDType(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return CudaDType::kBF16;
+  if (s == "fp16" || s == "float16") return CudaDType::kFP16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("cuda_dtype must be bf16 or fp16, got \"", s, "\""));
+}
+
+}  // namespace
+
+absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
+                                       const RunnerOptions& options) {
+  absl::StatusOr<DeviceKind> kind =
+      ParseDevice(options.device, CudaAvailable());
+  if (!kind.ok()) return kind.status();
+  if (*kind == DeviceKind::kCpu) return CpuModelRunner::BytesPerToken(config);
+  absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
+  if (!dt.ok()) return dt.status();
+  return CudaModelRunner::BytesPerToken(config, *dt);
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
+    std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options) {
+  if (weights == nullptr) {
+    return absl::InvalidArgumentError("CreateModelRunner: weights is null");
+  }
+  absl::StatusOr<DeviceKind> kind =
+      ParseDevice(options.device, CudaAvailable());
+  if (!kind.ok()) return kind.status();
+  if (*kind == DeviceKind::kCpu) {
+    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
+        CpuModelRunner::Create(std::move(weights), options.kv_cache);
+    if (!r.ok()) return r.status();
+    return std::unique_ptr<ModelRunner>(*std::move(r));
+  }
+  absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
+  if (!dt.ok()) return dt.status();
+  absl::StatusOr<std::shared_ptr<const CudaWeights>> gw =
+      CudaWeights::Upload(*weights, *dt);
+  if (!gw.ok()) return gw.status();
+  absl::StatusOr<std::unique_ptr<CudaModelRunner>> r =
+      CudaModelRunner::Create(*std::move(gw), options.kv_cache);
+  if (!r.ok()) return r.status();
+  return std::unique_ptr<ModelRunner>(*std::move(r));
+}
+
+}  // namespace specserve

@@ -1,0 +1,40 @@
+#ifndef SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_FACTORY_H_
+#define SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_FACTORY_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/engine/cpu_model_runner.h"
+#include "common/engine/model_runner.h"
+#include "common/model/weights.h"
+
+namespace specserve {
+
+/// How a service runs its model (the `--device`, `--kv_budget_bytes`,
+/// `--kv_block_size` and `--cuda_dtype` flags of both services).
+struct RunnerOptions {
+  /// "cpu", "cuda" (alias "gpu"), or "" / "auto": cuda when a GPU is
+  /// present, else cpu (common/cuda/device.h).
+  std::string device = "auto";
+  KvCacheOptions kv_cache;
+  /// Weights and KV cache element type on CUDA: "bf16" or "fp16".
+  std::string cuda_dtype = "bf16";
+};
+
+/// Builds the ModelRunner `options.device` names over `weights` (uploaded
+/// to the GPU for cuda; the host copy can be dropped afterwards).
+/// Errors: INVALID_ARGUMENT naming a bad device / dtype / cache option;
+/// FAILED_PRECONDITION for cuda without a GPU; the backends' errors
+/// (RESOURCE_EXHAUSTED when the weights or the KV pool do not fit).
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
+    std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options);
+
+/// Bytes of KV cache one token costs on the backend `options` selects
+/// (fp32 on CPU, the CUDA dtype on GPU): what admission charges per token.
+absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
+                                       const RunnerOptions& options);
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_FACTORY_H_

@@ -1,0 +1,63 @@
+#include "common/engine/model_runner_factory.h"
+
+#include "common/cuda/device.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace {
+
+std::shared_ptr<const ModelWeights> Load() {
+  auto w = LoadModelWeights("models/stories260K");
+  EXPECT_TRUE(w.ok()) << w.status();
+  return std::make_shared<const ModelWeights>(*std::move(w));
+}
+
+TEST(ModelRunnerFactoryTest, CpuRunnerAndPoolSizedInBytes) {
+  RunnerOptions o;
+  o.device = "cpu";
+  o.kv_cache.block_size = 16;
+  const size_t per_token = CpuModelRunner::BytesPerToken(Load()->config);
+  o.kv_cache.pool_bytes = per_token * 16 * 10 + 5;  // 10 blocks and change
+  auto r = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->backend(), "cpu");
+  EXPECT_EQ((*r)->kv_cache().num_blocks(), 10);
+  EXPECT_EQ((*r)->kv_cache().block_size(), 16);
+  EXPECT_EQ(*KvBytesPerToken(Load()->config, o), per_token);
+}
+
+TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
+  RunnerOptions o;
+  o.device = "tpu";
+  auto r = CreateModelRunner(Load(), o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  o.device = "cpu";
+  o.kv_cache.block_size = 0;
+  r = CreateModelRunner(Load(), o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("block_size"), std::string::npos);
+  o.kv_cache.block_size = 16;
+  o.kv_cache.pool_bytes = 1;  // less than one block
+  EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.device = "cuda";
+  o.kv_cache.pool_bytes = 0;
+  o.cuda_dtype = "fp8";
+  if (CudaAvailable()) {
+    EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  } else {
+    EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+TEST(ModelRunnerFactoryTest, AutoPicksCudaOnlyWithAGpu) {
+  RunnerOptions o;  // device "auto"
+  auto r = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->backend(), CudaAvailable() ? "cuda" : "cpu");
+}
+
+}  // namespace
+}  // namespace specserve

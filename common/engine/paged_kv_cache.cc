@@ -1,0 +1,120 @@
+#include "common/engine/paged_kv_cache.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace specserve {
+
+PagedKvCache::PagedKvCache(int num_blocks, int block_size,
+                           size_t bytes_per_token, BlockCopier copier)
+    : pool_(num_blocks),
+      block_size_(block_size < 1 ? 1 : block_size),
+      bytes_per_token_(bytes_per_token),
+      copier_(std::move(copier)) {}
+
+int PagedKvCache::BlocksForBytes(size_t bytes, int block_size,
+                                 size_t bytes_per_token) {
+  const size_t per_block = bytes_per_token * static_cast<size_t>(block_size);
+  if (per_block == 0) return 0;
+  const size_t n = bytes / per_block;
+  return n > size_t{1} << 30 ? 1 << 30 : static_cast<int>(n);
+}
+
+std::unique_ptr<KvSequence> PagedKvCache::NewSequence(int max_tokens) {
+  return std::unique_ptr<KvSequence>(new KvSequence(this, max_tokens));
+}
+
+double PagedKvCache::usage() const {
+  const int n = num_blocks();
+  return n == 0 ? 0.0 : 1.0 - static_cast<double>(num_free_blocks()) / n;
+}
+
+KvSequence::~KvSequence() { ReleaseBlocksFrom(0); }
+
+void KvSequence::ReleaseBlocksFrom(size_t keep) {
+  for (size_t i = keep; i < blocks_.size(); ++i) {
+    cache_->pool_.Unref(blocks_[i]).IgnoreError();  // ids are ours: cannot fail
+  }
+  if (keep < blocks_.size()) blocks_.resize(keep);
+}
+
+size_t KvSequence::bytes_capacity() const {
+  return cache_->bytes_per_block() *
+         PagedKvCache::BlocksForTokens(max_tokens_, cache_->block_size());
+}
+
+absl::StatusOr<int> KvSequence::Reserve(int n) {
+  if (n < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot reserve ", n, " KV slots"));
+  }
+  if (static_cast<int64_t>(size_) + n > max_tokens_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache full: ", size_, " cached + ", n,
+                     " new tokens exceed the sequence's capacity ",
+                     max_tokens_));
+  }
+  const int bs = cache_->block_size();
+  const int have = static_cast<int>(blocks_.size());
+  const int need = PagedKvCache::BlocksForTokens(size_ + n, bs);
+  // The next write lands in a partially filled block shared with another
+  // sequence: copy it first so the other side's tokens stay intact.
+  const bool cow = n > 0 && size_ % bs != 0 &&
+                   cache_->pool_.ref_count(blocks_[size_ / bs]) > 1;
+  const int fresh = (need > have ? need - have : 0) + (cow ? 1 : 0);
+  if (fresh > 0) {
+    absl::StatusOr<std::vector<int>> got = cache_->pool_.Allocate(fresh);
+    if (!got.ok()) return got.status();
+    size_t next = 0;
+    if (cow) {
+      const int shared = blocks_[size_ / bs];
+      const int copy = (*got)[next++];
+      if (cache_->copier_) {
+        if (absl::Status s = cache_->copier_(shared, copy); !s.ok()) {
+          for (int b : *got) cache_->pool_.Unref(b).IgnoreError();
+          return s;
+        }
+      }
+      blocks_[size_ / bs] = copy;
+      cache_->pool_.Unref(shared).IgnoreError();
+    }
+    for (; next < got->size(); ++next) blocks_.push_back((*got)[next]);
+  }
+  const int first = size_;
+  size_ += n;
+  positions_.resize(size_, -1);
+  return first;
+}
+
+void KvSequence::SetPositions(int first, const int* positions, int n) {
+  for (int i = 0; i < n; ++i) positions_[first + i] = positions[i];
+}
+
+absl::Status KvSequence::Truncate(int n) {
+  if (n < 0 || n > size_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot truncate KV cache of ", size_, " tokens to ", n));
+  }
+  size_ = n;
+  positions_.resize(n);
+  ReleaseBlocksFrom(PagedKvCache::BlocksForTokens(n, cache_->block_size()));
+  return absl::OkStatus();
+}
+
+void KvSequence::Clear() {
+  size_ = 0;
+  positions_.clear();
+  ReleaseBlocksFrom(0);
+}
+
+std::unique_ptr<KvSequence> KvSequence::Fork() const {
+  std::unique_ptr<KvSequence> f(new KvSequence(cache_, max_tokens_));
+  for (int b : blocks_) cache_->pool_.Ref(b).IgnoreError();  // ours: live
+  f->blocks_ = blocks_;
+  f->size_ = size_;
+  f->positions_ = positions_;
+  return f;
+}
+
+}  // namespace specserve

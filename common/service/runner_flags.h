@@ -1,0 +1,17 @@
+#ifndef SPECSERVE_COMMON_SERVICE_RUNNER_FLAGS_H_
+#define SPECSERVE_COMMON_SERVICE_RUNNER_FLAGS_H_
+
+#include "common/engine/model_runner_factory.h"
+
+namespace specserve {
+
+/// The engine flags both model services take:
+///   --device cpu|cuda|auto  (auto: cuda when a GPU is present)
+///   --kv_block_size N       (tokens per KV cache block, default 16)
+///   --cuda_dtype bf16|fp16  (weights and KV cache on the GPU)
+/// The pool size comes from each service's --kv_budget_bytes.
+RunnerOptions RunnerOptionsFromFlags();
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_SERVICE_RUNNER_FLAGS_H_
