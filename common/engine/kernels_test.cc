@@ -91,13 +91,6 @@ TEST(KernelsTest, ExpAndSoftmaxAccuracy) {
   for (int i = 45; i < 50; ++i) EXPECT_EQ(row[i], 0.f);
 }
 
-}  // namespace
-}  // namespace kernels
-}  // namespace specserve
-
-namespace specserve {
-namespace kernels {
-namespace {
 
 using GemvFn = void (*)(const float*, int, int, const float*, int, int,
                         float*, int, float);
@@ -151,42 +144,48 @@ INSTANTIATE_TEST_SUITE_P(Paths, BatchedGemvTest, ::testing::Bool(),
                          });
 
 TEST(KernelsTest, AttentionRowsMatchesNaive) {
-  // Slots 0..7 in blocks of 3: logical block b lives in physical block
-  // table[b] of a 4-block pool, out of order.
-  const int H = 4, KV = 2, D = 12, first = 5, rows = 3, bs = 3;
-  const int total = first + rows, qs = H * D + 3, kvs = KV * D + 1;
-  const std::vector<int> table = {2, 0, 3};
-  auto q = Random(size_t(rows) * qs, 12);
-  auto kp = Random(size_t(4 * bs) * kvs, 13), vp = Random(size_t(4 * bs) * kvs, 14);
-  std::vector<float> k(size_t(total) * kvs), v(size_t(total) * kvs);
-  for (int j = 0; j < total; ++j) {
-    const size_t phys = size_t(table[j / bs]) * bs + j % bs;
-    std::copy_n(&kp[phys * kvs], kvs, &k[size_t(j) * kvs]);
-    std::copy_n(&vp[phys * kvs], kvs, &v[size_t(j) * kvs]);
-  }
-  const float scale = 1.f / std::sqrt(float(D));
-  std::vector<float> scores(total), out(size_t(rows) * H * D);
-  AttentionRows(q.data(), qs, rows, first, H, KV, D, kp.data(), vp.data(),
-                kvs, table.data(), bs, scale, scores.data(), out.data(),
-                H * D);
-  for (int i = 0; i < rows; ++i) {
-    for (int h = 0; h < H; ++h) {
-      const int g = h / (H / KV), nk = first + i + 1;
-      std::vector<double> p(nk);
-      double mx = -1e300, sum = 0;
-      for (int j = 0; j < nk; ++j) {
-        double dot = 0;
-        for (int d = 0; d < D; ++d) {
-          dot += double(q[i * qs + h * D + d]) * k[j * kvs + g * D + d];
+  // 16 slots in blocks of 3: logical block b lives in physical block
+  // table[b] of a 6-block pool, out of order. Head sizes cover the vector
+  // tails (12, 80) and one and two 64-float register chunks (64, 128); 13
+  // cached keys + 3 rows cover the 8-key groups and their remainder.
+  for (int D : {12, 64, 80, 128}) {
+    SCOPED_TRACE(D);
+    const int H = 4, KV = 2, first = 13, rows = 3, bs = 3;
+    const int total = first + rows, qs = H * D + 3, kvs = KV * D + 1;
+    const std::vector<int> table = {2, 0, 5, 3, 1, 4};
+    auto q = Random(size_t(rows) * qs, 12);
+    auto kp = Random(size_t(6 * bs) * kvs, 13);
+    auto vp = Random(size_t(6 * bs) * kvs, 14);
+    std::vector<float> k(size_t(total) * kvs), v(size_t(total) * kvs);
+    for (int j = 0; j < total; ++j) {
+      const size_t phys = size_t(table[j / bs]) * bs + j % bs;
+      std::copy_n(&kp[phys * kvs], kvs, &k[size_t(j) * kvs]);
+      std::copy_n(&vp[phys * kvs], kvs, &v[size_t(j) * kvs]);
+    }
+    const float scale = 1.f / std::sqrt(float(D));
+    std::vector<float> scores(total), out(size_t(rows) * H * D);
+    AttentionRows(q.data(), qs, rows, first, H, KV, D, kp.data(), vp.data(),
+                  kvs, table.data(), bs, scale, scores.data(), out.data(),
+                  H * D);
+    for (int i = 0; i < rows; ++i) {
+      for (int h = 0; h < H; ++h) {
+        const int g = h / (H / KV), nk = first + i + 1;
+        std::vector<double> p(nk);
+        double mx = -1e300, sum = 0;
+        for (int j = 0; j < nk; ++j) {
+          double dot = 0;
+          for (int d = 0; d < D; ++d) {
+            dot += double(q[i * qs + h * D + d]) * k[j * kvs + g * D + d];
+          }
+          p[j] = dot * scale;
+          mx = std::max(mx, p[j]);
         }
-        p[j] = dot * scale;
-        mx = std::max(mx, p[j]);
-      }
-      for (double& x : p) sum += (x = std::exp(x - mx));
-      for (int d = 0; d < D; ++d) {
-        double o = 0;
-        for (int j = 0; j < nk; ++j) o += p[j] / sum * v[j * kvs + g * D + d];
-        ASSERT_NEAR(out[(i * H + h) * D + d], o, 1e-5) << i << " " << h;
+        for (double& x : p) sum += (x = std::exp(x - mx));
+        for (int d = 0; d < D; ++d) {
+          double o = 0;
+          for (int j = 0; j < nk; ++j) o += p[j] / sum * v[j * kvs + g * D + d];
+          ASSERT_NEAR(out[(i * H + h) * D + d], o, 1e-5) << i << " " << h;
+        }
       }
     }
   }
