@@ -31,10 +31,13 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& options,
 /// embedding, RMSNorm, rotate_half RoPE at explicit position ids,
 /// grouped-query causal attention over each sequence's cached + new tokens,
 /// SiLU-gated MLP, final norm, tied or separate lm_head. The projections
-/// and the MLP run over the rows of ALL sequences at once: OpenBLAS sgemm
-/// for prefill-sized batches, a batched GEMV that streams the weights once
-/// for up to 12 rows (decode and verify). Attention runs per sequence over
-/// its blocks (in place when they are physically contiguous, else gathered).
+/// and the MLP run over the rows of ALL sequences at once: a batched GEMV
+/// that streams the weights once for up to 64 rows (decode and verify rows
+/// of many sequences; AVX-512 where available), OpenBLAS sgemm beyond.
+/// Attention runs per sequence over its own blocks: sequences with up to
+/// 16 new rows straight from the blocks (kernels::AttentionRows, spread
+/// over the engine's threads), longer prefill chunks with sgemm over dense
+/// K/V (in place when the blocks are physically contiguous, else gathered).
 ///
 /// The KV pool is fp32 host memory, [num_blocks * block_size, kv_heads,
 /// head_dim] per layer for K and for V, committed page by page as blocks
