@@ -505,16 +505,8 @@ absl::StatusOr<ImportanceResult> CudaModelRunner::ScoreImportance(
     const KvSequence& kv, int prompt_len, const QueryCapture& capture,
     const ScoringOptions& options, int /*num_threads*/) {
   const auto* cap = dynamic_cast<const CudaQueryCapture*>(&capture);
-  if (cap == nullptr) {
-    return absl::InvalidArgumentError(
-        "the query capture belongs to another backend");
-  }
-  if (cap->rows() < 1) {
-    return absl::InvalidArgumentError("the query capture is empty");
-  }
-  if (prompt_len < 1 || prompt_len > kv.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_len ", prompt_len, " outside [1, ", kv.size(), "]"));
+  if (absl::Status s = ValidateScoringInput(cap, kv, prompt_len); !s.ok()) {
+    return s;
   }
   const ModelConfig& c = config();
   const CudaDType dt = weights_->dtype();

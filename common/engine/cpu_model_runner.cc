@@ -458,16 +458,8 @@ absl::StatusOr<ImportanceResult> CpuModelRunner::ScoreImportance(
     const ScoringOptions& options, int num_threads) {
   const ModelConfig& c = config();
   const auto* cap = dynamic_cast<const CpuQueryCapture*>(&capture);
-  if (cap == nullptr) {
-    return absl::InvalidArgumentError(
-        "the query capture belongs to another backend");
-  }
-  if (cap->rows() < 1) {
-    return absl::InvalidArgumentError("the query capture is empty");
-  }
-  if (prompt_len < 1 || prompt_len > kv.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_len ", prompt_len, " outside [1, ", kv.size(), "]"));
+  if (absl::Status s = ValidateScoringInput(cap, kv, prompt_len); !s.ok()) {
+    return s;
   }
   const int rows = cap->rows();
   const int H = c.num_attention_heads, D = c.head_dim;

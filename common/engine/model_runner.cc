@@ -97,6 +97,22 @@ absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
   return rows;
 }
 
+absl::Status ValidateScoringInput(const QueryCapture* capture,
+                                  const KvSequence& kv, int prompt_len) {
+  if (capture == nullptr) {
+    return absl::InvalidArgumentError(
+        "the query capture belongs to another backend");
+  }
+  if (capture->rows() < 1) {
+    return absl::InvalidArgumentError("the query capture is empty");
+  }
+  if (prompt_len < 1 || prompt_len > kv.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_len ", prompt_len, " outside [1, ", kv.size(), "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReserveBatch(absl::Span<const SequenceForward> batch,
                           std::vector<int>* first) {
   first->assign(batch.size(), 0);

@@ -148,6 +148,13 @@ absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
     const ModelConfig& config, const PagedKvCache& cache,
     absl::Span<const SequenceForward> batch);
 
+/// Shared checks of ScoreImportance's arguments. `capture` is the caller's
+/// capture cast to the backend's own type (nullptr when it belongs to
+/// another backend). INVALID_ARGUMENT for another backend's or an empty
+/// capture, or prompt_len outside [1, kv.size()].
+absl::Status ValidateScoringInput(const QueryCapture* capture,
+                                  const KvSequence& kv, int prompt_len);
+
 /// Reserves each entry's new slots in its sequence (and records their
 /// positions); on failure rolls back the entries already reserved and
 /// returns the error. Fills `first[i]` with entry i's first new slot.
