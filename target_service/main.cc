@@ -28,7 +28,9 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listening address");
 ABSL_FLAG(int, port, 50052, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9092, "Prometheus /metrics port (0 = any)");
 ABSL_FLAG(int, threads, 0, "OpenBLAS threads per forward (0 = default)");
-ABSL_FLAG(int, workers, 2, "forwards run concurrently (executor threads)");
+ABSL_FLAG(int, max_num_batched_tokens, 2048,
+          "rows (tokens) per batched forward: decode/verify rows of all "
+          "streams first, then prefill chunks; >= max_drafts + 1");
 ABSL_FLAG(int, max_sessions, 64, "concurrent Generate streams admitted");
 ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
           "KV cache bytes all admitted sessions may reserve together");
@@ -49,7 +51,7 @@ int main(int argc, char** argv) {
   options.model_id = absl::GetFlag(FLAGS_model_id);
   options.host = absl::GetFlag(FLAGS_host);
   options.threads = absl::GetFlag(FLAGS_threads);
-  options.workers = absl::GetFlag(FLAGS_workers);
+  options.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.kv_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
   options.runner = specserve::RunnerOptionsFromFlags();

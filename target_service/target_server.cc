@@ -135,7 +135,25 @@ struct TargetServer::Metrics {
         requests(prometheus::BuildCounter()
                      .Name("specserve_target_requests_total")
                      .Help("Generate streams ended, by gRPC status code")
-                     .Register(r)) {}
+                     .Register(r)),
+        batch_sequences(
+            prometheus::BuildHistogram()
+                .Name("specserve_target_batch_sequences")
+                .Help("Sessions per batched forward of the scheduler")
+                .Register(r)
+                .Add({}, ExponentialBuckets(1, 2, 10))),
+        batch_tokens(prometheus::BuildHistogram()
+                         .Name("specserve_target_batch_tokens")
+                         .Help("Rows (tokens) per batched forward, at most "
+                               "--max_num_batched_tokens")
+                         .Register(r)
+                         .Add({}, ExponentialBuckets(1, 2, 16))),
+        kv_cache_usage(prometheus::BuildGauge()
+                           .Name("specserve_target_kv_cache_usage_perc")
+                           .Help("Fraction of the paged KV cache's blocks in "
+                                 "use, [0, 1] (vLLM kv_cache_usage_perc)")
+                           .Register(r)
+                           .Add({})) {}
 
   prometheus::Counter& prefill_tokens;
   prometheus::Histogram& prefill_seconds;
@@ -149,6 +167,9 @@ struct TargetServer::Metrics {
   prometheus::Gauge& active_sessions;
   prometheus::Gauge& kv_cache_bytes;
   prometheus::Family<prometheus::Counter>& requests;
+  prometheus::Histogram& batch_sequences;
+  prometheus::Histogram& batch_tokens;
+  prometheus::Gauge& kv_cache_usage;
 };
 
 // One Generate stream. At any moment exactly one of these is outstanding:
@@ -197,9 +218,19 @@ class TargetServer::GenerateReactor
       FinishOnce(ToGrpcStatus(status));
       return;
     }
-    // busy_ is set: this reactor is not touched again on this thread.
-    server_->executor_->Submit(
-        [this, d = std::move(drafts)] { RunRound(d); });
+    // busy_ is set: this reactor is not touched again on this thread until
+    // the scheduler runs OnRoundDone.
+    TargetSession* session;
+    {
+      absl::MutexLock lock(&mu_);
+      session = session_.get();
+    }
+    absl::Status submitted = server_->scheduler_->Submit(
+        session, std::move(drafts),
+        [this](absl::StatusOr<RoundResult> round) {
+          OnRoundDone(std::move(round));
+        });
+    if (!submitted.ok()) OnRoundDone(submitted);
   }
 
   void OnWriteDone(bool ok) override {
@@ -270,18 +301,9 @@ class TargetServer::GenerateReactor
     return absl::OkStatus();
   }
 
-  // On the executor: one TargetSession::Step, then write its response.
-  void RunRound(const std::vector<DraftToken>& drafts) {
-    // While busy_ nobody else touches session_, so Step runs unlocked.
-    TargetSession* session;
-    bool cancelled;
-    {
-      absl::MutexLock lock(&mu_);
-      session = session_.get();
-      cancelled = cancelled_;
-    }
-    absl::StatusOr<RoundResult> round =
-        cancelled ? absl::CancelledError("cancelled") : session->Step(drafts);
+  // On the scheduler's thread when the round ends: write its response, or
+  // finish the stream with its error.
+  void OnRoundDone(absl::StatusOr<RoundResult> round) {
     grpc::Status finish;
     {
       absl::MutexLock lock(&mu_);
@@ -409,10 +431,6 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   if (options.model_dir.empty()) {
     return absl::InvalidArgumentError("model must be set");
   }
-  if (options.workers < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("workers must be >= 1, got ", options.workers));
-  }
   if (options.max_sessions < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_sessions must be >= 1, got ", options.max_sessions));
@@ -429,6 +447,12 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   if (options.max_drafts < 0 || options.max_drafts > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_drafts must be in [0, 64], got ", options.max_drafts));
+  }
+  if (options.max_num_batched_tokens < options.max_drafts + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_num_batched_tokens must be >= max_drafts + 1 = ",
+        options.max_drafts + 1, " (a verify round is never split), got ",
+        options.max_num_batched_tokens));
   }
   auto weights = LoadModelWeights(options.model_dir);
   if (!weights.ok()) return weights.status();
@@ -449,20 +473,38 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   auto runner = CreateModelRunner(
       std::make_shared<const ModelWeights>(*std::move(weights)), ro);
   if (!runner.ok()) return runner.status();
-  return std::unique_ptr<TargetServer>(
-      new TargetServer(std::move(options), *std::move(runner),
-                       tokenizer.ok() ? *std::move(tokenizer) : nullptr));
+  // The metrics exist before the scheduler that reports into them.
+  auto registry = std::make_shared<prometheus::Registry>();
+  auto metrics = std::make_unique<Metrics>(*registry);
+  Metrics* m = metrics.get();
+  PagedKvCache* kv = &(*runner)->kv_cache();
+  TargetScheduler::Options so;
+  so.max_num_batched_tokens = options.max_num_batched_tokens;
+  auto scheduler = TargetScheduler::Create(
+      runner->get(), so, [m, kv](const TargetScheduler::StepStats& st) {
+        m->batch_sequences.Observe(st.sequences);
+        m->batch_tokens.Observe(st.rows);
+        m->kv_cache_usage.Set(kv->usage());
+      });
+  if (!scheduler.ok()) return scheduler.status();
+  return std::unique_ptr<TargetServer>(new TargetServer(
+      std::move(options), *std::move(runner),
+      tokenizer.ok() ? *std::move(tokenizer) : nullptr, std::move(registry),
+      std::move(metrics), *std::move(scheduler)));
 }
 
 TargetServer::TargetServer(TargetServerOptions options,
                            std::unique_ptr<ModelRunner> model,
-                           std::unique_ptr<Tokenizer> tokenizer)
+                           std::unique_ptr<Tokenizer> tokenizer,
+                           std::shared_ptr<prometheus::Registry> registry,
+                           std::unique_ptr<Metrics> metrics,
+                           std::unique_ptr<TargetScheduler> scheduler)
     : options_(std::move(options)),
       model_(std::move(model)),
       tokenizer_(std::move(tokenizer)),
-      registry_(std::make_shared<prometheus::Registry>()),
-      metrics_(std::make_unique<Metrics>(*registry_)),
-      executor_(std::make_unique<Executor>(options_.workers)),
+      registry_(std::move(registry)),
+      metrics_(std::move(metrics)),
+      scheduler_(std::move(scheduler)),
       service_(std::make_unique<Service>(
           this, MakeModelInfo(options_.model_id, model_->config(),
                               tokenizer_.get()))) {}

@@ -25,7 +25,10 @@
 //   - client cancellation, or a half-close before the finish -> CANCELLED;
 //     the session is freed immediately unless a forward is running, in
 //     which case it is freed as soon as that forward returns.
-// Forwards run on an Executor, never on gRPC callback threads.
+// Rounds run on the TargetScheduler (target_service/scheduler.h): every
+// stream's round joins the next batched forward of the one model (decode
+// and verify rows first, then chunks of prefills), never on gRPC callback
+// threads.
 
 #include <cstdint>
 #include <memory>
@@ -36,7 +39,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/engine/model_runner_factory.h"
-#include "common/service/executor.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/counter.h"
@@ -45,6 +47,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "protos/target.grpc.pb.h"
+#include "target_service/scheduler.h"
 
 namespace specserve {
 
@@ -54,8 +57,10 @@ struct TargetServerOptions {
   std::string model_id;      ///< Info.model_id; empty = basename(model_dir).
   std::string host = "0.0.0.0";  ///< listening address (tests: 127.0.0.1).
   int threads = 0;           ///< OpenBLAS threads; 0 = library default.
-  int workers = 2;           ///< Executor threads running forwards (>= 1).
   int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
+  /// Rows (tokens) per batched forward of the scheduler (continuous
+  /// batching with chunked prefill), >= max_drafts + 1.
+  int max_num_batched_tokens = 2048;
   /// KV cache of all streams: the size of the model runner's paged pool and
   /// the sum of the streams' reservations admission allows.
   int64_t kv_budget_bytes = int64_t{2} << 30;
@@ -103,7 +108,10 @@ class TargetServer {
 
   TargetServer(TargetServerOptions options,
                std::unique_ptr<ModelRunner> model,
-               std::unique_ptr<Tokenizer> tokenizer);
+               std::unique_ptr<Tokenizer> tokenizer,
+               std::shared_ptr<prometheus::Registry> registry,
+               std::unique_ptr<Metrics> metrics,
+               std::unique_ptr<TargetScheduler> scheduler);
 
   /// Charges one session of `bytes` KV; RESOURCE_EXHAUSTED naming the limit.
   absl::Status Admit(int64_t bytes);
@@ -115,8 +123,8 @@ class TargetServer {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<Metrics> metrics_;
-  // Declared before server_ so that it outlives the streams' last forwards.
-  std::unique_ptr<Executor> executor_;
+  // Declared before server_ so that it outlives the streams' last rounds.
+  std::unique_ptr<TargetScheduler> scheduler_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

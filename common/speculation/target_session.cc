@@ -89,9 +89,32 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
 
 absl::StatusOr<RoundResult> TargetSession::Step(
     absl::Span<const DraftToken> drafts) {
+  if (absl::Status s = BeginRound(drafts); !s.ok()) return s;
+  while (true) {
+    SequenceForward entry;
+    if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
+      AbortRound();
+      return s;
+    }
+    ForwardOutput out;
+    if (absl::Status s = model_->Forward(entry.input, entry.kv, &out);
+        !s.ok()) {
+      AbortRound();
+      return s;
+    }
+    absl::StatusOr<std::optional<RoundResult>> r = CompleteForward(out);
+    if (!r.ok()) return r.status();
+    if (r->has_value()) return **std::move(r);
+  }
+}
+
+absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts) {
   const ModelConfig& c = model_->config();
   if (finished()) {
     return absl::FailedPreconditionError("generation already finished");
+  }
+  if (in_round_) {
+    return absl::FailedPreconditionError("a round is already in progress");
   }
   if (static_cast<int>(drafts.size()) > request_.max_drafts) {
     return absl::InvalidArgumentError(
@@ -102,9 +125,7 @@ absl::StatusOr<RoundResult> TargetSession::Step(
       !s.ok()) {
     return s;
   }
-  const int64_t t0 = NowNs();
   const int generated = static_cast<int>(output_.size());
-  // Position of the first token this round feeds after the cached ones.
   const int np = request_.next_position;
   // Clip drafts: each round emits accepted + 1 tokens, so drafts beyond
   // the remaining budget - 1 can never be emitted; fed positions must stay
@@ -114,42 +135,127 @@ absl::StatusOr<RoundResult> TargetSession::Step(
   const int first_draft_pos = prefilled_ ? np + generated : np;
   k = std::min(k, c.max_position_embeddings - first_draft_pos);
   k = std::max(k, 0);
-  drafts = drafts.subspan(0, k);
+  drafts_.assign(drafts.begin(), drafts.begin() + k);
+  in_round_ = true;
+  final_planned_ = false;
+  round_start_ = cache_->size();
+  round_ns_ = 0;
+  return absl::OkStatus();
+}
 
-  std::vector<int> tokens, positions;
-  int base_row;
+int TargetSession::pending_rows() const {
+  if (!in_round_) return 0;
+  const int k = static_cast<int>(drafts_.size());
+  if (prefilled_) return 1 + k;
+  return static_cast<int>(request_.token_ids.size()) - prompt_done_ + k;
+}
+
+int TargetSession::min_forward_rows() const {
+  if (!in_round_) return 0;
+  const int k = static_cast<int>(drafts_.size());
+  if (!prefilled_ &&
+      static_cast<int>(request_.token_ids.size()) - prompt_done_ > 1) {
+    return 1;
+  }
+  return 1 + k;
+}
+
+absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
+  if (!in_round_) {
+    return absl::FailedPreconditionError("no round in progress");
+  }
+  if (max_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_rows must be >= 1, got ", max_rows));
+  }
+  const int k = static_cast<int>(drafts_.size());
+  const int generated = static_cast<int>(output_.size());
+  const int np = request_.next_position;
+  plan_tokens_.clear();
+  plan_positions_.clear();
+  entry->input.logit_rows.clear();
+  entry->input.capture_query_rows.clear();
+  int first_draft_pos;
   if (!prefilled_) {
-    tokens = request_.token_ids;
-    positions = request_.position_ids;
-    base_row = static_cast<int>(tokens.size()) - 1;
+    const int left = static_cast<int>(request_.token_ids.size()) - prompt_done_;
+    // The final forward (prompt tail + drafts) is never split: if it does
+    // not fit, prefill all but the last prompt token now.
+    int take = left + k <= max_rows ? left : std::min(left - 1, max_rows);
+    if (take < 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the round's final forward needs ", 1 + k, " rows, the budget is ",
+          max_rows));
+    }
+    plan_tokens_.assign(request_.token_ids.begin() + prompt_done_,
+                        request_.token_ids.begin() + prompt_done_ + take);
+    plan_positions_.assign(request_.position_ids.begin() + prompt_done_,
+                           request_.position_ids.begin() + prompt_done_ + take);
+    final_planned_ = take == left;
+    base_row_ = take - 1;
+    first_draft_pos = np;
   } else {
-    tokens = {output_.back()};
-    positions = {np + generated - 1};
-    base_row = 0;
+    if (1 + k > max_rows) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the round's forward needs ", 1 + k, " rows, the budget is ",
+          max_rows));
+    }
+    plan_tokens_ = {output_.back()};
+    plan_positions_ = {np + generated - 1};
+    final_planned_ = true;
+    base_row_ = 0;
+    first_draft_pos = np + generated;
   }
-  for (int j = 0; j < k; ++j) {
-    tokens.push_back(drafts[j].id);
-    positions.push_back(first_draft_pos + j);
+  if (final_planned_) {
+    for (int j = 0; j < k; ++j) {
+      plan_tokens_.push_back(drafts_[j].id);
+      plan_positions_.push_back(first_draft_pos + j);
+    }
+    for (int j = 0; j <= k; ++j) entry->input.logit_rows.push_back(base_row_ + j);
   }
-  ForwardInput in;
-  in.token_ids = tokens;
-  in.position_ids = positions;
-  for (int j = 0; j <= k; ++j) in.logit_rows.push_back(base_row + j);
-  const int before = cache_->size();
-  ForwardOutput out;
-  if (auto s = model_->Forward(in, cache_.get(), &out); !s.ok()) return s;
+  // A prefill chunk still asks for its last row (the engine returns at
+  // least one); CompleteForward ignores it.
+  entry->kv = cache_.get();
+  entry->capture = nullptr;
+  entry->input.token_ids = plan_tokens_;
+  entry->input.position_ids = plan_positions_;
+  planned_at_ = NowNs();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
+    const ForwardOutput& out) {
+  if (!in_round_) {
+    return absl::FailedPreconditionError("no round in progress");
+  }
+  const ModelConfig& c = model_->config();
+  if (!final_planned_) {
+    prompt_done_ += static_cast<int>(plan_tokens_.size());
+    round_ns_ += NowNs() - planned_at_;
+    return std::optional<RoundResult>();
+  }
+  const int k = static_cast<int>(drafts_.size());
+  if (out.logits.size() != static_cast<size_t>(k + 1) * c.vocab_size) {
+    AbortRound();
+    return absl::InternalError(absl::StrCat(
+        "forward returned ", out.logits.size(), " logits, expected ",
+        static_cast<size_t>(k + 1) * c.vocab_size));
+  }
+  const int before = cache_->size() - static_cast<int>(plan_tokens_.size());
   auto verdict =
-      VerifyDrafts(drafts, out.logits, c.vocab_size, request_.sampling, &rng_);
+      VerifyDrafts(drafts_, out.logits, c.vocab_size, request_.sampling, &rng_);
   if (!verdict.ok()) {
-    cache_->Truncate(before).IgnoreError();
+    AbortRound();
     return verdict.status();
   }
   // Keep the prompt (or last emitted token) and the accepted drafts.
-  if (auto s = cache_->Truncate(before + base_row + 1 + verdict->num_accepted);
+  if (auto s = cache_->Truncate(before + base_row_ + 1 + verdict->num_accepted);
       !s.ok()) {
+    AbortRound();
     return s;
   }
   prefilled_ = true;
+  prompt_done_ = static_cast<int>(request_.token_ids.size());
+  in_round_ = false;
 
   RoundResult round;
   round.num_drafts = k;
@@ -159,8 +265,15 @@ absl::StatusOr<RoundResult> TargetSession::Step(
                       verdict->tokens.begin() + stop.num_emit);
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
-  round.forward_ns = NowNs() - t0;
-  return round;
+  round.forward_ns = round_ns_ + (NowNs() - planned_at_);
+  return std::optional<RoundResult>(std::move(round));
+}
+
+void TargetSession::AbortRound() {
+  if (!in_round_) return;
+  cache_->Truncate(round_start_).IgnoreError();
+  if (!prefilled_) prompt_done_ = 0;
+  in_round_ = false;
 }
 
 }  // namespace specserve

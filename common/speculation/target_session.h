@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,7 +38,9 @@ struct RoundResult {
   int num_accepted = 0;  ///< of those, accepted.
   std::vector<int> tokens;  ///< emitted this round (after stop handling).
   FinishReason finish = FinishReason::kNone;
-  int64_t forward_ns = 0;   ///< the round's forward + verification.
+  /// The round's forwards + verification (with a scheduler: the time of
+  /// the batched forwards that carried it, shared with other sessions).
+  int64_t forward_ns = 0;
 };
 
 /// The target's per-request state: prefill of the kept tokens at their
@@ -59,8 +62,47 @@ class TargetSession {
   /// Runs the next round with `drafts` (validated: ids in the vocabulary,
   /// well-formed q when sampling; at most max_drafts). Drafts past the
   /// token budget or context are dropped. FAILED_PRECONDITION once
-  /// finished.
+  /// finished. = BeginRound + (PlanForward, Forward, CompleteForward) until
+  /// the round completes, with no limit on the rows per forward.
   absl::StatusOr<RoundResult> Step(absl::Span<const DraftToken> drafts);
+
+  // ---- The same round in steps, for a scheduler that batches the
+  // forwards of many sessions (vLLM v1's model runner step) and splits long
+  // prefills into chunks (chunked prefill, Agrawal et al. 2023 Sarathi). ----
+
+  /// Starts a round with `drafts` (validated and clipped as in Step).
+  /// FAILED_PRECONDITION once finished or while a round is in progress;
+  /// INVALID_ARGUMENT for bad drafts.
+  absl::Status BeginRound(absl::Span<const DraftToken> drafts);
+  /// Whether a round is in progress (begun, not yet completed or aborted).
+  bool in_round() const { return in_round_; }
+  /// Rows the round still needs to forward: the unprefilled prompt tokens
+  /// plus, in the round's last forward, the last token and the drafts.
+  int pending_rows() const;
+  /// Fewest rows the round's next forward may have: 1 while more than one
+  /// prompt token is left to prefill, else the final rows (1 + drafts).
+  int min_forward_rows() const;
+  /// Whether the round's remaining rows still include prompt tokens
+  /// (a prefill round), as opposed to one decode or verify forward.
+  bool prefilling() const { return !prefilled_; }
+  /// Fills `entry` with the round's next forward over at most `max_rows`
+  /// rows (>= 1): a prefill chunk without logits, or the round's final
+  /// rows (the prompt's tail or the last token, then the drafts) with
+  /// their logits. The final rows are never split, so a final forward
+  /// needs max_rows >= its rows (else only prompt tokens, leaving the last
+  /// one, are planned; with one prompt token left and drafts that do not
+  /// fit, FAILED_PRECONDITION). `entry` points into this session: valid
+  /// until CompleteForward / AbortRound.
+  absl::Status PlanForward(int max_rows, SequenceForward* entry);
+  /// Consumes the output of the forward PlanForward planned: for a prefill
+  /// chunk advances the prompt and returns no result; for the final rows
+  /// verifies the drafts, rolls the KV cache back to the accepted length
+  /// and returns the round's result (the round ends).
+  absl::StatusOr<std::optional<RoundResult>> CompleteForward(
+      const ForwardOutput& out);
+  /// Ends a round whose forward failed: rolls the KV cache back to where
+  /// the round started (nothing of it is kept).
+  void AbortRound();
 
   bool finished() const { return stop_.finished(); }
   FinishReason finish_reason() const { return stop_.reason(); }
@@ -85,6 +127,17 @@ class TargetSession {
   Rng rng_;
   bool prefilled_ = false;
   std::vector<int> output_;
+
+  // The round in progress.
+  bool in_round_ = false;
+  std::vector<DraftToken> drafts_;  // clipped
+  int prompt_done_ = 0;   // prompt tokens prefilled so far
+  int round_start_ = 0;   // cache size when the round began
+  int64_t round_ns_ = 0;  // time spent in this round's forwards
+  int64_t planned_at_ = 0;
+  bool final_planned_ = false;
+  int base_row_ = 0;      // row of the last prompt / emitted token
+  std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
 };
 
 }  // namespace specserve

@@ -78,6 +78,116 @@ TEST_F(TargetSessionTest, GreedyWithRandomDraftsEqualsPlainGreedy) {
 
 // Pruned prompts: the KV cache holds only kept tokens at their original
 // positions and decoding continues at the original length (golden cases).
+// Rounds driven in steps with chunked prefill and several sessions batched
+// into each forward (what the target scheduler does) emit exactly what
+// Step() emits for each session alone.
+TEST_F(TargetSessionTest, ChunkedBatchedRoundsEqualStep) {
+  const int kNew = 24;
+  std::mt19937 rng(3);
+  std::vector<std::vector<int>> prompts;
+  for (int len : {13, 40, 7}) {
+    std::vector<int> p = {1};
+    for (int i = 1; i < len; ++i) p.push_back(3 + rng() % 500);
+    prompts.push_back(p);
+  }
+  // Per-round drafts, the same for both runs: random ids (greedy, so the
+  // output is the greedy continuation whatever is accepted).
+  std::vector<std::vector<std::vector<DraftToken>>> drafts(prompts.size());
+  for (auto& per_session : drafts) {
+    for (int r = 0; r < kNew; ++r) {
+      std::vector<DraftToken> d(rng() % 5);
+      for (auto& t : d) t.id = 3 + rng() % 500;
+      per_session.push_back(d);
+    }
+  }
+  std::vector<std::vector<int>> alone;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto s = TargetSession::Create(target_.get(), Request(prompts[i], kNew));
+    ASSERT_TRUE(s.ok()) << s.status();
+    for (int r = 0; !(*s)->finished(); ++r) {
+      ASSERT_TRUE((*s)->Step(drafts[i][r]).ok());
+    }
+    alone.push_back((*s)->output());
+  }
+
+  std::vector<std::unique_ptr<TargetSession>> sessions;
+  std::vector<int> round(prompts.size(), 0);
+  for (const auto& p : prompts) {
+    auto s = TargetSession::Create(target_.get(), Request(p, kNew));
+    ASSERT_TRUE(s.ok()) << s.status();
+    sessions.push_back(*std::move(s));
+  }
+  int forwards = 0, chunked = 0;
+  while (true) {
+    // A budget of 9 rows per forward: prompts go in chunks, verify rows of
+    // other sessions ride along.
+    int budget = 9;
+    std::vector<SequenceForward> batch;
+    std::vector<int> who;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      TargetSession& s = *sessions[i];
+      if (s.finished()) continue;
+      if (!s.in_round()) ASSERT_TRUE(s.BeginRound(drafts[i][round[i]]).ok());
+      if (s.min_forward_rows() > budget) continue;
+      SequenceForward e;
+      ASSERT_TRUE(s.PlanForward(budget, &e).ok());
+      budget -= static_cast<int>(e.input.token_ids.size());
+      batch.push_back(e);
+      who.push_back(static_cast<int>(i));
+    }
+    if (batch.empty()) break;
+    std::vector<ForwardOutput> outs;
+    ASSERT_TRUE(target_->Forward(batch, &outs).ok());
+    ++forwards;
+    for (size_t b = 0; b < batch.size(); ++b) {
+      auto r = sessions[who[b]]->CompleteForward(outs[b]);
+      ASSERT_TRUE(r.ok()) << r.status();
+      if (r->has_value()) {
+        ++round[who[b]];
+      } else {
+        ++chunked;
+      }
+    }
+  }
+  EXPECT_GT(chunked, 3);  // the 40-token prompt took several chunks
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    EXPECT_EQ(sessions[i]->output(), alone[i]) << i;
+  }
+}
+
+TEST_F(TargetSessionTest, RoundStepsRejectMisuseAndAbortRollsBack) {
+  auto s = TargetSession::Create(target_.get(), Request(kPrompt, 8));
+  ASSERT_TRUE(s.ok());
+  SequenceForward e;
+  EXPECT_EQ((*s)->PlanForward(4, &e).code(),
+            absl::StatusCode::kFailedPrecondition);  // no round begun
+  std::vector<DraftToken> d(3);
+  for (auto& t : d) t.id = 5;
+  ASSERT_TRUE((*s)->BeginRound(d).ok());
+  EXPECT_EQ((*s)->BeginRound(d).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*s)->pending_rows(), static_cast<int>(kPrompt.size()) + 3);
+  // Prefill all but the last prompt token, then abort: the cache is empty
+  // again and the round starts over.
+  ASSERT_TRUE((*s)->PlanForward(12, &e).ok());
+  EXPECT_EQ(e.input.token_ids.size(), 12u);
+  ForwardOutput out;
+  ASSERT_TRUE(target_->Forward(e.input, e.kv, &out).ok());
+  ASSERT_TRUE((*s)->CompleteForward(out).ok());
+  EXPECT_EQ((*s)->kv_tokens(), 12);
+  // One prompt token + 3 drafts left: a 3-row budget cannot take the final
+  // forward.
+  EXPECT_EQ((*s)->min_forward_rows(), 4);
+  EXPECT_EQ((*s)->PlanForward(3, &e).code(),
+            absl::StatusCode::kFailedPrecondition);
+  (*s)->AbortRound();
+  EXPECT_EQ((*s)->kv_tokens(), 0);
+  EXPECT_FALSE((*s)->in_round());
+  auto r = (*s)->Step(d);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*s)->kv_tokens(), static_cast<int>(kPrompt.size()) +
+                                   r->num_accepted);
+}
+
 TEST_F(TargetSessionTest, PrunedPromptsMatchGoldenGreedy) {
   const auto g = ReadJson("tests/data/golden/stories260K.json");
   int checked = 0;
