@@ -32,7 +32,7 @@ ABSL_FLAG(std::string, target, "",
 ABSL_FLAG(std::string, tokenizer, "",
           "model directory whose tokenizer the router uses (its fingerprint "
           "must match the services'); empty = token-id prompts only");
-ABSL_FLAG(int, max_concurrent_requests, 64,
+ABSL_FLAG(int, max_concurrent_requests, 512,
           "requests served at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, speculator_deadline_ms, 2000,
           "deadline of each speculator call (Score, Draft round); past it "

@@ -36,7 +36,7 @@ struct RouterServerOptions {
   std::string tokenizer_dir;
   /// Requests admitted at once (each holds a worker); more ->
   /// RESOURCE_EXHAUSTED. 0 rejects everything (drain mode).
-  int max_concurrent_requests = 64;
+  int max_concurrent_requests = 512;
   absl::Duration speculator_deadline = absl::Milliseconds(2000);
   /// Deadline of requests whose client set none.
   absl::Duration request_deadline = absl::Seconds(300);

@@ -32,6 +32,8 @@ ABSL_FLAG(int, max_num_batched_tokens, 2048,
           "rows (tokens) per batched forward: decode/verify rows of all "
           "streams first, then prefill chunks; >= max_drafts + 1");
 ABSL_FLAG(int, max_sessions, 64, "concurrent Generate streams admitted");
+ABSL_FLAG(int, max_waiting_requests, 1024,
+          "streams that wait for admission before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
           "KV cache bytes all admitted sessions may reserve together");
 ABSL_FLAG(int, default_max_new_tokens, 256,
@@ -53,6 +55,7 @@ int main(int argc, char** argv) {
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.max_waiting_requests = absl::GetFlag(FLAGS_max_waiting_requests);
   options.kv_budget_bytes = absl::GetFlag(FLAGS_kv_budget_bytes);
   options.runner = specserve::RunnerOptionsFromFlags();
   options.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);

@@ -153,7 +153,19 @@ struct TargetServer::Metrics {
                            .Help("Fraction of the paged KV cache's blocks in "
                                  "use, [0, 1] (vLLM kv_cache_usage_perc)")
                            .Register(r)
-                           .Add({})) {}
+                           .Add({})),
+        waiting(prometheus::BuildGauge()
+                    .Name("specserve_target_num_requests_waiting")
+                    .Help("Generate streams waiting for admission (vLLM "
+                          "num_requests_waiting)")
+                    .Register(r)
+                    .Add({})),
+        queue_seconds(prometheus::BuildHistogram()
+                          .Name("specserve_target_request_queue_time_seconds")
+                          .Help("Time queued streams waited for admission "
+                                "(vLLM request_queue_time_seconds)")
+                          .Register(r)
+                          .Add({}, ExponentialBuckets(1e-3, 2, 16))) {}
 
   prometheus::Counter& prefill_tokens;
   prometheus::Histogram& prefill_seconds;
@@ -170,6 +182,8 @@ struct TargetServer::Metrics {
   prometheus::Histogram& batch_sequences;
   prometheus::Histogram& batch_tokens;
   prometheus::Gauge& kv_cache_usage;
+  prometheus::Gauge& waiting;
+  prometheus::Histogram& queue_seconds;
 };
 
 // One Generate stream. At any moment exactly one of these is outstanding:
@@ -209,7 +223,8 @@ class TargetServer::GenerateReactor
       return;
     }
     std::vector<DraftToken> drafts;
-    absl::Status status = OnMessage(&drafts);
+    bool queued = false;
+    absl::Status status = OnMessage(&drafts, &queued);
     if (!status.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -219,18 +234,35 @@ class TargetServer::GenerateReactor
       return;
     }
     // busy_ is set: this reactor is not touched again on this thread until
-    // the scheduler runs OnRoundDone.
-    TargetSession* session;
+    // the scheduler runs OnRoundDone (or, queued, until OnAdmitted).
+    if (!queued) SubmitRound(std::move(drafts));
+  }
+
+  // On the server's admission thread when a queued request fits: run its
+  // first round, or end it if it was cancelled meanwhile.
+  void OnAdmitted(int64_t bytes) {
+    std::vector<DraftToken> drafts;
+    bool cancelled;
     {
       absl::MutexLock lock(&mu_);
-      session = session_.get();
+      waiting_ticket_ = 0;
+      charged_bytes_ = bytes;
+      server_->metrics_->queue_seconds.Observe(
+          absl::ToDoubleSeconds(absl::Now() - queued_at_));
+      cancelled = cancelled_;
+      if (cancelled) {
+        busy_ = false;
+        ReleaseSession();
+      } else {
+        drafts = std::move(queued_drafts_);
+      }
     }
-    absl::Status submitted = server_->scheduler_->Submit(
-        session, std::move(drafts),
-        [this](absl::StatusOr<RoundResult> round) {
-          OnRoundDone(std::move(round));
-        });
-    if (!submitted.ok()) OnRoundDone(submitted);
+    if (cancelled) {
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    // A cancellation from here on is handled as for any running round.
+    SubmitRound(std::move(drafts));
   }
 
   void OnWriteDone(bool ok) override {
@@ -246,9 +278,27 @@ class TargetServer::GenerateReactor
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
-    if (!busy_) ReleaseSession();
+    bool finish = false;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (waiting_ticket_ != 0) {
+        // Still queued: leave the queue and end the stream here (nothing
+        // else is outstanding). If admission is already under way,
+        // OnAdmitted sees cancelled_ instead.
+        if (server_->CancelWaiting(waiting_ticket_)) {
+          waiting_ticket_ = 0;
+          busy_ = false;
+          session_.reset();  // never charged
+          finish = true;
+        }
+      } else if (!busy_) {
+        ReleaseSession();
+      }
+    }
+    if (finish) {
+      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+    }
   }
 
   void OnDone() override { delete this; }
@@ -261,9 +311,25 @@ class TargetServer::GenerateReactor
  private:
   enum class Phase { kAwaitPrefill, kGenerating, kDone };
 
+  // Queues the session's next round on the scheduler.
+  void SubmitRound(std::vector<DraftToken> drafts) {
+    TargetSession* session;
+    {
+      absl::MutexLock lock(&mu_);
+      session = session_.get();
+    }
+    absl::Status submitted = server_->scheduler_->Submit(
+        session, std::move(drafts),
+        [this](absl::StatusOr<RoundResult> round) {
+          OnRoundDone(std::move(round));
+        });
+    if (!submitted.ok()) OnRoundDone(submitted);
+  }
+
   // Handles a received message: sets busy_ and the round's drafts, or
-  // returns the error that ends the stream.
-  absl::Status OnMessage(std::vector<DraftToken>* drafts) {
+  // returns the error that ends the stream. *queued: the prefill waits in
+  // the server's admission queue (OnAdmitted runs its round).
+  absl::Status OnMessage(std::vector<DraftToken>* drafts, bool* queued) {
     absl::MutexLock lock(&mu_);
     const bool is_prefill = request_.has_prefill();
     switch (phase_) {
@@ -281,12 +347,21 @@ class TargetServer::GenerateReactor
         if (!session.ok()) return session.status();
         const int64_t bytes =
             static_cast<int64_t>((*session)->kv_capacity_bytes());
-        if (absl::Status s = server_->Admit(bytes); !s.ok()) return s;
+        absl::StatusOr<uint64_t> ticket = server_->AdmitOrWait(
+            bytes, [this, bytes] { OnAdmitted(bytes); });
+        if (!ticket.ok()) return ticket.status();
         session_ = *std::move(session);
-        charged_bytes_ = bytes;
         prefill_tokens_ = request_.prefill().token_ids_size();
         *drafts = ToDrafts(request_.prefill().drafts());
         phase_ = Phase::kGenerating;
+        if (*ticket == 0) {
+          charged_bytes_ = bytes;
+        } else {
+          waiting_ticket_ = *ticket;
+          queued_at_ = absl::Now();
+          queued_drafts_ = std::move(*drafts);
+          *queued = true;
+        }
         break;
       }
       case Phase::kGenerating:
@@ -394,6 +469,11 @@ class TargetServer::GenerateReactor
   absl::Mutex mu_;
   std::unique_ptr<TargetSession> session_ ABSL_GUARDED_BY(mu_);
   int64_t charged_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Waiting for admission: the server's ticket (0 = not queued), since
+  // when, and the first round's drafts.
+  uint64_t waiting_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time queued_at_ ABSL_GUARDED_BY(mu_);
+  std::vector<DraftToken> queued_drafts_ ABSL_GUARDED_BY(mu_);
   int prefill_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kAwaitPrefill;
   bool first_round_ ABSL_GUARDED_BY(mu_) = true;
@@ -447,6 +527,11 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   if (options.max_drafts < 0 || options.max_drafts > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_drafts must be in [0, 64], got ", options.max_drafts));
+  }
+  if (options.max_waiting_requests < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_waiting_requests must be >= 0, got ",
+                     options.max_waiting_requests));
   }
   if (options.max_num_batched_tokens < options.max_drafts + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -505,6 +590,7 @@ TargetServer::TargetServer(TargetServerOptions options,
       registry_(std::move(registry)),
       metrics_(std::move(metrics)),
       scheduler_(std::move(scheduler)),
+      admission_(std::make_unique<Executor>(1)),
       service_(std::make_unique<Service>(
           this, MakeModelInfo(options_.model_id, model_->config(),
                               tokenizer_.get()))) {}
@@ -552,30 +638,85 @@ int64_t TargetServer::kv_reserved_bytes() const {
   return kv_reserved_;
 }
 
-absl::Status TargetServer::Admit(int64_t bytes) {
-  absl::MutexLock lock(&mu_);
-  if (active_ >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_sessions reached: ", active_, " streams are active"));
-  }
-  if (kv_reserved_ + bytes > options_.kv_budget_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "kv_budget_bytes exceeded: the request needs ", bytes, " bytes, ",
-        kv_reserved_, " of ", options_.kv_budget_bytes, " are reserved"));
-  }
+bool TargetServer::Fits(int64_t bytes) const {
+  return active_ < options_.max_sessions &&
+         kv_reserved_ + bytes <= options_.kv_budget_bytes;
+}
+
+void TargetServer::Charge(int64_t bytes) {
   ++active_;
   kv_reserved_ += bytes;
   metrics_->active_sessions.Set(active_);
   metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
-  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> TargetServer::AdmitOrWait(
+    int64_t bytes, std::function<void()> on_admit) {
+  absl::MutexLock lock(&mu_);
+  if (bytes > options_.kv_budget_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv_budget_bytes exceeded: the request needs ", bytes,
+        " bytes, the whole budget is ", options_.kv_budget_bytes));
+  }
+  // First come, first served: nobody overtakes a waiting request.
+  if (waiting_.empty() && Fits(bytes)) {
+    Charge(bytes);
+    return uint64_t{0};
+  }
+  if (static_cast<int>(waiting_.size()) >= options_.max_waiting_requests) {
+    const std::string why =
+        active_ >= options_.max_sessions
+            ? absl::StrCat("max_sessions reached: ", active_,
+                           " streams are active")
+            : absl::StrCat("kv_budget_bytes exceeded: the request needs ",
+                           bytes, " bytes, ", kv_reserved_, " of ",
+                           options_.kv_budget_bytes, " are reserved");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        why, ", and ", waiting_.size(),
+        " requests wait (max_waiting_requests ",
+        options_.max_waiting_requests, ")"));
+  }
+  const uint64_t ticket = next_ticket_++;
+  waiting_.push_back(Waiter{ticket, bytes, std::move(on_admit)});
+  metrics_->waiting.Set(static_cast<double>(waiting_.size()));
+  return ticket;
+}
+
+bool TargetServer::CancelWaiting(uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+    if (it->ticket == ticket) {
+      waiting_.erase(it);
+      metrics_->waiting.Set(static_cast<double>(waiting_.size()));
+      return true;
+    }
+  }
+  return false;
+}
+
+int TargetServer::waiting_requests() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(waiting_.size());
 }
 
 void TargetServer::Release(int64_t bytes) {
-  absl::MutexLock lock(&mu_);
-  --active_;
-  kv_reserved_ -= bytes;
-  metrics_->active_sessions.Set(active_);
-  metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
+  std::vector<std::function<void()>> admitted;
+  {
+    absl::MutexLock lock(&mu_);
+    --active_;
+    kv_reserved_ -= bytes;
+    while (!waiting_.empty() && Fits(waiting_.front().bytes)) {
+      Charge(waiting_.front().bytes);
+      admitted.push_back(std::move(waiting_.front().on_admit));
+      waiting_.pop_front();
+    }
+    metrics_->active_sessions.Set(active_);
+    metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
+    metrics_->waiting.Set(static_cast<double>(waiting_.size()));
+  }
+  // The caller may hold its own stream's lock: admitted streams start on
+  // the admission thread instead.
+  for (auto& f : admitted) admission_->Submit(std::move(f));
 }
 
 }  // namespace specserve

@@ -20,8 +20,11 @@
 //     before any prefill -> INVALID_ARGUMENT;
 //   - bad input (TargetSession::Create / Step validation) -> INVALID_ARGUMENT
 //     naming the field;
-//   - more than max_sessions admitted streams, or the KV budget exceeded
-//     -> RESOURCE_EXHAUSTED (checked after validation, before any forward);
+//   - more than max_sessions admitted streams, or the KV budget exceeded:
+//     the stream waits for admission (first come, first served); past
+//     max_waiting_requests waiting streams, or a request larger than the
+//     whole budget -> RESOURCE_EXHAUSTED (checked after validation, before
+//     any forward);
 //   - client cancellation, or a half-close before the finish -> CANCELLED;
 //     the session is freed immediately unless a forward is running, in
 //     which case it is freed as soon as that forward returns.
@@ -31,6 +34,8 @@
 // threads.
 
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -46,6 +51,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "common/service/executor.h"
 #include "protos/target.grpc.pb.h"
 #include "target_service/scheduler.h"
 
@@ -58,6 +64,9 @@ struct TargetServerOptions {
   std::string host = "0.0.0.0";  ///< listening address (tests: 127.0.0.1).
   int threads = 0;           ///< OpenBLAS threads; 0 = library default.
   int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
+  /// Streams that wait for admission (max_sessions or the KV budget)
+  /// before RESOURCE_EXHAUSTED, first come first served (>= 0).
+  int max_waiting_requests = 1024;
   /// Rows (tokens) per batched forward of the scheduler (continuous
   /// batching with chunked prefill), >= max_drafts + 1.
   int max_num_batched_tokens = 2048;
@@ -97,6 +106,8 @@ class TargetServer {
   int active_sessions() const;
   /// Bytes of KV cache reserved by the admitted sessions.
   int64_t kv_reserved_bytes() const;
+  /// Streams waiting for admission.
+  int waiting_requests() const;
   /// The model this server runs.
   ModelRunner& model() const { return *model_; }
 
@@ -113,18 +124,34 @@ class TargetServer {
                std::unique_ptr<Metrics> metrics,
                std::unique_ptr<TargetScheduler> scheduler);
 
-  /// Charges one session of `bytes` KV; RESOURCE_EXHAUSTED naming the limit.
-  absl::Status Admit(int64_t bytes);
-  /// Returns what Admit charged.
+  /// Admission of one session of `bytes` KV (first come, first served):
+  /// charges it now and returns 0 when it fits and nobody waits; else
+  /// queues it and returns a ticket > 0 (`on_admit` then runs on the
+  /// admission thread once it is charged). RESOURCE_EXHAUSTED naming the
+  /// limit when it can never fit or max_waiting_requests already wait.
+  absl::StatusOr<uint64_t> AdmitOrWait(int64_t bytes,
+                                       std::function<void()> on_admit);
+  /// Leaves the queue; false if the ticket was already admitted.
+  bool CancelWaiting(uint64_t ticket);
+  /// Returns what admission charged and admits waiting sessions that fit.
   void Release(int64_t bytes);
+  bool Fits(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Charge(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct Waiter {
+    uint64_t ticket;
+    int64_t bytes;
+    std::function<void()> on_admit;
+  };
 
   const TargetServerOptions options_;
   std::unique_ptr<ModelRunner> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<Metrics> metrics_;
-  // Declared before server_ so that it outlives the streams' last rounds.
+  // Declared before server_ so that they outlive the streams' last rounds.
   std::unique_ptr<TargetScheduler> scheduler_;
+  std::unique_ptr<Executor> admission_;  // runs admitted streams' rounds
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
@@ -132,6 +159,8 @@ class TargetServer {
   mutable absl::Mutex mu_;
   int active_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t kv_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<Waiter> waiting_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -565,6 +565,75 @@ TEST_F(TargetServerTest, ProtocolErrors) {
   EXPECT_EQ(server_->active_sessions(), 0);
 }
 
+// A full server queues new streams (first come, first served) instead of
+// rejecting them; past max_waiting_requests it says RESOURCE_EXHAUSTED; a
+// cancelled waiting stream leaves the queue; queued streams run to the same
+// tokens once admitted.
+TEST_F(TargetServerTest, FullServerQueuesStreams) {
+  TargetServerOptions o;
+  o.max_sessions = 1;
+  o.max_waiting_requests = 2;
+  auto server = StartServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = NewStub(*server);
+  const int kNew = 6;
+  const std::vector<int> want = RunInProcess(
+      *target_, MakeRequest(kPrompt, kNew), NoDrafts());
+  v1::GenerateRequest req;
+  *req.mutable_prefill() = MakePrefill(kPrompt, kNew);
+  auto ctx = NewContext();
+  auto held = stub->Generate(ctx.get());
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(held->Write(req));
+  ASSERT_TRUE(held->Read(&resp));
+  ASSERT_EQ(server->active_sessions(), 1);
+
+  // A waiting stream that is cancelled leaves the queue.
+  {
+    auto cctx = NewContext();
+    auto cancelled = stub->Generate(cctx.get());
+    ASSERT_TRUE(cancelled->Write(req));
+    ASSERT_TRUE(WaitFor([&] { return server->waiting_requests() == 1; }));
+    cctx->TryCancel();
+    EXPECT_EQ(cancelled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    ASSERT_TRUE(WaitFor([&] { return server->waiting_requests() == 0; }));
+  }
+  // Two streams wait; a third finds the queue full.
+  StreamResult r1, r2;
+  std::thread t1([&] {
+    r1 = RunStream(stub.get(), MakePrefill(kPrompt, kNew), NoDrafts());
+  });
+  ASSERT_TRUE(WaitFor([&] { return server->waiting_requests() == 1; }));
+  std::thread t2([&] {
+    r2 = RunStream(stub.get(), MakePrefill(kPrompt, kNew), NoDrafts());
+  });
+  ASSERT_TRUE(WaitFor([&] { return server->waiting_requests() == 2; }));
+  EXPECT_EQ(Metric(*server, "specserve_target_num_requests_waiting"), 2);
+  grpc::Status s = SendAndFinish(stub.get(), req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("max_waiting_requests"), std::string::npos)
+      << s.error_message();
+  // Finishing the held stream admits the waiting ones, one at a time.
+  v1::GenerateRequest none;
+  none.mutable_drafts();
+  while (resp.finish_reason().empty()) {
+    ASSERT_TRUE(held->Write(none));
+    ASSERT_TRUE(held->Read(&resp));
+  }
+  held->WritesDone();
+  EXPECT_TRUE(held->Finish().ok());
+  t1.join();
+  t2.join();
+  EXPECT_TRUE(r1.status.ok()) << r1.status.error_message();
+  EXPECT_TRUE(r2.status.ok()) << r2.status.error_message();
+  EXPECT_EQ(r1.tokens, want);
+  EXPECT_EQ(r2.tokens, want);
+  EXPECT_EQ(Metric(*server, "specserve_target_num_requests_waiting"), 0);
+  EXPECT_EQ(Metric(*server, "specserve_target_request_queue_time_seconds_count"),
+            2);
+  ASSERT_TRUE(WaitFor([&] { return server->active_sessions() == 0; }));
+}
+
 TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
   const ModelConfig& config = target_->config();
   const int64_t small = static_cast<int64_t>(
@@ -572,9 +641,10 @@ TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
       PagedKvCache::BlocksForTokens(
           TargetSession::CapacityFor(config, MakeRequest(kPrompt, 10)),
           target_->kv_cache().block_size()));
-  // Room for one small session at a time.
+  // Room for one small session at a time, and no waiting queue.
   TargetServerOptions o;
   o.kv_budget_bytes = small;
+  o.max_waiting_requests = 0;
   auto server = StartServer(o);
   ASSERT_NE(server, nullptr);
   auto stub = NewStub(*server);
@@ -603,6 +673,7 @@ TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
   // max_sessions: one stream at a time.
   o = TargetServerOptions();
   o.max_sessions = 1;
+  o.max_waiting_requests = 0;
   auto one = StartServer(o);
   ASSERT_NE(one, nullptr);
   auto stub1 = NewStub(*one);
