@@ -27,9 +27,13 @@ ABSL_FLAG(std::string, model_id, "",
 ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
 ABSL_FLAG(int, port, 50061, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9161, "Prometheus /metrics port (0 = any)");
-ABSL_FLAG(int, threads, 2, "executor workers (concurrent forwards)");
+ABSL_FLAG(int, max_num_batched_tokens, 2048,
+          "rows (tokens) per batched forward: draft and look-ahead rows of "
+          "all sessions first, then prompt chunks");
 ABSL_FLAG(int, engine_threads, 1, "OpenBLAS / importance threads per forward");
-ABSL_FLAG(int, max_queue, 64, "queued forwards before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_queue, 1024,
+          "Score / Draft operations queued or running before "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_sessions, 64, "live sessions before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
           "KV cache bytes (capacity) all sessions may hold");
@@ -56,7 +60,7 @@ int Run() {
   o.model_dir = ResolveUserPath(absl::GetFlag(FLAGS_model));
   o.model_id = absl::GetFlag(FLAGS_model_id);
   o.host = absl::GetFlag(FLAGS_host);
-  o.threads = absl::GetFlag(FLAGS_threads);
+  o.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   o.engine_threads = absl::GetFlag(FLAGS_engine_threads);
   o.max_queue = absl::GetFlag(FLAGS_max_queue);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);

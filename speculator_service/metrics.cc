@@ -16,6 +16,13 @@ Histogram::BucketBoundaries LatencyBuckets() {
   return b;
 }
 
+// 1, 2, 4, ..., 2^(n-1).
+Histogram::BucketBoundaries PowersOfTwo(int n) {
+  Histogram::BucketBoundaries b;
+  for (int i = 0; i < n; ++i) b.push_back(static_cast<double>(1 << i));
+  return b;
+}
+
 Histogram::BucketBoundaries RatioBuckets() {
   return {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
 }
@@ -85,7 +92,39 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
                     .Help("KV cache bytes charged to live sessions "
                           "(capacity)")
                     .Register(r)
+                    .Add({})),
+      batch_sequences_(BuildHistogram()
+                           .Name("specserve_speculator_batch_sequences")
+                           .Help("Score / Draft operations per batched "
+                                 "forward of the scheduler")
+                           .Register(r)
+                           .Add({}, PowersOfTwo(10))),
+      batch_tokens_(BuildHistogram()
+                        .Name("specserve_speculator_batch_tokens")
+                        .Help("Rows (tokens) per batched forward, at most "
+                              "--max_num_batched_tokens")
+                        .Register(r)
+                        .Add({}, PowersOfTwo(16))),
+      waiting_(BuildGauge()
+                   .Name("specserve_speculator_num_requests_waiting")
+                   .Help("Operations in flight that got no rows in the "
+                         "last step (token budget full)")
+                   .Register(r)
+                   .Add({})),
+      kv_usage_(BuildGauge()
+                    .Name("specserve_speculator_kv_cache_usage_perc")
+                    .Help("Fraction of the paged KV cache's blocks in use, "
+                          "[0, 1] (vLLM kv_cache_usage_perc)")
+                    .Register(r)
                     .Add({})) {}
+
+void SpeculatorMetrics::ObserveStep(int sequences, int rows, int waiting,
+                                    double kv_usage) {
+  batch_sequences_.Observe(sequences);
+  batch_tokens_.Observe(rows);
+  waiting_.Set(waiting);
+  kv_usage_.Set(kv_usage);
+}
 
 void SpeculatorMetrics::CountRequest(const std::string& method,
                                      const std::string& code) {

@@ -30,6 +30,9 @@ class SpeculatorMetrics {
   void ObserveDraft(int tokens, int64_t ns);
   /// Live sessions and the KV bytes charged to them.
   void SetSessions(int sessions, size_t kv_bytes);
+  /// One step of the batching scheduler: operations and rows in its
+  /// forward, operations in flight that waited, KV cache block usage.
+  void ObserveStep(int sequences, int rows, int waiting, double kv_usage);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -46,6 +49,10 @@ class SpeculatorMetrics {
   prometheus::Histogram& draft_seconds_;
   prometheus::Gauge& active_sessions_;
   prometheus::Gauge& kv_bytes_;
+  prometheus::Histogram& batch_sequences_;
+  prometheus::Histogram& batch_tokens_;
+  prometheus::Gauge& waiting_;
+  prometheus::Gauge& kv_usage_;
 };
 
 }  // namespace specserve

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/engine/model_runner.h"
 #include "common/model/weights.h"
-#include "common/service/executor.h"
+#include "common/scheduling/batch_scheduler.h"
 #include "common/service/grpc_util.h"
 #include "common/speculation/draft_session.h"
 #include "common/tokenizer/tokenizer.h"
@@ -34,6 +34,34 @@ std::string Basename(std::string path) {
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
+// A Score or Draft of one DraftSession as scheduler work: `begin` starts
+// the operation (BeginScore / BeginDraft), `finish` takes its result or
+// error; the forwards in between are the session's own.
+class SessionWork : public BatchedWork {
+ public:
+  SessionWork(DraftSession* session, std::function<absl::Status()> begin,
+              std::function<void(absl::Status)> finish)
+      : session_(session), begin_(std::move(begin)), finish_(std::move(finish)) {}
+
+  absl::Status Begin() override { return begin_(); }
+  int pending_rows() const override { return session_->pending_rows(); }
+  int min_forward_rows() const override { return 1; }
+  bool prefilling() const override { return session_->prefilling(); }
+  absl::Status PlanForward(int max_rows, SequenceForward* entry) override {
+    return session_->PlanForward(max_rows, entry);
+  }
+  absl::Status CompleteForward(const ForwardOutput& out) override {
+    return session_->CompleteForward(out);
+  }
+  void Abort() override { session_->AbortOp(); }
+  void Finish(absl::Status status) override { finish_(std::move(status)); }
+
+ private:
+  DraftSession* const session_;
+  std::function<absl::Status()> begin_;
+  std::function<void(absl::Status)> finish_;
+};
+
 }  // namespace
 
 /// The CallbackService; owned by SpeculatorServer, which outlives every
@@ -42,13 +70,13 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
  public:
   SpeculatorServiceImpl(const SpeculatorServerOptions& options,
                         ModelRunner* model, const v1::ModelInfo* info,
-                        SessionManager* sessions, Executor* executor,
+                        SessionManager* sessions, BatchScheduler* scheduler,
                         SpeculatorMetrics* metrics)
       : options_(options),
         model_(model),
         info_(info),
         sessions_(sessions),
-        executor_(executor),
+        scheduler_(scheduler),
         metrics_(metrics) {}
 
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx,
@@ -63,13 +91,11 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
                                  const v1::InfoRequest* req,
                                  v1::ModelInfo* resp) override;
 
-  /// Queues `fn` on the executor unless max_queue tasks are waiting.
-  bool TrySubmit(std::function<void()> fn) {
-    if (static_cast<int>(executor_->pending()) >= options_.max_queue) {
-      return false;
-    }
-    executor_->Submit(std::move(fn));
-    return true;
+  /// Queues `work` on the model's scheduler unless max_queue operations
+  /// are already queued or running (then `work` is dropped unfinished).
+  bool TrySubmit(std::unique_ptr<BatchedWork> work) {
+    if (scheduler_->num_works() >= options_.max_queue) return false;
+    return scheduler_->Submit(std::move(work)).ok();
   }
   /// Counts the call and finishes it.
   void Finish(grpc::ServerUnaryReactor* reactor, const char* method,
@@ -85,14 +111,14 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
   }
   static absl::Status Overloaded() {
     return absl::ResourceExhaustedError(
-        "speculator overloaded: the forward queue is full (max_queue)");
+        "speculator overloaded: max_queue operations are queued or running");
   }
 
   const SpeculatorServerOptions& options_;
   ModelRunner* model_;
   const v1::ModelInfo* info_;
   SessionManager* sessions_;
-  Executor* executor_;
+  BatchScheduler* scheduler_;
   SpeculatorMetrics* metrics_;
 };
 
@@ -132,14 +158,18 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
   } else {
     owned = *std::move(created);
   }
-  auto task = [this, ctx, req, resp, reactor, t0, score_opts = *opts, lease,
-               owned]() {
-    DraftSession* session = owned ? owned.get() : lease->session();
-    absl::StatusOr<ScoreResult> r =
-        absl::CancelledError("client went away before scoring");
-    if (!ctx->IsCancelled()) {
-      r = session->Score(Ids(req->token_ids()), score_opts);
+  DraftSession* session = owned ? owned.get() : lease->session();
+  auto begin = [ctx, req, session, score_opts = *opts]() -> absl::Status {
+    if (ctx->IsCancelled()) {
+      return absl::CancelledError("client went away before scoring");
     }
+    return session->BeginScore(Ids(req->token_ids()), score_opts);
+  };
+  auto finish = [this, req, resp, reactor, t0, lease, owned,
+                 session](absl::Status status) {
+    absl::StatusOr<ScoreResult> r =
+        status.ok() ? session->TakeScoreResult()
+                    : absl::StatusOr<ScoreResult>(status);
     if (!r.ok()) {
       if (*lease) sessions_->Release(lease->id());
       lease->Reset();
@@ -171,7 +201,8 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
                            r->prefill_ns, r->look_ahead_ns, r->score_ns, total);
     Finish(reactor, "Score", absl::OkStatus());
   };
-  if (!TrySubmit(std::move(task))) {
+  if (!TrySubmit(std::make_unique<SessionWork>(session, std::move(begin),
+                                               std::move(finish)))) {
     if (*lease) sessions_->Release(lease->id());
     lease->Reset();
     Finish(reactor, "Score", Overloaded());
@@ -207,7 +238,18 @@ class DraftReactor final
     if (IsCancelled()) {
       return FinishOnce(absl::CancelledError("Draft stream cancelled"));
     }
-    if (!impl_->TrySubmit([this] { RunDraft(); })) {
+    DraftSession* session = lease_.session();
+    t0_ = NowNs();
+    auto begin = [this, session] {
+      return session->BeginDraft(Ids(req_.emitted_token_ids()),
+                                 req_.num_draft_tokens());
+    };
+    auto finish = [this, session](absl::Status s) {
+      if (!s.ok()) return FinishOnce(s);
+      OnDrafts(session->TakeDrafts());
+    };
+    if (!impl_->TrySubmit(std::make_unique<SessionWork>(
+            session, std::move(begin), std::move(finish)))) {
       FinishOnce(SpeculatorServiceImpl::Overloaded());
     }
   }
@@ -268,13 +310,10 @@ class DraftReactor final
     return absl::OkStatus();
   }
 
-  // On the executor.
-  void RunDraft() {
-    const int64_t t0 = NowNs();
-    auto drafts = lease_.session()->Draft(Ids(req_.emitted_token_ids()),
-                                          req_.num_draft_tokens());
-    if (!drafts.ok()) return FinishOnce(drafts.status());
-    const int64_t ns = NowNs() - t0;
+  // On the scheduler's thread when the Draft operation is done.
+  void OnDrafts(std::vector<DraftToken> drafts_vec) {
+    const std::vector<DraftToken>* drafts = &drafts_vec;
+    const int64_t ns = NowNs() - t0_;
     impl_->metrics_->ObserveDraft(static_cast<int>(drafts->size()), ns);
     if (IsCancelled()) {
       return FinishOnce(absl::CancelledError("Draft stream cancelled"));
@@ -316,6 +355,7 @@ class DraftReactor final
   v1::DraftRequest req_;
   v1::DraftResponse resp_;
   SessionManager::Lease lease_;  // touched only by the sequential chain
+  int64_t t0_ = 0;               // when the current Draft was queued
   absl::Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -364,7 +404,9 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
     return absl::InvalidArgumentError(m);
   };
   if (options.model_dir.empty()) return bad("model_dir is empty");
-  if (options.threads < 1) return bad("threads must be >= 1");
+  if (options.max_num_batched_tokens < 1) {
+    return bad("max_num_batched_tokens must be >= 1");
+  }
   if (options.max_queue < 1) return bad("max_queue must be >= 1");
   if (options.max_sessions < 1) return bad("max_sessions must be >= 1");
   if (!(options.session_ttl_s > 0)) return bad("session_ttl_s must be > 0");
@@ -402,10 +444,18 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   s->sessions_ = std::make_unique<SessionManager>(
       so, options.clock,
       [metrics](int n, size_t bytes) { metrics->SetSessions(n, bytes); });
-  s->executor_ = std::make_unique<Executor>(options.threads);
+  BatchScheduler::Options bo;
+  bo.max_num_batched_tokens = options.max_num_batched_tokens;
+  PagedKvCache* kv = &s->model_->kv_cache();
+  auto scheduler = BatchScheduler::Create(
+      s->model_.get(), bo, [metrics, kv](const BatchScheduler::StepStats& st) {
+        metrics->ObserveStep(st.sequences, st.rows, st.waiting, kv->usage());
+      });
+  if (!scheduler.ok()) return scheduler.status();
+  s->scheduler_ = *std::move(scheduler);
   s->service_ = std::make_unique<SpeculatorServiceImpl>(
       s->options_, s->model_.get(), &s->info_, s->sessions_.get(),
-      s->executor_.get(), s->metrics_.get());
+      s->scheduler_.get(), s->metrics_.get());
   return s;
 }
 

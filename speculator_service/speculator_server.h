@@ -23,9 +23,12 @@ struct SpeculatorServerOptions {
   std::string model_dir;         ///< HF Llama checkpoint (+ tokenizer).
   std::string model_id;          ///< reported by Info; "" = dir basename.
   std::string host = "0.0.0.0";  ///< listen address.
-  int threads = 2;         ///< executor workers: forwards run concurrently.
+  /// Rows (tokens) per batched forward of the model's scheduler: draft
+  /// and look-ahead rows of all sessions first, then prompt chunks.
+  int max_num_batched_tokens = 2048;
   int engine_threads = 1;  ///< importance-reduction threads per Score.
-  int max_queue = 64;      ///< queued forwards before RESOURCE_EXHAUSTED.
+  /// Score / Draft operations queued or running before RESOURCE_EXHAUSTED.
+  int max_queue = 1024;
   int max_sessions = 64;
   /// KV cache of all sessions: the size of the model runner's paged pool
   /// and the sum of the sessions' capacities admission allows.
@@ -40,7 +43,7 @@ struct SpeculatorServerOptions {
 
 class SpeculatorServiceImpl;
 class SpeculatorMetrics;
-class Executor;
+class BatchScheduler;
 class ModelRunner;
 class Tokenizer;
 
@@ -49,7 +52,9 @@ class Tokenizer;
 /// Liu et al. ICML 2025), Draft (bidi stream of draft proposals for
 /// speculative decoding, reusing the scoring KV cache), ReleaseSession and
 /// Info, plus grpc.health.v1 and reflection when EnableHealthAndReflection()
-/// was called first. Forwards run on an Executor, never on gRPC threads.
+/// was called first. Every Score and Draft is work of the model's one
+/// BatchScheduler (continuous batching: the forwards of all requests share
+/// each batched forward, prompts go in chunks), never on gRPC threads.
 ///
 /// Errors: INVALID_ARGUMENT naming the field for bad input; RESOURCE_
 /// EXHAUSTED for max_sessions, the KV budget or a full queue; NOT_FOUND for
@@ -96,7 +101,7 @@ class SpeculatorServer {
   v1::ModelInfo info_;
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<SpeculatorServiceImpl> service_;
-  std::unique_ptr<Executor> executor_;  // destroyed before service_
+  std::unique_ptr<BatchScheduler> scheduler_;  // destroyed before service_
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::thread sweeper_;

@@ -58,18 +58,6 @@ absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
       new DraftSession(model, *std::move(cache), sampling));
 }
 
-absl::Status DraftSession::Extend(absl::Span<const int> tokens,
-                                  ForwardOutput* out) {
-  std::vector<int> pos(tokens.size());
-  std::iota(pos.begin(), pos.end(), static_cast<int>(cached_.size()));
-  ForwardInput in;
-  in.token_ids = tokens;
-  in.position_ids = pos;
-  if (auto s = model_->Forward(in, cache_.get(), out); !s.ok()) return s;
-  cached_.insert(cached_.end(), tokens.begin(), tokens.end());
-  return absl::OkStatus();
-}
-
 DraftToken DraftSession::Propose(const float* logits) {
   const int vocab = model_->config().vocab_size;
   DraftToken d;
@@ -100,7 +88,51 @@ absl::Status DraftSession::Prefill(absl::Span<const int> prompt) {
 
 absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
                                                 const ScoreOptions& options) {
+  if (absl::Status s = BeginScore(prompt, options); !s.ok()) return s;
+  while (pending_rows() > 0) {
+    SequenceForward entry;
+    if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
+      AbortOp();
+      return s;
+    }
+    std::vector<ForwardOutput> outs;
+    if (absl::Status s =
+            model_->Forward(absl::MakeConstSpan(&entry, 1), &outs);
+        !s.ok()) {
+      AbortOp();
+      return s;
+    }
+    if (absl::Status s = CompleteForward(outs[0]); !s.ok()) return s;
+  }
+  return TakeScoreResult();
+}
+
+absl::StatusOr<std::vector<DraftToken>> DraftSession::Draft(
+    absl::Span<const int> emitted, int k) {
+  if (absl::Status s = BeginDraft(emitted, k); !s.ok()) return s;
+  while (pending_rows() > 0) {
+    SequenceForward entry;
+    if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
+      AbortOp();
+      return s;
+    }
+    ForwardOutput out;
+    if (absl::Status s = model_->Forward(entry.input, entry.kv, &out);
+        !s.ok()) {
+      AbortOp();
+      return s;
+    }
+    if (absl::Status s = CompleteForward(out); !s.ok()) return s;
+  }
+  return TakeDrafts();
+}
+
+absl::Status DraftSession::BeginScore(absl::Span<const int> prompt,
+                                      const ScoreOptions& options) {
   const ModelConfig& c = model_->config();
+  if (op_ != Op::kNone) {
+    return absl::FailedPreconditionError("an operation is in progress");
+  }
   if (started_) {
     return absl::FailedPreconditionError("session already has a prompt");
   }
@@ -116,73 +148,28 @@ absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
         " exceeds the speculator's context of ", cache_->max_tokens(),
         " tokens"));
   }
-  ScoreResult result;
   // The scoring rows' queries stay where the model runs (host or device).
   auto capture = model_->NewQueryCapture(1 + options.look_ahead);
   if (!capture.ok()) return capture.status();
-
-  // 1. Full-prompt prefill, capturing the last prompt row's queries.
-  int64_t t0 = NowNs();
-  std::vector<int> pos(n);
-  std::iota(pos.begin(), pos.end(), 0);
-  SequenceForward prefill;
-  prefill.kv = cache_.get();
-  prefill.input.token_ids = prompt;
-  prefill.input.position_ids = pos;
-  prefill.input.capture_query_rows = {n - 1};
-  prefill.capture = capture->get();
-  std::vector<ForwardOutput> outs;
-  if (auto s = model_->Forward(absl::MakeConstSpan(&prefill, 1), &outs);
-      !s.ok()) {
-    return s;
-  }
-  cached_.assign(prompt.begin(), prompt.end());
-  int64_t t1 = NowNs();
-  result.prefill_ns = t1 - t0;
-
-  // 2. Greedy look-ahead, capturing each fed token's queries; stop at EOS.
-  const std::vector<int>& eos = c.eos_token_ids;
-  for (int j = 0; j < options.look_ahead; ++j) {
-    const int tok =
-        Argmax(absl::MakeConstSpan(outs[0].logits.data(), c.vocab_size));
-    if (std::find(eos.begin(), eos.end(), tok) != eos.end()) break;
-    result.look_ahead_tokens.push_back(tok);
-    const int p = static_cast<int>(cached_.size());
-    SequenceForward step;
-    step.kv = cache_.get();
-    step.input.token_ids = absl::MakeConstSpan(&tok, 1);
-    step.input.position_ids = absl::MakeConstSpan(&p, 1);
-    step.input.capture_query_rows = {0};
-    step.capture = capture->get();
-    if (auto s = model_->Forward(absl::MakeConstSpan(&step, 1), &outs);
-        !s.ok()) {
-      return s;
-    }
-    cached_.push_back(tok);
-  }
-  int64_t t2 = NowNs();
-  result.look_ahead_ns = t2 - t1;
-
-  // 3. Score against the prompt keys only, one layer at a time.
-  auto importance = model_->ScoreImportance(*cache_, n, **capture,
-                                            options.scoring,
-                                            options.num_threads);
-  if (!importance.ok()) return importance.status();
-  result.importance = std::move(importance->importance);
-  result.per_row_importance = std::move(importance->per_row_importance);
-  auto sel = SelectTokens(result.importance, options.selection);
-  if (!sel.ok()) return sel.status();
-  result.selection = *std::move(sel);
-  result.score_ns = NowNs() - t2;
-
-  committed_.assign(prompt.begin(), prompt.end());
-  started_ = true;
-  return result;
+  capture_ = *std::move(capture);
+  score_ = ScoreResult();
+  score_options_ = options;
+  op_ = Op::kScore;
+  op_start_ = cache_->size();
+  feed_.assign(prompt.begin(), prompt.end());
+  fed_ = 0;
+  wanted_ = options.look_ahead;
+  next_token_ = -1;
+  finished_op_ = false;
+  t_begin_ = NowNs();
+  return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<DraftToken>> DraftSession::Draft(
-    absl::Span<const int> emitted, int k) {
+absl::Status DraftSession::BeginDraft(absl::Span<const int> emitted, int k) {
   const ModelConfig& c = model_->config();
+  if (op_ != Op::kNone) {
+    return absl::FailedPreconditionError("an operation is in progress");
+  }
   if (!started_) {
     return absl::FailedPreconditionError("session has no prompt yet");
   }
@@ -207,25 +194,166 @@ absl::StatusOr<std::vector<DraftToken>> DraftSession::Draft(
   if (auto s = cache_->Truncate(static_cast<int>(keep)); !s.ok()) return s;
   cached_.resize(keep);
 
-  std::vector<DraftToken> drafts;
+  op_ = Op::kDraft;
+  op_start_ = cache_->size();
+  drafts_.clear();
+  fed_ = 0;
+  next_token_ = -1;
+  finished_op_ = false;
   const int pending = static_cast<int>(committed_.size() - keep);
   const int room = cache_->max_tokens() - static_cast<int>(keep);
-  if (pending > room) return drafts;  // context full: the target goes alone
-  const int num = std::min(k, room - pending + 1);
-  ForwardOutput out;
-  if (auto s = Extend(absl::MakeConstSpan(committed_).subspan(keep), &out);
-      !s.ok()) {
-    return s;
+  if (pending > room) {  // context full: the target goes alone
+    feed_.clear();
+    wanted_ = 0;
+    finished_op_ = true;
+    return absl::OkStatus();
   }
-  drafts.push_back(Propose(out.logits.data()));
-  for (int j = 1; j < num; ++j) {
-    const int prev = drafts.back().id;
-    if (auto s = Extend(absl::MakeConstSpan(&prev, 1), &out); !s.ok()) {
-      return s;
+  feed_.assign(committed_.begin() + keep, committed_.end());
+  wanted_ = std::min(k, room - pending + 1);
+  return absl::OkStatus();
+}
+
+int DraftSession::pending_rows() const {
+  if (op_ == Op::kNone || finished_op_) return 0;
+  if (fed_ < static_cast<int>(feed_.size())) {
+    return static_cast<int>(feed_.size()) - fed_;
+  }
+  return next_token_ >= 0 ? 1 : 0;
+}
+
+bool DraftSession::prefilling() const {
+  // A Score's prompt, or a Draft that must first feed more than a verify
+  // round's worth of tokens (a prompt never scored).
+  const int left = static_cast<int>(feed_.size()) - fed_;
+  if (op_ == Op::kScore) return left > 0;
+  return op_ == Op::kDraft && left > 65;
+}
+
+absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
+  if (pending_rows() == 0) {
+    return absl::FailedPreconditionError("no forward pending");
+  }
+  if (max_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_rows must be >= 1, got ", max_rows));
+  }
+  const int first = static_cast<int>(cached_.size());
+  const int left = static_cast<int>(feed_.size()) - fed_;
+  if (left > 0) {
+    const int take = std::min(left, max_rows);
+    plan_tokens_.assign(feed_.begin() + fed_, feed_.begin() + fed_ + take);
+  } else {
+    plan_tokens_ = {next_token_};
+  }
+  const int n = static_cast<int>(plan_tokens_.size());
+  plan_positions_.resize(n);
+  std::iota(plan_positions_.begin(), plan_positions_.end(), first);
+  entry->kv = cache_.get();
+  entry->input.token_ids = plan_tokens_;
+  entry->input.position_ids = plan_positions_;
+  entry->input.logit_rows.clear();  // the last row
+  entry->input.capture_query_rows.clear();
+  entry->capture = nullptr;
+  // Speculative Prefill scores the last prompt row and every look-ahead
+  // row: capture them.
+  const bool last_of_feed = left > 0 && n == left;
+  if (op_ == Op::kScore && (last_of_feed || left == 0)) {
+    entry->input.capture_query_rows = {n - 1};
+    entry->capture = capture_.get();
+  }
+  return absl::OkStatus();
+}
+
+void DraftSession::CommitPlanned() {
+  cached_.insert(cached_.end(), plan_tokens_.begin(), plan_tokens_.end());
+  if (fed_ < static_cast<int>(feed_.size())) {
+    fed_ += static_cast<int>(plan_tokens_.size());
+  }
+}
+
+absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
+  const ModelConfig& c = model_->config();
+  if (pending_rows() == 0) {
+    return absl::FailedPreconditionError("no forward pending");
+  }
+  CommitPlanned();
+  if (fed_ < static_cast<int>(feed_.size())) return absl::OkStatus();
+  const float* logits = out.logits.data();
+  if (op_ == Op::kScore) {
+    if (next_token_ < 0) t_prefilled_ = NowNs();  // the prompt is in
+    // Greedy look-ahead, stopping at EOS or after `wanted_` tokens.
+    const int have = static_cast<int>(score_.look_ahead_tokens.size());
+    if (have < wanted_) {
+      const int tok = Argmax(absl::MakeConstSpan(logits, c.vocab_size));
+      const std::vector<int>& eos = c.eos_token_ids;
+      if (std::find(eos.begin(), eos.end(), tok) == eos.end()) {
+        score_.look_ahead_tokens.push_back(tok);
+        next_token_ = tok;
+        return absl::OkStatus();
+      }
     }
-    drafts.push_back(Propose(out.logits.data()));
+    next_token_ = -1;
+    return FinishScore();
   }
-  return drafts;
+  drafts_.push_back(Propose(logits));
+  if (static_cast<int>(drafts_.size()) >= wanted_) {
+    next_token_ = -1;
+    finished_op_ = true;
+  } else {
+    next_token_ = drafts_.back().id;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DraftSession::FinishScore() {
+  const int64_t t2 = NowNs();
+  score_.prefill_ns = t_prefilled_ - t_begin_;
+  score_.look_ahead_ns = t2 - t_prefilled_;
+  const int n = static_cast<int>(feed_.size());
+  finished_op_ = true;
+  // Score against the prompt keys only, one layer at a time.
+  auto importance = model_->ScoreImportance(*cache_, n, *capture_,
+                                            score_options_.scoring,
+                                            score_options_.num_threads);
+  capture_.reset();
+  if (!importance.ok()) {
+    op_ = Op::kNone;
+    return importance.status();
+  }
+  score_.importance = std::move(importance->importance);
+  score_.per_row_importance = std::move(importance->per_row_importance);
+  auto sel = SelectTokens(score_.importance, score_options_.selection);
+  if (!sel.ok()) {
+    op_ = Op::kNone;
+    return sel.status();
+  }
+  score_.selection = *std::move(sel);
+  score_.score_ns = NowNs() - t2;
+  committed_ = feed_;
+  started_ = true;
+  return absl::OkStatus();
+}
+
+void DraftSession::AbortOp() {
+  if (op_ == Op::kNone) return;
+  cache_->Truncate(op_start_).IgnoreError();
+  cached_.resize(op_start_);
+  capture_.reset();
+  op_ = Op::kNone;
+}
+
+absl::StatusOr<ScoreResult> DraftSession::TakeScoreResult() {
+  if (op_ != Op::kScore || !finished_op_) {
+    return absl::FailedPreconditionError("no finished Score");
+  }
+  op_ = Op::kNone;
+  return std::move(score_);
+}
+
+std::vector<DraftToken> DraftSession::TakeDrafts() {
+  if (op_ != Op::kDraft || !finished_op_) return {};
+  op_ = Op::kNone;
+  return std::move(drafts_);
 }
 
 }  // namespace specserve

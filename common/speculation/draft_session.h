@@ -76,6 +76,39 @@ class DraftSession {
   absl::StatusOr<std::vector<DraftToken>> Draft(absl::Span<const int> emitted,
                                                 int k);
 
+  // ---- Score and Draft in steps, for a scheduler that batches the
+  // forwards of many sessions (common/scheduling/batch_scheduler.h) and
+  // splits long prompts into chunks. Score() and Draft() are Begin*, then
+  // (PlanForward, Forward, CompleteForward) while pending_rows() > 0, then
+  // Take*. ----
+
+  /// Starts a Score: the checks and errors of Score().
+  absl::Status BeginScore(absl::Span<const int> prompt,
+                          const ScoreOptions& options);
+  /// Starts a Draft: the checks and errors of Draft(); rolls the cache
+  /// back to the agreed prefix now. With the context full it needs no
+  /// forward (pending_rows() == 0, no drafts).
+  absl::Status BeginDraft(absl::Span<const int> emitted, int k);
+  /// Rows the operation still has to forward (an upper bound while the
+  /// look-ahead may stop early at EOS); 0 = done or none begun.
+  int pending_rows() const;
+  /// Whether the next forward feeds prompt tokens (a prefill chunk) rather
+  /// than decode-like rows.
+  bool prefilling() const;
+  /// Plans the next forward over at most `max_rows` (>= 1) rows. `entry`
+  /// points into this session until CompleteForward / AbortOp.
+  absl::Status PlanForward(int max_rows, SequenceForward* entry);
+  /// Consumes the planned forward's output; the last one of a Score runs
+  /// the importance reduction and the selection (their errors end it).
+  absl::Status CompleteForward(const ForwardOutput& out);
+  /// Ends an operation whose forward failed: the cache goes back to where
+  /// the operation's forwards began.
+  void AbortOp();
+  /// The finished Score's result (FAILED_PRECONDITION if none).
+  absl::StatusOr<ScoreResult> TakeScoreResult();
+  /// The finished Draft's proposals.
+  std::vector<DraftToken> TakeDrafts();
+
   /// Prompt + target-emitted tokens so far.
   const std::vector<int>& committed() const { return committed_; }
   /// Bytes of KV cache currently used.
@@ -87,8 +120,6 @@ class DraftSession {
  private:
   DraftSession(ModelRunner* model, std::unique_ptr<KvSequence> cache,
                const SamplingParams& sampling);
-  // Forwards tokens_[cache size ..) and returns the last row's logits.
-  absl::Status Extend(absl::Span<const int> tokens, ForwardOutput* out);
   DraftToken Propose(const float* logits);
 
   ModelRunner* model_;
@@ -99,6 +130,25 @@ class DraftSession {
   std::vector<int> committed_;  // prompt + target-emitted tokens
   std::vector<int> look_ahead_;  // proposed by Score, unconfirmed
   bool started_ = false;
+
+  // The operation in progress (BeginScore / BeginDraft).
+  enum class Op { kNone, kScore, kDraft };
+  // Appends the planned tokens to cached_ after their forward.
+  void CommitPlanned();
+  absl::Status FinishScore();
+  Op op_ = Op::kNone;
+  int op_start_ = 0;             // cache size when the forwards began
+  std::vector<int> feed_;        // tokens to forward before proposing
+  int fed_ = 0;                  // of feed_, forwarded
+  int wanted_ = 0;               // Score: look-ahead; Draft: drafts
+  int next_token_ = -1;          // the next single row to forward
+  bool finished_op_ = false;
+  ScoreOptions score_options_;
+  std::unique_ptr<QueryCapture> capture_;
+  ScoreResult score_;
+  std::vector<DraftToken> drafts_;
+  int64_t t_begin_ = 0, t_prefilled_ = 0;
+  std::vector<int> plan_tokens_, plan_positions_;
 };
 
 }  // namespace specserve

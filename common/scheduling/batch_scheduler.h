@@ -1,0 +1,116 @@
+#ifndef SPECSERVE_COMMON_SCHEDULING_BATCH_SCHEDULER_H_
+#define SPECSERVE_COMMON_SCHEDULING_BATCH_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/engine/model_runner.h"
+
+namespace specserve {
+
+/// A piece of per-request work that takes one or more forwards of one
+/// sequence (a target round, a Speculative Prefill scoring, a draft
+/// proposal), driven by a BatchScheduler that puts the forwards of many
+/// requests into one batched ModelRunner::Forward. Called on the
+/// scheduler's thread only, in the order Begin, then (PlanForward,
+/// CompleteForward)* while pending_rows() > 0, then Finish exactly once.
+class BatchedWork {
+ public:
+  virtual ~BatchedWork() = default;
+  /// Starts the work; an error ends it (Finish gets the error).
+  virtual absl::Status Begin() = 0;
+  /// Rows still to forward; 0 = done (Finish(OK) follows).
+  virtual int pending_rows() const = 0;
+  /// Fewest rows the next forward may take (a verify round's 1 + k rows
+  /// are never split; prompt chunks can be 1 row).
+  virtual int min_forward_rows() const = 0;
+  /// Whether the next forward is a prompt chunk (scheduled after the
+  /// decode-like rows of other requests).
+  virtual bool prefilling() const = 0;
+  /// Plans the next forward over at most max_rows (>= min_forward_rows())
+  /// rows; `entry` may point into the work until CompleteForward.
+  virtual absl::Status PlanForward(int max_rows, SequenceForward* entry) = 0;
+  /// Consumes the planned forward's output; an error ends the work.
+  virtual absl::Status CompleteForward(const ForwardOutput& out) = 0;
+  /// Undoes the started work's KV cache changes after a failed forward.
+  virtual void Abort() = 0;
+  /// The work's end: OK (results are in the work) or the error that ended
+  /// it. Runs on the scheduler thread, outside its locks; the scheduler
+  /// destroys the work right after.
+  virtual void Finish(absl::Status status) = 0;
+};
+
+/// Continuous batching over one ModelRunner: iteration-level scheduling
+/// (Orca, Yu et al. OSDI 2022) with chunked prefill (Sarathi, Agrawal et
+/// al. 2023) in vLLM v1's shape. One loop thread; each step packs a token
+/// budget from the works in flight, decode-like rows first (never split),
+/// then prompt chunks, so a long prompt never stalls the streaming
+/// requests; one batched forward; then each work's rows go back to it.
+/// Works run in submission order within each class; a work that needs more
+/// rows than are left this step waits for the next. Thread-safe.
+class BatchScheduler {
+ public:
+  struct Options {
+    /// Rows (tokens) per batched forward, >= every work's largest
+    /// min_forward_rows() (else that work fails RESOURCE_EXHAUSTED).
+    int max_num_batched_tokens = 2048;
+  };
+  /// What one step did (the serving loop's metrics).
+  struct StepStats {
+    int sequences = 0;       ///< works in the forward
+    int rows = 0;            ///< rows (tokens) forwarded
+    int prefill_rows = 0;    ///< of those, prompt-chunk rows
+    int waiting = 0;         ///< works in flight that got no rows
+    int64_t forward_ns = 0;  ///< the batched forward's time
+  };
+  using StepObserver = std::function<void(const StepStats&)>;
+
+  /// INVALID_ARGUMENT for a null model or max_num_batched_tokens < 1.
+  static absl::StatusOr<std::unique_ptr<BatchScheduler>> Create(
+      ModelRunner* model, Options options, StepObserver on_step = nullptr);
+  /// Stops the loop; works still in flight are aborted and finish with
+  /// CANCELLED.
+  ~BatchScheduler();
+  BatchScheduler(const BatchScheduler&) = delete;
+  BatchScheduler& operator=(const BatchScheduler&) = delete;
+
+  /// Queues `work`. UNAVAILABLE once shutting down (then the work is
+  /// destroyed without Finish).
+  absl::Status Submit(std::unique_ptr<BatchedWork> work);
+  /// Works queued or in flight.
+  int num_works() const;
+  const Options& options() const { return options_; }
+
+ private:
+  struct Entry {
+    std::unique_ptr<BatchedWork> work;
+    bool begun = false;
+  };
+  using Ended = std::vector<std::pair<std::unique_ptr<BatchedWork>,
+                                      absl::Status>>;
+  BatchScheduler(ModelRunner* model, Options options, StepObserver on_step);
+  void Loop();
+  // One step over the loop's own list; ended works move to `ended`.
+  void Step(std::vector<Entry>* works, Ended* ended);
+
+  ModelRunner* const model_;
+  const Options options_;
+  const StepObserver on_step_;
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<BatchedWork>> incoming_ ABSL_GUARDED_BY(mu_);
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_SCHEDULING_BATCH_SCHEDULER_H_

@@ -1,0 +1,256 @@
+#include "common/scheduling/batch_scheduler.h"
+
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "common/speculation/draft_session.h"
+#include "common/speculation/test_util.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace {
+
+using testing_util::LoadBundled;
+
+// A DraftSession operation (Score or Draft) as scheduler work; `done`
+// gets the status.
+class OpWork : public BatchedWork {
+ public:
+  OpWork(DraftSession* s, std::function<absl::Status()> begin,
+         std::function<void(absl::Status)> done)
+      : s_(s), begin_(std::move(begin)), done_(std::move(done)) {}
+  absl::Status Begin() override { return begin_(); }
+  int pending_rows() const override { return s_->pending_rows(); }
+  int min_forward_rows() const override { return 1; }
+  bool prefilling() const override { return s_->prefilling(); }
+  absl::Status PlanForward(int max_rows, SequenceForward* e) override {
+    return s_->PlanForward(max_rows, e);
+  }
+  absl::Status CompleteForward(const ForwardOutput& out) override {
+    return s_->CompleteForward(out);
+  }
+  void Abort() override { s_->AbortOp(); }
+  void Finish(absl::Status status) override { done_(std::move(status)); }
+
+ private:
+  DraftSession* s_;
+  std::function<absl::Status()> begin_;
+  std::function<void(absl::Status)> done_;
+};
+
+// A work that needs `rows` rows in one forward it never gets.
+class TooWideWork : public BatchedWork {
+ public:
+  TooWideWork(int rows, absl::Status* out, absl::Notification* n)
+      : rows_(rows), out_(out), n_(n) {}
+  absl::Status Begin() override { return absl::OkStatus(); }
+  int pending_rows() const override { return rows_; }
+  int min_forward_rows() const override { return rows_; }
+  bool prefilling() const override { return false; }
+  absl::Status PlanForward(int, SequenceForward*) override {
+    return absl::InternalError("never planned");
+  }
+  absl::Status CompleteForward(const ForwardOutput&) override {
+    return absl::InternalError("never run");
+  }
+  void Abort() override {}
+  void Finish(absl::Status s) override {
+    *out_ = s;
+    n_->Notify();
+  }
+
+ private:
+  int rows_;
+  absl::Status* out_;
+  absl::Notification* n_;
+};
+
+class BatchSchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = testing_util::MakeCpuRunner(LoadBundled("stories260K-draft"), 24);
+    ASSERT_NE(model_, nullptr);
+  }
+  std::vector<int> Prompt(int len, std::mt19937* rng) {
+    std::vector<int> p = {1};
+    for (int i = 1; i < len; ++i) p.push_back(3 + (*rng)() % 500);
+    return p;
+  }
+  std::unique_ptr<CpuModelRunner> model_;
+};
+
+// Speculative Prefill scoring and drafting of many sessions through one
+// scheduler (prompts chunked by a small budget, forwards shared) give what
+// each session's own Score() and Draft() give.
+TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
+  std::vector<BatchScheduler::StepStats> steps;
+  absl::Mutex mu;
+  BatchScheduler::Options o;
+  o.max_num_batched_tokens = 24;
+  auto sched = BatchScheduler::Create(
+      model_.get(), o, [&](const BatchScheduler::StepStats& st) {
+        absl::MutexLock lock(&mu);
+        steps.push_back(st);
+      });
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  std::mt19937 rng(2);
+  ScoreOptions so;
+  so.look_ahead = 4;
+  so.selection.chunk_size = 4;
+  so.selection.keep_ratio = 0.3;
+  const int kSessions = 8;
+  std::vector<std::vector<int>> prompts;
+  std::vector<ScoreResult> want_score;
+  std::vector<std::vector<DraftToken>> want_drafts;
+  std::vector<int> emitted = {7, 9};
+  for (int i = 0; i < kSessions; ++i) {
+    prompts.push_back(Prompt(10 + rng() % 80, &rng));
+    auto s = DraftSession::Create(model_.get(), 512, SamplingParams{});
+    ASSERT_TRUE(s.ok());
+    auto r = (*s)->Score(prompts.back(), so);
+    ASSERT_TRUE(r.ok()) << r.status();
+    want_score.push_back(*r);
+    auto d = (*s)->Draft(emitted, 5);
+    ASSERT_TRUE(d.ok()) << d.status();
+    want_drafts.push_back(*d);
+  }
+  std::vector<std::unique_ptr<DraftSession>> sessions;
+  std::vector<absl::StatusOr<ScoreResult>> got_score(
+      kSessions, absl::UnknownError("not run"));
+  std::vector<std::vector<DraftToken>> got_drafts(kSessions);
+  std::vector<absl::Notification> scored(kSessions), drafted(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    auto s = DraftSession::Create(model_.get(), 512, SamplingParams{});
+    ASSERT_TRUE(s.ok());
+    sessions.push_back(*std::move(s));
+  }
+  for (int i = 0; i < kSessions; ++i) {
+    DraftSession* s = sessions[i].get();
+    ASSERT_TRUE((*sched)
+                    ->Submit(std::make_unique<OpWork>(
+                        s, [s, &prompts, i, so] {
+                          return s->BeginScore(prompts[i], so);
+                        },
+                        [&, s, i](absl::Status st) {
+                          got_score[i] =
+                              st.ok() ? s->TakeScoreResult()
+                                      : absl::StatusOr<ScoreResult>(st);
+                          scored[i].Notify();
+                        }))
+                    .ok());
+  }
+  for (int i = 0; i < kSessions; ++i) {
+    ASSERT_TRUE(scored[i].WaitForNotificationWithTimeout(absl::Seconds(30)));
+    ASSERT_TRUE(got_score[i].ok()) << got_score[i].status();
+    EXPECT_EQ(got_score[i]->look_ahead_tokens, want_score[i].look_ahead_tokens);
+    EXPECT_EQ(got_score[i]->selection.kept_indices,
+              want_score[i].selection.kept_indices);
+    ASSERT_EQ(got_score[i]->importance.size(), want_score[i].importance.size());
+    for (size_t t = 0; t < want_score[i].importance.size(); ++t) {
+      ASSERT_NEAR(got_score[i]->importance[t], want_score[i].importance[t],
+                  1e-6);
+    }
+  }
+  for (int i = 0; i < kSessions; ++i) {
+    DraftSession* s = sessions[i].get();
+    ASSERT_TRUE((*sched)
+                    ->Submit(std::make_unique<OpWork>(
+                        s, [s, &emitted] { return s->BeginDraft(emitted, 5); },
+                        [&, s, i](absl::Status st) {
+                          EXPECT_TRUE(st.ok()) << st;
+                          got_drafts[i] = s->TakeDrafts();
+                          drafted[i].Notify();
+                        }))
+                    .ok());
+  }
+  for (int i = 0; i < kSessions; ++i) {
+    ASSERT_TRUE(drafted[i].WaitForNotificationWithTimeout(absl::Seconds(30)));
+    ASSERT_EQ(got_drafts[i].size(), want_drafts[i].size());
+    for (size_t j = 0; j < want_drafts[i].size(); ++j) {
+      EXPECT_EQ(got_drafts[i][j].id, want_drafts[i][j].id) << i << " " << j;
+    }
+  }
+  absl::MutexLock lock(&mu);
+  int shared = 0, chunks_with_decode = 0;
+  for (const auto& st : steps) {
+    EXPECT_LE(st.rows, 24);
+    shared += st.sequences > 1;
+    chunks_with_decode += st.prefill_rows > 0 && st.prefill_rows < st.rows;
+  }
+  EXPECT_GT(shared, 0);
+  EXPECT_GT(chunks_with_decode, 0);
+  EXPECT_EQ((*sched)->num_works(), 0);
+}
+
+TEST_F(BatchSchedulerTest, ImpossibleAndFailingWorkEndWithErrors) {
+  BatchScheduler::Options o;
+  o.max_num_batched_tokens = 8;
+  auto sched = BatchScheduler::Create(model_.get(), o);
+  ASSERT_TRUE(sched.ok());
+  absl::Status got;
+  absl::Notification n;
+  ASSERT_TRUE((*sched)->Submit(std::make_unique<TooWideWork>(9, &got, &n)).ok());
+  ASSERT_TRUE(n.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(got.code(), absl::StatusCode::kResourceExhausted);
+  // A Begin error (a Draft before any prompt) reaches Finish.
+  auto s = DraftSession::Create(model_.get(), 64, SamplingParams{});
+  ASSERT_TRUE(s.ok());
+  DraftSession* ds = s->get();
+  absl::Notification n2;
+  ASSERT_TRUE((*sched)
+                  ->Submit(std::make_unique<OpWork>(
+                      ds, [ds] { return ds->BeginDraft({5}, 2); },
+                      [&](absl::Status st) {
+                        got = st;
+                        n2.Notify();
+                      }))
+                  .ok());
+  ASSERT_TRUE(n2.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(got.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(BatchScheduler::Create(nullptr, {}).ok());
+}
+
+// Works still in flight when the scheduler goes away end with CANCELLED
+// and leave their caches as they were.
+TEST_F(BatchSchedulerTest, ShutdownCancelsWorkInFlight) {
+  std::mt19937 rng(8);
+  std::vector<std::unique_ptr<DraftSession>> sessions;
+  std::vector<absl::Status> got(16);
+  int finished = 0;
+  {
+    BatchScheduler::Options o;
+    o.max_num_batched_tokens = 1;  // one row per step: slow on purpose
+    auto sched = BatchScheduler::Create(model_.get(), o);
+    ASSERT_TRUE(sched.ok());
+    ScoreOptions so;
+    for (int i = 0; i < 16; ++i) {
+      auto s = DraftSession::Create(model_.get(), 512, SamplingParams{});
+      ASSERT_TRUE(s.ok());
+      DraftSession* ds = s->get();
+      sessions.push_back(*std::move(s));
+      const std::vector<int> p = Prompt(200, &rng);
+      ASSERT_TRUE((*sched)
+                      ->Submit(std::make_unique<OpWork>(
+                          ds, [ds, p, so] { return ds->BeginScore(p, so); },
+                          [&, i](absl::Status st) {
+                            got[i] = st;
+                            ++finished;
+                          }))
+                      .ok());
+    }
+  }  // destroyed with most scoring still to do
+  EXPECT_EQ(finished, 16);
+  int cancelled = 0;
+  for (int i = 0; i < 16; ++i) {
+    if (got[i].code() == absl::StatusCode::kCancelled) {
+      ++cancelled;
+      EXPECT_EQ(sessions[i]->kv_tokens(), 0);
+    }
+  }
+  EXPECT_GT(cancelled, 0);
+}
+
+}  // namespace
+}  // namespace specserve
