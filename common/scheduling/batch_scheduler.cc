@@ -61,6 +61,7 @@ int BatchScheduler::num_works() const {
 void BatchScheduler::Loop() {
   std::vector<Entry> works;  // in flight, FIFO
   Ended ended;
+  int last_sequences = 0;  // works in the previous step's forward
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -72,13 +73,30 @@ void BatchScheduler::Loop() {
             },
             this));
       }
+      // Give the previous step's requests a moment to send their next
+      // work, so that they share this step instead of the next one.
+      const size_t want = static_cast<size_t>(last_sequences);
+      if (!stop_ && works.size() + incoming_.size() < want &&
+          options_.max_batch_wait > absl::ZeroDuration()) {
+        struct Arg {
+          BatchScheduler* s;
+          size_t need;
+        } arg{this, want - std::min(want, works.size())};
+        mu_.AwaitWithTimeout(
+            absl::Condition(
+                +[](Arg* a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a->s->mu_) {
+                  return a->s->stop_ || a->s->incoming_.size() >= a->need;
+                },
+                &arg),
+            options_.max_batch_wait);
+      }
       if (stop_) break;
       while (!incoming_.empty()) {
         works.push_back(Entry{std::move(incoming_.front())});
         incoming_.pop_front();
       }
     }
-    Step(&works, &ended);
+    last_sequences = Step(&works, &ended);
     if (!ended.empty()) {
       {
         absl::MutexLock lock(&mu_);
@@ -101,7 +119,7 @@ void BatchScheduler::Loop() {
   }
 }
 
-void BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
+int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   std::vector<bool> gone(works->size(), false);
   // Start new works; one that fails to start, or needs no forward, ends.
   for (size_t i = 0; i < works->size(); ++i) {
@@ -181,6 +199,7 @@ void BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   }
   works->swap(keep);
   if (on_step_ && stats.sequences > 0) on_step_(stats);
+  return stats.sequences;
 }
 
 }  // namespace specserve

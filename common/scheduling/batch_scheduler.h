@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/engine/model_runner.h"
 
 namespace specserve {
@@ -62,6 +63,11 @@ class BatchScheduler {
     /// Rows (tokens) per batched forward, >= every work's largest
     /// min_forward_rows() (else that work fails RESOURCE_EXHAUSTED).
     int max_num_batched_tokens = 2048;
+    /// Before a step, wait up to this long for the works of the previous
+    /// step to come back (a stream's next round arrives one client round
+    /// trip after its last one ended): without it the running requests
+    /// split into alternating half-size batches. 0 = never wait.
+    absl::Duration max_batch_wait = absl::Milliseconds(2);
   };
   /// What one step did (the serving loop's metrics).
   struct StepStats {
@@ -99,7 +105,8 @@ class BatchScheduler {
   BatchScheduler(ModelRunner* model, Options options, StepObserver on_step);
   void Loop();
   // One step over the loop's own list; ended works move to `ended`.
-  void Step(std::vector<Entry>* works, Ended* ended);
+  // Returns the works the step's forward carried.
+  int Step(std::vector<Entry>* works, Ended* ended);
 
   ModelRunner* const model_;
   const Options options_;
