@@ -34,6 +34,10 @@ ABSL_FLAG(std::string, tokenizer, "",
           "must match the services'); empty = token-id prompts only");
 ABSL_FLAG(int, max_concurrent_requests, 512,
           "requests served at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, spec_decode_disable_by_batch_size, 0,
+          "with this many requests in flight, rounds go without drafts; from "
+          "half of it on with fewer (vLLM speculative_disable_by_batch_size); "
+          "0 = never");
 ABSL_FLAG(int, speculator_deadline_ms, 2000,
           "deadline of each speculator call (Score, Draft round); past it "
           "the request falls back to the target alone");
@@ -71,6 +75,8 @@ int Run() {
   o.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   o.speculator_deadline =
       absl::Milliseconds(absl::GetFlag(FLAGS_speculator_deadline_ms));
+  o.spec_decode_disable_by_batch_size =
+      absl::GetFlag(FLAGS_spec_decode_disable_by_batch_size);
   o.request_deadline =
       absl::Milliseconds(absl::GetFlag(FLAGS_request_deadline_ms));
   RequestDefaults& d = o.defaults;

@@ -93,6 +93,12 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
               .Name("specserve_router_spec_decode_num_accepted_tokens_per_"
                     "pos_total")
               .Help("Accepted drafts by position in the round (0-based)")
+              .Register(r)),
+      load_limited_(
+          BuildCounter()
+              .Name("specserve_router_spec_decode_load_limited_rounds_total")
+              .Help("Rounds whose drafts --spec_decode_disable_by_batch_size "
+                    "cut, by action (disabled: none; reduced: fewer)")
               .Register(r)) {}
 
 void RouterMetrics::CountRequest(const std::string& status) {
@@ -127,6 +133,11 @@ void RouterMetrics::ObserveVerifyRound(int num_draft_tokens, int num_accepted) {
   for (int i = 0; i < num_accepted; ++i) {
     accepted_per_pos_.Add({{"position", std::to_string(i)}}).Increment();
   }
+}
+
+void RouterMetrics::CountLoadLimitedRound(bool disabled) {
+  load_limited_.Add({{"action", disabled ? "disabled" : "reduced"}})
+      .Increment();
 }
 
 }  // namespace specserve

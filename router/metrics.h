@@ -36,6 +36,9 @@ class RouterMetrics {
   /// One verify round that carried `num_draft_tokens` drafts of which the
   /// first `num_accepted` were accepted.
   void ObserveVerifyRound(int num_draft_tokens, int num_accepted);
+  /// A round whose drafts the load rule cut: to none (`disabled`) or to
+  /// fewer than requested.
+  void CountLoadLimitedRound(bool disabled);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -52,6 +55,7 @@ class RouterMetrics {
   prometheus::Counter& num_draft_tokens_;
   prometheus::Counter& num_accepted_;
   prometheus::Family<prometheus::Counter>& accepted_per_pos_;
+  prometheus::Family<prometheus::Counter>& load_limited_;
 };
 
 }  // namespace specserve

@@ -572,6 +572,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   int completion = 0;
   int64_t accepted_total = 0;
   std::vector<int> per_pos;
+  std::vector<int> unsent_emitted;  // emitted, not yet sent to the speculator
   std::string finish;
   v1::GenerateTextChunk chunk;
   v1::GenerateResponse resp;
@@ -616,7 +617,28 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     // rolls back its rejected drafts and proposes k more.
     v1::GenerateRequest greq;
     v1::Drafts* drafts = greq.mutable_drafts();
+    // Under load, verify rows cost real compute: fewer or no drafts.
+    int k = opts.num_draft_tokens;
     if (draft_alive) {
+      const int running = b.running_requests ? b.running_requests() : 0;
+      k = DraftTokensUnderLoad(k, running,
+                               b.spec_decode_disable_by_batch_size);
+      if (k == 0) {
+        stats.set_num_rounds_drafting_disabled(
+            stats.num_rounds_drafting_disabled() + 1);
+      } else if (k < opts.num_draft_tokens) {
+        stats.set_num_rounds_drafts_reduced(
+            stats.num_rounds_drafts_reduced() + 1);
+      }
+      if (b.metrics != nullptr && k < opts.num_draft_tokens) {
+        b.metrics->CountLoadLimitedRound(k == 0);
+      }
+    }
+    // The speculator learns every emitted token, also those of rounds it
+    // sat out.
+    unsent_emitted.insert(unsent_emitted.end(), resp.token_ids().begin(),
+                          resp.token_ids().end());
+    if (draft_alive && k > 0) {
       if (draft == nullptr) {
         draft =
             std::make_unique<DraftStream>(plan.speculator->channel, deadline);
@@ -624,8 +646,10 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
       }
       v1::DraftRequest dreq;
       dreq.set_session_id(session_id);
-      dreq.mutable_emitted_token_ids()->CopyFrom(resp.token_ids());
-      dreq.set_num_draft_tokens(opts.num_draft_tokens);
+      dreq.mutable_emitted_token_ids()->Add(unsent_emitted.begin(),
+                                            unsent_emitted.end());
+      unsent_emitted.clear();
+      dreq.set_num_draft_tokens(k);
       auto proposed = draft->Round(dreq, b.speculator_deadline);
       if (calls_->cancelled()) return absl::CancelledError("cancelled");
       if (proposed.ok()) {
@@ -688,6 +712,17 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   }
   sink(chunk);
   return absl::OkStatus();
+}
+
+int DraftTokensUnderLoad(int k, int running, int disable_at) {
+  if (disable_at <= 0 || k <= 0) return k;
+  if (running >= disable_at) return 0;
+  const int half = disable_at / 2;
+  if (running <= half) return k;
+  // Linear from k at `half` running to 1 just below `disable_at`.
+  const int span = disable_at - half;
+  const int left = disable_at - running;  // in [1, span)
+  return std::max(1, (k * left + span - 1) / span);
 }
 
 ReplicaPool::InfoFn SpeculatorInfoFn() {

@@ -121,7 +121,20 @@ struct RouterBackends {
   RequestDefaults defaults;
   /// Per speculator call: Score, each Draft round, ReleaseSession.
   absl::Duration speculator_deadline = absl::Seconds(2);
+  /// Speculative decoding under load (vLLM's speculative_disable_by_batch_
+  /// size): with this many requests running, rounds go without drafts;
+  /// from half of it on, the draft length shrinks (DraftTokensUnderLoad).
+  /// 0 = never.
+  int spec_decode_disable_by_batch_size = 0;
+  /// Requests running now (the router's in-flight count); null = 0.
+  std::function<int()> running_requests;
 };
+
+/// Draft tokens per round for a request asking `k` while `running`
+/// requests run, under the rule above with threshold `disable_at`: k up to
+/// half the threshold, then linearly fewer (at least 1), none at the
+/// threshold. k unchanged when disable_at <= 0.
+int DraftTokensUnderLoad(int k, int running, int disable_at);
 
 /// Runs one request (see the file comment). One runner per request; Run is
 /// called once, Cancel from any thread at any time while the runner lives.

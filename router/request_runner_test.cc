@@ -159,6 +159,47 @@ TEST_F(RequestRunnerTest, GreedyWithSpeculationIsTokenIdenticalToTarget) {
   EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
 }
 
+TEST(DraftTokensUnderLoadTest, FullThenLinearlyFewerThenNone) {
+  EXPECT_EQ(DraftTokensUnderLoad(4, 1000, 0), 4);  // rule off
+  EXPECT_EQ(DraftTokensUnderLoad(4, 0, 16), 4);
+  EXPECT_EQ(DraftTokensUnderLoad(4, 8, 16), 4);    // up to half
+  EXPECT_EQ(DraftTokensUnderLoad(4, 12, 16), 2);
+  EXPECT_EQ(DraftTokensUnderLoad(4, 15, 16), 1);   // never 0 below it
+  EXPECT_EQ(DraftTokensUnderLoad(4, 16, 16), 0);
+  EXPECT_EQ(DraftTokensUnderLoad(8, 40, 16), 0);
+  int prev = 8;
+  for (int running = 0; running <= 32; ++running) {
+    const int k = DraftTokensUnderLoad(8, running, 32);
+    EXPECT_LE(k, prev) << running;  // monotone in the load
+    prev = k;
+  }
+}
+
+// Rounds that sit out drafting (the load rule) still tell the speculator
+// every emitted token: the output stays the target's own greedy tokens and
+// the stats count the limited rounds.
+TEST_F(RequestRunnerTest, DraftingBacksOffUnderLoadAndStaysLossless) {
+  const std::string text = StoryPrompt(2);
+  const int kNew = 40;
+  const std::vector<int> want = FullReference(text, kNew);
+  int calls = 0;
+  backends_.spec_decode_disable_by_batch_size = 8;
+  // The load swings: 0, 6 (fewer drafts), 8 (none), 0, ...
+  backends_.running_requests = [&calls] {
+    const int load[] = {0, 6, 8, 8, 0};
+    return load[calls++ % 5];
+  };
+  Outcome o = Run(Request(text, kNew, 1.f, /*spec_decode=*/true));
+  backends_.running_requests = nullptr;
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(Ids(o.response), want);
+  const v1::GenerationStats& s = o.response.stats();
+  EXPECT_GT(s.num_rounds_drafting_disabled(), 0);
+  EXPECT_GT(s.num_rounds_drafts_reduced(), 0);
+  EXPECT_GT(s.num_drafts(), 0);
+  EXPECT_GT(s.num_accepted_tokens(), 0);
+}
+
 TEST_F(RequestRunnerTest, DraftingWithoutPruningAndPlainServingAreLossless) {
   const std::string text = StoryPrompt(3);
   const std::vector<int> want = FullReference(text, 40);

@@ -212,6 +212,11 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
         absl::StrCat("--max_concurrent_requests must be >= 0, got ",
                      options.max_concurrent_requests));
   }
+  if (options.spec_decode_disable_by_batch_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--spec_decode_disable_by_batch_size must be >= 0, got ",
+        options.spec_decode_disable_by_batch_size));
+  }
   if (options.speculator_deadline <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--speculator_deadline_ms must be > 0");
   }
@@ -250,6 +255,9 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
   r->backends_.metrics = r->metrics_.get();
   r->backends_.defaults = o.defaults;
   r->backends_.speculator_deadline = o.speculator_deadline;
+  r->backends_.spec_decode_disable_by_batch_size =
+      o.spec_decode_disable_by_batch_size;
+  r->backends_.running_requests = [raw] { return raw->in_flight(); };
   r->executor_ =
       std::make_unique<Executor>(std::max(1, o.max_concurrent_requests));
   r->service_ = std::make_unique<Service>(raw);

@@ -38,6 +38,10 @@ struct RouterServerOptions {
   /// RESOURCE_EXHAUSTED. 0 rejects everything (drain mode).
   int max_concurrent_requests = 512;
   absl::Duration speculator_deadline = absl::Milliseconds(2000);
+  /// Speculative decoding backs off under load: with this many requests
+  /// in flight rounds go without drafts, from half of it on with fewer
+  /// (DraftTokensUnderLoad). 0 = never (vLLM's default).
+  int spec_decode_disable_by_batch_size = 0;
   /// Deadline of requests whose client set none.
   absl::Duration request_deadline = absl::Seconds(300);
   RequestDefaults defaults;
