@@ -116,14 +116,32 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
                     .Help("Fraction of the paged KV cache's blocks in use, "
                           "[0, 1] (vLLM kv_cache_usage_perc)")
                     .Register(r)
-                    .Add({})) {}
+                    .Add({})),
+      prefix_queries_(
+          BuildCounter()
+              .Name("specserve_speculator_prefix_cache_queries_total")
+              .Help("Prompt tokens looked up in the prefix cache (vLLM "
+                    "prefix_cache_queries)")
+              .Register(r)
+              .Add({})),
+      prefix_hits_(BuildCounter()
+                       .Name("specserve_speculator_prefix_cache_hits_total")
+                       .Help("Prompt tokens the prefix cache supplied, not "
+                             "prefilled (vLLM prefix_cache_hits)")
+                       .Register(r)
+                       .Add({})) {}
 
 void SpeculatorMetrics::ObserveStep(int sequences, int rows, int waiting,
-                                    double kv_usage) {
+                                    double kv_usage, int64_t prefix_queries,
+                                    int64_t prefix_hits) {
   batch_sequences_.Observe(sequences);
   batch_tokens_.Observe(rows);
   waiting_.Set(waiting);
   kv_usage_.Set(kv_usage);
+  prefix_queries_.Increment(static_cast<double>(prefix_queries - seen_queries_));
+  prefix_hits_.Increment(static_cast<double>(prefix_hits - seen_hits_));
+  seen_queries_ = prefix_queries;
+  seen_hits_ = prefix_hits;
 }
 
 void SpeculatorMetrics::CountRequest(const std::string& method,

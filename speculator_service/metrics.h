@@ -1,6 +1,7 @@
 #ifndef SPECSERVE_SPECULATOR_SERVICE_METRICS_H_
 #define SPECSERVE_SPECULATOR_SERVICE_METRICS_H_
 
+#include <cstdint>
 #include <string>
 
 #include "prometheus/counter.h"
@@ -32,7 +33,10 @@ class SpeculatorMetrics {
   void SetSessions(int sessions, size_t kv_bytes);
   /// One step of the batching scheduler: operations and rows in its
   /// forward, operations in flight that waited, KV cache block usage.
-  void ObserveStep(int sequences, int rows, int waiting, double kv_usage);
+  /// `prefix_queries` / `prefix_hits`: the KV cache's running totals of
+  /// prompt tokens looked up in / supplied by the prefix cache.
+  void ObserveStep(int sequences, int rows, int waiting, double kv_usage,
+                   int64_t prefix_queries, int64_t prefix_hits);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -53,6 +57,9 @@ class SpeculatorMetrics {
   prometheus::Histogram& batch_tokens_;
   prometheus::Gauge& waiting_;
   prometheus::Gauge& kv_usage_;
+  prometheus::Counter& prefix_queries_;
+  prometheus::Counter& prefix_hits_;
+  int64_t seen_queries_ = 0, seen_hits_ = 0;  // only the loop thread
 };
 
 }  // namespace specserve

@@ -449,7 +449,9 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   PagedKvCache* kv = &s->model_->kv_cache();
   auto scheduler = BatchScheduler::Create(
       s->model_.get(), bo, [metrics, kv](const BatchScheduler::StepStats& st) {
-        metrics->ObserveStep(st.sequences, st.rows, st.waiting, kv->usage());
+        metrics->ObserveStep(st.sequences, st.rows, st.waiting, kv->usage(),
+                             kv->prefix_cache_queries(),
+                             kv->prefix_cache_hits());
       });
   if (!scheduler.ok()) return scheduler.status();
   s->scheduler_ = *std::move(scheduler);

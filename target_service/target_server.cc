@@ -165,7 +165,19 @@ struct TargetServer::Metrics {
                           .Help("Time queued streams waited for admission "
                                 "(vLLM request_queue_time_seconds)")
                           .Register(r)
-                          .Add({}, ExponentialBuckets(1e-3, 2, 16))) {}
+                          .Add({}, ExponentialBuckets(1e-3, 2, 16))),
+        prefix_queries(prometheus::BuildCounter()
+                           .Name("specserve_target_prefix_cache_queries_total")
+                           .Help("Prompt tokens looked up in the prefix cache "
+                                 "(vLLM prefix_cache_queries)")
+                           .Register(r)
+                           .Add({})),
+        prefix_hits(prometheus::BuildCounter()
+                        .Name("specserve_target_prefix_cache_hits_total")
+                        .Help("Prompt tokens the prefix cache supplied, not "
+                              "prefilled (vLLM prefix_cache_hits)")
+                        .Register(r)
+                        .Add({})) {}
 
   prometheus::Counter& prefill_tokens;
   prometheus::Histogram& prefill_seconds;
@@ -184,6 +196,10 @@ struct TargetServer::Metrics {
   prometheus::Gauge& kv_cache_usage;
   prometheus::Gauge& waiting;
   prometheus::Histogram& queue_seconds;
+  prometheus::Counter& prefix_queries;
+  prometheus::Counter& prefix_hits;
+  // The KV cache's running totals already counted into the counters.
+  int64_t seen_queries = 0, seen_hits = 0;
 };
 
 // One Generate stream. At any moment exactly one of these is outstanding:
@@ -570,6 +586,13 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
         m->batch_sequences.Observe(st.sequences);
         m->batch_tokens.Observe(st.rows);
         m->kv_cache_usage.Set(kv->usage());
+        // Only the loop thread runs this: the deltas need no lock.
+        const int64_t q = kv->prefix_cache_queries();
+        const int64_t h = kv->prefix_cache_hits();
+        m->prefix_queries.Increment(static_cast<double>(q - m->seen_queries));
+        m->prefix_hits.Increment(static_cast<double>(h - m->seen_hits));
+        m->seen_queries = q;
+        m->seen_hits = h;
       });
   if (!scheduler.ok()) return scheduler.status();
   return std::unique_ptr<TargetServer>(new TargetServer(

@@ -634,6 +634,30 @@ TEST_F(TargetServerTest, FullServerQueuesStreams) {
   ASSERT_TRUE(WaitFor([&] { return server->active_sessions() == 0; }));
 }
 
+// With prefix caching on, a second stream with the same prompt attaches
+// the first one's blocks (counted by the hit metric) and emits the same
+// tokens.
+TEST_F(TargetServerTest, PrefixCachingServesRepeatedPrompts) {
+  TargetServerOptions o;
+  o.runner.kv_cache.prefix_caching = true;
+  o.runner.kv_cache.block_size = 4;
+  auto server = StartServer(o);
+  ASSERT_NE(server, nullptr);
+  auto stub = NewStub(*server);
+  const StreamResult a =
+      RunStream(stub.get(), MakePrefill(kPrompt, 8), NoDrafts());
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  EXPECT_EQ(Metric(*server, "specserve_target_prefix_cache_hits_total"), 0);
+  const StreamResult b =
+      RunStream(stub.get(), MakePrefill(kPrompt, 8), NoDrafts());
+  ASSERT_TRUE(b.status.ok());
+  EXPECT_EQ(b.tokens, a.tokens);
+  // kPrompt's 13 tokens: 3 whole blocks of 4 (the last token always runs).
+  EXPECT_EQ(Metric(*server, "specserve_target_prefix_cache_hits_total"), 12);
+  EXPECT_EQ(Metric(*server, "specserve_target_prefix_cache_queries_total"),
+            2 * static_cast<double>(kPrompt.size()));
+}
+
 TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
   const ModelConfig& config = target_->config();
   const int64_t small = static_cast<int64_t>(

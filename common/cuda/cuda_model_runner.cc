@@ -154,6 +154,7 @@ absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
   r->cache_ = std::make_unique<PagedKvCache>(
       num_blocks, o.block_size, per_token,
       [self](int src, int dst) { return self->CopyBlock(src, dst); });
+  r->cache_->EnablePrefixCaching(o.prefix_caching);
   return r;
 }
 

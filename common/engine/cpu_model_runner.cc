@@ -151,6 +151,7 @@ CpuModelRunner::CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
   cache_ = std::make_unique<PagedKvCache>(
       num_blocks, o.block_size, BytesPerToken(c),
       [this](int src, int dst) { return CopyBlock(src, dst); });
+  cache_->EnablePrefixCaching(o.prefix_caching);
   const size_t n = static_cast<size_t>(num_blocks) * o.block_size * row_width_;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     // Default-initialised: pages are committed only when first written.

@@ -20,6 +20,9 @@ struct KvCacheOptions {
   /// context.
   size_t pool_bytes = 0;
   int block_size = 16;  ///< tokens per block, >= 1.
+  /// Automatic prefix caching (PrefixCache): sequences whose prompts start
+  /// with blocks computed before attach them instead of recomputing.
+  bool prefix_caching = false;
 };
 
 /// INVALID_ARGUMENT naming the field for block_size < 1, or a pool smaller

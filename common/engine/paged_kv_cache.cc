@@ -1,5 +1,6 @@
 #include "common/engine/paged_kv_cache.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +20,43 @@ int PagedKvCache::BlocksForBytes(size_t bytes, int block_size,
   if (per_block == 0) return 0;
   const size_t n = bytes / per_block;
   return n > size_t{1} << 30 ? 1 << 30 : static_cast<int>(n);
+}
+
+absl::StatusOr<std::vector<int>> PagedKvCache::Allocate(int n) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (prefix_ != nullptr && pool_.num_free() < n) prefix_->EvictForFree(n);
+  }
+  return pool_.Allocate(n);
+}
+
+void PagedKvCache::EnablePrefixCaching(bool enable) {
+  absl::MutexLock lock(&mu_);
+  if (enable && prefix_ == nullptr) {
+    prefix_ = std::make_unique<PrefixCache>(&pool_);
+  } else if (!enable) {
+    prefix_.reset();  // unreferences every cached block
+  }
+}
+
+bool PagedKvCache::prefix_caching() const {
+  absl::MutexLock lock(&mu_);
+  return prefix_ != nullptr;
+}
+
+int64_t PagedKvCache::prefix_cache_queries() const {
+  absl::MutexLock lock(&mu_);
+  return queries_;
+}
+
+int64_t PagedKvCache::prefix_cache_hits() const {
+  absl::MutexLock lock(&mu_);
+  return hits_;
+}
+
+int PagedKvCache::prefix_cached_blocks() const {
+  absl::MutexLock lock(&mu_);
+  return prefix_ == nullptr ? 0 : prefix_->size();
 }
 
 std::unique_ptr<KvSequence> PagedKvCache::NewSequence(int max_tokens) {
@@ -64,7 +102,7 @@ absl::StatusOr<int> KvSequence::Reserve(int n) {
                    cache_->pool_.ref_count(blocks_[size_ / bs]) > 1;
   const int fresh = (need > have ? need - have : 0) + (cow ? 1 : 0);
   if (fresh > 0) {
-    absl::StatusOr<std::vector<int>> got = cache_->pool_.Allocate(fresh);
+    absl::StatusOr<std::vector<int>> got = cache_->Allocate(fresh);
     if (!got.ok()) return got.status();
     size_t next = 0;
     if (cow) {
@@ -106,6 +144,50 @@ void KvSequence::Clear() {
   size_ = 0;
   positions_.clear();
   ReleaseBlocksFrom(0);
+}
+
+int KvSequence::AttachCachedPrefix(absl::Span<const int> token_ids,
+                                   absl::Span<const int> position_ids,
+                                   int max_tokens) {
+  PagedKvCache& c = *cache_;
+  absl::MutexLock lock(&c.mu_);
+  if (c.prefix_ == nullptr || size_ != 0 ||
+      token_ids.size() != position_ids.size()) {
+    return 0;
+  }
+  const int bs = c.block_size_;
+  const int limit = std::min<int>(
+      {max_tokens, static_cast<int>(token_ids.size()), max_tokens_});
+  c.queries_ += static_cast<int64_t>(token_ids.size());
+  uint64_t parent = PrefixCache::kRootKey;
+  for (int t = 0; t + bs <= limit; t += bs) {
+    const auto toks = token_ids.subspan(t, bs);
+    const auto pos = position_ids.subspan(t, bs);
+    const int block = c.prefix_->Lookup(parent, toks, pos);
+    if (block < 0 || !c.pool_.Ref(block).ok()) break;
+    blocks_.push_back(block);
+    positions_.insert(positions_.end(), pos.begin(), pos.end());
+    size_ += bs;
+    parent = PrefixCache::Key(parent, toks, pos);
+  }
+  c.hits_ += size_;
+  return size_;
+}
+
+void KvSequence::CachePrefix(absl::Span<const int> token_ids,
+                             absl::Span<const int> position_ids) {
+  PagedKvCache& c = *cache_;
+  absl::MutexLock lock(&c.mu_);
+  if (c.prefix_ == nullptr || token_ids.size() != position_ids.size()) return;
+  const int bs = c.block_size_;
+  const int n = std::min<int>(static_cast<int>(token_ids.size()), size_);
+  uint64_t parent = PrefixCache::kRootKey;
+  for (int t = 0; t + bs <= n; t += bs) {
+    const auto toks = token_ids.subspan(t, bs);
+    const auto pos = position_ids.subspan(t, bs);
+    c.prefix_->Insert(parent, toks, pos, blocks_[t / bs]);
+    parent = PrefixCache::Key(parent, toks, pos);
+  }
 }
 
 std::unique_ptr<KvSequence> KvSequence::Fork() const {

@@ -6,9 +6,13 @@
 #include <memory>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "common/engine/block_pool.h"
+#include "common/engine/prefix_cache.h"
 
 namespace specserve {
 
@@ -62,12 +66,32 @@ class PagedKvCache {
   BlockPool& pool() { return pool_; }
   const BlockPool& pool() const { return pool_; }
 
+  /// Turns automatic prefix caching (PrefixCache) on or off; off drops
+  /// every cached block no sequence uses.
+  void EnablePrefixCaching(bool enable);
+  bool prefix_caching() const;
+  /// Prompt tokens looked up in the prefix cache, and of those found
+  /// cached (vLLM's prefix_cache_queries / prefix_cache_hits), since
+  /// creation.
+  int64_t prefix_cache_queries() const;
+  int64_t prefix_cache_hits() const;
+  /// Blocks the prefix cache lists (some may also be in use).
+  int prefix_cached_blocks() const;
+
  private:
   friend class KvSequence;
+  // Takes `n` free blocks, first evicting cached blocks no sequence uses
+  // when the pool is short. RESOURCE_EXHAUSTED as BlockPool::Allocate.
+  absl::StatusOr<std::vector<int>> Allocate(int n);
+
   BlockPool pool_;
   const int block_size_;
   const size_t bytes_per_token_;
   BlockCopier copier_;
+  mutable absl::Mutex mu_;  // the prefix cache and its counters
+  std::unique_ptr<PrefixCache> prefix_ ABSL_GUARDED_BY(mu_);
+  int64_t queries_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t hits_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 /// One sequence's view of a PagedKvCache: its block table, token count and
@@ -109,6 +133,19 @@ class KvSequence {
   absl::Status Truncate(int n);
   /// Drops every token and block.
   void Clear();
+
+  /// Prefix caching: on an empty sequence, attaches the cached full blocks
+  /// that hold the longest prefix of (token_ids, position_ids) (as many
+  /// tokens as `max_tokens` allows, rounded down to whole blocks) and
+  /// returns how many tokens they hold (0 when caching is off or nothing
+  /// matches). Those tokens then need no forward.
+  int AttachCachedPrefix(absl::Span<const int> token_ids,
+                         absl::Span<const int> position_ids, int max_tokens);
+  /// Lists this sequence's full blocks covering its first
+  /// token_ids.size() tokens, which must be (token_ids, position_ids) and
+  /// already forwarded, in the prefix cache. No-op when caching is off.
+  void CachePrefix(absl::Span<const int> token_ids,
+                   absl::Span<const int> position_ids);
 
   /// A new sequence with the same tokens that shares every block
   /// (reference counts; copy-on-write on the next append into a shared

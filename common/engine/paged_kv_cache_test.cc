@@ -152,5 +152,81 @@ TEST(PagedKvCacheTest, SizesAndUsage) {
   EXPECT_EQ(s->Reserve(-1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Automatic prefix caching: whole blocks of (tokens, positions) are shared
+// by a later sequence with the same prefix; positions are part of the key;
+// unused cached blocks are evicted when the pool runs short, in-use ones
+// never.
+TEST(PagedKvCacheTest, PrefixCachingSharesWholeBlocksByTokensAndPositions) {
+  const int bs = 4;
+  PagedKvCache cache(8, bs, /*bytes_per_token=*/8, nullptr);
+  cache.EnablePrefixCaching(true);
+  std::vector<int> toks(11), pos(11);
+  for (int i = 0; i < 11; ++i) {
+    toks[i] = 100 + i;
+    pos[i] = 3 * i;  // pruned positions
+  }
+  auto a = cache.NewSequence(32);
+  EXPECT_EQ(a->AttachCachedPrefix(toks, pos, 10), 0);  // nothing cached yet
+  ASSERT_TRUE(a->Reserve(11).ok());
+  a->SetPositions(0, pos.data(), 11);
+  a->CachePrefix(toks, pos);  // two full blocks; the third is partial
+  EXPECT_EQ(cache.prefix_cached_blocks(), 2);
+
+  auto b = cache.NewSequence(32);
+  EXPECT_EQ(b->AttachCachedPrefix(toks, pos, 10), 8);
+  EXPECT_EQ(b->size(), 8);
+  EXPECT_EQ(b->block_table()[0], a->block_table()[0]);
+  EXPECT_EQ(b->block_table()[1], a->block_table()[1]);
+  EXPECT_EQ(b->positions(), std::vector<int>(pos.begin(), pos.begin() + 8));
+  EXPECT_EQ(cache.pool().ref_count(a->block_table()[0]), 3);  // a, b, cache
+  // A cap below one block attaches nothing; the same tokens at other
+  // positions, or a different first block, miss.
+  auto c = cache.NewSequence(32);
+  EXPECT_EQ(c->AttachCachedPrefix(toks, pos, 3), 0);
+  std::vector<int> shifted = pos;
+  for (int& p : shifted) p += 1;
+  EXPECT_EQ(c->AttachCachedPrefix(toks, shifted, 10), 0);
+  std::vector<int> other = toks;
+  other[0] = 7;
+  EXPECT_EQ(c->AttachCachedPrefix(other, pos, 10), 0);
+  // Only the second block differs: the first is still shared.
+  std::vector<int> tail = toks;
+  tail[5] = 9;
+  EXPECT_EQ(c->AttachCachedPrefix(tail, pos, 10), 4);
+  EXPECT_EQ(cache.prefix_cache_queries(), 11 * 6);
+  EXPECT_EQ(cache.prefix_cache_hits(), 8 + 4);
+  // Appending after attached blocks writes new blocks: the cached ones
+  // stay intact.
+  ASSERT_TRUE(b->Reserve(3).ok());
+  EXPECT_NE(b->block_table()[2], a->block_table()[2]);
+
+  // Eviction: with every sequence gone, the cache alone holds its 2
+  // blocks; allocating the whole pool evicts them.
+  a.reset();
+  b.reset();
+  c.reset();
+  EXPECT_EQ(cache.num_free_blocks(), 6);
+  auto big = cache.NewSequence(32);
+  ASSERT_TRUE(big->Reserve(32).ok());
+  EXPECT_EQ(cache.prefix_cached_blocks(), 0);
+  EXPECT_EQ(cache.num_free_blocks(), 0);
+  big.reset();
+  // A cached block in use is never evicted: exhaustion instead.
+  auto d = cache.NewSequence(32);
+  ASSERT_TRUE(d->Reserve(8).ok());
+  d->SetPositions(0, pos.data(), 8);
+  d->CachePrefix(absl::MakeConstSpan(toks).subspan(0, 8),
+                 absl::MakeConstSpan(pos).subspan(0, 8));
+  auto e = cache.NewSequence(32);
+  EXPECT_EQ(e->Reserve(28).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache.prefix_cached_blocks(), 2);
+  // Turning caching off drops the cache's references.
+  cache.EnablePrefixCaching(false);
+  EXPECT_EQ(cache.pool().ref_count(d->block_table()[0]), 1);
+  d.reset();
+  EXPECT_EQ(cache.num_free_blocks(), 8);
+}
+
 }  // namespace
 }  // namespace specserve

@@ -7,6 +7,9 @@
 ABSL_FLAG(std::string, device, "auto",
           "engine backend: cpu, cuda, or auto (cuda when a GPU is present)");
 ABSL_FLAG(int, kv_block_size, 16, "tokens per paged KV cache block");
+ABSL_FLAG(bool, enable_prefix_caching, true,
+          "automatic prefix caching: requests whose prompts (kept tokens at "
+          "their positions) start with KV blocks computed before reuse them");
 ABSL_FLAG(std::string, cuda_dtype, "bf16",
           "weights and KV cache type on the GPU: bf16 or fp16");
 
@@ -16,6 +19,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   RunnerOptions o;
   o.device = absl::GetFlag(FLAGS_device);
   o.kv_cache.block_size = absl::GetFlag(FLAGS_kv_block_size);
+  o.kv_cache.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   o.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
   return o;
 }

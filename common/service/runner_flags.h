@@ -8,6 +8,7 @@ namespace specserve {
 /// The engine flags both model services take:
 ///   --device cpu|cuda|auto  (auto: cuda when a GPU is present)
 ///   --kv_block_size N       (tokens per KV cache block, default 16)
+///   --enable_prefix_caching (automatic prefix caching, default on)
 ///   --cuda_dtype bf16|fp16  (weights and KV cache on the GPU)
 /// The pool size comes from each service's --kv_budget_bytes.
 RunnerOptions RunnerOptionsFromFlags();

@@ -157,7 +157,13 @@ absl::Status DraftSession::BeginScore(absl::Span<const int> prompt,
   op_ = Op::kScore;
   op_start_ = cache_->size();
   feed_.assign(prompt.begin(), prompt.end());
-  fed_ = 0;
+  // Prefix caching: whole blocks of the prompt another request computed
+  // need no forward (the last prompt row always runs: it is scored).
+  std::vector<int> pos(n);
+  std::iota(pos.begin(), pos.end(), 0);
+  fed_ = cache_->AttachCachedPrefix(prompt, pos, n - 1);
+  cached_.assign(prompt.begin(), prompt.begin() + fed_);
+  cached_prompt_tokens_ = fed_;
   wanted_ = options.look_ahead;
   next_token_ = -1;
   finished_op_ = false;
@@ -280,7 +286,12 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
   if (fed_ < static_cast<int>(feed_.size())) return absl::OkStatus();
   const float* logits = out.logits.data();
   if (op_ == Op::kScore) {
-    if (next_token_ < 0) t_prefilled_ = NowNs();  // the prompt is in
+    if (next_token_ < 0) {  // the prompt is in: list its full blocks
+      t_prefilled_ = NowNs();
+      std::vector<int> pos(feed_.size());
+      std::iota(pos.begin(), pos.end(), 0);
+      cache_->CachePrefix(feed_, pos);
+    }
     // Greedy look-ahead, stopping at EOS or after `wanted_` tokens.
     const int have = static_cast<int>(score_.look_ahead_tokens.size());
     if (have < wanted_) {

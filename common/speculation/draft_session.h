@@ -109,6 +109,8 @@ class DraftSession {
   /// The finished Draft's proposals.
   std::vector<DraftToken> TakeDrafts();
 
+  /// Prompt tokens of the last Score the prefix cache supplied.
+  int cached_prompt_tokens() const { return cached_prompt_tokens_; }
   /// Prompt + target-emitted tokens so far.
   const std::vector<int>& committed() const { return committed_; }
   /// Bytes of KV cache currently used.
@@ -140,6 +142,7 @@ class DraftSession {
   int op_start_ = 0;             // cache size when the forwards began
   std::vector<int> feed_;        // tokens to forward before proposing
   int fed_ = 0;                  // of feed_, forwarded
+  int cached_prompt_tokens_ = 0;  // of the prompt, from the prefix cache
   int wanted_ = 0;               // Score: look-ahead; Draft: drafts
   int next_token_ = -1;          // the next single row to forward
   bool finished_op_ = false;

@@ -73,6 +73,42 @@ TEST_F(DraftSessionTest, ScoreMatchesGoldenSpecPrefillCases) {
   }
 }
 
+// A prompt that starts with blocks another Score computed attaches them:
+// same look-ahead, importance and selection as without the cache.
+TEST_F(DraftSessionTest, PrefixCachedScoreEqualsUncached) {
+  KvCacheOptions o;
+  o.block_size = 16;
+  o.prefix_caching = true;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(weights_->config) * 512 * 4;
+  auto cached_runner = CpuModelRunner::Create(weights_, o);
+  ASSERT_TRUE(cached_runner.ok());
+  std::mt19937 rng(6);
+  std::vector<int> prompt = {1};
+  for (int i = 1; i < 90; ++i) prompt.push_back(3 + rng() % 500);
+  std::vector<int> other = prompt;  // same first 80 tokens
+  for (int i = 80; i < 90; ++i) other[i] = 3 + rng() % 500;
+  ScoreOptions so;
+  so.look_ahead = 4;
+  so.selection.chunk_size = 8;
+  for (const auto& p : {prompt, other}) {
+    auto warm = DraftSession::Create(cached_runner->get(), 512, {});
+    ASSERT_TRUE(warm.ok());
+    ASSERT_TRUE((*warm)->Score(prompt, so).ok());  // fills the cache
+    auto hit = DraftSession::Create(cached_runner->get(), 512, {});
+    ASSERT_TRUE(hit.ok());
+    auto got = (*hit)->Score(p, so);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ((*hit)->cached_prompt_tokens(), 80);
+    auto want = NewSession()->Score(p, so);
+    ASSERT_TRUE(want.ok());
+    EXPECT_EQ(got->look_ahead_tokens, want->look_ahead_tokens);
+    EXPECT_EQ(got->selection.kept_indices, want->selection.kept_indices);
+    for (size_t i = 0; i < p.size(); ++i) {
+      ASSERT_NEAR(got->importance[i], want->importance[i], 1e-6);
+    }
+  }
+}
+
 TEST_F(DraftSessionTest, ScoreSelectionInvariants) {
   std::mt19937 rng(7);
   for (int n : {1, 2, 31, 100, 300}) {

@@ -140,6 +140,15 @@ absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts) {
   final_planned_ = false;
   round_start_ = cache_->size();
   round_ns_ = 0;
+  if (!prefilled_ && prompt_done_ == 0 && cache_->size() == 0) {
+    // Prefix caching: whole blocks of this prompt (kept tokens at their
+    // original positions) that another request computed need no forward;
+    // the last prompt token always runs, for its logits.
+    const int n = static_cast<int>(request_.token_ids.size());
+    prompt_done_ = cache_->AttachCachedPrefix(request_.token_ids,
+                                              request_.position_ids, n - 1);
+    cached_prompt_tokens_ = prompt_done_;
+  }
   return absl::OkStatus();
 }
 
@@ -253,6 +262,11 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
     AbortRound();
     return s;
   }
+  if (!prefilled_) {
+    // The prompt's full blocks are final (rollbacks never go below the
+    // prompt): list them for later requests.
+    cache_->CachePrefix(request_.token_ids, request_.position_ids);
+  }
   prefilled_ = true;
   prompt_done_ = static_cast<int>(request_.token_ids.size());
   in_round_ = false;
@@ -272,7 +286,7 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
 void TargetSession::AbortRound() {
   if (!in_round_) return;
   cache_->Truncate(round_start_).IgnoreError();
-  if (!prefilled_) prompt_done_ = 0;
+  if (!prefilled_) prompt_done_ = cached_prompt_tokens_ = 0;
   in_round_ = false;
 }
 

@@ -108,6 +108,8 @@ class TargetSession {
   FinishReason finish_reason() const { return stop_.reason(); }
   /// Every token emitted so far.
   const std::vector<int>& output() const { return output_; }
+  /// Prompt tokens the prefix cache supplied (not forwarded).
+  int cached_prompt_tokens() const { return cached_prompt_tokens_; }
   /// Bytes of KV cache in use / reserved for this request.
   size_t kv_bytes() const { return cache_->bytes_used(); }
   /// Tokens in the KV cache.
@@ -132,6 +134,7 @@ class TargetSession {
   bool in_round_ = false;
   std::vector<DraftToken> drafts_;  // clipped
   int prompt_done_ = 0;   // prompt tokens prefilled so far
+  int cached_prompt_tokens_ = 0;  // of those, from the prefix cache
   int round_start_ = 0;   // cache size when the round began
   int64_t round_ns_ = 0;  // time spent in this round's forwards
   int64_t planned_at_ = 0;

@@ -155,6 +155,57 @@ TEST_F(TargetSessionTest, ChunkedBatchedRoundsEqualStep) {
   }
 }
 
+// Automatic prefix caching: a second request whose pruned prompt shares a
+// long prefix (same kept tokens at the same original positions) skips
+// those blocks' prefill and emits exactly the same tokens; the same tokens
+// at other positions do not match.
+TEST_F(TargetSessionTest, PrefixCachingSkipsSharedPrefixAndKeepsOutputs) {
+  KvCacheOptions o;
+  o.block_size = 8;
+  o.prefix_caching = true;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(target_w_->config) * 512 * 4;
+  auto runner = CpuModelRunner::Create(target_w_, o);
+  ASSERT_TRUE(runner.ok());
+  std::mt19937 rng(12);
+  TargetRequest base;
+  for (int i = 0; i < 60; ++i) {
+    base.token_ids.push_back(i == 0 ? 1 : 3 + rng() % 500);
+    base.position_ids.push_back(i == 0 ? 0 : 2 * i + 5);  // pruned
+  }
+  base.stop.max_new_tokens = 12;
+  TargetRequest longer = base;  // same prefix, different tail
+  for (int i = 0; i < 10; ++i) {
+    longer.token_ids.push_back(3 + rng() % 500);
+    longer.position_ids.push_back(longer.position_ids.back() + 1);
+  }
+  auto run = [&](ModelRunner* m, const TargetRequest& r, int* cached) {
+    auto s = TargetSession::Create(m, r);
+    EXPECT_TRUE(s.ok()) << s.status();
+    while (s.ok() && !(*s)->finished()) {
+      auto round = (*s)->Step({});
+      EXPECT_TRUE(round.ok()) << round.status();
+      if (!round.ok()) break;
+    }
+    *cached = (*s)->cached_prompt_tokens();
+    return (*s)->output();
+  };
+  int cached = -1;
+  const auto first = run(runner->get(), base, &cached);
+  EXPECT_EQ(cached, 0);
+  const auto again = run(runner->get(), base, &cached);
+  EXPECT_EQ(cached, 56);  // 7 whole blocks of 8; the last token always runs
+  EXPECT_EQ(again, first);
+  const auto tail = run(runner->get(), longer, &cached);
+  EXPECT_EQ(cached, 56);
+  int unused;
+  EXPECT_EQ(tail, run(target_.get(), longer, &unused));  // no caching
+  TargetRequest moved = base;
+  for (int& p : moved.position_ids) p += 1;
+  run(runner->get(), moved, &cached);
+  EXPECT_EQ(cached, 0);
+  EXPECT_EQ((*runner)->kv_cache().prefix_cache_hits(), 56 + 56);
+}
+
 TEST_F(TargetSessionTest, RoundStepsRejectMisuseAndAbortRollsBack) {
   auto s = TargetSession::Create(target_.get(), Request(kPrompt, 8));
   ASSERT_TRUE(s.ok());
