@@ -98,6 +98,9 @@ def main():
                     help="at least this many requests per level")
     ap.add_argument("--max_new_tokens", type=int, default=32)
     ap.add_argument("--synthetic_prompt_tokens", type=int, default=512)
+    ap.add_argument("--router_args", default="",
+                    help="extra router flags, e.g. "
+                         "--spec_decode_disable_by_batch_size=8")
     a = ap.parse_args()
     print("| pair | mode | clients | output tok/s | req/s | TTFT p50 / p99 s | "
           "TPOT p50 / p99 ms | failed | target batch | speculator batch |")
@@ -118,7 +121,7 @@ def main():
             prompts = [[1] + [rng.randrange(3, 32000) for _ in range(n - 1)]
                        for _ in range(4)]
         with Stack(speculator_model=spec_m, target_model=tgt_m,
-                   tokenizer=tok) as st:
+                   tokenizer=tok, router_args=a.router_args.split()) as st:
             stub = pb_grpc.RouterStub(grpc.insecure_channel(
                 st.router.address,
                 options=[("grpc.max_concurrent_streams", 1024)]))

@@ -67,7 +67,8 @@ LIB_SRCS=(
   common/model/config.cc common/model/safetensors.cc common/model/weights.cc
   common/model/synthetic.cc
   common/engine/kernels.cc common/engine/thread_pool.cc
-  common/engine/block_pool.cc common/engine/paged_kv_cache.cc
+  common/engine/block_pool.cc common/engine/prefix_cache.cc
+  common/engine/paged_kv_cache.cc
   common/engine/model_runner.cc common/engine/cpu_model_runner.cc
   common/specprefill/importance.cc common/specprefill/selection.cc
   common/cuda/device.cc common/cuda/cuda_status.cc common/cuda/device_buffer.cc
