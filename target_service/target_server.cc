@@ -333,6 +333,13 @@ class TargetServer::GenerateReactor
     {
       absl::MutexLock lock(&mu_);
       session = session_.get();
+      // A cancellation that raced with this message's read has already
+      // freed the session (busy_ was not yet set).
+      if (cancelled_ || session == nullptr) session = nullptr;
+    }
+    if (session == nullptr) {
+      OnRoundDone(absl::CancelledError("cancelled"));
+      return;
     }
     absl::Status submitted = server_->scheduler_->Submit(
         session, std::move(drafts),
@@ -347,6 +354,7 @@ class TargetServer::GenerateReactor
   // the server's admission queue (OnAdmitted runs its round).
   absl::Status OnMessage(std::vector<DraftToken>* drafts, bool* queued) {
     absl::MutexLock lock(&mu_);
+    if (cancelled_) return absl::CancelledError("cancelled");
     const bool is_prefill = request_.has_prefill();
     switch (phase_) {
       case Phase::kDone:

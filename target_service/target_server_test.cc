@@ -725,6 +725,39 @@ TEST_F(TargetServerTest, CapacityIsResourceExhausted) {
   EXPECT_TRUE(RunStream(stub1.get(), req.prefill(), NoDrafts()).status.ok());
 }
 
+// Cancellations racing with the server's reads of the next message (the
+// session may be freed between the read and its round): many streams,
+// cancelled right after sending a message, concurrently. Regression: a
+// round was once submitted for an already freed session (a crash).
+TEST_F(TargetServerTest, CancellationsRacingWithMessagesAreSafe) {
+  v1::GenerateRequest req, none;
+  *req.mutable_prefill() = MakePrefill(kPrompt, 200);
+  none.mutable_drafts();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 8; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 25; ++i) {
+        auto ctx = NewContext();
+        auto rw = stub_->Generate(ctx.get());
+        v1::GenerateResponse resp;
+        if (!rw->Write(req) || !rw->Read(&resp)) continue;
+        for (int r = 0; r < (c + i) % 4; ++r) {
+          if (!rw->Write(none) || !rw->Read(&resp)) break;
+        }
+        rw->Write(none);
+        ctx->TryCancel();
+        rw->Finish();
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  ASSERT_TRUE(WaitFor([&] { return server_->active_sessions() == 0; }));
+  EXPECT_EQ(server_->kv_reserved_bytes(), 0);
+  // The server still serves.
+  EXPECT_TRUE(RunStream(stub_.get(), MakePrefill(kPrompt, 4), NoDrafts())
+                  .status.ok());
+}
+
 TEST_F(TargetServerTest, ClientCancelFreesTheSession) {
   v1::GenerateRequest req, none;
   *req.mutable_prefill() = MakePrefill(kPrompt, 200);

@@ -1617,7 +1617,9 @@ TEST_P(ModelTest, KvRollbackRestoresState) {
                  ForwardOutput* go) {
     const std::vector<int> pos = Iota(from, static_cast<int>(toks.size()));
     const ForwardInput in = AllRows(toks, pos);
-    if (co != nullptr) ASSERT_OK(e.cpu->Forward(in, ckv.get(), co));
+    if (co != nullptr) {
+      ASSERT_OK(e.cpu->Forward(in, ckv.get(), co));
+    }
     ASSERT_OK(e.gpu->Forward(in, gkv.get(), go));
   };
   ForwardOutput co, go;

@@ -16,9 +16,9 @@
 namespace specserve {
 namespace {
 
-// Up to this many rows, Linear streams the weights once with BatchedGemv
-// (decode and verify rounds, batched or not); beyond it OpenBLAS sgemm is
-// compute-bound and wins.
+// Up to this many rows (decode and verify rows, batched or not), Linear
+// streams the packed weights once for all rows with kernels::PanelGemm;
+// beyond it OpenBLAS sgemm is compute-bound and wins.
 constexpr int kMaxGemvRows = 64;
 // Sequences with up to this many new rows (decode, verify) attend with
 // kernels::AttentionRows straight from their blocks; longer prefill chunks
@@ -31,23 +31,32 @@ constexpr size_t kMaxScoreFloats = size_t{1} << 24;
 // Target rows (query tokens x heads of a GQA group) per score GEMM.
 constexpr int kTargetGemmRows = 256;
 
-// y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in].
-void Linear(const float* x, int n, int in, const float* w, int out, float* y,
-            float beta) {
+// y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in]; `packed`
+// is W in PanelGemm's panels.
+void Linear(const float* x, int n, int in, const float* w,
+            const float* packed, int out, float* y, float beta) {
   if (n <= kMaxGemvRows) {
+    const int panels = (out + kernels::kPanelWidth - 1) / kernels::kPanelWidth;
     // Waking the pool costs tens of microseconds: small weights (tiny
     // models, which fit in cache) run inline.
     if (static_cast<int64_t>(out) * in * n < kMinParallelMacs) {
-      kernels::BatchedGemv(x, n, in, w, 0, out, y, out, beta);
+      kernels::PanelGemm(x, n, in, packed, 0, panels, y, out, out, beta);
       return;
     }
-    ThreadPool::Default().ParallelFor(out, 16, [&](int b, int e) {
-      kernels::BatchedGemv(x, n, in, w, b, e, y, out, beta);
+    ThreadPool::Default().ParallelFor(panels, 1, [&](int b, int e) {
+      kernels::PanelGemm(x, n, in, packed, b, e, y, out, out, beta);
     });
   } else {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.f, x,
                 in, w, in, beta, y, out);
   }
+}
+
+// PanelGemm's layout of a [out, in] weight.
+std::vector<float> Pack(const float* w, int out, int in) {
+  std::vector<float> p(kernels::PackedPanelFloats(out, in));
+  kernels::PackPanels(w, out, in, p.data());
+  return p;
 }
 
 // Host-side query capture: per layer [max_rows, heads, head_dim] fp32.
@@ -152,6 +161,17 @@ CpuModelRunner::CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
       num_blocks, o.block_size, BytesPerToken(c),
       [this](int src, int dst) { return CopyBlock(src, dst); });
   cache_->EnablePrefixCaching(o.prefix_caching);
+  // Decode-sized batches stream the weights in PanelGemm's layout.
+  const int hidden = c.hidden_size, ffn = c.intermediate_size;
+  for (const LayerWeights& w : weights_->layers) {
+    PackedLayer p;
+    p.wqkv = Pack(w.wqkv.data(), c.qkv_dim(), hidden);
+    p.wo = Pack(w.wo.data(), hidden, c.num_attention_heads * c.head_dim);
+    p.w_gate_up = Pack(w.w_gate_up.data(), 2 * ffn, hidden);
+    p.w_down = Pack(w.w_down.data(), hidden, ffn);
+    packed_.push_back(std::move(p));
+  }
+  packed_lm_head_ = Pack(weights_->lm_head(), c.vocab_size, hidden);
   const size_t n = static_cast<size_t>(num_blocks) * o.block_size * row_width_;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     // Default-initialised: pages are committed only when first written.
@@ -354,7 +374,9 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     const LayerWeights& w = weights_->layers[l];
     kernels::RmsNorm(x.data(), hidden, w.attn_norm.data(), c.rms_norm_eps, N,
                      hidden, h.data(), hidden);
-    Linear(h.data(), N, hidden, w.wqkv.data(), qkv_dim, qkv.data(), 0.f);
+    const PackedLayer& pw = packed_[l];
+    Linear(h.data(), N, hidden, w.wqkv.data(), pw.wqkv.data(), qkv_dim,
+           qkv.data(), 0.f);
     // RoPE on q heads and k heads (contiguous: q then k in each row).
     kernels::ApplyRope(qkv.data(), qkv_dim, N, H + KV, D, positions.data(),
                        c.rope_theta);
@@ -414,12 +436,15 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                                           attend);
       }
     }
-    Linear(attn.data(), N, H * D, w.wo.data(), hidden, x.data(), 1.f);
+    Linear(attn.data(), N, H * D, w.wo.data(), pw.wo.data(), hidden, x.data(),
+           1.f);
     kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps, N,
                      hidden, h.data(), hidden);
-    Linear(h.data(), N, hidden, w.w_gate_up.data(), 2 * ffn, gu.data(), 0.f);
+    Linear(h.data(), N, hidden, w.w_gate_up.data(), pw.w_gate_up.data(),
+           2 * ffn, gu.data(), 0.f);
     kernels::SiluMul(gu.data(), N, ffn, act.data());
-    Linear(act.data(), N, ffn, w.w_down.data(), hidden, x.data(), 1.f);
+    Linear(act.data(), N, ffn, w.w_down.data(), pw.w_down.data(), hidden,
+           x.data(), 1.f);
   }
   for (int i = 0; i < S; ++i) {
     if (batch[i].capture != nullptr) {
@@ -442,7 +467,8 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     }
   }
   std::vector<float> logits(static_cast<size_t>(R) * c.vocab_size);
-  Linear(hr.data(), R, hidden, weights_->lm_head(), c.vocab_size,
+  Linear(hr.data(), R, hidden, weights_->lm_head(), packed_lm_head_.data(),
+         c.vocab_size,
          logits.data(), 0.f);
   size_t off = 0;
   for (int i = 0; i < S; ++i) {

@@ -34,9 +34,11 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& options,
 /// embedding, RMSNorm, rotate_half RoPE at explicit position ids,
 /// grouped-query causal attention over each sequence's cached + new tokens,
 /// SiLU-gated MLP, final norm, tied or separate lm_head. The projections
-/// and the MLP run over the rows of ALL sequences at once: a batched GEMV
-/// that streams the weights once for up to 64 rows (decode and verify rows
-/// of many sequences; AVX-512 where available), OpenBLAS sgemm beyond.
+/// and the MLP run over the rows of ALL sequences at once: up to 64 rows
+/// (decode and verify rows of many sequences) with kernels::PanelGemm over
+/// weights repacked at creation into 32-column panels (read once per batch;
+/// AVX-512 where available; the runner then holds the linear weights
+/// twice), OpenBLAS sgemm beyond.
 /// Attention runs per sequence over its own blocks: sequences with up to
 /// 16 new rows straight from the blocks (kernels::AttentionRows, spread
 /// over the engine's threads), longer prefill chunks with sgemm over dense
@@ -100,7 +102,15 @@ class CpuModelRunner : public ModelRunner {
                  const float* K, const float* V, float* attn_out,
                  Scratch* scratch) const;
 
+  // The linear weights repacked for kernels::PanelGemm (decode-sized
+  // batches): a second copy of every projection, made at creation.
+  struct PackedLayer {
+    std::vector<float> wqkv, wo, w_gate_up, w_down;
+  };
+
   std::shared_ptr<const ModelWeights> weights_;
+  std::vector<PackedLayer> packed_;
+  std::vector<float> packed_lm_head_;
   int row_width_;
   std::unique_ptr<PagedKvCache> cache_;
   std::vector<std::unique_ptr<float[]>> k_;

@@ -168,188 +168,6 @@ void SoftmaxPrefix(float* row, int n, int total) {
 
 namespace {
 
-// Register tile: 4 weight rows x R input rows, 4*R accumulators. Each
-// weight element is loaded once per tile and feeds R FMAs; the R input
-// rows stay in L1 across the whole weight matrix.
-template <int R>
-inline void Tile(const float* x, int in, const float* w, float* y,
-                 int y_stride, int o, float beta) {
-  __m256 acc[4][R];
-#pragma GCC unroll 4
-  for (int a = 0; a < 4; ++a) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r] = _mm256_setzero_ps();
-  }
-  const float* w0 = w + size_t(o) * in;
-  int i = 0;
-  for (; i + 8 <= in; i += 8) {
-    __m256 xv[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + size_t(r) * in + i);
-#pragma GCC unroll 4
-    for (int a = 0; a < 4; ++a) {
-      const __m256 wv = _mm256_loadu_ps(w0 + size_t(a) * in + i);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[a][r] = _mm256_fmadd_ps(wv, xv[r], acc[a][r]);
-    }
-  }
-  for (int a = 0; a < 4; ++a) {
-    for (int r = 0; r < R; ++r) {
-      float s = HorizontalSum(acc[a][r]);
-      for (int j = i; j < in; ++j) s += w0[size_t(a) * in + j] * x[size_t(r) * in + j];
-      float& out = y[size_t(r) * y_stride + o + a];
-      out = s + (beta == 0.f ? 0.f : beta * out);
-    }
-  }
-}
-
-template <int R>
-inline void Row(const float* x, int in, const float* w, float* y,
-                int y_stride, int o, float beta) {
-  const float* wr = w + size_t(o) * in;
-  for (int r = 0; r < R; ++r) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= in; i += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i),
-                            _mm256_loadu_ps(x + size_t(r) * in + i), acc);
-    }
-    float s = HorizontalSum(acc);
-    for (int j = i; j < in; ++j) s += wr[j] * x[size_t(r) * in + j];
-    float& out = y[size_t(r) * y_stride + o];
-    out = s + (beta == 0.f ? 0.f : beta * out);
-  }
-}
-
-template <int R>
-void GemvBlock(const float* x, int in, const float* w, int o_begin, int o_end,
-               float* y, int y_stride, float beta) {
-  int o = o_begin;
-  for (; o + 4 <= o_end; o += 4) Tile<R>(x, in, w, y, y_stride, o, beta);
-  for (; o < o_end; ++o) Row<R>(x, in, w, y, y_stride, o, beta);
-}
-
-}  // namespace
-
-namespace {
-
-// Rows of weights per L2 block: <= 256 KiB, a multiple of 4.
-inline int GemvBlockRows(int in) {
-  return std::max(4, std::min(64, (64 * 1024) / std::max(1, in)) & ~3);
-}
-
-// ---- AVX-512 path (run-time dispatch; the build baseline is AVX2). ----
-// 32 zmm registers: 4 weight rows x 4 input rows = 16 accumulators, 4
-// inputs and 1 weight register; per 16 FMAs 4 weight + 4 input loads.
-// The tail of `in` goes through masked loads, so no scalar loop.
-
-#define SPECSERVE_AVX512 __attribute__((target("avx512f")))
-
-// One 16-lane step of an A x R tile: A weight rows against R input rows.
-template <int A, int R>
-SPECSERVE_AVX512 inline void StepZ(const float* x, int in, const float* w0,
-                                   int i, __mmask16 m, __m512 (&acc)[A][R]) {
-  __m512 xv[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    xv[r] = _mm512_maskz_loadu_ps(m, x + size_t(r) * in + i);
-  }
-#pragma GCC unroll 4
-  for (int a = 0; a < A; ++a) {
-    const __m512 wv = _mm512_maskz_loadu_ps(m, w0 + size_t(a) * in + i);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      acc[a][r] = _mm512_fmadd_ps(wv, xv[r], acc[a][r]);
-    }
-  }
-}
-
-// Output rows [o, o + A) for R input rows; accumulators stay in registers
-// (A and R are compile-time, so the loops fully unroll). If `next` is set,
-// also prefetches rows [o, o + A) of `next` into L1, one line per row per
-// step.
-template <int A, int R>
-SPECSERVE_AVX512 inline void TileZ(const float* x, int in, const float* w,
-                                   float* y, int y_stride, int o, float beta,
-                                   const float* next) {
-  __m512 acc[A][R];
-#pragma GCC unroll 4
-  for (int a = 0; a < A; ++a) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[a][r] = _mm512_setzero_ps();
-  }
-  const float* w0 = w + size_t(o) * in;
-  int i = 0;
-  if (next != nullptr) {
-    const float* n0 = next + size_t(o) * in;
-    for (; i + 16 <= in; i += 16) {
-#pragma GCC unroll 4
-      for (int a = 0; a < A; ++a) {
-        _mm_prefetch(reinterpret_cast<const char*>(n0 + size_t(a) * in + i),
-                     _MM_HINT_T0);
-      }
-      StepZ<A, R>(x, in, w0, i, __mmask16(0xffff), acc);
-    }
-  }
-  for (; i + 16 <= in; i += 16) {
-    StepZ<A, R>(x, in, w0, i, __mmask16(0xffff), acc);
-  }
-  if (i < in) {
-    StepZ<A, R>(x, in, w0, i, __mmask16((1u << (in - i)) - 1), acc);
-  }
-#pragma GCC unroll 4
-  for (int a = 0; a < A; ++a) {
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      float& out = y[size_t(r) * y_stride + o + a];
-      out = _mm512_reduce_add_ps(acc[a][r]) + (beta == 0.f ? 0.f : beta * out);
-    }
-  }
-}
-
-template <int R>
-SPECSERVE_AVX512 void GemvBlockZ(const float* x, int in, const float* w,
-                                 int o_begin, int o_end, float* y,
-                                 int y_stride, float beta,
-                                 const float* next = nullptr) {
-  int o = o_begin;
-  for (; o + 4 <= o_end; o += 4) {
-    TileZ<4, R>(x, in, w, y, y_stride, o, beta, next);
-  }
-  for (; o < o_end; ++o) TileZ<1, R>(x, in, w, y, y_stride, o, beta, nullptr);
-}
-
-SPECSERVE_AVX512 void BatchedGemvAvx512(const float* x, int n, int in,
-                                        const float* w, int o_begin, int o_end,
-                                        float* y, int y_stride, float beta) {
-  const int block = GemvBlockRows(in);
-  for (int ob = o_begin; ob < o_end; ob += block) {
-    const int oe = std::min(o_end, ob + block);
-    // The first pass over the block streams it from memory; the second
-    // (L2-bound compute) prefetches the next block, which the hardware
-    // prefetcher alone leaves unfetched while the FMAs run (+10-15% at
-    // 16-64 rows).
-    const float* next =
-        ob + 2 * block <= o_end ? w + size_t(block) * in : nullptr;
-    int r = 0;
-    for (; r + 4 <= n; r += 4) {
-      GemvBlockZ<4>(x + size_t(r) * in, in, w, ob, oe,
-                    y + size_t(r) * y_stride, y_stride, beta,
-                    r == 4 ? next : nullptr);
-    }
-    const float* xr = x + size_t(r) * in;
-    float* yr = y + size_t(r) * y_stride;
-    switch (n - r) {
-      case 3: GemvBlockZ<3>(xr, in, w, ob, oe, yr, y_stride, beta); break;
-      case 2: GemvBlockZ<2>(xr, in, w, ob, oe, yr, y_stride, beta); break;
-      case 1: GemvBlockZ<1>(xr, in, w, ob, oe, yr, y_stride, beta); break;
-      default: break;
-    }
-  }
-}
-
-#undef SPECSERVE_AVX512
-
 bool DetectAvx512() {
   if (std::getenv("SPECSERVE_DISABLE_AVX512") != nullptr) return false;
   __builtin_cpu_init();
@@ -363,37 +181,153 @@ bool UseAvx512() {
   return use;
 }
 
-void BatchedGemv(const float* x, int n, int in, const float* w, int o_begin,
-                 int o_end, float* y, int y_stride, float beta) {
-  if (UseAvx512()) {
-    BatchedGemvAvx512(x, n, in, w, o_begin, o_end, y, y_stride, beta);
-  } else {
-    BatchedGemvAvx2(x, n, in, w, o_begin, o_end, y, y_stride, beta);
+// ---- Packed panels: skinny GEMMs as outer products. ----
+
+void PackPanels(const float* w, int out, int in, float* packed) {
+  const int panels = (out + kPanelWidth - 1) / kPanelWidth;
+  for (int p = 0; p < panels; ++p) {
+    float* dst = packed + static_cast<size_t>(p) * in * kPanelWidth;
+    for (int k = 0; k < in; ++k) {
+      for (int j = 0; j < kPanelWidth; ++j) {
+        const int o = p * kPanelWidth + j;
+        dst[static_cast<size_t>(k) * kPanelWidth + j] =
+            o < out ? w[static_cast<size_t>(o) * in + k] : 0.f;
+      }
+    }
   }
 }
 
-void BatchedGemvAvx2(const float* x, int n, int in, const float* w,
-                     int o_begin, int o_end, float* y, int y_stride,
-                     float beta) {
-  // Weight rows in L2-sized blocks (<= 256 KiB); within a block, input rows
-  // in groups of 3 (12 accumulators + 3 inputs + 1 weight register fit the
-  // 16 ymm registers). Each weight block comes from memory once and from
-  // L2 for the remaining groups.
-  const int block = GemvBlockRows(in);
-  for (int ob = o_begin; ob < o_end; ob += block) {
-    const int oe = std::min(o_end, ob + block);
+namespace {
+
+// Stores one row's kPanelWidth accumulated outputs (only the `valid` first
+// ones: the last panel may be padding) as y = acc + beta * y.
+inline void StorePanelRow(const float* acc, int valid, float beta, float* y) {
+  for (int j = 0; j < valid; ++j) {
+    y[j] = acc[j] + (beta == 0.f ? 0.f : beta * y[j]);
+  }
+}
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f")))
+
+// R rows of x against one panel: per k, the panel's 32 weights (2 zmm)
+// times each row's x[k] broadcast; 2R accumulators.
+template <int R>
+SPECSERVE_AVX512 void PanelRowsZ(const float* x, int in, const float* panel,
+                                 float* y, int y_stride, int valid,
+                                 float beta) {
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm512_setzero_ps();
+    acc[r][1] = _mm512_setzero_ps();
+  }
+  for (int k = 0; k < in; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + size_t(k) * kPanelWidth);
+    const __m512 w1 = _mm512_loadu_ps(panel + size_t(k) * kPanelWidth + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[size_t(r) * in + k]);
+      acc[r][0] = _mm512_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+  alignas(64) float out[kPanelWidth];
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(out, acc[r][0]);
+    _mm512_store_ps(out + 16, acc[r][1]);
+    StorePanelRow(out, valid, beta, y + size_t(r) * y_stride);
+  }
+}
+
+SPECSERVE_AVX512 void PanelGemmAvx512(const float* x, int n, int in,
+                                      const float* packed, int panel_begin,
+                                      int panel_end, float* y, int y_stride,
+                                      int out, float beta) {
+  for (int p = panel_begin; p < panel_end; ++p) {
+    const float* panel = packed + size_t(p) * in * kPanelWidth;
+    const int o = p * kPanelWidth;
+    const int valid = std::min(kPanelWidth, out - o);
     int r = 0;
-    for (; r + 3 <= n; r += 3) {
-      GemvBlock<3>(x + size_t(r) * in, in, w, ob, oe,
-                   y + size_t(r) * y_stride, y_stride, beta);
+    for (; r + 8 <= n; r += 8) {
+      PanelRowsZ<8>(x + size_t(r) * in, in, panel, y + size_t(r) * y_stride + o,
+                    y_stride, valid, beta);
     }
-    if (n - r == 2) {
-      GemvBlock<2>(x + size_t(r) * in, in, w, ob, oe,
-                   y + size_t(r) * y_stride, y_stride, beta);
-    } else if (n - r == 1) {
-      GemvBlock<1>(x + size_t(r) * in, in, w, ob, oe,
-                   y + size_t(r) * y_stride, y_stride, beta);
+    const float* xr = x + size_t(r) * in;
+    float* yr = y + size_t(r) * y_stride + o;
+    if (n - r >= 4) {
+      PanelRowsZ<4>(xr, in, panel, yr, y_stride, valid, beta);
+      r += 4;
+      xr += size_t(4) * in;
+      yr += size_t(4) * y_stride;
     }
+    switch (n - r) {
+      case 3: PanelRowsZ<3>(xr, in, panel, yr, y_stride, valid, beta); break;
+      case 2: PanelRowsZ<2>(xr, in, panel, yr, y_stride, valid, beta); break;
+      case 1: PanelRowsZ<1>(xr, in, panel, yr, y_stride, valid, beta); break;
+      default: break;
+    }
+  }
+}
+
+#undef SPECSERVE_AVX512
+
+// AVX2: a panel row is 4 ymm; 2 rows at a time (8 accumulators).
+template <int R>
+void PanelRows8(const float* x, int in, const float* panel, float* y,
+                int y_stride, int valid, float beta) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  for (int k = 0; k < in; ++k) {
+    const float* wk = panel + size_t(k) * kPanelWidth;
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+    const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[size_t(r) * in + k]);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(w2, xb, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(w3, xb, acc[r][3]);
+    }
+  }
+  alignas(32) float out[kPanelWidth];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(out + 8 * c, acc[r][c]);
+    StorePanelRow(out, valid, beta, y + size_t(r) * y_stride);
+  }
+}
+
+}  // namespace
+
+void PanelGemmAvx2(const float* x, int n, int in, const float* packed,
+                   int panel_begin, int panel_end, float* y, int y_stride,
+                   int out, float beta) {
+  for (int p = panel_begin; p < panel_end; ++p) {
+    const float* panel = packed + size_t(p) * in * kPanelWidth;
+    const int o = p * kPanelWidth;
+    const int valid = std::min(kPanelWidth, out - o);
+    int r = 0;
+    for (; r + 2 <= n; r += 2) {
+      PanelRows8<2>(x + size_t(r) * in, in, panel, y + size_t(r) * y_stride + o,
+                    y_stride, valid, beta);
+    }
+    if (r < n) {
+      PanelRows8<1>(x + size_t(r) * in, in, panel, y + size_t(r) * y_stride + o,
+                    y_stride, valid, beta);
+    }
+  }
+}
+
+void PanelGemm(const float* x, int n, int in, const float* packed,
+               int panel_begin, int panel_end, float* y, int y_stride, int out,
+               float beta) {
+  if (UseAvx512()) {
+    PanelGemmAvx512(x, n, in, packed, panel_begin, panel_end, y, y_stride, out,
+                    beta);
+  } else {
+    PanelGemmAvx2(x, n, in, packed, panel_begin, panel_end, y, y_stride, out,
+                  beta);
   }
 }
 

@@ -2,7 +2,7 @@
 #define SPECSERVE_COMMON_ENGINE_KERNELS_H_
 
 // Element-wise and row-wise fp32 kernels of the CPU Llama forward (AVX2/FMA,
-// the x86-64-v3 baseline; BatchedGemv dispatches to AVX-512 at run time).
+// the x86-64-v3 baseline; PanelGemm dispatches to AVX-512 at run time).
 // Prefill-sized GEMMs go through OpenBLAS; these are the rest.
 
 #include <cstddef>
@@ -37,27 +37,37 @@ void ExpInPlace(float* x, int n);
 /// Maximum of x[0, n); n >= 1.
 float MaxOf(const float* x, int n);
 
-/// y[i, o] = dot(x[i, :], w[o, :]) + beta * y[i, o] for a few rows:
-/// x [n, in], w [out, in] (PyTorch Linear layout), y [n, out]. Streams the
-/// weights once for all n rows (a batched GEMV), which is what decode and
-/// small verify rounds need: OpenBLAS's sgemm packs the whole weight matrix
-/// for a handful of rows and costs ~2.5x a GEMV there. Output rows
-/// [o_begin, o_end) only, so callers can split the work across threads.
-/// Uses AVX-512 when the CPU has it (run-time dispatch; 16-lane FMAs and 32
-/// registers for 4x4 register tiles), else AVX2. Any n works: rows go in
-/// tiles of 4 (3 on AVX2) against L2-sized blocks of weight rows, so the
-/// weights come from memory once and from L2 for the remaining tiles.
-void BatchedGemv(const float* x, int n, int in, const float* w, int o_begin,
-                 int o_end, float* y, int y_stride, float beta);
-
-/// The AVX2 implementation of BatchedGemv (tests compare both paths).
-void BatchedGemvAvx2(const float* x, int n, int in, const float* w,
-                     int o_begin, int o_end, float* y, int y_stride,
-                     float beta);
-
-/// Whether BatchedGemv takes its AVX-512 path: the CPU has AVX-512F and
-/// the environment variable SPECSERVE_DISABLE_AVX512 is unset.
+/// Whether PanelGemm takes its AVX-512 path: the CPU has AVX-512F and the
+/// environment variable SPECSERVE_DISABLE_AVX512 is unset.
 bool UseAvx512();
+
+/// Output columns per packed panel.
+inline constexpr int kPanelWidth = 32;
+/// Floats PackPanels writes for a [out, in] matrix: ceil(out / 32) * 32 *
+/// in (the last panel zero-padded).
+inline size_t PackedPanelFloats(int out, int in) {
+  return static_cast<size_t>((out + kPanelWidth - 1) / kPanelWidth) *
+         kPanelWidth * in;
+}
+/// Repacks a PyTorch Linear weight w [out, in] into panels of 32 output
+/// columns, [ceil(out / 32)][in][32]: the layout PanelGemm streams
+/// sequentially (the packing GEMM libraries do per call, done once at
+/// load).
+void PackPanels(const float* w, int out, int in, float* packed);
+/// y[i, o] = dot(x[i, :], w[o, :]) + beta * y[i, o] for the n rows of x
+/// [n, in] and the outputs of panels [panel_begin, panel_end) of `packed`
+/// (PackPanels of w [out, in]); y [n, y_stride]. Outer-product form: per
+/// k, a panel's 32 weights times each row's x[k] broadcast, 8 rows at a
+/// time on AVX-512 (16 zmm accumulators), so each weight is read once for
+/// 8 rows and the stream is sequential. For decode / verify batches of a
+/// few to 64 rows. Row i's result does not depend on the other rows.
+void PanelGemm(const float* x, int n, int in, const float* packed,
+               int panel_begin, int panel_end, float* y, int y_stride, int out,
+               float beta);
+/// The AVX2 implementation of PanelGemm (tests compare both paths).
+void PanelGemmAvx2(const float* x, int n, int in, const float* packed,
+                   int panel_begin, int panel_end, float* y, int y_stride,
+                   int out, float beta);
 
 /// Causal grouped-query attention (Vaswani et al. 2017; GQA, Ainslie et al.
 /// 2023) of a few new rows, without GEMM calls: decode and verify rows,

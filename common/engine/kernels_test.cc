@@ -92,53 +92,66 @@ TEST(KernelsTest, ExpAndSoftmaxAccuracy) {
 }
 
 
-using GemvFn = void (*)(const float*, int, int, const float*, int, int,
-                        float*, int, float);
+using PanelFn = void (*)(const float*, int, int, const float*, int, int,
+                         float*, int, int, float);
 
-class BatchedGemvTest : public ::testing::TestWithParam<bool> {
+class PanelGemmTest : public ::testing::TestWithParam<bool> {
  protected:
   // The dispatched kernel (AVX-512 where the CPU has it) or the AVX2 one.
-  GemvFn Kernel() const { return GetParam() ? &BatchedGemv : &BatchedGemvAvx2; }
+  PanelFn Kernel() const { return GetParam() ? &PanelGemm : &PanelGemmAvx2; }
 };
 
-TEST_P(BatchedGemvTest, MatchesNaive) {
-  const GemvFn gemv = Kernel();
-  for (int n : {1, 2, 3, 4, 5, 9, 16, 37, 64}) {
+TEST_P(PanelGemmTest, MatchesNaive) {
+  const PanelFn gemm = Kernel();
+  for (int n : {1, 2, 3, 4, 5, 9, 12, 16, 37, 64}) {
     for (int in : {5, 64, 77, 300}) {
-      const int out = 13;
-      auto x = Random(size_t(n) * in, 7), w = Random(size_t(out) * in, 8);
-      auto y = Random(size_t(n) * out, 9);
-      auto y0 = y;
-      gemv(x.data(), n, in, w.data(), 0, 6, y.data(), out, 1.f);
-      gemv(x.data(), n, in, w.data(), 6, out, y.data(), out, 1.f);
-      for (int i = 0; i < n; ++i) {
-        for (int o = 0; o < out; ++o) {
-          double s = y0[i * out + o];
-          for (int k = 0; k < in; ++k) s += double(x[i * in + k]) * w[o * in + k];
-          ASSERT_NEAR(y[i * out + o], s, 1e-4) << n << " " << in;
+      for (int out : {13, 32, 70}) {  // a partial, one whole, 3 panels
+        auto x = Random(size_t(n) * in, 7), w = Random(size_t(out) * in, 8);
+        std::vector<float> packed(PackedPanelFloats(out, in));
+        PackPanels(w.data(), out, in, packed.data());
+        auto y = Random(size_t(n) * out, 9);
+        auto y0 = y;
+        const int panels = (out + kPanelWidth - 1) / kPanelWidth;
+        // Two calls over disjoint panel ranges, as the engine's threads do.
+        gemm(x.data(), n, in, packed.data(), 0, panels / 2, y.data(), out,
+             out, 1.f);
+        gemm(x.data(), n, in, packed.data(), panels / 2, panels, y.data(),
+             out, out, 1.f);
+        for (int i = 0; i < n; ++i) {
+          for (int o = 0; o < out; ++o) {
+            double s = y0[i * out + o];
+            for (int k = 0; k < in; ++k) {
+              s += double(x[i * in + k]) * w[o * in + k];
+            }
+            ASSERT_NEAR(y[i * out + o], s, 1e-4) << n << " " << in << " " << out;
+          }
         }
       }
     }
   }
 }
 
-TEST_P(BatchedGemvTest, BetaZeroOverwritesAndRowsAreIndependent) {
+TEST_P(PanelGemmTest, BetaZeroOverwritesAndRowsAreIndependent) {
   // Row i's result must not depend on which other rows share the call
-  // (batched forward == per-sequence forward relies on it).
-  const GemvFn gemv = Kernel();
-  const int n = 11, in = 100, out = 9;
+  // (batched forward == per-sequence forward relies on it), and beta 0
+  // ignores what y held (NaN included).
+  const PanelFn gemm = Kernel();
+  const int n = 11, in = 100, out = 40;
   auto x = Random(size_t(n) * in, 10), w = Random(size_t(out) * in, 11);
-  std::vector<float> all(size_t(n) * out, 1e9f);
-  gemv(x.data(), n, in, w.data(), 0, out, all.data(), out, 0.f);
+  std::vector<float> packed(PackedPanelFloats(out, in));
+  PackPanels(w.data(), out, in, packed.data());
+  const int panels = (out + kPanelWidth - 1) / kPanelWidth;
+  std::vector<float> all(size_t(n) * out, std::nanf(""));
+  gemm(x.data(), n, in, packed.data(), 0, panels, all.data(), out, out, 0.f);
   for (int i = 0; i < n; ++i) {
-    std::vector<float> one(out, -1e9f);
-    gemv(x.data() + size_t(i) * in, 1, in, w.data(), 0, out, one.data(), out,
-         0.f);
+    std::vector<float> one(out, std::nanf(""));
+    gemm(x.data() + size_t(i) * in, 1, in, packed.data(), 0, panels,
+         one.data(), out, out, 0.f);
     for (int o = 0; o < out; ++o) ASSERT_EQ(all[i * out + o], one[o]);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, BatchedGemvTest, ::testing::Bool(),
+INSTANTIATE_TEST_SUITE_P(Paths, PanelGemmTest, ::testing::Bool(),
                          [](const auto& info) {
                            return info.param ? "Dispatched" : "Avx2";
                          });

@@ -130,7 +130,9 @@ TEST(PagedKvCacheTest, RandomOperationsMatchAModelOfTheBlockAccounting) {
       if (::testing::Test::HasFatalFailure()) return;
     }
     // Copy-on-write was exercised (a block of one token is never partial).
-    if (block_size > 1) EXPECT_GT(copies, 0);
+    if (block_size > 1) {
+      EXPECT_GT(copies, 0);
+    }
     seqs.clear();
     EXPECT_EQ(cache.num_free_blocks(), num_blocks);
   }

@@ -127,7 +127,9 @@ TEST_F(TargetSessionTest, ChunkedBatchedRoundsEqualStep) {
     for (size_t i = 0; i < sessions.size(); ++i) {
       TargetSession& s = *sessions[i];
       if (s.finished()) continue;
-      if (!s.in_round()) ASSERT_TRUE(s.BeginRound(drafts[i][round[i]]).ok());
+      if (!s.in_round()) {
+        ASSERT_TRUE(s.BeginRound(drafts[i][round[i]]).ok());
+      }
       if (s.min_forward_rows() > budget) continue;
       SequenceForward e;
       ASSERT_TRUE(s.PlanForward(budget, &e).ok());
