@@ -97,6 +97,17 @@ struct CpuModelRunner::Scratch {
   std::vector<float> k_dense, v_dense;  // gathered K/V of a sequence
 };
 
+// One thread's activation buffers across forwards (see Forward).
+struct CpuModelRunner::ActivationBuffers {
+  // Buffer `i` resized to `n` floats (contents unspecified).
+  std::vector<float>& Get(int i, size_t n) {
+    buf[i].resize(n);
+    return buf[i];
+  }
+  std::vector<float> buf[8];
+  Scratch scratch;
+};
+
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o,
                                     size_t bytes_per_token) {
   if (o.block_size < 1) {
@@ -349,9 +360,18 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     }
   }
 
-  std::vector<float> x(NN * hidden), h(NN * hidden), qkv(NN * qkv_dim);
-  std::vector<float> attn(NN * H * D), gu(NN * 2 * ffn), act(NN * ffn);
-  Scratch scratch;
+  // Activations live in per-thread buffers that keep their capacity:
+  // fresh multi-megabyte vectors per forward cost page faults and memsets
+  // comparable to a decode step's arithmetic. Every element read below is
+  // written first in the same forward.
+  thread_local ActivationBuffers buffers;
+  std::vector<float>& x = buffers.Get(0, NN * hidden);
+  std::vector<float>& h = buffers.Get(1, NN * hidden);
+  std::vector<float>& qkv = buffers.Get(2, NN * qkv_dim);
+  std::vector<float>& attn = buffers.Get(3, NN * H * D);
+  std::vector<float>& gu = buffers.Get(4, NN * 2 * ffn);
+  std::vector<float>& act = buffers.Get(5, NN * ffn);
+  Scratch& scratch = buffers.scratch;
   for (int i = 0; i < S; ++i) {
     const ForwardInput& in = batch[i].input;
     for (size_t t = 0; t < in.token_ids.size(); ++t) {
@@ -457,7 +477,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
   // sequence, in one GEMM.
   int R = 0;
   for (const auto& r : logit_rows) R += static_cast<int>(r.size());
-  std::vector<float> hr(static_cast<size_t>(R) * hidden);
+  std::vector<float>& hr = buffers.Get(6, static_cast<size_t>(R) * hidden);
   int j = 0;
   for (int i = 0; i < S; ++i) {
     for (int r : logit_rows[i]) {
@@ -466,7 +486,8 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                        &hr[j++ * static_cast<size_t>(hidden)], hidden);
     }
   }
-  std::vector<float> logits(static_cast<size_t>(R) * c.vocab_size);
+  std::vector<float>& logits =
+      buffers.Get(7, static_cast<size_t>(R) * c.vocab_size);
   Linear(hr.data(), R, hidden, weights_->lm_head(), packed_lm_head_.data(),
          c.vocab_size,
          logits.data(), 0.f);

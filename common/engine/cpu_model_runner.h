@@ -86,6 +86,7 @@ class CpuModelRunner : public ModelRunner {
 
  private:
   struct Scratch;
+  struct ActivationBuffers;
   CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
                  const KvCacheOptions& options, int num_blocks);
   // Copy-on-write of one block, every layer.
