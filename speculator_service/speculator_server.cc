@@ -1,6 +1,5 @@
 #include "speculator_service/speculator_server.h"
 
-#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <utility>
@@ -13,16 +12,12 @@
 #include "common/speculation/draft_session.h"
 #include "common/tokenizer/tokenizer.h"
 #include "protos/speculator.grpc.pb.h"
+#include "common/speculation/draft_session_work.h"
+#include "common/util/clock.h"
 #include "speculator_service/metrics.h"
 
 namespace specserve {
 namespace {
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 absl::Span<const int> Ids(const google::protobuf::RepeatedField<int32_t>& r) {
   return absl::MakeConstSpan(r.data(), r.size());
@@ -33,34 +28,6 @@ std::string Basename(std::string path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
-
-// A Score or Draft of one DraftSession as scheduler work: `begin` starts
-// the operation (BeginScore / BeginDraft), `finish` takes its result or
-// error; the forwards in between are the session's own.
-class SessionWork : public BatchedWork {
- public:
-  SessionWork(DraftSession* session, std::function<absl::Status()> begin,
-              std::function<void(absl::Status)> finish)
-      : session_(session), begin_(std::move(begin)), finish_(std::move(finish)) {}
-
-  absl::Status Begin() override { return begin_(); }
-  int pending_rows() const override { return session_->pending_rows(); }
-  int min_forward_rows() const override { return 1; }
-  bool prefilling() const override { return session_->prefilling(); }
-  absl::Status PlanForward(int max_rows, SequenceForward* entry) override {
-    return session_->PlanForward(max_rows, entry);
-  }
-  absl::Status CompleteForward(const ForwardOutput& out) override {
-    return session_->CompleteForward(out);
-  }
-  void Abort() override { session_->AbortOp(); }
-  void Finish(absl::Status status) override { finish_(std::move(status)); }
-
- private:
-  DraftSession* const session_;
-  std::function<absl::Status()> begin_;
-  std::function<void(absl::Status)> finish_;
-};
 
 }  // namespace
 
@@ -126,7 +93,7 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
     v1::ScoreResponse* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  const int64_t t0 = NowNs();
+  const int64_t t0 = MonotonicNowNs();
   const ModelConfig& config = model_->config();
   // Validate everything cheap here, once, before any work is queued.
   auto opts = ResolveScoreOptions(req->options(), options_.defaults,
@@ -191,7 +158,7 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     resp->set_kept_tokens(static_cast<int>(sel.kept_indices.size()));
     if (*lease) resp->set_session_id(lease->id());
     lease->Reset();  // the session's idle timer starts now
-    const int64_t total = NowNs() - t0;
+    const int64_t total = MonotonicNowNs() - t0;
     v1::ScoreTimings* t = resp->mutable_timings();
     t->set_prefill_ns(r->prefill_ns);
     t->set_look_ahead_ns(r->look_ahead_ns);
@@ -201,7 +168,7 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
                            r->prefill_ns, r->look_ahead_ns, r->score_ns, total);
     Finish(reactor, "Score", absl::OkStatus());
   };
-  if (!TrySubmit(std::make_unique<SessionWork>(session, std::move(begin),
+  if (!TrySubmit(std::make_unique<DraftSessionWork>(session, std::move(begin),
                                                std::move(finish)))) {
     if (*lease) sessions_->Release(lease->id());
     lease->Reset();
@@ -239,7 +206,7 @@ class DraftReactor final
       return FinishOnce(absl::CancelledError("Draft stream cancelled"));
     }
     DraftSession* session = lease_.session();
-    t0_ = NowNs();
+    t0_ = MonotonicNowNs();
     auto begin = [this, session] {
       return session->BeginDraft(Ids(req_.emitted_token_ids()),
                                  req_.num_draft_tokens());
@@ -248,7 +215,7 @@ class DraftReactor final
       if (!s.ok()) return FinishOnce(s);
       OnDrafts(session->TakeDrafts());
     };
-    if (!impl_->TrySubmit(std::make_unique<SessionWork>(
+    if (!impl_->TrySubmit(std::make_unique<DraftSessionWork>(
             session, std::move(begin), std::move(finish)))) {
       FinishOnce(SpeculatorServiceImpl::Overloaded());
     }
@@ -313,7 +280,7 @@ class DraftReactor final
   // On the scheduler's thread when the Draft operation is done.
   void OnDrafts(std::vector<DraftToken> drafts_vec) {
     const std::vector<DraftToken>* drafts = &drafts_vec;
-    const int64_t ns = NowNs() - t0_;
+    const int64_t ns = MonotonicNowNs() - t0_;
     impl_->metrics_->ObserveDraft(static_cast<int>(drafts->size()), ns);
     if (IsCancelled()) {
       return FinishOnce(absl::CancelledError("Draft stream cancelled"));

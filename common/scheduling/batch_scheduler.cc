@@ -1,21 +1,12 @@
 #include "common/scheduling/batch_scheduler.h"
 
 #include <algorithm>
-#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/util/clock.h"
 
 namespace specserve {
-namespace {
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<BatchScheduler>> BatchScheduler::Create(
     ModelRunner* model, Options options, StepObserver on_step) {
@@ -174,9 +165,9 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
     }
   } else {
     std::vector<ForwardOutput> outs;
-    const int64_t t0 = NowNs();
+    const int64_t t0 = MonotonicNowNs();
     const absl::Status fs = model_->Forward(batch, &outs);
-    stats.forward_ns = NowNs() - t0;
+    stats.forward_ns = MonotonicNowNs() - t0;
     stats.sequences = static_cast<int>(batch.size());
     for (size_t b = 0; b < planned.size(); ++b) {
       const size_t i = planned[b];

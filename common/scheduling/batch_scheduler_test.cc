@@ -6,6 +6,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "common/speculation/draft_session.h"
+#include "common/speculation/draft_session_work.h"
 #include "common/speculation/test_util.h"
 #include "gtest/gtest.h"
 
@@ -13,32 +14,6 @@ namespace specserve {
 namespace {
 
 using testing_util::LoadBundled;
-
-// A DraftSession operation (Score or Draft) as scheduler work; `done`
-// gets the status.
-class OpWork : public BatchedWork {
- public:
-  OpWork(DraftSession* s, std::function<absl::Status()> begin,
-         std::function<void(absl::Status)> done)
-      : s_(s), begin_(std::move(begin)), done_(std::move(done)) {}
-  absl::Status Begin() override { return begin_(); }
-  int pending_rows() const override { return s_->pending_rows(); }
-  int min_forward_rows() const override { return 1; }
-  bool prefilling() const override { return s_->prefilling(); }
-  absl::Status PlanForward(int max_rows, SequenceForward* e) override {
-    return s_->PlanForward(max_rows, e);
-  }
-  absl::Status CompleteForward(const ForwardOutput& out) override {
-    return s_->CompleteForward(out);
-  }
-  void Abort() override { s_->AbortOp(); }
-  void Finish(absl::Status status) override { done_(std::move(status)); }
-
- private:
-  DraftSession* s_;
-  std::function<absl::Status()> begin_;
-  std::function<void(absl::Status)> done_;
-};
 
 // A work that needs `rows` rows in one forward it never gets.
 class TooWideWork : public BatchedWork {
@@ -129,7 +104,7 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
   for (int i = 0; i < kSessions; ++i) {
     DraftSession* s = sessions[i].get();
     ASSERT_TRUE((*sched)
-                    ->Submit(std::make_unique<OpWork>(
+                    ->Submit(std::make_unique<DraftSessionWork>(
                         s, [s, &prompts, i, so] {
                           return s->BeginScore(prompts[i], so);
                         },
@@ -156,7 +131,7 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
   for (int i = 0; i < kSessions; ++i) {
     DraftSession* s = sessions[i].get();
     ASSERT_TRUE((*sched)
-                    ->Submit(std::make_unique<OpWork>(
+                    ->Submit(std::make_unique<DraftSessionWork>(
                         s, [s, &emitted] { return s->BeginDraft(emitted, 5); },
                         [&, s, i](absl::Status st) {
                           EXPECT_TRUE(st.ok()) << st;
@@ -200,7 +175,7 @@ TEST_F(BatchSchedulerTest, ImpossibleAndFailingWorkEndWithErrors) {
   DraftSession* ds = s->get();
   absl::Notification n2;
   ASSERT_TRUE((*sched)
-                  ->Submit(std::make_unique<OpWork>(
+                  ->Submit(std::make_unique<DraftSessionWork>(
                       ds, [ds] { return ds->BeginDraft({5}, 2); },
                       [&](absl::Status st) {
                         got = st;
@@ -232,7 +207,7 @@ TEST_F(BatchSchedulerTest, ShutdownCancelsWorkInFlight) {
       sessions.push_back(*std::move(s));
       const std::vector<int> p = Prompt(200, &rng);
       ASSERT_TRUE((*sched)
-                      ->Submit(std::make_unique<OpWork>(
+                      ->Submit(std::make_unique<DraftSessionWork>(
                           ds, [ds, p, so] { return ds->BeginScore(p, so); },
                           [&, i](absl::Status st) {
                             got[i] = st;

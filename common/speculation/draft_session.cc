@@ -1,19 +1,13 @@
 #include "common/speculation/draft_session.h"
 
 #include <algorithm>
-#include <chrono>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/util/clock.h"
 
 namespace specserve {
 namespace {
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 absl::Status CheckIds(absl::Span<const int> ids, int vocab,
                       std::string_view field) {
@@ -89,12 +83,25 @@ absl::Status DraftSession::Prefill(absl::Span<const int> prompt) {
 absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
                                                 const ScoreOptions& options) {
   if (absl::Status s = BeginScore(prompt, options); !s.ok()) return s;
+  if (absl::Status s = RunOp(); !s.ok()) return s;
+  return TakeScoreResult();
+}
+
+absl::StatusOr<std::vector<DraftToken>> DraftSession::Draft(
+    absl::Span<const int> emitted, int k) {
+  if (absl::Status s = BeginDraft(emitted, k); !s.ok()) return s;
+  if (absl::Status s = RunOp(); !s.ok()) return s;
+  return TakeDrafts();
+}
+
+absl::Status DraftSession::RunOp() {
   while (pending_rows() > 0) {
     SequenceForward entry;
     if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
       AbortOp();
       return s;
     }
+    // The span form keeps entry.capture (a Score's query rows).
     std::vector<ForwardOutput> outs;
     if (absl::Status s =
             model_->Forward(absl::MakeConstSpan(&entry, 1), &outs);
@@ -104,27 +111,7 @@ absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
     }
     if (absl::Status s = CompleteForward(outs[0]); !s.ok()) return s;
   }
-  return TakeScoreResult();
-}
-
-absl::StatusOr<std::vector<DraftToken>> DraftSession::Draft(
-    absl::Span<const int> emitted, int k) {
-  if (absl::Status s = BeginDraft(emitted, k); !s.ok()) return s;
-  while (pending_rows() > 0) {
-    SequenceForward entry;
-    if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
-      AbortOp();
-      return s;
-    }
-    ForwardOutput out;
-    if (absl::Status s = model_->Forward(entry.input, entry.kv, &out);
-        !s.ok()) {
-      AbortOp();
-      return s;
-    }
-    if (absl::Status s = CompleteForward(out); !s.ok()) return s;
-  }
-  return TakeDrafts();
+  return absl::OkStatus();
 }
 
 absl::Status DraftSession::BeginScore(absl::Span<const int> prompt,
@@ -167,7 +154,7 @@ absl::Status DraftSession::BeginScore(absl::Span<const int> prompt,
   wanted_ = options.look_ahead;
   next_token_ = -1;
   finished_op_ = false;
-  t_begin_ = NowNs();
+  t_begin_ = MonotonicNowNs();
   return absl::OkStatus();
 }
 
@@ -287,7 +274,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
   const float* logits = out.logits.data();
   if (op_ == Op::kScore) {
     if (next_token_ < 0) {  // the prompt is in: list its full blocks
-      t_prefilled_ = NowNs();
+      t_prefilled_ = MonotonicNowNs();
       std::vector<int> pos(feed_.size());
       std::iota(pos.begin(), pos.end(), 0);
       cache_->CachePrefix(feed_, pos);
@@ -317,7 +304,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
 }
 
 absl::Status DraftSession::FinishScore() {
-  const int64_t t2 = NowNs();
+  const int64_t t2 = MonotonicNowNs();
   score_.prefill_ns = t_prefilled_ - t_begin_;
   score_.look_ahead_ns = t2 - t_prefilled_;
   const int n = static_cast<int>(feed_.size());
@@ -339,7 +326,7 @@ absl::Status DraftSession::FinishScore() {
     return sel.status();
   }
   score_.selection = *std::move(sel);
-  score_.score_ns = NowNs() - t2;
+  score_.score_ns = MonotonicNowNs() - t2;
   committed_ = feed_;
   started_ = true;
   return absl::OkStatus();

@@ -123,6 +123,8 @@ class DraftSession {
   DraftSession(ModelRunner* model, std::unique_ptr<KvSequence> cache,
                const SamplingParams& sampling);
   DraftToken Propose(const float* logits);
+  // Runs the begun operation's forwards one at a time, unbatched.
+  absl::Status RunOp();
 
   ModelRunner* model_;
   std::unique_ptr<KvSequence> cache_;  // this request's blocks in the model's paged cache

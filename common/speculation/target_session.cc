@@ -1,20 +1,11 @@
 #include "common/speculation/target_session.h"
 
 #include <algorithm>
-#include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "common/util/clock.h"
 
 namespace specserve {
-namespace {
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 int TargetSession::CapacityFor(const ModelConfig& config,
                                const TargetRequest& r) {
@@ -227,7 +218,7 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->capture = nullptr;
   entry->input.token_ids = plan_tokens_;
   entry->input.position_ids = plan_positions_;
-  planned_at_ = NowNs();
+  planned_at_ = MonotonicNowNs();
   return absl::OkStatus();
 }
 
@@ -239,7 +230,7 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
   const ModelConfig& c = model_->config();
   if (!final_planned_) {
     prompt_done_ += static_cast<int>(plan_tokens_.size());
-    round_ns_ += NowNs() - planned_at_;
+    round_ns_ += MonotonicNowNs() - planned_at_;
     return std::optional<RoundResult>();
   }
   const int k = static_cast<int>(drafts_.size());
@@ -279,7 +270,7 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
                       verdict->tokens.begin() + stop.num_emit);
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
-  round.forward_ns = round_ns_ + (NowNs() - planned_at_);
+  round.forward_ns = round_ns_ + (MonotonicNowNs() - planned_at_);
   return std::optional<RoundResult>(std::move(round));
 }
 

@@ -1,0 +1,47 @@
+#ifndef SPECSERVE_COMMON_SPECULATION_DRAFT_SESSION_WORK_H_
+#define SPECSERVE_COMMON_SPECULATION_DRAFT_SESSION_WORK_H_
+
+#include <functional>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "common/scheduling/batch_scheduler.h"
+#include "common/speculation/draft_session.h"
+
+namespace specserve {
+
+/// A Score or Draft of one DraftSession as BatchScheduler work: `begin`
+/// starts the operation (DraftSession::BeginScore / BeginDraft), `finish`
+/// takes its result (TakeScoreResult / TakeDrafts) or gets the error that
+/// ended it; the forwards in between are the session's own steps. The
+/// session must outlive the work.
+class DraftSessionWork : public BatchedWork {
+ public:
+  DraftSessionWork(DraftSession* session, std::function<absl::Status()> begin,
+                   std::function<void(absl::Status)> finish)
+      : session_(session),
+        begin_(std::move(begin)),
+        finish_(std::move(finish)) {}
+
+  absl::Status Begin() override { return begin_(); }
+  int pending_rows() const override { return session_->pending_rows(); }
+  int min_forward_rows() const override { return 1; }
+  bool prefilling() const override { return session_->prefilling(); }
+  absl::Status PlanForward(int max_rows, SequenceForward* entry) override {
+    return session_->PlanForward(max_rows, entry);
+  }
+  absl::Status CompleteForward(const ForwardOutput& out) override {
+    return session_->CompleteForward(out);
+  }
+  void Abort() override { session_->AbortOp(); }
+  void Finish(absl::Status status) override { finish_(std::move(status)); }
+
+ private:
+  DraftSession* const session_;
+  std::function<absl::Status()> begin_;
+  std::function<void(absl::Status)> finish_;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_SPECULATION_DRAFT_SESSION_WORK_H_
