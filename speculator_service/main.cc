@@ -27,9 +27,10 @@ ABSL_FLAG(std::string, model_id, "",
 ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
 ABSL_FLAG(int, port, 50061, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9161, "Prometheus /metrics port (0 = any)");
-ABSL_FLAG(int, max_num_batched_tokens, 2048,
+ABSL_FLAG(int, max_num_batched_tokens, 0,
           "rows (tokens) per batched forward: draft and look-ahead rows of "
-          "all sessions first, then prompt chunks");
+          "all sessions first, then prompt chunks; 0 = 2048 on CUDA, 512 on "
+          "CPU");
 ABSL_FLAG(int, engine_threads, 1, "OpenBLAS / importance threads per forward");
 ABSL_FLAG(int, max_queue, 1024,
           "Score / Draft operations queued or running before "

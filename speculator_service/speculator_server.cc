@@ -371,8 +371,8 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
     return absl::InvalidArgumentError(m);
   };
   if (options.model_dir.empty()) return bad("model_dir is empty");
-  if (options.max_num_batched_tokens < 1) {
-    return bad("max_num_batched_tokens must be >= 1");
+  if (options.max_num_batched_tokens < 0) {
+    return bad("max_num_batched_tokens must be >= 0");
   }
   if (options.max_queue < 1) return bad("max_queue must be >= 1");
   if (options.max_sessions < 1) return bad("max_sessions must be >= 1");
@@ -412,7 +412,8 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
       so, options.clock,
       [metrics](int n, size_t bytes) { metrics->SetSessions(n, bytes); });
   BatchScheduler::Options bo;
-  bo.max_num_batched_tokens = options.max_num_batched_tokens;
+  bo.max_num_batched_tokens = DefaultMaxNumBatchedTokens(
+      *s->model_, options.max_num_batched_tokens);
   PagedKvCache* kv = &s->model_->kv_cache();
   auto scheduler = BatchScheduler::Create(
       s->model_.get(), bo, [metrics, kv](const BatchScheduler::StepStats& st) {

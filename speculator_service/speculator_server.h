@@ -24,8 +24,9 @@ struct SpeculatorServerOptions {
   std::string model_id;          ///< reported by Info; "" = dir basename.
   std::string host = "0.0.0.0";  ///< listen address.
   /// Rows (tokens) per batched forward of the model's scheduler: draft
-  /// and look-ahead rows of all sessions first, then prompt chunks.
-  int max_num_batched_tokens = 2048;
+  /// and look-ahead rows of all sessions first, then prompt chunks; 0 = by
+  /// backend (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).
+  int max_num_batched_tokens = 0;
   int engine_threads = 1;  ///< importance-reduction threads per Score.
   /// Score / Draft operations queued or running before RESOURCE_EXHAUSTED.
   int max_queue = 1024;

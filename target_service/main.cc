@@ -28,9 +28,10 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listening address");
 ABSL_FLAG(int, port, 50052, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9092, "Prometheus /metrics port (0 = any)");
 ABSL_FLAG(int, threads, 0, "OpenBLAS threads per forward (0 = default)");
-ABSL_FLAG(int, max_num_batched_tokens, 2048,
+ABSL_FLAG(int, max_num_batched_tokens, 0,
           "rows (tokens) per batched forward: decode/verify rows of all "
-          "streams first, then prefill chunks; >= max_drafts + 1");
+          "streams first, then prefill chunks; >= max_drafts + 1; 0 = 2048 "
+          "on CUDA, 512 on CPU");
 ABSL_FLAG(int, max_sessions, 64, "concurrent Generate streams admitted");
 ABSL_FLAG(int, max_waiting_requests, 1024,
           "streams that wait for admission before RESOURCE_EXHAUSTED");

@@ -557,7 +557,8 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
         absl::StrCat("max_waiting_requests must be >= 0, got ",
                      options.max_waiting_requests));
   }
-  if (options.max_num_batched_tokens < options.max_drafts + 1) {
+  if (options.max_num_batched_tokens != 0 &&
+      options.max_num_batched_tokens < options.max_drafts + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_num_batched_tokens must be >= max_drafts + 1 = ",
         options.max_drafts + 1, " (a verify round is never split), got ",
@@ -588,6 +589,8 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   Metrics* m = metrics.get();
   PagedKvCache* kv = &(*runner)->kv_cache();
   TargetScheduler::Options so;
+  options.max_num_batched_tokens =
+      DefaultMaxNumBatchedTokens(**runner, options.max_num_batched_tokens);
   so.max_num_batched_tokens = options.max_num_batched_tokens;
   auto scheduler = TargetScheduler::Create(
       runner->get(), so, [m, kv](const TargetScheduler::StepStats& st) {

@@ -68,8 +68,9 @@ struct TargetServerOptions {
   /// before RESOURCE_EXHAUSTED, first come first served (>= 0).
   int max_waiting_requests = 1024;
   /// Rows (tokens) per batched forward of the scheduler (continuous
-  /// batching with chunked prefill), >= max_drafts + 1.
-  int max_num_batched_tokens = 2048;
+  /// batching with chunked prefill), >= max_drafts + 1; 0 = by backend
+  /// (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).
+  int max_num_batched_tokens = 0;
   /// KV cache of all streams: the size of the model runner's paged pool and
   /// the sum of the streams' reservations admission allows.
   int64_t kv_budget_bytes = int64_t{2} << 30;

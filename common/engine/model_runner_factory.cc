@@ -17,6 +17,11 @@ absl::StatusOr<CudaDType> ParseCudaDType(const std::string& s) {
 
 }  // namespace
 
+int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested) {
+  if (requested > 0) return requested;
+  return runner.backend() == "cuda" ? 2048 : 512;
+}
+
 absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
                                        const RunnerOptions& options) {
   absl::StatusOr<DeviceKind> kind =

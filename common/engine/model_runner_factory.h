@@ -30,6 +30,12 @@ struct RunnerOptions {
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options);
 
+/// The rows one batched forward should take when the user gave none
+/// (`requested` <= 0): 2048 on CUDA (vLLM's default), 512 on CPU, where a
+/// 2048-row prompt chunk stalls every decoding stream for seconds.
+/// `requested` > 0 is returned as is.
+int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested);
+
 /// Bytes of KV cache one token costs on the backend `options` selects
 /// (fp32 on CPU, the CUDA dtype on GPU): what admission charges per token.
 absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
