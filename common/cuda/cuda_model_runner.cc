@@ -119,12 +119,7 @@ absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
   const ModelConfig& c = weights->config();
   const size_t per_token = BytesPerToken(c, weights->dtype());
   SPECSERVE_RETURN_IF_ERROR(ValidateKvCacheOptions(o, per_token));
-  const int num_blocks =
-      o.pool_bytes == 0
-          ? PagedKvCache::BlocksForTokens(c.max_position_embeddings,
-                                          o.block_size)
-          : PagedKvCache::BlocksForBytes(o.pool_bytes, o.block_size,
-                                         per_token);
+  const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
   int device = 0, num_sms = 0;
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(

@@ -124,6 +124,14 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& o,
   return absl::OkStatus();
 }
 
+int KvPoolBlocks(const KvCacheOptions& o, size_t bytes_per_token,
+                 int max_context) {
+  return o.pool_bytes == 0
+             ? PagedKvCache::BlocksForTokens(max_context, o.block_size)
+             : PagedKvCache::BlocksForBytes(o.pool_bytes, o.block_size,
+                                            bytes_per_token);
+}
+
 size_t CpuModelRunner::BytesPerToken(const ModelConfig& c) {
   return 2 * sizeof(float) * static_cast<size_t>(c.num_hidden_layers) *
          c.num_key_value_heads * c.head_dim;
@@ -137,12 +145,7 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
   const ModelConfig& c = weights->config;
   const size_t per_token = BytesPerToken(c);
   if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
-  const int num_blocks =
-      o.pool_bytes == 0
-          ? PagedKvCache::BlocksForTokens(c.max_position_embeddings,
-                                          o.block_size)
-          : PagedKvCache::BlocksForBytes(o.pool_bytes, o.block_size,
-                                         per_token);
+  const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
   return std::unique_ptr<CpuModelRunner>(
       new CpuModelRunner(std::move(weights), o, num_blocks));
 }

@@ -30,6 +30,11 @@ struct KvCacheOptions {
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& options,
                                     size_t bytes_per_token);
 
+/// Blocks of the pool `options` asks for: floor(pool_bytes / bytes per
+/// block), or one sequence at `max_context` tokens when pool_bytes is 0.
+int KvPoolBlocks(const KvCacheOptions& options, size_t bytes_per_token,
+                 int max_context);
+
 /// CPU backend of ModelRunner (HF LlamaForCausalLM semantics, fp32):
 /// embedding, RMSNorm, rotate_half RoPE at explicit position ids,
 /// grouped-query causal attention over each sequence's cached + new tokens,
