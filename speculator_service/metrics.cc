@@ -89,10 +89,16 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
                            .Add({})),
       kv_bytes_(BuildGauge()
                     .Name("specserve_speculator_kv_bytes")
-                    .Help("KV cache bytes charged to live sessions "
-                          "(capacity)")
+                    .Help("KV cache bytes of the blocks sessions hold")
                     .Register(r)
                     .Add({})),
+      preemptions_(BuildCounter()
+                       .Name("specserve_speculator_num_preemptions_total")
+                       .Help("Sessions preempted when the KV cache ran out "
+                             "of blocks: freed and recomputed later (vLLM "
+                             "num_preemptions)")
+                       .Register(r)
+                       .Add({})),
       batch_sequences_(BuildHistogram()
                            .Name("specserve_speculator_batch_sequences")
                            .Help("Score / Draft operations per batched "
@@ -132,12 +138,17 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
                        .Add({})) {}
 
 void SpeculatorMetrics::ObserveStep(int sequences, int rows, int waiting,
-                                    double kv_usage, int64_t prefix_queries,
+                                    int preempted, double kv_usage,
+                                    size_t kv_bytes, int64_t prefix_queries,
                                     int64_t prefix_hits) {
-  batch_sequences_.Observe(sequences);
-  batch_tokens_.Observe(rows);
+  if (sequences > 0) {
+    batch_sequences_.Observe(sequences);
+    batch_tokens_.Observe(rows);
+  }
   waiting_.Set(waiting);
+  preemptions_.Increment(preempted);
   kv_usage_.Set(kv_usage);
+  kv_bytes_.Set(static_cast<double>(kv_bytes));
   prefix_queries_.Increment(static_cast<double>(prefix_queries - seen_queries_));
   prefix_hits_.Increment(static_cast<double>(prefix_hits - seen_hits_));
   seen_queries_ = prefix_queries;

@@ -29,14 +29,17 @@ class SpeculatorMetrics {
                     int64_t look_ahead_ns, int64_t score_ns, int64_t total_ns);
   /// One Draft round that proposed `tokens` drafts in `ns` nanoseconds.
   void ObserveDraft(int tokens, int64_t ns);
-  /// Live sessions and the KV bytes charged to them.
+  /// Live sessions and the bytes of the KV blocks sequences hold.
   void SetSessions(int sessions, size_t kv_bytes);
   /// One step of the batching scheduler: operations and rows in its
-  /// forward, operations in flight that waited, KV cache block usage.
-  /// `prefix_queries` / `prefix_hits`: the KV cache's running totals of
-  /// prompt tokens looked up in / supplied by the prefix cache.
-  void ObserveStep(int sequences, int rows, int waiting, double kv_usage,
-                   int64_t prefix_queries, int64_t prefix_hits);
+  /// forward (a step without a forward observes no batch), operations in
+  /// flight that waited, sessions preempted for KV blocks, KV cache block
+  /// usage and the bytes sequences hold. `prefix_queries` /
+  /// `prefix_hits`: the KV cache's running totals of prompt tokens looked
+  /// up in / supplied by the prefix cache.
+  void ObserveStep(int sequences, int rows, int waiting, int preempted,
+                   double kv_usage, size_t kv_bytes, int64_t prefix_queries,
+                   int64_t prefix_hits);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -53,6 +56,7 @@ class SpeculatorMetrics {
   prometheus::Histogram& draft_seconds_;
   prometheus::Gauge& active_sessions_;
   prometheus::Gauge& kv_bytes_;
+  prometheus::Counter& preemptions_;
   prometheus::Histogram& batch_sequences_;
   prometheus::Histogram& batch_tokens_;
   prometheus::Gauge& waiting_;

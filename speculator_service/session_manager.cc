@@ -10,7 +10,6 @@ namespace specserve {
 
 struct SessionManager::Lease::Entry {
   std::unique_ptr<DraftSession> session;
-  size_t bytes = 0;
   absl::Time last_used;
   bool leased = false;
   bool released = false;  // unlisted while leased; freed on return
@@ -50,9 +49,18 @@ bool SessionManager::Expired(const Entry& e, absl::Time now) const {
   return !e.leased && now - e.last_used > options_.ttl;
 }
 
-void SessionManager::NotifyLocked() {
-  if (observer_) observer_(count_, bytes_);
-}
+class SessionManager::Notice {
+ public:
+  explicit Notice(const Observer& observer) : observer_(observer) {}
+  ~Notice() {
+    if (armed_ && observer_) observer_();
+  }
+  void Arm() { armed_ = true; }
+
+ private:
+  const Observer& observer_;
+  bool armed_ = false;
+};
 
 std::unique_ptr<DraftSession> SessionManager::EraseLocked(
     const std::string& id) {
@@ -62,7 +70,6 @@ std::unique_ptr<DraftSession> SessionManager::EraseLocked(
   e->released = true;
   if (e->leased) return nullptr;  // the lease frees and uncharges it
   --count_;
-  bytes_ -= e->bytes;
   return std::move(e->session);
 }
 
@@ -77,25 +84,14 @@ void SessionManager::SweepLocked(
 
 absl::StatusOr<SessionManager::Lease> SessionManager::Add(
     std::unique_ptr<DraftSession> session) {
-  const size_t bytes = session->kv_capacity_bytes();
+  Notice notice(observer_);
   std::vector<std::unique_ptr<DraftSession>> dead;  // freed after unlock
   absl::MutexLock lock(&mu_);
-  if (count_ >= options_.max_sessions ||
-      bytes_ + bytes > options_.kv_budget_bytes) {
-    SweepLocked(clock_(), &dead);
-  }
-  absl::Status refused;
+  if (count_ >= options_.max_sessions) SweepLocked(clock_(), &dead);
+  if (!dead.empty()) notice.Arm();
   if (count_ >= options_.max_sessions) {
-    refused = absl::ResourceExhaustedError(absl::StrCat(
+    return absl::ResourceExhaustedError(absl::StrCat(
         "max_sessions (", options_.max_sessions, ") sessions are live"));
-  } else if (bytes_ + bytes > options_.kv_budget_bytes) {
-    refused = absl::ResourceExhaustedError(absl::StrCat(
-        "KV budget exhausted: a session needs ", bytes, " bytes, ", bytes_,
-        " of kv_budget_bytes ", options_.kv_budget_bytes, " are in use"));
-  }
-  if (!refused.ok()) {
-    NotifyLocked();
-    return refused;
   }
   std::string id;
   do {
@@ -104,25 +100,24 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Add(
   } while (sessions_.contains(id));
   auto e = std::make_shared<Entry>();
   e->session = std::move(session);
-  e->bytes = bytes;
   e->last_used = clock_();
   e->leased = true;
   sessions_[id] = e;
   ++count_;
-  bytes_ += bytes;
-  NotifyLocked();
+  notice.Arm();
   return Lease(this, id, std::move(e));
 }
 
 absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(
     const std::string& id) {
+  Notice notice(observer_);
   std::unique_ptr<DraftSession> dead;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || Expired(*it->second, clock_())) {
     if (it != sessions_.end()) {
       dead = EraseLocked(id);
-      NotifyLocked();
+      notice.Arm();
     }
     return absl::NotFoundError(
         absl::StrCat("session ", id, " expired or unknown"));
@@ -136,34 +131,36 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(
 }
 
 bool SessionManager::Release(const std::string& id) {
+  Notice notice(observer_);
   std::unique_ptr<DraftSession> dead;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return false;
   const bool live = !Expired(*it->second, clock_());
   dead = EraseLocked(id);
-  NotifyLocked();
+  notice.Arm();
   return live;
 }
 
 int SessionManager::Sweep() {
+  Notice notice(observer_);
   std::vector<std::unique_ptr<DraftSession>> dead;
   absl::MutexLock lock(&mu_);
   SweepLocked(clock_(), &dead);
-  if (!dead.empty()) NotifyLocked();
+  if (!dead.empty()) notice.Arm();
   return static_cast<int>(dead.size());
 }
 
 void SessionManager::Return(Entry* e) {
+  Notice notice(observer_);
   std::unique_ptr<DraftSession> dead;
   absl::MutexLock lock(&mu_);
   e->leased = false;
   e->last_used = clock_();
   if (e->released) {
     --count_;
-    bytes_ -= e->bytes;
     dead = std::move(e->session);
-    NotifyLocked();
+    notice.Arm();
   }
 }
 
@@ -172,9 +169,5 @@ int SessionManager::num_sessions() const {
   return count_;
 }
 
-size_t SessionManager::kv_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return bytes_;
-}
 
 }  // namespace specserve

@@ -18,15 +18,15 @@ namespace specserve {
 
 /// Limits on the speculator's live sessions (each holds a KV cache).
 struct SessionManagerOptions {
-  int max_sessions = 64;                     ///< live sessions, >= 1.
-  size_t kv_budget_bytes = size_t{2} << 30;  ///< sum of KV capacities.
-  absl::Duration ttl = absl::Minutes(5);     ///< idle time before reaping.
+  int max_sessions = 64;                  ///< live sessions, >= 1.
+  absl::Duration ttl = absl::Minutes(5);  ///< idle time before reaping.
 };
 
-/// Owns the speculator's DraftSessions by id (random 128-bit hex). Every
-/// session is charged its KV cache capacity (DraftSession::
-/// kv_capacity_bytes) against the budget from admission until its memory is
-/// freed; overload is RESOURCE_EXHAUSTED, never a queue (Envoy-style).
+/// Owns the speculator's DraftSessions by id (random 128-bit hex), at most
+/// max_sessions; overload is RESOURCE_EXHAUSTED, never a queue
+/// (Envoy-style). KV memory is not charged here: sessions take blocks of
+/// the model's paged cache as they grow, and the scheduler preempts the
+/// newest ones when it runs out (DraftSession::Preempt).
 ///
 /// Use goes through exclusive leases: a leased session is never reaped, and
 /// Release() of a leased session only unlists it (new Acquires fail); its
@@ -38,9 +38,11 @@ class SessionManager {
  public:
   /// Returns "now"; injectable for tests.
   using Clock = std::function<absl::Time()>;
-  /// Told the live session count and charged KV bytes after every change
-  /// (called under the manager's lock: keep it cheap, e.g. gauge updates).
-  using Observer = std::function<void(int sessions, size_t kv_bytes)>;
+  /// Called after every change, outside the manager's lock and after the
+  /// sessions it freed are destroyed (so their KV blocks are back): read
+  /// the state to report (num_sessions(), the cache's bytes) there. Calls
+  /// may overlap; each reads the state current at its time.
+  using Observer = std::function<void()>;
 
   /// Exclusive use of one session; returns it (refreshing its idle timer)
   /// or frees it if it was released meanwhile, when destroyed. Movable.
@@ -74,8 +76,8 @@ class SessionManager {
   SessionManager& operator=(const SessionManager&) = delete;
 
   /// Admits `session` under a fresh id and returns it leased. Expired
-  /// sessions are reaped first. RESOURCE_EXHAUSTED naming the limit when
-  /// max_sessions are live or its KV capacity would exceed the budget.
+  /// sessions are reaped first. RESOURCE_EXHAUSTED naming max_sessions when
+  /// that many are live.
   absl::StatusOr<Lease> Add(std::unique_ptr<DraftSession> session);
 
   /// Leases session `id`. NOT_FOUND "session <id> expired or unknown" (an
@@ -92,8 +94,6 @@ class SessionManager {
 
   /// Sessions holding memory (listed, or released but still leased).
   int num_sessions() const;
-  /// KV bytes charged to those sessions.
-  size_t kv_bytes() const;
   const SessionManagerOptions& options() const { return options_; }
 
  private:
@@ -108,7 +108,9 @@ class SessionManager {
                    std::vector<std::unique_ptr<DraftSession>>* dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Return(Entry* entry);
-  void NotifyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs the observer when it goes out of scope: declared before a
+  // method's lock and dead sessions, it fires after both are gone.
+  class Notice;
 
   const SessionManagerOptions options_;
   const Clock clock_;
@@ -117,7 +119,6 @@ class SessionManager {
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> sessions_
       ABSL_GUARDED_BY(mu_);
   int count_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::BitGen gen_ ABSL_GUARDED_BY(mu_);
 };
 

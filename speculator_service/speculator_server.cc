@@ -108,14 +108,26 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
   auto sampling = ResolveSampling(req->sampling());
   if (!sampling.ok()) return Reply(reactor, "Score", sampling.status());
 
-  // A kept session may draft up to the model's context, and is charged for
-  // it; a throwaway one needs only prompt + look-ahead.
+  // A kept session may draft up to the model's context (or as far as the
+  // whole KV pool reaches); a throwaway one needs only prompt + look-ahead.
+  // Blocks are taken as the session grows, not reserved.
   const int n = req->token_ids_size();
-  const int capacity = req->keep_session() ? config.max_position_embeddings
-                                           : n + opts->look_ahead;
+  const PagedKvCache& kv = model_->kv_cache();
+  const int pool_tokens = kv.num_blocks() * kv.block_size();
+  const int capacity =
+      req->keep_session()
+          ? std::min(config.max_position_embeddings, pool_tokens)
+          : n + opts->look_ahead;
+  if (n + opts->look_ahead > pool_tokens) {
+    return Reply(reactor, "Score",
+                 absl::ResourceExhaustedError(absl::StrCat(
+                     "prompt of ", n, " tokens + look_ahead ",
+                     opts->look_ahead, " exceed the KV pool of ", pool_tokens,
+                     " tokens (kv_budget_bytes)")));
+  }
   auto created = DraftSession::Create(model_, capacity, *sampling);
   if (!created.ok()) return Reply(reactor, "Score", created.status());
-  // Admission (max_sessions, KV budget) happens before queueing the work.
+  // Admission (max_sessions) happens before queueing the work.
   auto lease = std::make_shared<SessionManager::Lease>();
   std::shared_ptr<DraftSession> owned;
   if (req->keep_session()) {
@@ -405,19 +417,22 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
 
   SessionManagerOptions so;
   so.max_sessions = options.max_sessions;
-  so.kv_budget_bytes = options.kv_budget_bytes;
   so.ttl = absl::Seconds(options.session_ttl_s);
   SpeculatorMetrics* metrics = s->metrics_.get();
+  PagedKvCache* kv = &s->model_->kv_cache();
+  SpeculatorServer* server = s.get();
   s->sessions_ = std::make_unique<SessionManager>(
-      so, options.clock,
-      [metrics](int n, size_t bytes) { metrics->SetSessions(n, bytes); });
+      so, options.clock, [server, metrics, kv] {
+        metrics->SetSessions(server->sessions_->num_sessions(),
+                             kv->bytes_held());
+      });
   BatchScheduler::Options bo;
   bo.max_num_batched_tokens = DefaultMaxNumBatchedTokens(
       *s->model_, options.max_num_batched_tokens);
-  PagedKvCache* kv = &s->model_->kv_cache();
   auto scheduler = BatchScheduler::Create(
       s->model_.get(), bo, [metrics, kv](const BatchScheduler::StepStats& st) {
-        metrics->ObserveStep(st.sequences, st.rows, st.waiting, kv->usage(),
+        metrics->ObserveStep(st.sequences, st.rows, st.waiting, st.preempted,
+                             kv->usage(), kv->bytes_held(),
                              kv->prefix_cache_queries(),
                              kv->prefix_cache_hits());
       });

@@ -31,8 +31,9 @@ struct SpeculatorServerOptions {
   /// Score / Draft operations queued or running before RESOURCE_EXHAUSTED.
   int max_queue = 1024;
   int max_sessions = 64;
-  /// KV cache of all sessions: the size of the model runner's paged pool
-  /// and the sum of the sessions' capacities admission allows.
+  /// KV cache of all sessions: the size of the model runner's paged pool.
+  /// Sessions take blocks as they grow; when the pool runs out the
+  /// scheduler preempts the newest (they recompute later).
   size_t kv_budget_bytes = size_t{2} << 30;
   /// Backend (--device), KV block size and CUDA dtype; its
   /// kv_cache.pool_bytes is set from kv_budget_bytes.

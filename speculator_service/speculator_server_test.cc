@@ -348,6 +348,13 @@ TEST_F(SpeculatorServerTest, BadScoreInputIsInvalidArgumentNamingTheField) {
          r->mutable_options()->set_keep_ratio(
              std::numeric_limits<float>::quiet_NaN());
        }},
+      {"options.keep_mass",
+       [](auto* r) { r->mutable_options()->set_keep_mass(1.5f); }},
+      {"options.keep_mass",
+       [](auto* r) {
+         r->mutable_options()->set_keep_mass(
+             std::numeric_limits<float>::quiet_NaN());
+       }},
       {"options.chunk_size",
        [](auto* r) { r->mutable_options()->set_chunk_size(0); }},
       {"options.pool_kernel_size",
@@ -481,7 +488,9 @@ TEST_F(SpeculatorServerTest, CapacityLimitsAreResourceExhausted) {
   EXPECT_TRUE(rel_resp.released());
   EXPECT_TRUE(Score(MakeScore({1, 7}, true), &r3).ok());
 
-  // KV budget: a session is charged the model's full context.
+  // KV memory is not reserved: with a pool of 1.5 full contexts, more
+  // sessions than fit at full length are admitted; a prompt the whole pool
+  // cannot hold is RESOURCE_EXHAUSTED.
   const size_t per_session = CpuModelRunner::BytesPerToken(model_->config()) *
                              model_->config().max_position_embeddings;
   server_.reset();
@@ -489,11 +498,17 @@ TEST_F(SpeculatorServerTest, CapacityLimitsAreResourceExhausted) {
     o->kv_budget_bytes = per_session * 3 / 2;
   });
   EXPECT_FALSE(OpenSession({1, 5}, 1, &r1).empty());
-  s = Score(MakeScore({1, 7}, true), &r3);
+  EXPECT_FALSE(OpenSession({1, 7}, 1, &r2).empty());
+  server_.reset();
+  StartServer([&](SpeculatorServerOptions* o) {
+    o->kv_budget_bytes = CpuModelRunner::BytesPerToken(model_->config()) * 16;
+  });
+  std::vector<int> long_prompt(40, 5);
+  long_prompt[0] = 1;
+  s = Score(MakeScore(long_prompt, true), &r3);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_NE(s.error_message().find("KV budget"), std::string::npos);
+  EXPECT_NE(s.error_message().find("kv_budget_bytes"), std::string::npos);
   const std::string m = Metrics();
-  EXPECT_EQ(MetricValue(m, "specserve_speculator_kv_bytes"), per_session);
   EXPECT_EQ(MetricValue(m, "specserve_speculator_requests_total",
                         {"code=\"RESOURCE_EXHAUSTED\""}),
             1);

@@ -1,5 +1,6 @@
 #include "target_service/target_server.h"
 
+#include <atomic>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -129,9 +130,16 @@ struct TargetServer::Metrics {
                             .Add({})),
         kv_cache_bytes(prometheus::BuildGauge()
                            .Name("specserve_target_kv_cache_bytes")
-                           .Help("KV cache bytes reserved by active sessions")
+                           .Help("KV cache bytes of the blocks sessions hold")
                            .Register(r)
                            .Add({})),
+        preemptions(prometheus::BuildCounter()
+                        .Name("specserve_target_num_preemptions_total")
+                        .Help("Sessions preempted when the KV cache ran out "
+                              "of blocks: freed and recomputed later (vLLM "
+                              "num_preemptions)")
+                        .Register(r)
+                        .Add({})),
         requests(prometheus::BuildCounter()
                      .Name("specserve_target_requests_total")
                      .Help("Generate streams ended, by gRPC status code")
@@ -156,8 +164,8 @@ struct TargetServer::Metrics {
                            .Add({})),
         waiting(prometheus::BuildGauge()
                     .Name("specserve_target_num_requests_waiting")
-                    .Help("Generate streams waiting for admission (vLLM "
-                          "num_requests_waiting)")
+                    .Help("Generate streams waiting for admission or "
+                          "for KV cache blocks (vLLM num_requests_waiting)")
                     .Register(r)
                     .Add({})),
         queue_seconds(prometheus::BuildHistogram()
@@ -190,6 +198,7 @@ struct TargetServer::Metrics {
   prometheus::Histogram& round_seconds;
   prometheus::Gauge& active_sessions;
   prometheus::Gauge& kv_cache_bytes;
+  prometheus::Counter& preemptions;
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Histogram& batch_sequences;
   prometheus::Histogram& batch_tokens;
@@ -200,6 +209,13 @@ struct TargetServer::Metrics {
   prometheus::Counter& prefix_hits;
   // The KV cache's running totals already counted into the counters.
   int64_t seen_queries = 0, seen_hits = 0;
+  // num_requests_waiting = streams queued for admission + rounds that
+  // waited for KV blocks in the scheduler's last step.
+  std::atomic<int> queued{0};
+  std::atomic<int> waiting_for_kv{0};
+  void SetWaiting() {
+    waiting.Set(static_cast<double>(queued.load() + waiting_for_kv.load()));
+  }
 };
 
 // One Generate stream. At any moment exactly one of these is outstanding:
@@ -256,13 +272,13 @@ class TargetServer::GenerateReactor
 
   // On the server's admission thread when a queued request fits: run its
   // first round, or end it if it was cancelled meanwhile.
-  void OnAdmitted(int64_t bytes) {
+  void OnAdmitted() {
     std::vector<DraftToken> drafts;
     bool cancelled;
     {
       absl::MutexLock lock(&mu_);
       waiting_ticket_ = 0;
-      charged_bytes_ = bytes;
+      admitted_ = true;
       server_->metrics_->queue_seconds.Observe(
           absl::ToDoubleSeconds(absl::Now() - queued_at_));
       cancelled = cancelled_;
@@ -371,15 +387,15 @@ class TargetServer::GenerateReactor
         if (!session.ok()) return session.status();
         const int64_t bytes =
             static_cast<int64_t>((*session)->kv_capacity_bytes());
-        absl::StatusOr<uint64_t> ticket = server_->AdmitOrWait(
-            bytes, [this, bytes] { OnAdmitted(bytes); });
+        absl::StatusOr<uint64_t> ticket =
+            server_->AdmitOrWait(bytes, [this] { OnAdmitted(); });
         if (!ticket.ok()) return ticket.status();
         session_ = *std::move(session);
         prefill_tokens_ = request_.prefill().token_ids_size();
         *drafts = ToDrafts(request_.prefill().drafts());
         phase_ = Phase::kGenerating;
         if (*ticket == 0) {
-          charged_bytes_ = bytes;
+          admitted_ = true;
         } else {
           waiting_ticket_ = *ticket;
           queued_at_ = absl::Now();
@@ -463,12 +479,12 @@ class TargetServer::GenerateReactor
     m.emitted_tokens.Increment(round.tokens.size());
   }
 
-  // Frees the session and returns its admission charge. Never while busy_.
+  // Frees the session and ends its admission. Never while busy_.
   void ReleaseSession() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (session_ == nullptr) return;
     session_.reset();
-    server_->Release(charged_bytes_);
-    charged_bytes_ = 0;
+    if (admitted_) server_->Release();
+    admitted_ = false;
   }
 
   // Calls Finish exactly once and counts the stream's status.
@@ -492,7 +508,7 @@ class TargetServer::GenerateReactor
 
   absl::Mutex mu_;
   std::unique_ptr<TargetSession> session_ ABSL_GUARDED_BY(mu_);
-  int64_t charged_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool admitted_ ABSL_GUARDED_BY(mu_) = false;
   // Waiting for admission: the server's ticket (0 = not queued), since
   // when, and the first round's drafts.
   uint64_t waiting_ticket_ ABSL_GUARDED_BY(mu_) = 0;
@@ -594,9 +610,15 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   so.max_num_batched_tokens = options.max_num_batched_tokens;
   auto scheduler = TargetScheduler::Create(
       runner->get(), so, [m, kv](const TargetScheduler::StepStats& st) {
-        m->batch_sequences.Observe(st.sequences);
-        m->batch_tokens.Observe(st.rows);
+        if (st.sequences > 0) {
+          m->batch_sequences.Observe(st.sequences);
+          m->batch_tokens.Observe(st.rows);
+        }
+        m->preemptions.Increment(st.preempted);
+        m->waiting_for_kv.store(st.waiting_for_kv);
+        m->SetWaiting();
         m->kv_cache_usage.Set(kv->usage());
+        m->kv_cache_bytes.Set(static_cast<double>(kv->bytes_held()));
         // Only the loop thread runs this: the deltas need no lock.
         const int64_t q = kv->prefix_cache_queries();
         const int64_t h = kv->prefix_cache_hits();
@@ -667,52 +689,40 @@ int TargetServer::active_sessions() const {
   return active_;
 }
 
-int64_t TargetServer::kv_reserved_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return kv_reserved_;
+int64_t TargetServer::kv_used_bytes() const {
+  return static_cast<int64_t>(model_->kv_cache().bytes_held());
 }
 
-bool TargetServer::Fits(int64_t bytes) const {
-  return active_ < options_.max_sessions &&
-         kv_reserved_ + bytes <= options_.kv_budget_bytes;
-}
-
-void TargetServer::Charge(int64_t bytes) {
-  ++active_;
-  kv_reserved_ += bytes;
-  metrics_->active_sessions.Set(active_);
-  metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
+void TargetServer::UpdateWaitingGauge() {
+  metrics_->queued.store(static_cast<int>(waiting_.size()));
+  metrics_->SetWaiting();
 }
 
 absl::StatusOr<uint64_t> TargetServer::AdmitOrWait(
-    int64_t bytes, std::function<void()> on_admit) {
+    int64_t max_bytes, std::function<void()> on_admit) {
   absl::MutexLock lock(&mu_);
-  if (bytes > options_.kv_budget_bytes) {
+  const int64_t pool =
+      static_cast<int64_t>(model_->kv_cache().bytes_capacity());
+  if (max_bytes > pool) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "kv_budget_bytes exceeded: the request needs ", bytes,
-        " bytes, the whole budget is ", options_.kv_budget_bytes));
+        "kv_budget_bytes exceeded: the request's KV cache may grow to ",
+        max_bytes, " bytes, the whole pool holds ", pool));
   }
   // First come, first served: nobody overtakes a waiting request.
-  if (waiting_.empty() && Fits(bytes)) {
-    Charge(bytes);
+  if (waiting_.empty() && active_ < options_.max_sessions) {
+    ++active_;
+    metrics_->active_sessions.Set(active_);
     return uint64_t{0};
   }
   if (static_cast<int>(waiting_.size()) >= options_.max_waiting_requests) {
-    const std::string why =
-        active_ >= options_.max_sessions
-            ? absl::StrCat("max_sessions reached: ", active_,
-                           " streams are active")
-            : absl::StrCat("kv_budget_bytes exceeded: the request needs ",
-                           bytes, " bytes, ", kv_reserved_, " of ",
-                           options_.kv_budget_bytes, " are reserved");
     return absl::ResourceExhaustedError(absl::StrCat(
-        why, ", and ", waiting_.size(),
-        " requests wait (max_waiting_requests ",
+        "max_sessions reached: ", active_, " streams are active, and ",
+        waiting_.size(), " requests wait (max_waiting_requests ",
         options_.max_waiting_requests, ")"));
   }
   const uint64_t ticket = next_ticket_++;
-  waiting_.push_back(Waiter{ticket, bytes, std::move(on_admit)});
-  metrics_->waiting.Set(static_cast<double>(waiting_.size()));
+  waiting_.push_back(Waiter{ticket, std::move(on_admit)});
+  UpdateWaitingGauge();
   return ticket;
 }
 
@@ -721,7 +731,7 @@ bool TargetServer::CancelWaiting(uint64_t ticket) {
   for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
     if (it->ticket == ticket) {
       waiting_.erase(it);
-      metrics_->waiting.Set(static_cast<double>(waiting_.size()));
+      UpdateWaitingGauge();
       return true;
     }
   }
@@ -733,20 +743,20 @@ int TargetServer::waiting_requests() const {
   return static_cast<int>(waiting_.size());
 }
 
-void TargetServer::Release(int64_t bytes) {
+void TargetServer::Release() {
   std::vector<std::function<void()>> admitted;
   {
     absl::MutexLock lock(&mu_);
     --active_;
-    kv_reserved_ -= bytes;
-    while (!waiting_.empty() && Fits(waiting_.front().bytes)) {
-      Charge(waiting_.front().bytes);
+    while (!waiting_.empty() && active_ < options_.max_sessions) {
+      ++active_;
       admitted.push_back(std::move(waiting_.front().on_admit));
       waiting_.pop_front();
     }
     metrics_->active_sessions.Set(active_);
-    metrics_->kv_cache_bytes.Set(static_cast<double>(kv_reserved_));
-    metrics_->waiting.Set(static_cast<double>(waiting_.size()));
+    metrics_->kv_cache_bytes.Set(
+        static_cast<double>(model_->kv_cache().bytes_held()));
+    UpdateWaitingGauge();
   }
   // The caller may hold its own stream's lock: admitted streams start on
   // the admission thread instead.

@@ -20,11 +20,16 @@
 //     before any prefill -> INVALID_ARGUMENT;
 //   - bad input (TargetSession::Create / Step validation) -> INVALID_ARGUMENT
 //     naming the field;
-//   - more than max_sessions admitted streams, or the KV budget exceeded:
-//     the stream waits for admission (first come, first served); past
-//     max_waiting_requests waiting streams, or a request larger than the
-//     whole budget -> RESOURCE_EXHAUSTED (checked after validation, before
-//     any forward);
+//   - more than max_sessions admitted streams: the stream waits for
+//     admission (first come, first served); past max_waiting_requests
+//     waiting streams, or a request whose KV cache (kept prompt +
+//     max_new_tokens + drafts) could not fit in the whole pool
+//     (kv_budget_bytes) -> RESOURCE_EXHAUSTED (checked after validation,
+//     before any forward);
+//   - KV memory is not reserved up front: sessions take blocks as they
+//     grow, and when the pool runs out the scheduler preempts the newest
+//     sessions (freed, recomputed later), so a temporary lack of blocks
+//     delays a stream and never fails it;
 //   - client cancellation, or a half-close before the finish -> CANCELLED;
 //     the session is freed immediately unless a forward is running, in
 //     which case it is freed as soon as that forward returns.
@@ -71,8 +76,9 @@ struct TargetServerOptions {
   /// batching with chunked prefill), >= max_drafts + 1; 0 = by backend
   /// (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).
   int max_num_batched_tokens = 0;
-  /// KV cache of all streams: the size of the model runner's paged pool and
-  /// the sum of the streams' reservations admission allows.
+  /// KV cache of all streams: the size of the model runner's paged pool.
+  /// Sessions take blocks as they grow (preempted under pressure); one
+  /// whose largest possible cache exceeds the pool is refused.
   int64_t kv_budget_bytes = int64_t{2} << 30;
   /// Backend (--device), KV block size and CUDA dtype; its
   /// kv_cache.pool_bytes is set from kv_budget_bytes.
@@ -105,8 +111,9 @@ class TargetServer {
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
   /// Streams admitted and not yet ended (holding a session).
   int active_sessions() const;
-  /// Bytes of KV cache reserved by the admitted sessions.
-  int64_t kv_reserved_bytes() const;
+  /// Bytes of the KV blocks sequences hold now (cached prompt blocks no
+  /// session uses are not counted: they are evictable).
+  int64_t kv_used_bytes() const;
   /// Streams waiting for admission.
   int waiting_requests() const;
   /// The model this server runs.
@@ -125,23 +132,23 @@ class TargetServer {
                std::unique_ptr<Metrics> metrics,
                std::unique_ptr<TargetScheduler> scheduler);
 
-  /// Admission of one session of `bytes` KV (first come, first served):
-  /// charges it now and returns 0 when it fits and nobody waits; else
-  /// queues it and returns a ticket > 0 (`on_admit` then runs on the
-  /// admission thread once it is charged). RESOURCE_EXHAUSTED naming the
-  /// limit when it can never fit or max_waiting_requests already wait.
-  absl::StatusOr<uint64_t> AdmitOrWait(int64_t bytes,
+  /// Admission of one session whose KV cache may grow to `max_bytes`
+  /// (first come, first served): admits it now and returns 0 when fewer
+  /// than max_sessions run and nobody waits; else queues it and returns a
+  /// ticket > 0 (`on_admit` then runs on the admission thread once it is
+  /// admitted). RESOURCE_EXHAUSTED naming the limit when max_bytes exceeds
+  /// the whole pool or max_waiting_requests already wait.
+  absl::StatusOr<uint64_t> AdmitOrWait(int64_t max_bytes,
                                        std::function<void()> on_admit);
   /// Leaves the queue; false if the ticket was already admitted.
   bool CancelWaiting(uint64_t ticket);
-  /// Returns what admission charged and admits waiting sessions that fit.
-  void Release(int64_t bytes);
-  bool Fits(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Charge(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  /// Ends an admitted session and admits waiting ones.
+  void Release();
+  /// Sets the waiting gauge: queued streams + rounds waiting for KV.
+  void UpdateWaitingGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Waiter {
     uint64_t ticket;
-    int64_t bytes;
     std::function<void()> on_admit;
   };
 
@@ -159,7 +166,6 @@ class TargetServer {
 
   mutable absl::Mutex mu_;
   int active_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t kv_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<Waiter> waiting_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -63,12 +63,75 @@ std::unique_ptr<KvSequence> PagedKvCache::NewSequence(int max_tokens) {
   return std::unique_ptr<KvSequence>(new KvSequence(this, max_tokens));
 }
 
-double PagedKvCache::usage() const {
-  const int n = num_blocks();
-  return n == 0 ? 0.0 : 1.0 - static_cast<double>(num_free_blocks()) / n;
+uint64_t PagedKvCache::Register(KvSequence* seq) {
+  absl::MutexLock lock(&seq_mu_);
+  const uint64_t id = next_id_++;
+  live_.emplace(id, seq);
+  return id;
 }
 
-KvSequence::~KvSequence() { ReleaseBlocksFrom(0); }
+void PagedKvCache::Unregister(uint64_t id) {
+  absl::MutexLock lock(&seq_mu_);
+  live_.erase(id);
+}
+
+int PagedKvCache::num_available_blocks() const {
+  int evictable = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (prefix_ != nullptr) evictable = prefix_->num_evictable();
+  }
+  return pool_.num_free() + evictable;
+}
+
+std::vector<const KvSequence*> PagedKvCache::PreemptNewest(
+    int want_available, uint64_t after_id) {
+  std::vector<const KvSequence*> preempted;
+  absl::MutexLock lock(&seq_mu_);
+  for (auto it = live_.rbegin();
+       it != live_.rend() && it->first > after_id &&
+       num_available_blocks() < want_available;
+       ++it) {
+    KvSequence* seq = it->second;
+    if (!seq->preempter_ || seq->blocks_.empty()) continue;
+    seq->preempter_();
+    preempted.push_back(seq);
+  }
+  return preempted;
+}
+
+double PagedKvCache::usage() const {
+  const int n = num_blocks();
+  return n == 0 ? 0.0 : 1.0 - static_cast<double>(num_available_blocks()) / n;
+}
+
+KvSequence::KvSequence(PagedKvCache* cache, int max_tokens)
+    : cache_(cache), max_tokens_(max_tokens), id_(cache->Register(this)) {}
+
+KvSequence::~KvSequence() {
+  cache_->Unregister(id_);
+  ReleaseBlocksFrom(0);
+}
+
+void KvSequence::SetPreempter(std::function<void()> preempter) {
+  absl::MutexLock lock(&cache_->seq_mu_);
+  preempter_ = std::move(preempter);
+}
+
+bool KvSequence::SharesPartialBlock(int n) const {
+  // The next write lands in a partially filled block shared with another
+  // sequence: it is copied first so the other side's tokens stay intact.
+  const int bs = cache_->block_size();
+  return n > 0 && size_ % bs != 0 &&
+         cache_->pool_.ref_count(blocks_[size_ / bs]) > 1;
+}
+
+int KvSequence::BlocksToReserve(int n) const {
+  const int have = static_cast<int>(blocks_.size());
+  const int need = PagedKvCache::BlocksForTokens(size_ + std::max(n, 0),
+                                                 cache_->block_size());
+  return (need > have ? need - have : 0) + (SharesPartialBlock(n) ? 1 : 0);
+}
 
 void KvSequence::ReleaseBlocksFrom(size_t keep) {
   for (size_t i = keep; i < blocks_.size(); ++i) {
@@ -94,13 +157,8 @@ absl::StatusOr<int> KvSequence::Reserve(int n) {
                      max_tokens_));
   }
   const int bs = cache_->block_size();
-  const int have = static_cast<int>(blocks_.size());
-  const int need = PagedKvCache::BlocksForTokens(size_ + n, bs);
-  // The next write lands in a partially filled block shared with another
-  // sequence: copy it first so the other side's tokens stay intact.
-  const bool cow = n > 0 && size_ % bs != 0 &&
-                   cache_->pool_.ref_count(blocks_[size_ / bs]) > 1;
-  const int fresh = (need > have ? need - have : 0) + (cow ? 1 : 0);
+  const bool cow = SharesPartialBlock(n);
+  const int fresh = BlocksToReserve(n);
   if (fresh > 0) {
     absl::StatusOr<std::vector<int>> got = cache_->Allocate(fresh);
     if (!got.ok()) return got.status();

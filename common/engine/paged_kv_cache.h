@@ -2,7 +2,9 @@
 #define SPECSERVE_COMMON_ENGINE_PAGED_KV_CACHE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -47,8 +49,24 @@ class PagedKvCache {
   }
 
   /// A new empty sequence that may grow to `max_tokens` tokens (its
-  /// context; Reserve past it is RESOURCE_EXHAUSTED).
+  /// context; Reserve past it is RESOURCE_EXHAUSTED). Sequences are
+  /// numbered in creation order (KvSequence::id()).
   std::unique_ptr<KvSequence> NewSequence(int max_tokens);
+
+  /// Blocks an allocation can get now: free blocks plus cached blocks no
+  /// sequence uses (the prefix cache gives those up on demand).
+  int num_available_blocks() const;
+
+  /// Preemption by recomputation (vLLM's default when the KV cache runs
+  /// out; Kwon et al. SOSP 2023, section 4.5): preempts live sequences
+  /// created after `after_id` that have a preempter and hold blocks,
+  /// newest first, until num_available_blocks() >= `want_available` or
+  /// none is left. Each preempter runs here, on the caller's thread, and
+  /// must free its sequence's blocks (KvSequence::Clear) without creating,
+  /// destroying or re-registering sequences. Returns the sequences
+  /// preempted, newest first.
+  std::vector<const KvSequence*> PreemptNewest(int want_available,
+                                               uint64_t after_id);
 
   int block_size() const { return block_size_; }
   int num_blocks() const { return pool_.num_blocks(); }
@@ -60,7 +78,14 @@ class PagedKvCache {
   size_t bytes_used() const {
     return bytes_per_block() * (num_blocks() - num_free_blocks());
   }
-  /// Fraction of blocks allocated, [0, 1] (vLLM's kv_cache_usage_perc).
+  /// Bytes of the blocks sequences hold: allocated blocks less the cached
+  /// ones no sequence uses (those are evictable, as good as free).
+  size_t bytes_held() const {
+    return bytes_per_block() * (num_blocks() - num_available_blocks());
+  }
+  /// Fraction of blocks sequences hold, [0, 1]: vLLM's
+  /// kv_cache_usage_perc, where cached blocks no request uses count as
+  /// free.
   double usage() const;
 
   BlockPool& pool() { return pool_; }
@@ -84,10 +109,19 @@ class PagedKvCache {
   // when the pool is short. RESOURCE_EXHAUSTED as BlockPool::Allocate.
   absl::StatusOr<std::vector<int>> Allocate(int n);
 
+  // Lists a new sequence under the next id; drops it when destroyed.
+  uint64_t Register(KvSequence* seq);
+  void Unregister(uint64_t id);
+
   BlockPool pool_;
   const int block_size_;
   const size_t bytes_per_token_;
   BlockCopier copier_;
+  // Live sequences by id, and their preempters. Separate from mu_: a
+  // preempter frees blocks, which may not take mu_ recursively.
+  mutable absl::Mutex seq_mu_;
+  std::map<uint64_t, KvSequence*> live_ ABSL_GUARDED_BY(seq_mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(seq_mu_) = 1;
   mutable absl::Mutex mu_;  // the prefix cache and its counters
   std::unique_ptr<PrefixCache> prefix_ ABSL_GUARDED_BY(mu_);
   int64_t queries_ ABSL_GUARDED_BY(mu_) = 0;
@@ -105,6 +139,9 @@ class KvSequence {
   KvSequence(const KvSequence&) = delete;
   KvSequence& operator=(const KvSequence&) = delete;
 
+  /// Creation order in its cache (older sequences have smaller ids): the
+  /// priority of preemption, which takes blocks from the newest first.
+  uint64_t id() const { return id_; }
   /// Cached tokens.
   int size() const { return size_; }
   /// Most tokens this sequence may hold (its context).
@@ -124,6 +161,10 @@ class KvSequence {
   /// changes) when size + n > max_tokens or the pool lacks blocks;
   /// INVALID_ARGUMENT for n < 0; the copier's error.
   absl::StatusOr<int> Reserve(int n);
+  /// Blocks Reserve(n) would take from the pool now: the new blocks past
+  /// the last one held, plus a copy of a shared partially filled last
+  /// block (copy-on-write). n >= 0.
+  int BlocksToReserve(int n) const;
   /// Records the position ids of slots [first, first + n) after Reserve.
   void SetPositions(int first, const int* positions, int n);
 
@@ -152,6 +193,14 @@ class KvSequence {
   /// partial block). Costs no KV memory until one side appends.
   std::unique_ptr<KvSequence> Fork() const;
 
+  /// What PagedKvCache::PreemptNewest runs to take this sequence's blocks
+  /// back (it must Clear() the sequence and make its owner recompute the
+  /// tokens later); an empty function (the default) makes the sequence
+  /// never preempted. Setting it waits for a preemption in progress, so
+  /// an owner that clears it first in its destructor is never preempted
+  /// half-destroyed.
+  void SetPreempter(std::function<void()> preempter);
+
   /// Position id of each cached token, [size()].
   const std::vector<int>& positions() const { return positions_; }
   /// Position of the last cached token, or -1 when empty.
@@ -167,12 +216,15 @@ class KvSequence {
 
  private:
   friend class PagedKvCache;
-  KvSequence(PagedKvCache* cache, int max_tokens)
-      : cache_(cache), max_tokens_(max_tokens) {}
+  KvSequence(PagedKvCache* cache, int max_tokens);
   void ReleaseBlocksFrom(size_t keep);
+  // Whether appending n tokens first copies a shared partial last block.
+  bool SharesPartialBlock(int n) const;
 
   PagedKvCache* cache_;
   int max_tokens_;
+  uint64_t id_ = 0;
+  std::function<void()> preempter_;  // guarded by cache_->seq_mu_
   int size_ = 0;
   std::vector<int> blocks_;
   std::vector<int> positions_;

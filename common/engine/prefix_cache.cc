@@ -61,4 +61,10 @@ int PrefixCache::EvictForFree(int n) {
   return freed;
 }
 
+int PrefixCache::num_evictable() const {
+  int n = 0;
+  for (const auto& [key, e] : entries_) n += pool_->ref_count(e.block) == 1;
+  return n;
+}
+
 }  // namespace specserve

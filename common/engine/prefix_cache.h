@@ -56,6 +56,9 @@ class PrefixCache {
   /// until `n` pool blocks are free or none is left to drop; returns the
   /// blocks freed.
   int EvictForFree(int n);
+  /// Listed blocks that only the cache holds (EvictForFree could free
+  /// them). O(size()).
+  int num_evictable() const;
 
   /// Blocks listed.
   int size() const { return static_cast<int>(entries_.size()); }

@@ -1,6 +1,8 @@
 #include "common/scheduling/batch_scheduler.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -56,13 +58,18 @@ void BatchScheduler::Loop() {
   while (true) {
     {
       absl::MutexLock lock(&mu_);
-      // Idle: sleep until work arrives (or shutdown).
+      // Idle: sleep until work arrives (or shutdown). Works that wait for
+      // KV blocks (the last step forwarded nothing) poll every
+      // millisecond: blocks come back when other threads end requests.
+      const absl::Condition arrived(
+          +[](BatchScheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+            return s->stop_ || !s->incoming_.empty();
+          },
+          this);
       if (works.empty()) {
-        mu_.Await(absl::Condition(
-            +[](BatchScheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-              return s->stop_ || !s->incoming_.empty();
-            },
-            this));
+        mu_.Await(arrived);
+      } else if (last_sequences == 0) {
+        mu_.AwaitWithTimeout(arrived, absl::Milliseconds(1));
       }
       // Give the previous step's requests a moment to send their next
       // work, so that they share this step instead of the next one.
@@ -127,6 +134,7 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   int budget = options_.max_num_batched_tokens;
   std::vector<SequenceForward> batch;
   std::vector<size_t> planned;
+  std::vector<bool> planned_prefill;
   StepStats stats;
   for (bool prefill_pass : {false, true}) {
     for (size_t i = 0; i < works->size(); ++i) {
@@ -144,11 +152,50 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
       if (prefill_pass) stats.prefill_rows += n;
       batch.push_back(std::move(entry));
       planned.push_back(i);
+      planned_prefill.push_back(prefill_pass);
     }
+  }
+  // Claim the KV blocks the planned rows need; entries that must wait for
+  // memory leave the batch (their plans are made again next step).
+  if (!batch.empty()) {
+    std::vector<bool> keep(batch.size(), true), fail(batch.size(), false);
+    ClaimKvBlocks(batch, &keep, &fail, &stats);
+    size_t kept = 0;
+    for (size_t b = 0; b < batch.size(); ++b) {
+      if (fail[b]) {
+        BatchedWork& w = *(*works)[planned[b]].work;
+        const int blocks = batch[b].kv->BlocksToReserve(
+            static_cast<int>(batch[b].input.token_ids.size()));
+        w.Abort();
+        ended->emplace_back(
+            std::move((*works)[planned[b]].work),
+            absl::ResourceExhaustedError(absl::StrCat(
+                "the KV cache cannot hold this request: it needs ",
+                batch[b].kv->block_table().size() + blocks,
+                " blocks, the pool has ", model_->kv_cache().num_blocks())));
+        gone[planned[b]] = true;
+      }
+      if (!keep[b]) {
+        const int n = static_cast<int>(batch[b].input.token_ids.size());
+        stats.rows -= n;
+        if (planned_prefill[b]) stats.prefill_rows -= n;
+        continue;
+      }
+      if (kept != b) {  // a self-move would empty the entry's vectors
+        batch[kept] = std::move(batch[b]);
+        planned[kept] = planned[b];
+      }
+      ++kept;
+    }
+    batch.resize(kept);
+    planned.resize(kept);
   }
   for (size_t i = 0; i < works->size(); ++i) stats.waiting += !gone[i];
   stats.waiting -= static_cast<int>(planned.size());
-  if (batch.empty()) {
+  if (batch.empty() && stats.waiting_for_kv > 0) {
+    // Everything planned waits for KV blocks that running requests hold:
+    // nothing to forward this step.
+  } else if (batch.empty()) {
     // Every remaining work needs more rows than the whole budget: fail
     // them rather than spin.
     for (size_t i = 0; i < works->size(); ++i) {
@@ -189,8 +236,75 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
     if (!gone[i]) keep.push_back(std::move((*works)[i]));
   }
   works->swap(keep);
-  if (on_step_ && stats.sequences > 0) on_step_(stats);
+  if (on_step_ &&
+      (stats.sequences > 0 || stats.preempted > 0 || stats.waiting > 0)) {
+    on_step_(stats);
+  }
   return stats.sequences;
+}
+
+void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
+                                   std::vector<bool>* keep,
+                                   std::vector<bool>* fail,
+                                   StepStats* stats) {
+  PagedKvCache& cache = model_->kv_cache();
+  const int watermark = static_cast<int>(
+      std::ceil(options_.kv_watermark * cache.num_blocks()));
+  std::vector<int> need(batch.size());
+  int total = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    need[b] = batch[b].kv->BlocksToReserve(
+        static_cast<int>(batch[b].input.token_ids.size()));
+    total += need[b];
+  }
+  // The common case: no memory pressure, nothing to decide.
+  if (total + watermark <= cache.num_free_blocks()) return;
+
+  std::vector<size_t> order(batch.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&batch](size_t a, size_t b) {
+    return batch[a].kv->id() < batch[b].kv->id();
+  });
+  int available = cache.num_available_blocks();
+  int claimed = 0;       // blocks promised to the entries kept so far
+  bool blocked = false;  // a block-less sequence waits: newer ones too
+  for (size_t b : order) {
+    if (!(*keep)[b]) continue;  // preempted by an older entry
+    const KvSequence& kv = *batch[b].kv;
+    const int held = static_cast<int>(kv.block_table().size());
+    if (held + need[b] > cache.num_blocks()) {
+      (*fail)[b] = true;
+      (*keep)[b] = false;
+      continue;
+    }
+    if (held == 0) {
+      if (blocked || available - claimed - need[b] < watermark) {
+        blocked = true;
+        (*keep)[b] = false;
+        ++stats->waiting_for_kv;
+        continue;
+      }
+    } else if (available - claimed < need[b]) {
+      const std::vector<const KvSequence*> victims =
+          cache.PreemptNewest(claimed + need[b], kv.id());
+      stats->preempted += static_cast<int>(victims.size());
+      for (const KvSequence* v : victims) {
+        for (size_t c = 0; c < batch.size(); ++c) {
+          if (batch[c].kv == v && (*keep)[c]) {
+            (*keep)[c] = false;
+            ++stats->waiting_for_kv;
+          }
+        }
+      }
+      available = cache.num_available_blocks();
+      if (available - claimed < need[b]) {
+        (*keep)[b] = false;
+        ++stats->waiting_for_kv;
+        continue;
+      }
+    }
+    claimed += need[b];
+  }
 }
 
 }  // namespace specserve

@@ -56,7 +56,19 @@ class BatchedWork {
 /// then prompt chunks, so a long prompt never stalls the streaming
 /// requests; one batched forward; then each work's rows go back to it.
 /// Works run in submission order within each class; a work that needs more
-/// rows than are left this step waits for the next. Thread-safe.
+/// rows than are left this step waits for the next.
+///
+/// KV memory (vLLM's scheduler with preemption by recomputation): before
+/// the forward, the step's works claim the KV blocks their rows need,
+/// oldest sequence (KvSequence::id) first. A sequence that holds blocks
+/// and needs more preempts newer sequences, newest first
+/// (PagedKvCache::PreemptNewest), and waits if that is not enough; a
+/// sequence that holds none (a new or preempted request) never preempts:
+/// it starts when the free blocks cover it plus the watermark, and newer
+/// block-less ones wait behind it (first come, first served). So a
+/// temporary lack of blocks delays requests instead of failing them; a
+/// work that could not fit in the whole pool fails RESOURCE_EXHAUSTED.
+/// Thread-safe.
 class BatchScheduler {
  public:
   struct Options {
@@ -68,6 +80,10 @@ class BatchScheduler {
     /// trip after its last one ended): without it the running requests
     /// split into alternating half-size batches. 0 = never wait.
     absl::Duration max_batch_wait = absl::Milliseconds(2);
+    /// Fraction of the KV pool kept free when a work whose sequence holds
+    /// no blocks (a new or preempted request) starts: vLLM's watermark,
+    /// so that admitting a request does not immediately force preemptions.
+    double kv_watermark = 0.01;
   };
   /// What one step did (the serving loop's metrics).
   struct StepStats {
@@ -75,6 +91,11 @@ class BatchScheduler {
     int rows = 0;            ///< rows (tokens) forwarded
     int prefill_rows = 0;    ///< of those, prompt-chunk rows
     int waiting = 0;         ///< works in flight that got no rows
+    /// Of those, works that got no KV blocks (they wait for memory).
+    int waiting_for_kv = 0;
+    /// Sequences preempted this step (their blocks taken back; they
+    /// recompute later: vLLM's num_preemptions).
+    int preempted = 0;
     int64_t forward_ns = 0;  ///< the batched forward's time
   };
   using StepObserver = std::function<void(const StepStats&)>;
@@ -107,6 +128,12 @@ class BatchScheduler {
   // One step over the loop's own list; ended works move to `ended`.
   // Returns the works the step's forward carried.
   int Step(std::vector<Entry>* works, Ended* ended);
+  // The memory phase of a step: claims KV blocks for the planned entries
+  // (see the class comment) and clears keep[b] for the entries that must
+  // wait; works whose need exceeds the whole pool are added to `fail`.
+  void ClaimKvBlocks(const std::vector<SequenceForward>& batch,
+                     std::vector<bool>* keep, std::vector<bool>* fail,
+                     StepStats* stats);
 
   ModelRunner* const model_;
   const Options options_;

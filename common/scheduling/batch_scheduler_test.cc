@@ -101,11 +101,15 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
     ASSERT_TRUE(s.ok());
     sessions.push_back(*std::move(s));
   }
+  // The first work of each phase holds the scheduler until every work is
+  // submitted, so that sharing does not depend on thread timing.
+  absl::Notification all_scores_in, all_drafts_in;
   for (int i = 0; i < kSessions; ++i) {
     DraftSession* s = sessions[i].get();
     ASSERT_TRUE((*sched)
                     ->Submit(std::make_unique<DraftSessionWork>(
-                        s, [s, &prompts, i, so] {
+                        s, [s, &prompts, i, so, &all_scores_in] {
+                          if (i == 0) all_scores_in.WaitForNotification();
                           return s->BeginScore(prompts[i], so);
                         },
                         [&, s, i](absl::Status st) {
@@ -116,6 +120,7 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
                         }))
                     .ok());
   }
+  all_scores_in.Notify();
   for (int i = 0; i < kSessions; ++i) {
     ASSERT_TRUE(scored[i].WaitForNotificationWithTimeout(absl::Seconds(30)));
     ASSERT_TRUE(got_score[i].ok()) << got_score[i].status();
@@ -132,7 +137,11 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
     DraftSession* s = sessions[i].get();
     ASSERT_TRUE((*sched)
                     ->Submit(std::make_unique<DraftSessionWork>(
-                        s, [s, &emitted] { return s->BeginDraft(emitted, 5); },
+                        s,
+                        [s, &emitted, i, &all_drafts_in] {
+                          if (i == 0) all_drafts_in.WaitForNotification();
+                          return s->BeginDraft(emitted, 5);
+                        },
                         [&, s, i](absl::Status st) {
                           EXPECT_TRUE(st.ok()) << st;
                           got_drafts[i] = s->TakeDrafts();
@@ -140,6 +149,7 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
                         }))
                     .ok());
   }
+  all_drafts_in.Notify();
   for (int i = 0; i < kSessions; ++i) {
     ASSERT_TRUE(drafted[i].WaitForNotificationWithTimeout(absl::Seconds(30)));
     ASSERT_EQ(got_drafts[i].size(), want_drafts[i].size());

@@ -41,7 +41,42 @@ DraftSession::DraftSession(ModelRunner* model,
     : model_(model),
       cache_(std::move(cache)),
       sampling_(sampling),
-      rng_(sampling.seed) {}
+      rng_(sampling.seed) {
+  cache_->SetPreempter([this] { Preempt(); });
+}
+
+DraftSession::~DraftSession() {
+  // Before any member goes: waits for a preemption in progress.
+  cache_->SetPreempter(nullptr);
+}
+
+int DraftSession::AttachCachedPrefix(absl::Span<const int> tokens) {
+  std::vector<int> pos(tokens.size());
+  std::iota(pos.begin(), pos.end(), 0);
+  const int n = cache_->AttachCachedPrefix(tokens, pos,
+                                           static_cast<int>(tokens.size()) - 1);
+  cached_.assign(tokens.begin(), tokens.begin() + n);
+  return n;
+}
+
+void DraftSession::Preempt() {
+  cache_->Clear();
+  cached_.clear();
+  op_start_ = 0;
+  ++num_preemptions_;
+  if (op_ == Op::kNone || finished_op_) return;  // the next Draft re-feeds
+  // Restart the operation in progress on the empty cache.
+  next_token_ = -1;
+  if (op_ == Op::kScore) {
+    capture_->Clear();
+    score_.look_ahead_tokens.clear();
+    fed_ = AttachCachedPrefix(feed_);
+  } else {
+    feed_ = committed_;
+    fed_ = AttachCachedPrefix(feed_);
+    drafts_.clear();
+  }
+}
 
 absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
     ModelRunner* model, int capacity, const SamplingParams& sampling) {
@@ -146,10 +181,7 @@ absl::Status DraftSession::BeginScore(absl::Span<const int> prompt,
   feed_.assign(prompt.begin(), prompt.end());
   // Prefix caching: whole blocks of the prompt another request computed
   // need no forward (the last prompt row always runs: it is scored).
-  std::vector<int> pos(n);
-  std::iota(pos.begin(), pos.end(), 0);
-  fed_ = cache_->AttachCachedPrefix(prompt, pos, n - 1);
-  cached_.assign(prompt.begin(), prompt.begin() + fed_);
+  fed_ = AttachCachedPrefix(prompt);
   cached_prompt_tokens_ = fed_;
   wanted_ = options.look_ahead;
   next_token_ = -1;
@@ -186,6 +218,8 @@ absl::Status DraftSession::BeginDraft(absl::Span<const int> emitted, int k) {
   keep = std::min(keep, committed_.size() - 1);
   if (auto s = cache_->Truncate(static_cast<int>(keep)); !s.ok()) return s;
   cached_.resize(keep);
+  // After a preemption: the prompt's full blocks may still be cached.
+  if (keep == 0) keep = AttachCachedPrefix(committed_);
 
   op_ = Op::kDraft;
   op_start_ = cache_->size();

@@ -109,6 +109,17 @@ class DraftSession {
   /// The finished Draft's proposals.
   std::vector<DraftToken> TakeDrafts();
 
+  /// Preemption by recomputation (run by PagedKvCache::PreemptNewest from
+  /// the scheduler, between forwards): frees every KV block. An operation
+  /// in progress starts over on the empty cache (a Score forgets its
+  /// look-ahead and captured queries; a Draft re-feeds every committed
+  /// token and proposes again); an idle session re-feeds at its next
+  /// Draft. Prompt blocks may come back from the prefix cache.
+  void Preempt();
+  /// Times this session was preempted.
+  int num_preemptions() const { return num_preemptions_; }
+  ~DraftSession();
+
   /// Prompt tokens of the last Score the prefix cache supplied.
   int cached_prompt_tokens() const { return cached_prompt_tokens_; }
   /// Prompt + target-emitted tokens so far.
@@ -123,6 +134,9 @@ class DraftSession {
   DraftSession(ModelRunner* model, std::unique_ptr<KvSequence> cache,
                const SamplingParams& sampling);
   DraftToken Propose(const float* logits);
+  // On an empty cache: attaches the cached full blocks of `tokens` (at
+  // positions 0..) but the last token, sets cached_; returns the tokens.
+  int AttachCachedPrefix(absl::Span<const int> tokens);
   // Runs the begun operation's forwards one at a time, unbatched.
   absl::Status RunOp();
 
@@ -134,6 +148,7 @@ class DraftSession {
   std::vector<int> committed_;  // prompt + target-emitted tokens
   std::vector<int> look_ahead_;  // proposed by Score, unconfirmed
   bool started_ = false;
+  int num_preemptions_ = 0;
 
   // The operation in progress (BeginScore / BeginDraft).
   enum class Op { kNone, kScore, kDraft };

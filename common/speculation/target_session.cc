@@ -21,7 +21,14 @@ TargetSession::TargetSession(ModelRunner* model, TargetRequest request,
       request_(std::move(request)),
       cache_(std::move(cache)),
       stop_(request_.stop, request_.next_position),
-      rng_(request_.sampling.seed) {}
+      rng_(request_.sampling.seed) {
+  cache_->SetPreempter([this] { Preempt(); });
+}
+
+TargetSession::~TargetSession() {
+  // Before any member goes: waits for a preemption in progress.
+  cache_->SetPreempter(nullptr);
+}
 
 absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
     ModelRunner* model, TargetRequest r) {
@@ -117,47 +124,72 @@ absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts) {
     return s;
   }
   const int generated = static_cast<int>(output_.size());
-  const int np = request_.next_position;
   // Clip drafts: each round emits accepted + 1 tokens, so drafts beyond
   // the remaining budget - 1 can never be emitted; fed positions must stay
   // inside the context.
   int k = static_cast<int>(drafts.size());
   k = std::min(k, request_.stop.max_new_tokens - generated - 1);
-  const int first_draft_pos = prefilled_ ? np + generated : np;
-  k = std::min(k, c.max_position_embeddings - first_draft_pos);
+  k = std::min(k, c.max_position_embeddings - NextPosition());
   k = std::max(k, 0);
   drafts_.assign(drafts.begin(), drafts.begin() + k);
   in_round_ = true;
   final_planned_ = false;
   round_start_ = cache_->size();
   round_ns_ = 0;
-  if (!prefilled_ && prompt_done_ == 0 && cache_->size() == 0) {
-    // Prefix caching: whole blocks of this prompt (kept tokens at their
-    // original positions) that another request computed need no forward;
-    // the last prompt token always runs, for its logits.
-    const int n = static_cast<int>(request_.token_ids.size());
-    prompt_done_ = cache_->AttachCachedPrefix(request_.token_ids,
-                                              request_.position_ids, n - 1);
-    cached_prompt_tokens_ = prompt_done_;
-  }
+  AttachCachedPrompt();
   return absl::OkStatus();
+}
+
+int TargetSession::context_size() const {
+  return static_cast<int>(request_.token_ids.size() + output_.size());
+}
+
+int TargetSession::ContextToken(int i) const {
+  const int n = static_cast<int>(request_.token_ids.size());
+  return i < n ? request_.token_ids[i] : output_[i - n];
+}
+
+int TargetSession::ContextPosition(int i) const {
+  const int n = static_cast<int>(request_.token_ids.size());
+  return i < n ? request_.position_ids[i] : request_.next_position + (i - n);
+}
+
+int TargetSession::NextPosition() const {
+  return request_.next_position + static_cast<int>(output_.size());
+}
+
+void TargetSession::AttachCachedPrompt() {
+  if (!attach_pending_ || cache_->size() != 0) return;
+  attach_pending_ = false;
+  // Prefix caching: whole blocks of the prompt (kept tokens at their
+  // original positions) that another request, or this one before a
+  // preemption, computed need no forward; the context's last token always
+  // runs, for its logits.
+  const int attached = cache_->AttachCachedPrefix(
+      request_.token_ids, request_.position_ids, context_size() - 1);
+  if (!prefilled_) cached_prompt_tokens_ = attached;
 }
 
 int TargetSession::pending_rows() const {
   if (!in_round_) return 0;
-  const int k = static_cast<int>(drafts_.size());
-  if (prefilled_) return 1 + k;
-  return static_cast<int>(request_.token_ids.size()) - prompt_done_ + k;
+  return context_size() - cache_->size() + static_cast<int>(drafts_.size());
 }
 
 int TargetSession::min_forward_rows() const {
   if (!in_round_) return 0;
-  const int k = static_cast<int>(drafts_.size());
-  if (!prefilled_ &&
-      static_cast<int>(request_.token_ids.size()) - prompt_done_ > 1) {
-    return 1;
-  }
-  return 1 + k;
+  if (context_size() - cache_->size() > 1) return 1;
+  return 1 + static_cast<int>(drafts_.size());
+}
+
+bool TargetSession::prefilling() const {
+  return in_round_ && context_size() - cache_->size() > 1;
+}
+
+void TargetSession::Preempt() {
+  cache_->Clear();
+  round_start_ = 0;
+  attach_pending_ = true;
+  ++num_preemptions_;
 }
 
 absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
@@ -168,52 +200,41 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_rows must be >= 1, got ", max_rows));
   }
+  AttachCachedPrompt();  // after a preemption in the middle of the round
   const int k = static_cast<int>(drafts_.size());
-  const int generated = static_cast<int>(output_.size());
-  const int np = request_.next_position;
+  const int ctx = context_size();
+  const int done = cache_->size();
+  const int left = ctx - done;
   plan_tokens_.clear();
   plan_positions_.clear();
   entry->input.logit_rows.clear();
   entry->input.capture_query_rows.clear();
-  int first_draft_pos;
-  if (!prefilled_) {
-    const int left = static_cast<int>(request_.token_ids.size()) - prompt_done_;
-    // The final forward (prompt tail + drafts) is never split: if it does
-    // not fit, prefill all but the last prompt token now.
-    int take = left + k <= max_rows ? left : std::min(left - 1, max_rows);
-    if (take < 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the round's final forward needs ", 1 + k, " rows, the budget is ",
-          max_rows));
-    }
-    plan_tokens_.assign(request_.token_ids.begin() + prompt_done_,
-                        request_.token_ids.begin() + prompt_done_ + take);
-    plan_positions_.assign(request_.position_ids.begin() + prompt_done_,
-                           request_.position_ids.begin() + prompt_done_ + take);
-    final_planned_ = take == left;
-    base_row_ = take - 1;
-    first_draft_pos = np;
-  } else {
-    if (1 + k > max_rows) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the round's forward needs ", 1 + k, " rows, the budget is ",
-          max_rows));
-    }
-    plan_tokens_ = {output_.back()};
-    plan_positions_ = {np + generated - 1};
-    final_planned_ = true;
-    base_row_ = 0;
-    first_draft_pos = np + generated;
+  // The final forward (the context's uncomputed tail + drafts) is never
+  // split: if it does not fit, forward all but the last context token now.
+  // The tail is the prompt on the first round, a recomputation after a
+  // preemption, else just the last emitted token.
+  const int take = left + k <= max_rows ? left : std::min(left - 1, max_rows);
+  if (take < 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the round's final forward needs ", 1 + k, " rows, the budget is ",
+        max_rows));
   }
+  for (int i = done; i < done + take; ++i) {
+    plan_tokens_.push_back(ContextToken(i));
+    plan_positions_.push_back(ContextPosition(i));
+  }
+  final_planned_ = take == left;
   if (final_planned_) {
+    const int base_row = take - 1;
+    const int first_draft_pos = NextPosition();
     for (int j = 0; j < k; ++j) {
       plan_tokens_.push_back(drafts_[j].id);
       plan_positions_.push_back(first_draft_pos + j);
     }
-    for (int j = 0; j <= k; ++j) entry->input.logit_rows.push_back(base_row_ + j);
+    for (int j = 0; j <= k; ++j) entry->input.logit_rows.push_back(base_row + j);
   }
-  // A prefill chunk still asks for its last row (the engine returns at
-  // least one); CompleteForward ignores it.
+  // A chunk without the final rows still asks for its last row (the engine
+  // returns at least one); CompleteForward ignores it.
   entry->kv = cache_.get();
   entry->capture = nullptr;
   entry->input.token_ids = plan_tokens_;
@@ -229,7 +250,6 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
   }
   const ModelConfig& c = model_->config();
   if (!final_planned_) {
-    prompt_done_ += static_cast<int>(plan_tokens_.size());
     round_ns_ += MonotonicNowNs() - planned_at_;
     return std::optional<RoundResult>();
   }
@@ -240,15 +260,15 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
         "forward returned ", out.logits.size(), " logits, expected ",
         static_cast<size_t>(k + 1) * c.vocab_size));
   }
-  const int before = cache_->size() - static_cast<int>(plan_tokens_.size());
   auto verdict =
       VerifyDrafts(drafts_, out.logits, c.vocab_size, request_.sampling, &rng_);
   if (!verdict.ok()) {
     AbortRound();
     return verdict.status();
   }
-  // Keep the prompt (or last emitted token) and the accepted drafts.
-  if (auto s = cache_->Truncate(before + base_row_ + 1 + verdict->num_accepted);
+  // Keep the context (prompt, or up to the last emitted token) and the
+  // accepted drafts.
+  if (auto s = cache_->Truncate(context_size() + verdict->num_accepted);
       !s.ok()) {
     AbortRound();
     return s;
@@ -259,7 +279,6 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
     cache_->CachePrefix(request_.token_ids, request_.position_ids);
   }
   prefilled_ = true;
-  prompt_done_ = static_cast<int>(request_.token_ids.size());
   in_round_ = false;
 
   RoundResult round;
@@ -276,8 +295,8 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
 
 void TargetSession::AbortRound() {
   if (!in_round_) return;
-  cache_->Truncate(round_start_).IgnoreError();
-  if (!prefilled_) prompt_done_ = cached_prompt_tokens_ = 0;
+  cache_->Truncate(std::min(round_start_, cache_->size())).IgnoreError();
+  if (cache_->size() == 0) attach_pending_ = true;
   in_round_ = false;
 }
 

@@ -76,15 +76,18 @@ class TargetSession {
   absl::Status BeginRound(absl::Span<const DraftToken> drafts);
   /// Whether a round is in progress (begun, not yet completed or aborted).
   bool in_round() const { return in_round_; }
-  /// Rows the round still needs to forward: the unprefilled prompt tokens
-  /// plus, in the round's last forward, the last token and the drafts.
+  /// Rows the round still needs to forward: the context tokens (prompt +
+  /// emitted tokens) not in the KV cache, then the drafts; the last
+  /// context token and the drafts go in the round's final forward.
   int pending_rows() const;
   /// Fewest rows the round's next forward may have: 1 while more than one
-  /// prompt token is left to prefill, else the final rows (1 + drafts).
+  /// context token is left to compute, else the final rows (1 + drafts).
   int min_forward_rows() const;
-  /// Whether the round's remaining rows still include prompt tokens
-  /// (a prefill round), as opposed to one decode or verify forward.
-  bool prefilling() const { return !prefilled_; }
+  /// Whether the round's remaining rows include more than the last context
+  /// token (a prompt, or a recomputation after a preemption: chunkable,
+  /// scheduled after decode-like rows), as opposed to one decode or
+  /// verify forward.
+  bool prefilling() const;
   /// Fills `entry` with the round's next forward over at most `max_rows`
   /// rows (>= 1): a prefill chunk without logits, or the round's final
   /// rows (the prompt's tail or the last token, then the drafts) with
@@ -104,6 +107,18 @@ class TargetSession {
   /// the round started (nothing of it is kept).
   void AbortRound();
 
+  /// Preemption by recomputation (vLLM's default under KV pressure; run
+  /// by PagedKvCache::PreemptNewest from the scheduler, between forwards):
+  /// frees every KV block. The context (kept prompt tokens at their
+  /// original positions, then the emitted tokens) is forwarded again,
+  /// chunked like a prompt, before the round's final rows; the prompt's
+  /// full blocks may come back from the prefix cache. Tokens and
+  /// verification results do not change.
+  void Preempt();
+  /// Times this session was preempted.
+  int num_preemptions() const { return num_preemptions_; }
+  ~TargetSession();
+
   bool finished() const { return stop_.finished(); }
   FinishReason finish_reason() const { return stop_.reason(); }
   /// Every token emitted so far.
@@ -121,6 +136,16 @@ class TargetSession {
  private:
   TargetSession(ModelRunner* model, TargetRequest request,
                 std::unique_ptr<KvSequence> cache);
+  // The context: the kept prompt tokens, then every emitted token. The KV
+  // cache holds a prefix of it (all but the last token between rounds,
+  // unless preempted).
+  int context_size() const;
+  int ContextToken(int i) const;
+  int ContextPosition(int i) const;
+  // Position of the next token after the context (of the first draft).
+  int NextPosition() const;
+  // On an empty KV cache, attaches the prompt's cached full blocks.
+  void AttachCachedPrompt();
 
   ModelRunner* model_;
   TargetRequest request_;
@@ -130,16 +155,19 @@ class TargetSession {
   bool prefilled_ = false;
   std::vector<int> output_;
 
+  int cached_prompt_tokens_ = 0;  // first prefill: from the prefix cache
+  // The prompt's cached blocks are looked up on the next empty cache:
+  // first, and after a preemption or an aborted first round.
+  bool attach_pending_ = true;
+  int num_preemptions_ = 0;
+
   // The round in progress.
   bool in_round_ = false;
   std::vector<DraftToken> drafts_;  // clipped
-  int prompt_done_ = 0;   // prompt tokens prefilled so far
-  int cached_prompt_tokens_ = 0;  // of those, from the prefix cache
   int round_start_ = 0;   // cache size when the round began
   int64_t round_ns_ = 0;  // time spent in this round's forwards
   int64_t planned_at_ = 0;
   bool final_planned_ = false;
-  int base_row_ = 0;      // row of the last prompt / emitted token
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
 };
 
