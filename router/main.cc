@@ -51,6 +51,9 @@ ABSL_FLAG(double, default_top_p, 1, "top_p when unset");
 ABSL_FLAG(bool, default_spec_prefill, true,
           "Speculative Prefill on when the request does not say");
 ABSL_FLAG(double, default_keep_ratio, 0.3, "keep ratio when unset");
+ABSL_FLAG(double, default_keep_mass, 0,
+          "keep-by-importance-mass fraction when unset, [0, 1]; 0 = off "
+          "(keep_ratio alone); with it keep_ratio is the ceiling");
 ABSL_FLAG(int, default_chunk_size, 32, "selection chunk size when unset");
 ABSL_FLAG(int, default_pool_kernel_size, 13, "pooling kernel when unset");
 ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");
@@ -86,6 +89,7 @@ int Run() {
   d.top_p = static_cast<float>(absl::GetFlag(FLAGS_default_top_p));
   d.spec_prefill = absl::GetFlag(FLAGS_default_spec_prefill);
   d.keep_ratio = static_cast<float>(absl::GetFlag(FLAGS_default_keep_ratio));
+  d.keep_mass = static_cast<float>(absl::GetFlag(FLAGS_default_keep_mass));
   d.chunk_size = absl::GetFlag(FLAGS_default_chunk_size);
   d.pool_kernel_size = absl::GetFlag(FLAGS_default_pool_kernel_size);
   d.look_ahead = absl::GetFlag(FLAGS_default_look_ahead);

@@ -256,6 +256,7 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
   o.spec_prefill = p.has_enabled() ? p.enabled() : d.spec_prefill;
   v1::SpecPrefillOptions& po = o.prefill;
   po.set_keep_ratio(p.has_keep_ratio() ? p.keep_ratio() : d.keep_ratio);
+  po.set_keep_mass(p.has_keep_mass() ? p.keep_mass() : d.keep_mass);
   po.set_chunk_size(p.has_chunk_size() ? p.chunk_size() : d.chunk_size);
   po.set_pool_kernel_size(p.has_pool_kernel_size() ? p.pool_kernel_size()
                                                    : d.pool_kernel_size);
@@ -394,7 +395,10 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
   *req.mutable_options() = opts.prefill;
   // Drafting alone: the speculator still prefills the prompt (keeping
   // everything) and its look-ahead tokens are the first drafts.
-  if (!opts.spec_prefill) req.mutable_options()->set_keep_ratio(1.f);
+  if (!opts.spec_prefill) {
+    req.mutable_options()->set_keep_ratio(1.f);
+    req.mutable_options()->set_keep_mass(0.f);
+  }
   req.set_keep_session(opts.spec_decode);
   *req.mutable_sampling() = opts.sampling;
   v1::ScoreResponse resp;

@@ -48,6 +48,7 @@ struct RequestDefaults {
   float top_p = 1.f;        ///< (0, 1].
   bool spec_prefill = true;
   float keep_ratio = 0.3f;
+  float keep_mass = 0.f;  ///< 0 = off.
   int chunk_size = 32;
   int pool_kernel_size = 13;
   int look_ahead = 8;
@@ -78,7 +79,7 @@ struct ResolvedOptions {
 /// ("sampling.top_p must be in (0, 1], got 0"): max_new_tokens < 1,
 /// temperature negative or not finite, top_k < 0, top_p outside (0, 1],
 /// an empty stop string, a negative stop token id, keep_ratio outside
-/// (0, 1], chunk_size < 1, pool_kernel_size even or < 1, look_ahead outside
+/// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or < 1, look_ahead outside
 /// [0, 64], keep_first / keep_last / min_prompt_tokens < 0, num_draft_tokens
 /// outside [1, 64].
 absl::StatusOr<ResolvedOptions> ResolveOptions(

@@ -257,6 +257,48 @@ TEST_F(RequestRunnerTest, PrunedPrefillKeepsOriginalPositions) {
   EXPECT_NE(want, FullReference(text, 32));
 }
 
+// keep_mass reaches the speculator: the router keeps exactly what a Score
+// with the same options keeps, never more than keep_ratio allows, and a
+// smaller mass keeps fewer tokens.
+TEST_F(RequestRunnerTest, KeepMassIsForwardedAndCappedByKeepRatio) {
+  const std::string text = StoryPrompt(15);
+  const std::vector<int> prompt = Encode(text);
+  const int n = static_cast<int>(prompt.size());
+  auto score_kept = [&](float ratio, float mass) {
+    v1::ScoreRequest sreq;
+    sreq.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+    sreq.mutable_options()->set_keep_ratio(ratio);
+    sreq.mutable_options()->set_keep_mass(mass);
+    sreq.mutable_options()->set_chunk_size(8);
+    v1::ScoreResponse sresp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    EXPECT_TRUE(v1::Speculator::NewStub(
+                    grpc::CreateChannel(Addr(speculator_->port()),
+                                        grpc::InsecureChannelCredentials()))
+                    ->Score(&ctx, sreq, &sresp)
+                    .ok());
+    return sresp.kept_indices_size();
+  };
+  const int ceiling = score_kept(0.5f, 0.f);
+  const int low = score_kept(0.5f, 0.2f);
+  const int high = score_kept(1.0f, 0.9f);
+  EXPECT_LT(low, ceiling);
+  EXPECT_LE(low, high);
+  for (float mass : {0.2f, 0.9f}) {
+    SCOPED_TRACE(mass);
+    v1::GenerateTextRequest req = Request(text, 4, mass < 0.5f ? 0.5f : 1.f,
+                                          false);
+    req.mutable_speculative_prefill()->set_chunk_size(8);
+    req.mutable_speculative_prefill()->set_keep_mass(mass);
+    Outcome o = Run(req);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(o.response.usage().kept_prompt_tokens(),
+              mass < 0.5f ? low : high);
+    EXPECT_LE(o.response.usage().kept_prompt_tokens(), n);
+  }
+}
+
 TEST_F(RequestRunnerTest, SampledRequestsAreReproducibleBySeed) {
   v1::GenerateTextRequest req = Request(StoryPrompt(2), 40, 1.f, true);
   req.mutable_sampling()->set_temperature(0.8f);
@@ -465,6 +507,10 @@ TEST(ResolveOptionsTest, RejectsBadFieldsNamingThem) {
        "speculative_prefill.keep_ratio"},
       {[](auto* r) { r->mutable_speculative_prefill()->set_keep_ratio(1.1f); },
        "speculative_prefill.keep_ratio"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_keep_mass(-0.1f); },
+       "speculative_prefill.keep_mass"},
+      {[](auto* r) { r->mutable_speculative_prefill()->set_keep_mass(1.5f); },
+       "speculative_prefill.keep_mass"},
       {[](auto* r) { r->mutable_speculative_prefill()->set_chunk_size(0); },
        "speculative_prefill.chunk_size"},
       {[](auto* r) {

@@ -42,6 +42,8 @@ ABSL_FLAG(double, session_ttl_s, 300,
           "idle seconds before a session is reaped");
 ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");
 ABSL_FLAG(double, default_keep_ratio, 0.3, "keep ratio when unset");
+ABSL_FLAG(double, default_keep_mass, 0,
+          "keep-by-importance-mass fraction when unset, [0, 1]; 0 = off");
 ABSL_FLAG(int, default_chunk_size, 32, "selection chunk size when unset");
 ABSL_FLAG(int, default_pool_kernel_size, 13, "pooling kernel when unset");
 ABSL_FLAG(int, default_keep_first, 1, "forced keeps at the start when unset");
@@ -72,6 +74,8 @@ int Run() {
   o.defaults.look_ahead = absl::GetFlag(FLAGS_default_look_ahead);
   o.defaults.keep_ratio =
       static_cast<float>(absl::GetFlag(FLAGS_default_keep_ratio));
+  o.defaults.keep_mass =
+      static_cast<float>(absl::GetFlag(FLAGS_default_keep_mass));
   o.defaults.chunk_size = absl::GetFlag(FLAGS_default_chunk_size);
   o.defaults.pool_kernel_size = absl::GetFlag(FLAGS_default_pool_kernel_size);
   o.defaults.keep_first = absl::GetFlag(FLAGS_default_keep_first);

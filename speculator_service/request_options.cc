@@ -22,6 +22,7 @@ absl::StatusOr<ScoreOptions> ResolveScoreOptions(
   SelectionOptions& sel = out.selection;
   sel.keep_ratio =
       opts.has_keep_ratio() ? opts.keep_ratio() : defaults.keep_ratio;
+  sel.keep_mass = opts.has_keep_mass() ? opts.keep_mass() : defaults.keep_mass;
   sel.chunk_size =
       opts.has_chunk_size() ? opts.chunk_size() : defaults.chunk_size;
   sel.keep_first =
@@ -38,6 +39,9 @@ absl::StatusOr<ScoreOptions> ResolveScoreOptions(
   // Written so that NaN fails too.
   if (!(sel.keep_ratio > 0.f && sel.keep_ratio <= 1.f)) {
     return Bad(prefix, "keep_ratio", "in (0, 1]", sel.keep_ratio);
+  }
+  if (!(sel.keep_mass >= 0.f && sel.keep_mass <= 1.f)) {
+    return Bad(prefix, "keep_mass", "in [0, 1]", sel.keep_mass);
   }
   if (sel.chunk_size < 1) {
     return Bad(prefix, "chunk_size", ">= 1", sel.chunk_size);

@@ -28,11 +28,13 @@ struct ScoreDefaults {
   int keep_first = 1;
   int keep_last = 1;
   int min_prompt_tokens = 0;
+  float keep_mass = 0.f;  ///< 0 = off (keep by keep_ratio alone).
 };
 
 /// Resolves `opts` against `defaults` for a model with `num_layers` layers.
 /// INVALID_ARGUMENT naming the field as `prefix` + name (e.g. prefix
 /// "options." -> "options.keep_ratio"): keep_ratio not in (0, 1] or NaN,
+/// keep_mass not in [0, 1] or NaN,
 /// chunk_size < 1, pool_kernel_size even or < 1, look_ahead outside [0, 64],
 /// keep_first / keep_last / min_prompt_tokens < 0, num_layers_used outside
 /// [0, num_layers], an unknown aggregation. Defaults are validated too.

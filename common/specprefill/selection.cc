@@ -15,6 +15,11 @@ absl::Status ValidateSelectionOptions(const SelectionOptions& opts) {
         absl::StrCat("SelectionOptions.keep_ratio must be in (0, 1], got ",
                      opts.keep_ratio));
   }
+  if (!(opts.keep_mass >= 0.0f && opts.keep_mass <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SelectionOptions.keep_mass must be in [0, 1], got ",
+                     opts.keep_mass));
+  }
   if (opts.chunk_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "SelectionOptions.chunk_size must be >= 1, got ", opts.chunk_size));
@@ -68,7 +73,8 @@ absl::StatusOr<Selection> SelectTokens(absl::Span<const float> importance,
     sel.chunk_scores[c] = static_cast<float>(sum / (end - begin));
   }
 
-  if (n < opts.min_prompt_tokens || opts.keep_ratio >= 1.0f) {
+  if (n < opts.min_prompt_tokens ||
+      (opts.keep_ratio >= 1.0f && opts.keep_mass == 0.0f)) {
     sel.kept_chunks.resize(num_chunks);
     std::iota(sel.kept_chunks.begin(), sel.kept_chunks.end(), 0);
     sel.kept_indices.resize(n);
@@ -81,7 +87,7 @@ absl::StatusOr<Selection> SelectTokens(absl::Span<const float> importance,
   // ranking agree; ties: lower chunk index first.
   std::vector<int> order(num_chunks);
   std::iota(order.begin(), order.end(), 0);
-  const int k = NumChunksToKeep(num_chunks, opts.keep_ratio);
+  int k = NumChunksToKeep(num_chunks, opts.keep_ratio);
   std::partial_sort(order.begin(), order.begin() + k, order.end(),
                     [&](int a, int b) {
                       if (sel.chunk_scores[a] != sel.chunk_scores[b]) {
@@ -89,6 +95,26 @@ absl::StatusOr<Selection> SelectTokens(absl::Span<const float> importance,
                       }
                       return a < b;
                     });
+  if (opts.keep_mass > 0.0f) {
+    // Mass of a chunk = the sum (not mean) of its tokens' importance, so a
+    // short last chunk weighs what it holds.
+    auto chunk_mass = [&](int c) {
+      const int end = std::min(n, (c + 1) * cs);
+      double m = 0.0;
+      for (int i = c * cs; i < end; ++i) m += std::max(0.0f, importance[i]);
+      return m;
+    };
+    double total = 0.0;
+    for (int c = 0; c < num_chunks; ++c) total += chunk_mass(c);
+    const double goal = total * opts.keep_mass * (1.0 - 1e-6);
+    double acc = 0.0;
+    int need = 1;
+    for (; need <= k; ++need) {
+      acc += chunk_mass(order[need - 1]);
+      if (acc >= goal) break;
+    }
+    k = std::min(need, k);
+  }
   sel.kept_chunks.assign(order.begin(), order.begin() + k);
   std::sort(sel.kept_chunks.begin(), sel.kept_chunks.end());
 

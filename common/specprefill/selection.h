@@ -24,10 +24,16 @@ struct SelectionOptions {
   int keep_first = 1;         ///< always keep the first k prompt tokens.
   int keep_last = 1;          ///< always keep the last k prompt tokens.
   int min_prompt_tokens = 0;  ///< prompts shorter than this are not pruned.
+  /// Keep by importance mass, in [0, 1]; 0 = off. When set, the fewest
+  /// top-ranked chunks whose summed importance reaches keep_mass of the
+  /// prompt's total are kept, at most keep_ratio's count (keep_ratio is the
+  /// ceiling): the paper's "query compressibility" (section 5) turned into
+  /// a per-prompt budget, so peaked importance keeps less.
+  float keep_mass = 0.0f;
 };
 
 /// OK, or INVALID_ARGUMENT naming the field: keep_ratio not in (0, 1]
-/// (NaN included), chunk_size < 1, keep_first < 0, keep_last < 0,
+/// (NaN included), keep_mass not in [0, 1] (NaN included), chunk_size < 1, keep_first < 0, keep_last < 0,
 /// min_prompt_tokens < 0.
 absl::Status ValidateSelectionOptions(const SelectionOptions& opts);
 
@@ -62,9 +68,12 @@ int NumChunksToKeep(int num_chunks, float keep_ratio);
 /// Chunks: ceil(n / chunk_size) contiguous chunks (the last may be short),
 /// chunk score = mean of its tokens' scores (computed in double); the top
 /// NumChunksToKeep chunks are kept, ties broken by higher score first, then
-/// lower chunk index. The first keep_first and last keep_last tokens are
+/// lower chunk index. With keep_mass > 0 the count is instead the fewest
+/// chunks of that ranking whose summed token importance (negative scores
+/// count as 0) reaches keep_mass * the total, capped at NumChunksToKeep;
+/// a prompt with zero total importance keeps one chunk. The first keep_first and last keep_last tokens are
 /// added ON TOP of the chosen chunks (union). If n < min_prompt_tokens or
-/// keep_ratio == 1, every token is kept.
+/// keep_ratio == 1 without keep_mass, every token is kept.
 /// Errors: INVALID_ARGUMENT for invalid options (see
 /// ValidateSelectionOptions), an empty `importance`, or a non-finite
 /// score (named by index).

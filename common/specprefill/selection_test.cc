@@ -331,6 +331,11 @@ TEST(SelectTokensTest, RejectsInvalidInput) {
     o = SelectionOptions{};
     o.min_prompt_tokens = -1;
     bad.push_back({o, "min_prompt_tokens"});
+    for (float m : {-0.1f, 1.01f, std::numeric_limits<float>::quiet_NaN()}) {
+      o = SelectionOptions{};
+      o.keep_mass = m;
+      bad.push_back({o, "keep_mass"});
+    }
   }
   for (const Bad& b : bad) {
     const absl::Status v = ValidateSelectionOptions(b.opts);
@@ -350,6 +355,100 @@ TEST(SelectTokensTest, RejectsInvalidInput) {
       SelectTokens(with_nan, SelectionOptions{});
   EXPECT_EQ(sel.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(sel.status().message(), HasSubstr("importance[1]"));
+}
+
+}  // namespace
+}  // namespace specserve
+
+namespace specserve {
+namespace {
+
+// Keep by mass: the fewest top chunks whose summed importance reaches the
+// fraction, checked against a brute-force count on random prompts.
+TEST(SelectTokensTest, KeepMassKeepsFewestChunksReachingTheMass) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = 1 + static_cast<int>(u(rng) * 200);
+    std::vector<float> importance(n);
+    // Peaked or flat, so the kept count varies with the prompt.
+    const float peak = u(rng) * 20.0f;
+    for (float& x : importance) x = std::pow(u(rng), peak);
+    SelectionOptions opts;
+    opts.chunk_size = 1 + static_cast<int>(u(rng) * 16);
+    opts.keep_first = 0;
+    opts.keep_last = 0;
+    opts.keep_ratio = trial % 3 == 0 ? 1.0f : 0.05f + 0.9f * u(rng);
+    opts.keep_mass = 0.05f + 0.95f * u(rng);
+    const absl::StatusOr<Selection> sel = SelectTokens(importance, opts);
+    ASSERT_TRUE(sel.ok()) << sel.status();
+
+    const int cs = opts.chunk_size;
+    const int num_chunks = (n + cs - 1) / cs;
+    std::vector<double> mass(num_chunks, 0.0);
+    double total = 0.0;
+    for (int i = 0; i < n; ++i) {
+      mass[i / cs] += importance[i];
+      total += importance[i];
+    }
+    double kept_mass = 0.0;
+    for (int c : sel->kept_chunks) kept_mass += mass[c];
+    const int cap = NumChunksToKeep(num_chunks, opts.keep_ratio);
+    const int k = static_cast<int>(sel->kept_chunks.size());
+    ASSERT_LE(k, cap);
+    ASSERT_GE(k, 1);
+    if (k < cap) {
+      // Reached the mass, and one chunk fewer of the same ranking would not.
+      EXPECT_GE(kept_mass, opts.keep_mass * total * (1 - 1e-5));
+      double min_kept = std::numeric_limits<double>::infinity();
+      for (int c : sel->kept_chunks) {
+        min_kept = std::min(min_kept, static_cast<double>(mass[c]));
+      }
+      // The last chunk added has the lowest mean score; drop the kept chunk
+      // of lowest mean score and the mass must fall short.
+      int last = sel->kept_chunks[0];
+      for (int c : sel->kept_chunks) {
+        if (sel->chunk_scores[c] < sel->chunk_scores[last] ||
+            (sel->chunk_scores[c] == sel->chunk_scores[last] && c > last)) {
+          last = c;
+        }
+      }
+      EXPECT_LT(kept_mass - mass[last], opts.keep_mass * total * (1 + 1e-5));
+    }
+    // The kept chunks are a prefix of the keep_ratio ranking.
+    SelectionOptions ratio_only = opts;
+    ratio_only.keep_mass = 0.0f;
+    const absl::StatusOr<Selection> by_ratio = SelectTokens(importance,
+                                                            ratio_only);
+    ASSERT_TRUE(by_ratio.ok());
+    for (int c : sel->kept_chunks) {
+      EXPECT_TRUE(std::find(by_ratio->kept_chunks.begin(),
+                            by_ratio->kept_chunks.end(),
+                            c) != by_ratio->kept_chunks.end());
+    }
+  }
+}
+
+TEST(SelectTokensTest, KeepMassPeakedKeepsLessThanFlat) {
+  SelectionOptions opts;
+  opts.chunk_size = 4;
+  opts.keep_first = 0;
+  opts.keep_last = 0;
+  opts.keep_ratio = 1.0f;
+  opts.keep_mass = 0.8f;
+  std::vector<float> flat(64, 1.0f);
+  std::vector<float> peaked(64, 0.01f);
+  for (int i = 8; i < 12; ++i) peaked[i] = 10.0f;
+  const absl::StatusOr<Selection> f = SelectTokens(flat, opts);
+  const absl::StatusOr<Selection> p = SelectTokens(peaked, opts);
+  ASSERT_TRUE(f.ok() && p.ok());
+  EXPECT_EQ(f->kept_chunks.size(), 13u);  // ceil(0.8 * 16)
+  EXPECT_EQ(p->kept_chunks, std::vector<int>({2}));
+  // All-zero importance keeps one chunk rather than none.
+  const absl::StatusOr<Selection> z =
+      SelectTokens(std::vector<float>(64, 0.0f), opts);
+  ASSERT_TRUE(z.ok());
+  EXPECT_EQ(z->kept_chunks.size(), 1u);
 }
 
 }  // namespace
