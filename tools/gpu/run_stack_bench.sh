@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Runs the bundled stack (tools/gpu/bundle_stack.sh) as three processes on
+# one machine, speculator and target as separate processes on the one GPU
+# and the router in front, and measures through the router (issue 13
+# section 3): TTFT at each prompt length with Speculative Prefill at keep
+# 0.1 and 0.3 and with full prefill, then decode tokens/s with speculative
+# decoding on and off. Prints a Markdown table; exits non-zero if a
+# service fails to start or a request fails.
+#
+#   tools/gpu/run_stack_bench.sh          (from the repository root)
+# With the device tool:
+#   run(command="tools/gpu/run_stack_bench.sh 2>&1 | tee $OUT/stack.log",
+#       carry=[".device/stack"])
+#
+# Env: STACK (default .device/stack), DEVICE (cuda | cpu, default cuda),
+# SPECULATOR / TARGET (model directories; default: synthetic
+# llama-3.2-1b -> llama-3.1-8b in BF16, made under $SYN, default
+# /tmp/specserve_synthetic), LENGTHS (default "4096 8192 16384 32768"),
+# REPS (default 3; the median is reported), NEW_TOKENS (default 64).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STACK=${STACK:-.device/stack}
+DEVICE=${DEVICE:-cuda}
+LENGTHS=${LENGTHS:-"4096 8192 16384 32768"}
+REPS=${REPS:-3}
+NEW_TOKENS=${NEW_TOKENS:-64}
+SYN=${SYN:-/tmp/specserve_synthetic}
+export LD_LIBRARY_PATH="$STACK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [ "$DEVICE" = cuda ]; then
+  # shellcheck source=tools/gpu/gpu_env.sh
+  source tools/gpu/gpu_env.sh
+fi
+for b in router speculator_service target_service client \
+         make_synthetic_checkpoint; do
+  if [ ! -x "$STACK/bin/$b" ]; then
+    echo "run_stack_bench: $STACK/bin/$b missing: run" \
+         "tools/gpu/bundle_stack.sh and carry $STACK" >&2
+    exit 3
+  fi
+done
+if [ -z "${SPECULATOR:-}" ] || [ -z "${TARGET:-}" ]; then
+  for p in llama-3.2-1b llama-3.1-8b; do
+    if [ ! -e "$SYN/$p/model.safetensors" ]; then
+      "$STACK/bin/make_synthetic_checkpoint" --preset "$p" --dtype BF16 \
+        --out "$SYN/$p"
+    fi
+  done
+  SPECULATOR=${SPECULATOR:-$SYN/llama-3.2-1b}
+  TARGET=${TARGET:-$SYN/llama-3.1-8b}
+fi
+
+LOGS=$(mktemp -d)
+# start() runs in a command substitution (a subshell), so the PIDs go to
+# files that the EXIT trap reads.
+cleanup() {
+  local f
+  for f in "$LOGS"/*.pid; do
+    [ -e "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+  done
+}
+trap cleanup EXIT
+
+# start NAME ARGS...: runs $STACK/bin/NAME, echoes its gRPC port once it
+# prints "listening on <port>" (600 s for weights to load).
+start() {
+  local name=$1
+  shift
+: > "$LOGS/$name.log"
+  "$STACK/bin/$name" "$@" > "$LOGS/$name.log" 2>&1 &
+  local pid=$! i
+  echo "$pid" > "$LOGS/$name.pid"
+  for ((i = 0; i < 6000; ++i)); do
+    if grep -q "listening on" "$LOGS/$name.log"; then
+      sed -n 's/.*listening on \([0-9]*\).*/\1/p' "$LOGS/$name.log" | head -1
+      return 0
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then break; fi
+    sleep 0.1
+  done
+  echo "run_stack_bench: $name did not start:" >&2
+  cat "$LOGS/$name.log" >&2
+  return 1
+}
+
+SPORT=$(start speculator_service --model "$SPECULATOR" --port 0 \
+  --metrics_port 0 --device "$DEVICE")
+TPORT=$(start target_service --model "$TARGET" --port 0 --metrics_port 0 \
+  --device "$DEVICE")
+RPORT=$(start router --port 0 --metrics_port 0 \
+  --speculator "127.0.0.1:$SPORT" --target "127.0.0.1:$TPORT")
+echo "stack up: speculator :$SPORT, target :$TPORT, router :$RPORT" \
+     "(device $DEVICE)" >&2
+
+VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
+  "$TARGET/config.json")
+# ids LEN: LEN random token ids (seeded), comma-separated, BOS-free.
+ids() {
+  python3 -c "import random,sys; r=random.Random(int(sys.argv[1])); \
+print(','.join(str(r.randrange(3, int(sys.argv[2]))) for _ in range(int(sys.argv[1]))))" \
+    "$1" "$VOCAB"
+}
+# ask LEN NEW FLAGS...: the median over REPS of the client's JSON field
+# FIELD (env), printed with 4 decimals.
+ask() {
+  local len=$1 new=$2
+  shift 2
+  local prompt vals=()
+  prompt=$(ids "$len")
+  for ((r = 0; r < REPS; ++r)); do
+    vals+=("$("$STACK/bin/client" --router "127.0.0.1:$RPORT" \
+      --token_ids "$prompt" --max_new_tokens "$new" --temperature 0 \
+      --deadline_ms 600000 --json "$@" |
+      python3 -c "import json,sys; j=json.load(sys.stdin); s=j['stats']; \
+u=j['usage']; d=max(1e-9, s['total_s']-s['ttft_s']); \
+print(s['ttft_s'] if sys.argv[1]=='ttft' else (u['completion_tokens']-1)/d)" "$FIELD")")
+  done
+  printf '%s\n' "${vals[@]}" | sort -g | awk '{v[NR]=$1} END {printf "%.4f", v[int((NR+1)/2)]}'
+}
+
+echo "| prompt tokens | TTFT full prefill s | TTFT keep 0.3 s | TTFT keep 0.1 s |"
+echo "|---|---|---|---|"
+for L in $LENGTHS; do
+  FIELD=ttft
+  full=$(ask "$L" 1 --no_spec_prefill --no_spec_decode)
+  k3=$(ask "$L" 1 --keep_ratio 0.3 --no_spec_decode)
+  k1=$(ask "$L" 1 --keep_ratio 0.1 --no_spec_decode)
+  echo "| $L | $full | $k3 | $k1 |"
+done
+echo
+echo "| prompt tokens | decode tok/s, plain | decode tok/s, speculative k=4 |"
+echo "|---|---|---|"
+L=${LENGTHS%% *}
+FIELD=decode
+plain=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --no_spec_decode)
+spec=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --num_draft_tokens 4)
+echo "| $L | $plain | $spec |"
