@@ -10,6 +10,7 @@
 #include "common/model/weights.h"
 #include "common/service/grpc_util.h"
 #include "common/speculation/target_session.h"
+#include "target_service/request_convert.h"
 
 namespace specserve {
 
@@ -21,48 +22,6 @@ prometheus::Histogram::BucketBoundaries ExponentialBuckets(double start,
   prometheus::Histogram::BucketBoundaries b;
   for (double v = start; count-- > 0; v *= factor) b.push_back(v);
   return b;
-}
-
-// Proto -> session request. Proto3 zeros mean "unset": next_position 0 (never
-// valid: it must exceed a position >= 0) -> last position + 1, top_p 0 -> 1,
-// max_new_tokens 0 -> the server default; empty position_ids -> 0..n-1.
-// Everything else is validated by TargetSession::Create.
-TargetRequest ToTargetRequest(const v1::Prefill& p,
-                              const TargetServerOptions& options) {
-  TargetRequest r;
-  r.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
-  if (p.position_ids().empty()) {
-    r.position_ids.resize(r.token_ids.size());
-    std::iota(r.position_ids.begin(), r.position_ids.end(), 0);
-  } else {
-    r.position_ids.assign(p.position_ids().begin(), p.position_ids().end());
-  }
-  r.next_position = p.next_position() == 0 ? -1 : p.next_position();
-  r.sampling.temperature = p.sampling().temperature();
-  r.sampling.top_k = p.sampling().top_k();
-  r.sampling.top_p = p.sampling().top_p() == 0.f ? 1.f : p.sampling().top_p();
-  r.sampling.seed = p.sampling().seed();
-  r.stop.max_new_tokens = p.stop().max_new_tokens() == 0
-                              ? options.default_max_new_tokens
-                              : p.stop().max_new_tokens();
-  r.stop.stop_token_ids.assign(p.stop().stop_token_ids().begin(),
-                               p.stop().stop_token_ids().end());
-  r.ignore_eos = p.stop().ignore_eos();
-  r.max_drafts = options.max_drafts;
-  return r;
-}
-
-std::vector<DraftToken> ToDrafts(
-    const google::protobuf::RepeatedPtrField<v1::DraftToken>& in) {
-  std::vector<DraftToken> out(in.size());
-  for (int j = 0; j < in.size(); ++j) {
-    out[j].id = in[j].id();
-    out[j].q.reserve(in[j].q_size());
-    for (const v1::TokenProb& tp : in[j].q()) {
-      out[j].q.emplace_back(tp.id(), tp.prob());
-    }
-  }
-  return out;
 }
 
 }  // namespace
@@ -383,7 +342,9 @@ class TargetServer::GenerateReactor
         }
         auto session = TargetSession::Create(
             server_->model_.get(),
-            ToTargetRequest(request_.prefill(), server_->options_));
+            ToTargetRequest(request_.prefill(),
+                            server_->options_.default_max_new_tokens,
+                            server_->options_.max_drafts));
         if (!session.ok()) return session.status();
         const int64_t bytes =
             static_cast<int64_t>((*session)->kv_capacity_bytes());

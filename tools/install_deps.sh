@@ -10,6 +10,7 @@ PACKAGES=(
   libsentencepiece-dev nlohmann-json3-dev libopenblas-dev
   python3 python3-grpcio python3-numpy
   python3-protobuf python3-yaml prometheus yamllint
+  clang-14 libclang-rt-14-dev
 )
 
 missing=()

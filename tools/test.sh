@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: the whole Bazel test suite, then the safetensors header
-# mutation test again under AddressSanitizer. Tests that compare against npm
-# reference packages (tokenizers, templates, the OpenAI client) find them
-# through SPECSERVE_NODE_MODULES, installed here first.
+# mutation test again under AddressSanitizer, then the libFuzzer targets.
+# Tests that compare against npm reference packages (tokenizers, templates,
+# the OpenAI client) find them through SPECSERVE_NODE_MODULES, installed
+# here first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,3 +12,5 @@ export SPECSERVE_NODE_MODULES
 
 bazel test //... "$@"
 bazel test --config=asan //common/model:safetensors_fuzz_test "$@"
+# The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
+bazel test --config=fuzz //... "$@"

@@ -1,0 +1,45 @@
+#include "target_service/request_convert.h"
+
+#include <numeric>
+
+namespace specserve {
+
+TargetRequest ToTargetRequest(const v1::Prefill& p,
+                              int default_max_new_tokens, int max_drafts) {
+  TargetRequest r;
+  r.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
+  if (p.position_ids().empty()) {
+    r.position_ids.resize(r.token_ids.size());
+    std::iota(r.position_ids.begin(), r.position_ids.end(), 0);
+  } else {
+    r.position_ids.assign(p.position_ids().begin(), p.position_ids().end());
+  }
+  r.next_position = p.next_position() == 0 ? -1 : p.next_position();
+  r.sampling.temperature = p.sampling().temperature();
+  r.sampling.top_k = p.sampling().top_k();
+  r.sampling.top_p = p.sampling().top_p() == 0.f ? 1.f : p.sampling().top_p();
+  r.sampling.seed = p.sampling().seed();
+  r.stop.max_new_tokens = p.stop().max_new_tokens() == 0
+                              ? default_max_new_tokens
+                              : p.stop().max_new_tokens();
+  r.stop.stop_token_ids.assign(p.stop().stop_token_ids().begin(),
+                               p.stop().stop_token_ids().end());
+  r.ignore_eos = p.stop().ignore_eos();
+  r.max_drafts = max_drafts;
+  return r;
+}
+
+std::vector<DraftToken> ToDrafts(
+    const google::protobuf::RepeatedPtrField<v1::DraftToken>& in) {
+  std::vector<DraftToken> out(in.size());
+  for (int j = 0; j < in.size(); ++j) {
+    out[j].id = in[j].id();
+    out[j].q.reserve(in[j].q_size());
+    for (const v1::TokenProb& tp : in[j].q()) {
+      out[j].q.emplace_back(tp.id(), tp.prob());
+    }
+  }
+  return out;
+}
+
+}  // namespace specserve
