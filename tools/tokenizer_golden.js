@@ -77,7 +77,8 @@ const OTHER = ['Привет мир', 'Ελληνικά', 'Ꭰꭱ', 'ქარ�
   'ܣܘܪܝܝܐ', 'ᚠᚢᚦ', '𝔘𝔫𝔦𝔠𝔬𝔡𝔢', '𝟘𝟙𝟚', 'ⓐⓑⓒ', '∀x∈ℝ: x²≥0', '½ ¾ ⅓',
   '\u00A0nbsp\u00A0', '\u2003em\u2002en\u3000ideo', 'zero\u200Bwidth',
   'ctrl\u0001\u0007\u001B[0m', 'tab\u000Bvt\u000Cff', '\u2028line\u2029para',
-  'null\u0000byte', 'del\u007F', '\u00AD'];
+  'null\u0000byte', 'del\u007F', '\u00AD', 'nel\u0085 \u0085.',
+  '\uFEFFbom \uFEFF\uFEFF', 'ſ\'ſ K'];
 const SPECIALS_LLAMA = ['<|begin_of_text|>', '<|end_of_text|>', '<|eot_id|>',
   '<|start_header_id|>', '<|end_header_id|>', '<|reserved_special_token_0|>',
   '<|reserved_special_token_250|>', '<|python_tag|>', '<|eom_id|>',
@@ -141,6 +142,31 @@ const CODE = [
   () => `user@example.org, ${word()}_${word()}@mail.co.uk`,
 ];
 
+// Code point ranges for random strings, weighted by repetition.
+const RANGES = [
+  [0x20, 0x7e], [0x20, 0x7e], [0x20, 0x7e], [0x30, 0x39], [0x09, 0x0d],
+  [0xa0, 0xff], [0x100, 0x17f], [0x180, 0x24f], [0x250, 0x2af],
+  [0x2b0, 0x2ff], [0x300, 0x36f], [0x370, 0x3ff], [0x400, 0x4ff],
+  [0x590, 0x5ff], [0x600, 0x6ff], [0x660, 0x669], [0x900, 0x97f],
+  [0xe00, 0xe5b], [0x1e00, 0x1eff], [0x2000, 0x206f], [0x2070, 0x209c],
+  [0x20a0, 0x20c0], [0x2100, 0x218b], [0x2190, 0x23ff], [0x2460, 0x24ff],
+  [0x2500, 0x27bf], [0x3000, 0x303f], [0x3040, 0x30ff], [0x4e00, 0x9fff],
+  [0x4e00, 0x9fff], [0xac00, 0xd7a3], [0xff01, 0xff5e], [0x1d400, 0x1d7ff],
+  [0x1f300, 0x1f5ff], [0x1f600, 0x1f64f], [0x1f900, 0x1f9ff],
+  [0x20000, 0x2a6df],
+];
+
+function randomCodePoints() {
+  const n = 1 + int(30);
+  let s = '';
+  for (let k = 0; k < n; ++k) {
+    const [lo, hi] = pick(RANGES);
+    const cp = lo + int(hi - lo + 1);
+    s += String.fromCodePoint(cp);
+  }
+  return s;
+}
+
 function segment(specials) {
   const r = rand();
   if (r < 0.2) return prose();
@@ -173,6 +199,7 @@ function makeStrings(specials) {
   repeat(40, () => add(repeat(1 + int(3), () => pick(OTHER)).join(pick(['', ' ']))));
   repeat(80, () => add(repeat(1 + int(4), () => (rand() < 0.5 ? pick(specials) : pick(NEAR_SPECIALS)) + (rand() < 0.7 ? pick(WS) + word() : '')).join('')));
   repeat(150, () => add(repeat(2 + int(8), () => segment(specials)).join(rand() < 0.5 ? '' : ' ')));
+  repeat(200, () => add(randomCodePoints()));
   add('');
   add(' ');
   add('a');
