@@ -199,6 +199,26 @@ TEST(ByteLevelGoldenTest, TemplateProcessingInASequenceAddsBos) {
   EXPECT_THAT(*(*tok)->Encode("Hi", true), ElementsAre(13347));
 }
 
+// Byte tokens that do not form UTF-8 decode as HF's from_utf8_lossy does:
+// one U+FFFD per maximal invalid subpart. Invalid input bytes (which HF
+// cannot receive) are encoded as their own byte tokens.
+TEST(ByteLevelGoldenTest, InvalidBytesDecodeLikeHf) {
+  std::unique_ptr<Tokenizer> tok = LoadFamily(kLlama3);
+  if (tok == nullptr) return;
+  absl::StatusOr<std::vector<int>> ids = tok->Encode("a\xE6\x97 b\xFF", false);
+  ASSERT_TRUE(ids.ok());
+  // "\xE6\x97" is a truncated 3-byte sequence: one U+FFFD, not two.
+  EXPECT_EQ(*tok->Decode(*ids), "a\xEF\xBF\xBD b\xEF\xBF\xBD");
+  absl::StatusOr<std::vector<int>> chinese = tok->Encode("\xE6\x97\xA5", false);
+  ASSERT_TRUE(chinese.ok());
+  EXPECT_EQ(*tok->Decode(*chinese), "\xE6\x97\xA5");  // 日
+  IncrementalDecoder dec(tok.get());
+  std::string streamed;
+  for (int id : *ids) streamed += *dec.Append(id);
+  streamed += dec.Flush();
+  EXPECT_EQ(streamed, *tok->Decode(*ids));
+}
+
 // Streaming detokenization of every golden id sequence equals Decode.
 TEST(ByteLevelGoldenTest, IncrementalDecodeMatchesFullDecode) {
   for (const Family& family : {kLlama3, kQwen3}) {
