@@ -15,6 +15,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -236,6 +237,27 @@ TEST(ByteLevelGoldenTest, IncrementalDecodeMatchesFullDecode) {
       ASSERT_EQ(streamed, c.decoded) << family.name << " " << Quote(c.text);
     }
   }
+}
+
+// Tokenizers are shared by a service's request threads: the Oniguruma
+// searches and the word cache must give the same ids under concurrency.
+TEST(ByteLevelGoldenTest, ConcurrentEncodesAgree) {
+  std::unique_ptr<Tokenizer> tok = LoadFamily(kQwen3);
+  if (tok == nullptr) return;
+  const std::vector<GoldenCase> cases = ReadGolden(kQwen3);
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t k = 0; k < cases.size(); ++k) {
+        const GoldenCase& c = cases[(k * 7 + t * 311) % cases.size()];
+        absl::StatusOr<std::vector<int>> ids = tok->Encode(c.text, false);
+        if (!ids.ok() || *ids != c.ids) ++mismatches[t];
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
 }
 
 // Throughput on the golden strings (a warm cache is what a server sees, so
