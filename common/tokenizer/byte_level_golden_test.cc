@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -236,6 +237,60 @@ TEST(ByteLevelGoldenTest, IncrementalDecodeMatchesFullDecode) {
       streamed += dec.Flush();
       ASSERT_EQ(streamed, c.decoded) << family.name << " " << Quote(c.text);
     }
+  }
+}
+
+// Random byte strings (mostly not UTF-8) and random code point strings:
+// Encode never fails and gives in-range ids; valid text round-trips (Llama:
+// exactly; Qwen: through NFC, so re-encoding the decoded text is stable).
+TEST(ByteLevelGoldenTest, RandomInputsRoundTrip) {
+  std::unique_ptr<Tokenizer> llama = LoadFamily(kLlama3);
+  std::unique_ptr<Tokenizer> qwen = LoadFamily(kQwen3);
+  if (llama == nullptr || qwen == nullptr) return;
+  std::mt19937 rng(7);
+  auto append_cp = [](uint32_t cp, std::string* s) {
+    if (cp < 0x80) {
+      s->push_back(static_cast<char>(cp));
+    } else if (cp < 0x800) {
+      s->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      s->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else if (cp < 0x10000) {
+      s->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+      s->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      s->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    } else {
+      s->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+      s->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+      s->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+      s->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  };
+  for (int iter = 0; iter < 600; ++iter) {
+    std::string bytes(rng() % 40, '\0');
+    for (char& c : bytes) c = static_cast<char>(rng() % 256);
+    std::string text;
+    const int n = rng() % 30;
+    for (int k = 0; k < n; ++k) {
+      uint32_t cp;
+      do {
+        // Mostly the BMP, some astral; no surrogates (not scalar values).
+        cp = rng() % 4 == 0 ? rng() % 0x110000 : rng() % 0x10000;
+      } while (cp >= 0xD800 && cp <= 0xDFFF);
+      append_cp(cp, &text);
+    }
+    for (Tokenizer* tok : {llama.get(), qwen.get()}) {
+      for (const std::string* s : {&bytes, &text}) {
+        absl::StatusOr<std::vector<int>> ids = tok->Encode(*s, iter % 2 == 0);
+        ASSERT_TRUE(ids.ok()) << ids.status();
+        for (int id : *ids) ASSERT_TRUE(id >= 0 && id < tok->vocab_size());
+        ASSERT_TRUE(tok->Decode(*ids).ok());
+      }
+    }
+    absl::StatusOr<std::vector<int>> ids = llama->Encode(text, false);
+    EXPECT_EQ(*llama->Decode(*ids), text) << Quote(text);
+    ids = qwen->Encode(text, false);
+    const std::string nfc = *qwen->Decode(*ids);
+    EXPECT_EQ(*qwen->Encode(nfc, false), *ids) << Quote(text);
   }
 }
 

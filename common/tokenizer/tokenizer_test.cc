@@ -267,6 +267,41 @@ TEST(LoadTokenizerTest, LoadsByteLevelBpe) {
   EXPECT_EQ((*tok)->bos_id(), -1);  // No config, no template: no BOS.
 }
 
+TEST(LoadTokenizerTest, ByteLevelTemplateBosAndItsErrors) {
+  const std::string gpt2 =
+      R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})";
+  auto with_template = [&](const std::string& ids) {
+    std::string json = TinyByteLevelJson(gpt2);
+    const std::string old_pp = R"({"type": "ByteLevel", "add_prefix_space": true,
+                       "trim_offsets": false, "use_regex": true})";
+    const size_t at = json.find(old_pp);
+    EXPECT_NE(at, std::string::npos);
+    json.replace(at, old_pp.size(), absl::StrCat(R"({"type": "Sequence",
+        "processors": [{"type": "ByteLevel"}, {"type": "TemplateProcessing",
+          "single": [{"SpecialToken": {"id": "<|begin_of_text|>"}},
+                     {"Sequence": {"id": "A"}}],
+          "special_tokens": {"<|begin_of_text|>": {"ids": )",
+                                                 ids, "}}}]}"));
+    return HfBpeTokenizer::Parse(json, "", "tiny.json");
+  };
+  auto tok = with_template("[5]");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->bos_id(), 5);
+  EXPECT_THAT(*(*tok)->Encode("ab", true), ElementsAre(5, 2));
+  for (const char* bad : {"[99]", "[-1]", "\"x\"", "[\"5\"]"}) {
+    tok = with_template(bad);
+    EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(tok.status().message(), HasSubstr("tiny.json")) << bad;
+  }
+  // add_bos_token: false in tokenizer_config.json and no template: no BOS.
+  auto plain = HfBpeTokenizer::Parse(
+      TinyByteLevelJson(gpt2),
+      R"({"bos_token": "<|begin_of_text|>", "add_bos_token": false})", "t");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ((*plain)->bos_id(), 5);
+  EXPECT_THAT(*(*plain)->Encode("ab", true), ElementsAre(2));
+}
+
 TEST(LoadTokenizerTest, UnsupportedOrBadPreTokenizersAreErrors) {
   const std::string dir = MakeTempDir("bytelevel_bad");
   WriteFile(dir + "/tokenizer.json",
