@@ -121,10 +121,10 @@ void CheckGolden(const Family& family) {
   }
   EXPECT_EQ(id_mismatches, 0);
   EXPECT_EQ(text_mismatches, 0);
-  std::printf("%s: %zu strings, %zu ids; %d id mismatches, %d decode "
-              "mismatches\n",
-              family.name, cases.size(), total_ids, id_mismatches,
-              text_mismatches);
+  std::printf(
+      "%s: %zu strings, %zu ids; %d id mismatches, %d decode "
+      "mismatches\n",
+      family.name, cases.size(), total_ids, id_mismatches, text_mismatches);
 }
 
 TEST(ByteLevelGoldenTest, Llama3MatchesTransformersJs) { CheckGolden(kLlama3); }
@@ -140,9 +140,9 @@ TEST(ByteLevelGoldenTest, SpecialIdsAndBos) {
   EXPECT_EQ(llama->bos_id(), 128000);  // <|begin_of_text|>
   EXPECT_EQ(llama->eos_id(), 128001);  // <|end_of_text|>
   EXPECT_EQ(qwen->vocab_size(), 151669);
-  EXPECT_EQ(qwen->bos_id(), -1);       // Qwen has no BOS.
-  EXPECT_EQ(qwen->eos_id(), 151645);   // <|im_end|>
-  EXPECT_EQ(qwen->pad_id(), 151643);   // <|endoftext|>
+  EXPECT_EQ(qwen->bos_id(), -1);      // Qwen has no BOS.
+  EXPECT_EQ(qwen->eos_id(), 151645);  // <|im_end|>
+  EXPECT_EQ(qwen->pad_id(), 151643);  // <|endoftext|>
   EXPECT_NE(llama->Fingerprint(), qwen->Fingerprint());
 
   const std::string text = "Hello, world";
@@ -339,10 +339,11 @@ TEST(ByteLevelGoldenTest, EncodesAtUsefulSpeed) {
               .count();
     }
     const double mib = all.size() / double(1 << 20);
-    std::printf("%s: load %.2f s; encode %.2f MiB -> %zu ids: cold %.1f "
-                "MiB/s, warm %.1f MiB/s\n",
-                family.name, std::chrono::duration<double>(t1 - t0).count(),
-                mib, n_ids, mib / seconds[0], mib / seconds[1]);
+    std::printf(
+        "%s: load %.2f s; encode %.2f MiB -> %zu ids: cold %.1f "
+        "MiB/s, warm %.1f MiB/s\n",
+        family.name, std::chrono::duration<double>(t1 - t0).count(), mib, n_ids,
+        mib / seconds[0], mib / seconds[1]);
     // Far below what BPE costs when done naively (quadratic per word).
     EXPECT_GT(mib / seconds[1], 1.0);
   }

@@ -33,7 +33,7 @@ TEST(ByteLevelTest, RoundTripsEveryByte) {
 TEST(ByteLevelTest, DecodeRejectsCharactersOutsideTheMap) {
   std::string out = "keep";
   EXPECT_FALSE(ByteLevelDecode("a\xE4\xBD\xA0", &out));  // "a你"
-  EXPECT_FALSE(ByteLevelDecode(" ", &out));   // A raw space is not mapped.
+  EXPECT_FALSE(ByteLevelDecode(" ", &out));  // A raw space is not mapped.
   EXPECT_FALSE(ByteLevelDecode("\xC1\xA1", &out));  // Overlong "a".
   EXPECT_FALSE(ByteLevelDecode("\xC4", &out));      // Truncated.
   EXPECT_EQ(out, "keep");  // Nothing appended on failure.

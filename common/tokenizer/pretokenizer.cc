@@ -89,9 +89,9 @@ absl::StatusOr<std::unique_ptr<OnigRegex>> OnigRegex::Compile(
   if (r != ONIG_NORMAL) {
     OnigUChar msg[ONIG_MAX_ERROR_MESSAGE_LEN];
     onig_error_code_to_str(msg, r, &einfo);
-    return absl::InvalidArgumentError(
-        absl::StrCat("regex \"", std::string(pattern), "\" does not compile: ",
-                     reinterpret_cast<const char*>(msg)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "regex \"", std::string(pattern),
+        "\" does not compile: ", reinterpret_cast<const char*>(msg)));
   }
   return std::unique_ptr<OnigRegex>(new OnigRegex(reg));
 }
@@ -109,8 +109,8 @@ void OnigRegex::FindAll(std::string_view text,
   size_t last_end = 0;
   while (pos <= text.size()) {
     onig_region_clear(region);
-    const int r = onig_search(reg, str, end, str + pos, end, region,
-                              ONIG_OPTION_NONE);
+    const int r =
+        onig_search(reg, str, end, str + pos, end, region, ONIG_OPTION_NONE);
     if (r < 0) break;  // ONIG_MISMATCH (or a matcher error: stop there).
     const size_t b = static_cast<size_t>(region->beg[0]);
     const size_t e = static_cast<size_t>(region->end[0]);
@@ -298,11 +298,13 @@ void PreTokenizer::Split(std::string_view text,
       i += n;
       continue;
     }
-    if (i > run) pieces.push_back({std::string(text.substr(run, i - run)), false});
+    if (i > run)
+      pieces.push_back({std::string(text.substr(run, i - run)), false});
     pieces.push_back({std::string(text.substr(i, 1)), true});
     run = ++i;
   }
-  if (run < text.size()) pieces.push_back({std::string(text.substr(run)), false});
+  if (run < text.size())
+    pieces.push_back({std::string(text.substr(run)), false});
 
   std::vector<Piece> next;
   std::vector<ByteRange> matches;
@@ -331,13 +333,12 @@ void PreTokenizer::Split(std::string_view text,
       }
       ranges.clear();
       // ByteLevel's own regex split is Isolated.
-      SplitByMatches(piece.text.size(), matches,
-                     step.type == Step::kSplit ? step.behavior
-                                               : SplitBehavior::kIsolated,
-                     step.type == Step::kSplit && step.invert, &ranges);
+      SplitByMatches(
+          piece.text.size(), matches,
+          step.type == Step::kSplit ? step.behavior : SplitBehavior::kIsolated,
+          step.type == Step::kSplit && step.invert, &ranges);
       for (const ByteRange& r : ranges) {
-        next.push_back(
-            {piece.text.substr(r.first, r.second - r.first), false});
+        next.push_back({piece.text.substr(r.first, r.second - r.first), false});
       }
     }
     if (step.type == Step::kByteLevel) {

@@ -32,8 +32,8 @@ std::vector<std::string> Matches(const std::string& pattern,
 
 TEST(OnigRegexTest, Llama3PatternSplitsLikeHf) {
   EXPECT_THAT(Matches(kLlama3Pattern, "Hello world's 12345   x\n\n"),
-              ElementsAre("Hello", " world", "'s", " ", "123", "45", "  ",
-                          " x", "\n\n"));
+              ElementsAre("Hello", " world", "'s", " ", "123", "45", "  ", " x",
+                          "\n\n"));
   // Case-insensitive contractions, Unicode letters and digits.
   EXPECT_THAT(Matches(kLlama3Pattern, "I'M café ٣٤٥٦"),
               ElementsAre("I", "'M", " café", " ", "٣٤٥", "٦"));
@@ -123,7 +123,8 @@ TEST(PreTokenizerTest, StringPatternAndRemovedBehavior) {
 TEST(PreTokenizerTest, InvalidUtf8BytesArePiecesOfTheirOwn) {
   // Oniguruma never sees the 0xFF; it becomes its own mapped word.
   EXPECT_THAT(Words(R"({"type": "ByteLevel", "add_prefix_space": false})",
-                    "ab\xFF" "cd"),
+                    "ab\xFF"
+                    "cd"),
               ElementsAre("ab", "\xC3\xBF", "cd"));
 }
 

