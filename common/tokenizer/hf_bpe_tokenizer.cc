@@ -156,6 +156,38 @@ std::string UnicodeNormalize(std::string_view s, int options) {
   return out;
 }
 
+// Byte length of the White_Space character (Rust's char::is_whitespace,
+// which HF's lstrip/rstrip use) starting at s[i], or 0.
+size_t WhitespaceLen(std::string_view s, size_t i) {
+  const size_t n = ValidUtf8Len(s, i);
+  if (n == 0) return 0;
+  uint32_t cp = static_cast<unsigned char>(s[i]);
+  if (n > 1) {
+    cp &= 0x7F >> n;
+    for (size_t k = 1; k < n; ++k) {
+      cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+    }
+  }
+  const bool ws = (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 ||
+                  cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
+                  cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+                  cp == 0x205F || cp == 0x3000;
+  return ws ? n : 0;
+}
+
+// Start of the run of whitespace that ends at s[end] (not before `begin`).
+size_t WhitespaceRunStart(std::string_view s, size_t begin, size_t end) {
+  size_t start = end;
+  while (start > begin) {
+    // Step back to the previous character's first byte.
+    size_t k = start - 1;
+    while (k > begin && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    if (WhitespaceLen(s, k) != start - k) break;
+    start = k;
+  }
+  return start;
+}
+
 // Parses a "<0xXX>" byte piece.
 bool ParseBytePiece(std::string_view piece, unsigned char* byte) {
   if (piece.size() != 6 || piece.substr(0, 3) != "<0x" || piece[5] != '>') {
@@ -315,6 +347,8 @@ absl::Status HfBpeTokenizer::ParseVocab(const Json& model, const Json& root) {
       t.special = GetBool(a, "special", false);
       // HF's default: special tokens are matched on the raw text.
       t.normalized = GetBool(a, "normalized", !t.special);
+      t.lstrip = GetBool(a, "lstrip", false);
+      t.rstrip = GetBool(a, "rstrip", false);
       if (t.content.empty()) return Invalid("empty added token content");
       added_.push_back(std::move(t));
       max_id = std::max(max_id, static_cast<int>(id));
@@ -728,12 +762,22 @@ void HfBpeTokenizer::SplitOnAddedTokens(
       ++i;
       continue;
     }
-    if (i > text_start) {
-      out->push_back({s.substr(text_start, i - text_start), -1,
+    // lstrip / rstrip: the match takes the whitespace around it (never
+    // reaching back into an earlier match).
+    const size_t start =
+        best->lstrip ? WhitespaceRunStart(s, text_start, i) : i;
+    size_t stop = i + best->match.size();
+    if (best->rstrip) {
+      for (size_t n; stop < s.size() && (n = WhitespaceLen(s, stop)) > 0;) {
+        stop += n;
+      }
+    }
+    if (start > text_start) {
+      out->push_back({s.substr(text_start, start - text_start), -1,
                       in.at_start && text_start == 0});
     }
-    out->push_back({std::string(), best->id, in.at_start && i == 0});
-    i += best->match.size();
+    out->push_back({std::string(), best->id, in.at_start && start == 0});
+    i = stop;
     text_start = i;
   }
   if (text_start < s.size()) {

@@ -42,8 +42,9 @@ namespace specserve {
 ///   pre-tokenization, as HF does (special tokens written in the text become
 ///   their ids, HF's default): `normalized: false` tokens in the raw text,
 ///   the others (their content normalized too, so with Prepend("▁") "<x>"
-///   matches "▁<x>") in the normalized text; lstrip/rstrip/single_word are
-///   not implemented.
+///   matches "▁<x>") in the normalized text. `lstrip` / `rstrip` make a
+///   match take the whitespace (Unicode White_Space) before / after it, as
+///   HF does; `single_word` is not implemented.
 /// - decoder: Sequence of Replace, ByteFallback, Fuse, Strip, Metaspace, or
 ///   ByteLevel. Special added tokens are skipped. Invalid UTF-8 from bytes:
 ///   ByteLevel yields one U+FFFD per maximal invalid subpart, as HF's
@@ -112,6 +113,8 @@ class HfBpeTokenizer : public Tokenizer {
     int id;
     bool special;
     bool normalized;
+    bool lstrip;  // The match absorbs whitespace before it.
+    bool rstrip;  // The match absorbs whitespace after it.
   };
   struct NormalizerStep {
     enum Type { kPrepend, kReplace, kUnicode } type;
