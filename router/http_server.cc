@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/chat/chat_template.h"
 #include "httplib.h"
 #include "router/request_runner.h"
 #include "router/router_server.h"
@@ -37,6 +38,25 @@ std::string ModelName(RouterServer& router) {
 }
 
 }  // namespace
+
+absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir) {
+  absl::StatusOr<chat::ChatTemplate> t =
+      model_dir.empty() ? absl::NotFoundError("no tokenizer directory")
+                        : chat::LoadChatTemplate(model_dir);
+  std::shared_ptr<const chat::ChatTemplate> tmpl;
+  if (t.ok()) {
+    tmpl = std::make_shared<const chat::ChatTemplate>(*std::move(t));
+  } else if (absl::IsNotFound(t.status())) {
+    tmpl = std::make_shared<const chat::ChatTemplate>(
+        chat::ChatTemplate::Default());
+  } else {
+    return t.status();
+  }
+  openai::ChatFormat f;
+  f.bos_token = tmpl->bos_token();
+  f.render = [tmpl](const json& context) { return tmpl->Render(context); };
+  return f;
+}
 
 bool ConstantTimeEquals(absl::string_view got, absl::string_view want) {
   unsigned diff = got.size() == want.size() ? 0 : 1;
@@ -220,11 +240,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Create(
         absl::StrCat("HTTP threads must be >= 0, got ", options.threads));
   }
   if (!options.chat.render) {
-    options.chat.render =
-        [](const json& messages) -> absl::StatusOr<std::string> {
-      return openai::DefaultChatPrompt(messages);
-    };
-    options.chat.bos_token.clear();
+    auto format = ChatFormatFor(router->options().tokenizer_dir);
+    if (!format.ok()) return format.status();
+    options.chat = *std::move(format);
   }
   return std::unique_ptr<HttpServer>(new HttpServer(router, std::move(options)));
 }

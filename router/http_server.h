@@ -54,7 +54,8 @@ struct HttpServerOptions {
   /// Connection threads; 0 = the router's max_concurrent_requests + 8, so
   /// the router's admission (429), not a queue, bounds the requests.
   int threads = 0;
-  /// How chat messages become prompts; null render = DefaultChatPrompt.
+  /// How chat messages become prompts; null render = ChatFormatFor(the
+  /// router's --tokenizer directory).
   openai::ChatFormat chat;
 };
 
@@ -62,7 +63,8 @@ struct HttpServerOptions {
 /// started for requests to succeed). Thread-safe.
 class HttpServer {
  public:
-  /// INVALID_ARGUMENT for max_body_bytes == 0 or threads < 0.
+  /// INVALID_ARGUMENT for max_body_bytes == 0, threads < 0, or a
+  /// tokenizer_config.json chat template that does not parse.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Create(
       RouterServer* router, HttpServerOptions options);
   ~HttpServer();  ///< Shutdown(no grace).
@@ -121,6 +123,13 @@ class RouterWithHttp {
   const std::unique_ptr<HttpServer> http_;  // null: HTTP off
   const int http_port_;
 };
+
+/// The chat format of a model directory: its tokenizer_config.json
+/// chat_template (common/chat) when present, else
+/// chat::kDefaultChatTemplate ("<role>: <content>\n" per message, then
+/// "assistant:"; BOS added as an id). LoadChatTemplate's INVALID_ARGUMENT
+/// for a template that does not parse. "" = the default template.
+absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir);
 
 /// `got` == `want`, in time that depends on their lengths only.
 bool ConstantTimeEquals(absl::string_view got, absl::string_view want);

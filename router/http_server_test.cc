@@ -7,12 +7,15 @@
 #include "router/http_server.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
@@ -315,6 +318,45 @@ TEST_F(HttpServerTest, StreamingMatchesUnary) {
     EXPECT_EQ(finishes, 1);
     EXPECT_EQ(text, want) << "chat=" << chat;
   }
+}
+
+// A tokenizer directory with a tokenizer_config.json chat template: chat
+// prompts are the template's render, BOS string -> BOS id.
+TEST_F(HttpServerTest, ChatUsesTheTokenizerConfigTemplate) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp ? tmp : "/tmp", "/chat_model");
+  ASSERT_EQ(std::system(absl::StrCat("mkdir -p ", dir, " && cp ", kTargetModel,
+                                     "/tokenizer.model ", dir)
+                            .c_str()),
+            0);
+  std::ofstream(dir + "/tokenizer_config.json") << R"({
+    "bos_token": "<s>", "eos_token": "</s>",
+    "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] | upper }} said: {{ m['content'] | trim }}\n{% endfor %}{% if add_generation_prompt %}Then{% endif %}"})";
+  Start({}, [&](RouterServerOptions* o) { o->tokenizer_dir = dir; });
+  auto res = Post("/v1/chat/completions",
+                  R"({"messages": [{"role": "user", "content": " Lily ran. "},
+                                   {"role": "assistant", "content": "Tom sat."}],
+                      "max_tokens": 16})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json chat = json::parse(res->body);
+  auto ids = tokenizer_->Encode("USER said: Lily ran.\nASSISTANT said: Tom sat.\nThen",
+                                /*add_bos=*/true);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(chat["usage"]["prompt_tokens"], ids->size());
+  // The same ids as a completion prompt give the same text.
+  auto same = Post("/v1/completions",
+                   json{{"prompt", *ids}, {"max_tokens", 16}}.dump());
+  ASSERT_TRUE(same && same->status == 200);
+  EXPECT_EQ(chat["choices"][0]["message"]["content"],
+            json::parse(same->body)["choices"][0]["text"]);
+  // add_generation_prompt: false drops "Then".
+  auto nogen = Post("/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": "Hi"}],
+                        "add_generation_prompt": false, "max_tokens": 2})");
+  ASSERT_TRUE(nogen && nogen->status == 200) << nogen->body;
+  EXPECT_EQ(json::parse(nogen->body)["usage"]["prompt_tokens"],
+            tokenizer_->Encode("USER said: Hi\n", true)->size());
 }
 
 TEST_F(HttpServerTest, StopStringsAndSeeds) {

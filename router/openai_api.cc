@@ -333,16 +333,6 @@ std::optional<std::string> ParamOf(const absl::Status& status) {
   return std::string(*p);
 }
 
-std::string DefaultChatPrompt(const json& messages) {
-  std::string out;
-  for (const json& m : messages) {
-    absl::StrAppend(&out, m.value("role", ""), ": ", m.value("content", ""),
-                    "\n");
-  }
-  out += "assistant:";
-  return out;
-}
-
 absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
                                                absl::string_view bos_token,
                                                const Tokenizer& tokenizer) {
@@ -406,10 +396,23 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     return ParamError("messages",
                       "chat completions need the router's --tokenizer");
   }
-  auto text = chat.render(*messages);
+  json context = {{"messages", *messages}, {"add_generation_prompt", true}};
+  if (const json* kw = Member(body, "chat_template_kwargs"); kw != nullptr) {
+    if (!kw->is_object()) {
+      return WrongType("chat_template_kwargs", "an object", *kw);
+    }
+    for (auto it = kw->begin(); it != kw->end(); ++it) {
+      context[it.key()] = it.value();
+    }
+  }
+  SPECSERVE_ASSIGN(gen, GetBool(body, "add_generation_prompt",
+                                "add_generation_prompt"));
+  if (gen) context["add_generation_prompt"] = *gen;
+  context["messages"] = *messages;
+  auto text = chat.render(context);
   if (!text.ok()) {
-    return ParamError("messages", absl::StrCat("chat template: ",
-                                               text.status().message()));
+    if (!absl::IsInvalidArgument(text.status())) return text.status();
+    return ParamError("messages", text.status().message());
   }
   auto ids = ChatPromptIds(*text, chat.bos_token, *tokenizer);
   if (!ids.ok()) return ids.status();

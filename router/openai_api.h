@@ -40,39 +40,38 @@ struct ParsedRequest {
   bool include_usage = false;  ///< stream_options.include_usage.
 };
 
-/// Chat messages -> prompt text. `messages` is the normalized array
-/// [{"role": str, "content": str}, ...] (content parts joined). The text
-/// may start with the tokenizer's BOS string (Jinja templates write
+/// Chat messages -> prompt text. `context` is the template's:
+/// {"messages": [{"role": str, "content": str}, ...] (content parts joined),
+/// "add_generation_prompt": bool, plus the request's chat_template_kwargs}.
+/// The text may start with the BOS string (Jinja templates write
 /// `bos_token`); ChatPromptIds strips it and adds the BOS id instead.
+/// INVALID_ARGUMENT for a conversation the template refuses (a 400).
 using ChatRenderer =
-    std::function<absl::StatusOr<std::string>(const nlohmann::json& messages)>;
+    std::function<absl::StatusOr<std::string>(const nlohmann::json& context)>;
 
 /// How chat requests become prompts: the renderer and the BOS string its
 /// output may start with ("" = the renderer never writes one).
 struct ChatFormat {
-  ChatRenderer render;  ///< null: chat is refused (no tokenizer).
+  ChatRenderer render;  ///< null: chat is refused.
   std::string bos_token;
 };
-
-/// The template of models without a chat_template (the bundled
-/// TinyStories models): "<role>: <content>\n" per message, then
-/// "assistant:" (README "OpenAI-compatible HTTP API").
-std::string DefaultChatPrompt(const nlohmann::json& messages);
 
 /// The prompt ids of rendered chat text: a leading `bos_token` string is
 /// removed and the text encoded with the BOS id prepended; without one it
 /// is encoded as is (no BOS) when `bos_token` is non-empty, with BOS when
 /// `bos_token` is empty and the tokenizer has one (a template that does not
-/// know the model's BOS, e.g. DefaultChatPrompt). INTERNAL from the
+/// know the model's BOS, e.g. the default template). INTERNAL from the
 /// tokenizer.
 absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
                                                absl::string_view bos_token,
                                                const Tokenizer& tokenizer);
 
 /// Parses a POST body. Completions: `prompt` is a string, a list of token
-/// ids, or a one-element list of either. Chat: `messages` (rendered by
-/// `chat`, tokenized by `tokenizer` into token_ids with ChatPromptIds; both
-/// required for chat, else INVALID_ARGUMENT). Errors: INVALID_ARGUMENT with ParamOf() naming the
+/// ids, or a one-element list of either. Chat: `messages` rendered by
+/// `chat` (with vLLM's `add_generation_prompt`, default true, and
+/// `chat_template_kwargs`), tokenized by `tokenizer` into token_ids with
+/// ChatPromptIds; both required for chat, else INVALID_ARGUMENT. A
+/// renderer's error other than INVALID_ARGUMENT is returned as is. Errors: INVALID_ARGUMENT with ParamOf() naming the
 /// field for malformed JSON, a missing or mistyped field, a value out of
 /// range (temperature [0, 2], top_p (0, 1], max_tokens >= 1, n = 1, ...),
 /// stream_options without stream.

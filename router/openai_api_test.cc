@@ -144,9 +144,14 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   ASSERT_TRUE(tok.ok()) << tok.status();
   json seen;
   ChatFormat f;
-  f.render = [&seen](const json& m) -> absl::StatusOr<std::string> {
-    seen = m;
-    return DefaultChatPrompt(m);
+  f.render = [&seen](const json& ctx) -> absl::StatusOr<std::string> {
+    seen = ctx;
+    std::string out;
+    for (const json& m : ctx["messages"]) {
+      out += m["role"].get<std::string>() + ": " +
+             m["content"].get<std::string>() + "\n";
+    }
+    return out + (ctx["add_generation_prompt"] == true ? "assistant:" : "");
   };
   const json body = {
       {"messages",
@@ -158,15 +163,29 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
         {{"role", "assistant"}, {"content", nullptr}}}}};
   auto p = ParseRequest(Endpoint::kChat, body.dump(), f, tok->get());
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(seen, json::parse(R"([{"role":"system","content":"Be nice."},
-      {"role":"user","content":"Hi there"},{"role":"assistant","content":""}])"));
+  EXPECT_EQ(seen, json::parse(R"({"messages": [
+      {"role":"system","content":"Be nice."},
+      {"role":"user","content":"Hi there"},{"role":"assistant","content":""}],
+      "add_generation_prompt": true})"));
   const std::string prompt =
       "system: Be nice.\nuser: Hi there\nassistant: \nassistant:";
-  EXPECT_EQ(DefaultChatPrompt(seen), prompt);
   auto want = (*tok)->Encode(prompt, /*add_bos=*/true);
   ASSERT_TRUE(want.ok());
   const auto& ids = p->request.token_ids().ids();
   EXPECT_EQ(std::vector<int>(ids.begin(), ids.end()), *want);
+
+  // vLLM's add_generation_prompt and chat_template_kwargs reach the
+  // template.
+  json body2 = body;
+  body2["add_generation_prompt"] = false;
+  body2["chat_template_kwargs"] = {{"enable_thinking", false}};
+  ASSERT_TRUE(ParseRequest(Endpoint::kChat, body2.dump(), f, tok->get()).ok());
+  EXPECT_EQ(seen["add_generation_prompt"], false);
+  EXPECT_EQ(seen["enable_thinking"], false);
+  body2["chat_template_kwargs"] = 1;
+  EXPECT_EQ(ParamOf(ParseRequest(Endpoint::kChat, body2.dump(), f, tok->get())
+                        .status()),
+            "chat_template_kwargs");
 
   // Without a tokenizer chat is refused; a template error is a 400.
   EXPECT_FALSE(ParseRequest(Endpoint::kChat, body.dump(), f, nullptr).ok());
@@ -175,7 +194,16 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   };
   auto bad = ParseRequest(Endpoint::kChat, body.dump(), f, tok->get());
   ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(ParamOf(bad.status()), "messages");
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "boom"));
+  // A template the server cannot run is the server's error.
+  f.render = [](const json&) -> absl::StatusOr<std::string> {
+    return absl::UnimplementedError("unsupported");
+  };
+  EXPECT_EQ(ParseRequest(Endpoint::kChat, body.dump(), f, tok->get())
+                .status()
+                .code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST(ChatPromptIdsTest, BosStringBecomesTheBosId) {
