@@ -124,16 +124,17 @@ class HttpHandlers {
                      });
       s->Unregister(&runner);
       s->router_->Done(st);
-      if (!st.ok()) return SendError(res, st);
+      if (!st.ok()) return SendError(res, openai::NameParam(st, endpoint));
       res.set_content(Dump(builder.Response(out)), kJson);
       return;
     }
-    Stream(s, std::move(parsed->request), start, deadline, std::move(builder),
-           res);
+    Stream(s, endpoint, std::move(parsed->request), start, deadline,
+           std::move(builder), res);
   }
 
  private:
-  static void Stream(HttpServer* s, v1::GenerateTextRequest request,
+  static void Stream(HttpServer* s, openai::Endpoint endpoint,
+                     v1::GenerateTextRequest request,
                      absl::Time start, absl::Time deadline,
                      openai::ResponseBuilder builder, httplib::Response& res) {
     auto call = std::make_shared<HttpServer::Stream>(s->router_->backends(),
@@ -171,7 +172,7 @@ class HttpHandlers {
     }
     if (!started) {
       call->worker.join();
-      return SendError(res, early);
+      return SendError(res, openai::NameParam(early, endpoint));
     }
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(

@@ -9,6 +9,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -419,6 +420,27 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   if (ids->empty()) return ParamError("messages", "the chat prompt is empty");
   r.mutable_token_ids()->mutable_ids()->Add(ids->begin(), ids->end());
   return out;
+}
+
+absl::Status NameParam(absl::Status status, Endpoint endpoint) {
+  if (!absl::IsInvalidArgument(status) || ParamOf(status)) return status;
+  absl::string_view field = status.message();
+  field = field.substr(0, field.find_first_of(" :=["));
+  std::string param;
+  if (absl::StartsWith(field, "token_ids") || field == "text" ||
+      field == "prompt") {
+    param = endpoint == Endpoint::kChat ? "messages" : "prompt";
+  } else if (field == "sampling.max_new_tokens") {
+    param = "max_tokens";
+  } else if (absl::ConsumePrefix(&field, "sampling.")) {
+    param = std::string(field);
+  } else if (absl::StartsWith(field, "speculative_prefill.") ||
+             absl::StartsWith(field, "speculative_decoding.")) {
+    param = std::string(field);
+  } else {
+    return status;
+  }
+  return WithParam(std::move(status), param);
 }
 
 int HttpStatus(const absl::Status& status) {

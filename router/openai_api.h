@@ -87,6 +87,13 @@ absl::Status WithParam(absl::Status status, absl::string_view param);
 /// The `param` attached by ParamError, if any.
 std::optional<std::string> ParamOf(const absl::Status& status);
 
+/// A router error in API terms: an INVALID_ARGUMENT from the runner names a
+/// field of the gRPC request in its first word ("sampling.top_p must ...",
+/// "token_ids.ids[3] = ..."); the OpenAI parameter it came from is attached
+/// (`prompt` / `messages`, `max_tokens`, `temperature`, `stop`,
+/// `speculative_prefill.keep_ratio`, ...). Other statuses pass unchanged.
+absl::Status NameParam(absl::Status status, Endpoint endpoint);
+
 /// HTTP status of an error: 400 INVALID_ARGUMENT / OUT_OF_RANGE, 401
 /// UNAUTHENTICATED, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 503
 /// UNAVAILABLE / FAILED_PRECONDITION (replicas unusable), 504

@@ -220,6 +220,30 @@ TEST(ChatPromptIdsTest, BosStringBecomesTheBosId) {
   EXPECT_EQ((*with)[0], t.bos_id());
 }
 
+TEST(StatusMappingTest, RouterErrorsNameTheParameter) {
+  const auto param = [](const char* msg, Endpoint e = Endpoint::kCompletions) {
+    return ParamOf(NameParam(absl::InvalidArgumentError(msg), e))
+        .value_or("(none)");
+  };
+  EXPECT_EQ(param("token_ids.ids[3] = 9 is outside"), "prompt");
+  EXPECT_EQ(param("token_ids.ids[3] = 9 is outside", Endpoint::kChat),
+            "messages");
+  EXPECT_EQ(param("prompt: 600 tokens leave no room"), "prompt");
+  EXPECT_EQ(param("sampling.max_new_tokens must be >= 1"), "max_tokens");
+  EXPECT_EQ(param("sampling.top_p must be in (0, 1]"), "top_p");
+  EXPECT_EQ(param("sampling.stop_token_ids[0] = 7 is outside"),
+            "stop_token_ids");
+  EXPECT_EQ(param("speculative_prefill.keep_ratio must be"),
+            "speculative_prefill.keep_ratio");
+  EXPECT_EQ(param("something else"), "(none)");
+  // An existing param and other codes are kept.
+  EXPECT_EQ(ParamOf(NameParam(ParamError("n", "sampling.x"),
+                              Endpoint::kCompletions)),
+            "n");
+  EXPECT_FALSE(ParamOf(NameParam(absl::UnavailableError("token_ids"),
+                                 Endpoint::kCompletions)));
+}
+
 TEST(StatusMappingTest, HttpStatusesAndErrorShape) {
   EXPECT_EQ(HttpStatus(absl::UnauthenticatedError("")), 401);
   EXPECT_EQ(HttpStatus(absl::NotFoundError("")), 404);
