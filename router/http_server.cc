@@ -1,5 +1,7 @@
 #include "router/http_server.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <deque>
@@ -261,6 +263,13 @@ absl::Status HttpServer::Start(int port) {
   httplib::Server& srv = *server_;
   srv.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   srv.set_payload_max_length(options_.max_body_bytes);
+  // httplib's default is SO_REUSEPORT, which lets a second server bind a
+  // port in use and split its connections; SO_REUSEADDR only allows the
+  // restart of one whose old connections linger in TIME_WAIT.
+  srv.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   srv.set_pre_routing_handler([this](const httplib::Request& req,
                                      httplib::Response& res) {
     if (options_.api_key.empty() || !absl::StartsWith(req.path, "/v1/")) {
@@ -290,12 +299,12 @@ absl::Status HttpServer::Start(int port) {
   srv.Get("/v1/models", [this](const httplib::Request&,
                                httplib::Response& res) {
     json data = json::array();
-    if (const std::string m = ModelName(*router_); !m.empty()) {
-      data.push_back(
-          {{"id", m}, {"object", "model"}, {"created", 0},
-           {"owned_by", "specserve"},
-           {"max_model_len",
-            router_->target_pool().model_info()->max_context()}});
+    if (const auto info = router_->target_pool().model_info()) {
+      data.push_back({{"id", info->model_id()},
+                      {"object", "model"},
+                      {"created", 0},
+                      {"owned_by", "specserve"},
+                      {"max_model_len", info->max_context()}});
     }
     res.set_content(Dump({{"object", "list"}, {"data", data}}), kJson);
   });
@@ -331,7 +340,14 @@ absl::Status HttpServer::Start(int port) {
         "cannot listen for HTTP on ", options_.host, ":", port));
   }
   port_ = bound;
-  listener_ = std::thread([this] { server_->listen_after_bind(); });
+  listener_ = std::thread([this] {
+    server_->listen_after_bind();
+    listener_done_ = true;
+  });
+  // stop() is a no-op until the listener runs: Shutdown must not race it.
+  while (!server_->is_running() && !listener_done_) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   return absl::OkStatus();
 }
 

@@ -19,7 +19,8 @@
 // after it are an error event before `data: [DONE]`. A client that closes a
 // stream cancels the request (both services free their sessions) within one
 // poll period (100 ms); one that closes while waiting for the first token is
-// noticed at that token.
+// noticed at that token. A non-streaming request runs to its end (bounded
+// by max_tokens and the deadline) even if its client has gone.
 
 #include <atomic>
 #include <cstddef>
@@ -92,6 +93,7 @@ class HttpServer {
   const HttpServerOptions options_;
   std::unique_ptr<httplib::Server> server_;
   std::thread listener_;
+  std::atomic<bool> listener_done_{false};
   int port_ = 0;
 
   mutable absl::Mutex mu_;

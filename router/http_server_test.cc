@@ -491,6 +491,24 @@ TEST_F(HttpServerTest, ApiKey) {
   EXPECT_NE(health->status, 401);
 }
 
+TEST_F(HttpServerTest, StartErrorsAndRouterWithHttp) {
+  Start();
+  // The port is taken.
+  auto other = HttpServer::Create(router_.get(), {});
+  ASSERT_TRUE(other.ok());
+  const absl::Status busy = (*other)->Start(http_->port());
+  EXPECT_EQ(busy.code(), absl::StatusCode::kUnavailable) << busy;
+  EXPECT_EQ((*http_).Start(0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(RouterWithHttp::Create(router_.get(), {}, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RouterWithHttp::Create(router_.get(), {}, 70000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  HttpServerOptions bad;
+  bad.max_body_bytes = 0;
+  EXPECT_EQ(HttpServer::Create(router_.get(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ConstantTimeEqualsTest, ComparesWholeStrings) {
   EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
   EXPECT_TRUE(ConstantTimeEquals("", ""));
