@@ -263,6 +263,7 @@ absl::Status HttpServer::Start(int port) {
   httplib::Server& srv = *server_;
   srv.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   srv.set_payload_max_length(options_.max_body_bytes);
+  srv.set_tcp_nodelay(true);  // stream chunks are small and latency-bound
   // httplib's default is SO_REUSEPORT, which lets a second server bind a
   // port in use and split its connections; SO_REUSEADDR only allows the
   // restart of one whose old connections linger in TIME_WAIT.
