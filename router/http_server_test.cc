@@ -303,7 +303,9 @@ TEST_F(HttpServerTest, StreamingMatchesUnary) {
       EXPECT_TRUE(e["usage"].is_null());
       const json& c = e["choices"][0];
       if (chat) {
-        if (i == 0) EXPECT_EQ(c["delta"]["role"], "assistant");
+        if (i == 0) {
+          EXPECT_EQ(c["delta"]["role"], "assistant");
+        }
         if (c["delta"].contains("content")) text += c["delta"]["content"];
       } else {
         text += c["text"];

@@ -19,7 +19,7 @@ using json = nlohmann::json;
 std::string Dir(const std::string& name, const std::string& config) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string dir = absl::StrCat(tmp ? tmp : "/tmp", "/", name);
-  std::system(absl::StrCat("mkdir -p '", dir, "'").c_str());
+  EXPECT_EQ(std::system(absl::StrCat("mkdir -p '", dir, "'").c_str()), 0);
   if (!config.empty()) std::ofstream(dir + "/tokenizer_config.json") << config;
   return dir;
 }
