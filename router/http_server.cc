@@ -56,6 +56,7 @@ absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir) {
   }
   openai::ChatFormat f;
   f.bos_token = tmpl->bos_token();
+  f.add_bos = tmpl->is_default();
   f.render = [tmpl](const json& context) { return tmpl->Render(context); };
   return f;
 }

@@ -335,11 +335,11 @@ std::optional<std::string> ParamOf(const absl::Status& status) {
 }
 
 absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
-                                               absl::string_view bos_token,
+                                               const ChatFormat& format,
                                                const Tokenizer& tokenizer) {
-  bool add_bos = bos_token.empty();
-  if (!bos_token.empty() && absl::StartsWith(text, bos_token)) {
-    text.remove_prefix(bos_token.size());
+  bool add_bos = format.add_bos;
+  if (!format.bos_token.empty() && absl::StartsWith(text, format.bos_token)) {
+    text.remove_prefix(format.bos_token.size());
     add_bos = true;
   }
   return tokenizer.Encode(std::string_view(text.data(), text.size()), add_bos);
@@ -391,6 +391,12 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     if (auto s = ParsePrompt(body, &r); !s.ok()) return s;
     return out;
   }
+  // Tool calling needs the template's tool prompt and a tool-call parser:
+  // refused rather than silently ignored.
+  if (const json* tools = Member(body, "tools");
+      tools != nullptr && !(tools->is_array() && tools->empty())) {
+    return ParamError("tools", "'tools' (function calling) is not supported");
+  }
   auto messages = NormalizeMessages(body);
   if (!messages.ok()) return messages.status();
   if (tokenizer == nullptr || !chat.render) {
@@ -415,7 +421,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     if (!absl::IsInvalidArgument(text.status())) return text.status();
     return ParamError("messages", text.status().message());
   }
-  auto ids = ChatPromptIds(*text, chat.bos_token, *tokenizer);
+  auto ids = ChatPromptIds(*text, chat, *tokenizer);
   if (!ids.ok()) return ids.status();
   if (ids->empty()) return ParamError("messages", "the chat prompt is empty");
   r.mutable_token_ids()->mutable_ids()->Add(ids->begin(), ids->end());

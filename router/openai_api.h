@@ -44,26 +44,29 @@ struct ParsedRequest {
 /// {"messages": [{"role": str, "content": str}, ...] (content parts joined),
 /// "add_generation_prompt": bool, plus the request's chat_template_kwargs}.
 /// The text may start with the BOS string (Jinja templates write
-/// `bos_token`); ChatPromptIds strips it and adds the BOS id instead.
+/// `bos_token`); ChatPromptIds turns it into the BOS id.
 /// INVALID_ARGUMENT for a conversation the template refuses (a 400).
 using ChatRenderer =
     std::function<absl::StatusOr<std::string>(const nlohmann::json& context)>;
 
-/// How chat requests become prompts: the renderer and the BOS string its
-/// output may start with ("" = the renderer never writes one).
+/// How chat requests become prompts: the renderer, the BOS string its
+/// output may start with ("" = none), and whether to prepend the BOS id when
+/// the output does not start with it (true for a template that does not
+/// know the model's BOS, e.g. the default; false for the model's own
+/// template, which writes `bos_token` where the model wants it).
 struct ChatFormat {
   ChatRenderer render;  ///< null: chat is refused.
   std::string bos_token;
+  bool add_bos = false;
 };
 
-/// The prompt ids of rendered chat text: a leading `bos_token` string is
-/// removed and the text encoded with the BOS id prepended; without one it
-/// is encoded as is (no BOS) when `bos_token` is non-empty, with BOS when
-/// `bos_token` is empty and the tokenizer has one (a template that does not
-/// know the model's BOS, e.g. the default template). INTERNAL from the
-/// tokenizer.
+/// The prompt ids of rendered chat text: a leading `bos_token` (when
+/// non-empty) is removed and the rest encoded after the BOS id; otherwise
+/// the text is encoded with the BOS id only if `add_bos`. The tokenizer's
+/// BOS rule applies (none when its vocabulary has no BOS). INTERNAL from
+/// the tokenizer.
 absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
-                                               absl::string_view bos_token,
+                                               const ChatFormat& format,
                                                const Tokenizer& tokenizer);
 
 /// Parses a POST body. Completions: `prompt` is a string, a list of token

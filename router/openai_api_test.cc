@@ -144,6 +144,7 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   ASSERT_TRUE(tok.ok()) << tok.status();
   json seen;
   ChatFormat f;
+  f.add_bos = true;
   f.render = [&seen](const json& ctx) -> absl::StatusOr<std::string> {
     seen = ctx;
     std::string out;
@@ -187,6 +188,17 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
                         .status()),
             "chat_template_kwargs");
 
+  // Function calling is refused, not ignored.
+  json with_tools = body;
+  with_tools["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}}}}};
+  EXPECT_EQ(ParamOf(ParseRequest(Endpoint::kChat, with_tools.dump(), f,
+                                 tok->get())
+                        .status()),
+            "tools");
+  with_tools["tools"] = json::array();
+  EXPECT_TRUE(
+      ParseRequest(Endpoint::kChat, with_tools.dump(), f, tok->get()).ok());
+
   // Without a tokenizer chat is refused; a template error is a 400.
   EXPECT_FALSE(ParseRequest(Endpoint::kChat, body.dump(), f, nullptr).ok());
   f.render = [](const json&) -> absl::StatusOr<std::string> {
@@ -210,13 +222,19 @@ TEST(ChatPromptIdsTest, BosStringBecomesTheBosId) {
   auto tok = LoadTokenizer("models/stories260K");
   ASSERT_TRUE(tok.ok()) << tok.status();
   const Tokenizer& t = **tok;
-  auto with = ChatPromptIds("<s>Hello", "<s>", t);
-  auto plain = ChatPromptIds("Hello", "<s>", t);
-  auto default_fmt = ChatPromptIds("Hello", "", t);
-  ASSERT_TRUE(with.ok() && plain.ok() && default_fmt.ok());
+  ChatFormat model_template;  // writes its own BOS string
+  model_template.bos_token = "<s>";
+  ChatFormat default_template;  // knows no BOS
+  default_template.add_bos = true;
+  auto with = ChatPromptIds("<s>Hello", model_template, t);
+  auto plain = ChatPromptIds("Hello", model_template, t);
+  auto default_fmt = ChatPromptIds("Hello", default_template, t);
+  auto no_bos = ChatPromptIds("Hello", ChatFormat(), t);
+  ASSERT_TRUE(with.ok() && plain.ok() && default_fmt.ok() && no_bos.ok());
   EXPECT_EQ(*with, *t.Encode("Hello", true));
   EXPECT_EQ(*plain, *t.Encode("Hello", false));
   EXPECT_EQ(*default_fmt, *t.Encode("Hello", true));
+  EXPECT_EQ(*no_bos, *t.Encode("Hello", false));
   EXPECT_EQ((*with)[0], t.bos_id());
 }
 
