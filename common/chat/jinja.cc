@@ -33,22 +33,40 @@ struct Error : std::runtime_error {
 // ---------------------------------------------------------------- values
 
 // A template value: JSON data, or Jinja's `undefined` (a missing variable,
-// attribute or key).
+// attribute or key). Data is shared and immutable: a variable, attribute or
+// item refers into its parent (shared_ptr aliasing) instead of copying it,
+// so templates that look at `messages` in every iteration stay linear.
 struct Value {
   bool undefined = false;
-  json j;
+  std::shared_ptr<const json> p;  // never null
+
+  Value() : p(NullJson()) {}
+  Value(json x)  // NOLINT: implicit on purpose
+      : p(std::make_shared<const json>(std::move(x))) {}
   static Value Undefined() {
     Value v;
     v.undefined = true;
     return v;
   }
-  Value() = default;
-  Value(json x) : j(std::move(x)) {}  // NOLINT: implicit on purpose
+  // `child` lives inside `parent`'s data.
+  static Value Alias(const Value& parent, const json& child) {
+    Value v;
+    v.p = std::shared_ptr<const json>(parent.p, &child);
+    return v;
+  }
+  const json& j() const { return *p; }
+
+ private:
+  static const std::shared_ptr<const json>& NullJson() {
+    static const auto* null = new std::shared_ptr<const json>(
+        std::make_shared<const json>(nullptr));
+    return *null;
+  }
 };
 
 bool Truthy(const Value& v) {
   if (v.undefined) return false;
-  const json& j = v.j;
+  const json& j = v.j();
   switch (j.type()) {
     case json::value_t::null:
       return false;
@@ -76,7 +94,7 @@ std::string FormatFloat(double d) {
 // Python's str() of a value, as `{{ }}` prints it.
 std::string ToString(const Value& v) {
   if (v.undefined) return "";
-  const json& j = v.j;
+  const json& j = v.j();
   switch (j.type()) {
     case json::value_t::null:
       return "None";
@@ -93,7 +111,7 @@ std::string ToString(const Value& v) {
 
 const char* TypeName(const Value& v) {
   if (v.undefined) return "undefined";
-  return v.j.type_name();
+  return v.j().type_name();
 }
 
 // --- strings: JavaScript's / Python's whitespace for strip().
@@ -886,9 +904,9 @@ std::vector<std::string> CodePoints(const std::string& s) {
 std::vector<int64_t> SliceIndices(int64_t n, const Value& start,
                                   const Value& stop, const Value& step) {
   auto get = [](const Value& v, int64_t dflt) {
-    if (v.undefined || v.j.is_null()) return dflt;
-    if (!v.j.is_number_integer()) Fail("slice indices must be integers");
-    return v.j.get<int64_t>();
+    if (v.undefined || v.j().is_null()) return dflt;
+    if (!v.j().is_number_integer()) Fail("slice indices must be integers");
+    return v.j().get<int64_t>();
   };
   const int64_t k = get(step, 1);
   if (k == 0) Fail("slice step cannot be zero");
@@ -898,10 +916,10 @@ std::vector<int64_t> SliceIndices(int64_t n, const Value& start,
     (void)is_start;
     return std::min(std::max<int64_t>(i, -1), n - 1);
   };
-  const int64_t b = (start.undefined || start.j.is_null())
+  const int64_t b = (start.undefined || start.j().is_null())
                         ? (k > 0 ? 0 : n - 1)
                         : clamp(get(start, 0), true);
-  const int64_t e = (stop.undefined || stop.j.is_null())
+  const int64_t e = (stop.undefined || stop.j().is_null())
                         ? (k > 0 ? n : -1)
                         : clamp(get(stop, 0), false);
   std::vector<int64_t> out;
@@ -910,19 +928,19 @@ std::vector<int64_t> SliceIndices(int64_t n, const Value& start,
 }
 
 double Num(const Value& v, const char* what) {
-  if (v.undefined || !v.j.is_number()) {
+  if (v.undefined || !v.j().is_number()) {
     Fail(absl::StrCat(what, ": expected a number, got ", TypeName(v)));
   }
-  return v.j.get<double>();
+  return v.j().get<double>();
 }
 
-bool IsInt(const Value& v) { return !v.undefined && v.j.is_number_integer(); }
+bool IsInt(const Value& v) { return !v.undefined && v.j().is_number_integer(); }
 
 const std::string& Str(const Value& v, const char* what) {
-  if (v.undefined || !v.j.is_string()) {
+  if (v.undefined || !v.j().is_string()) {
     Fail(absl::StrCat(what, ": expected a string, got ", TypeName(v)));
   }
-  return v.j.get_ref<const std::string&>();
+  return v.j().get_ref<const std::string&>();
 }
 
 // transformers' tojson: json.dumps(x, ensure_ascii=False) separators
@@ -973,8 +991,9 @@ class Interpreter {
   explicit Interpreter(const json& context) {
     scopes_.emplace_back();
     if (context.is_object()) {
-      for (auto it = context.begin(); it != context.end(); ++it) {
-        scopes_.back()[it.key()] = Value(it.value());
+      const Value root(context);  // the one copy of the context
+      for (auto it = root.j().begin(); it != root.j().end(); ++it) {
+        scopes_.back()[it.key()] = Value::Alias(root, it.value());
       }
     }
   }
@@ -1009,11 +1028,13 @@ class Interpreter {
           break;
         }
         Value* ns = Find(n.target);
-        if (ns == nullptr || ns->undefined || !ns->j.is_object()) {
+        if (ns == nullptr || ns->undefined || !ns->j().is_object()) {
           Fail(absl::StrCat("line ", n.line, ": cannot set attribute of '",
                             n.target, "' (not a namespace)"));
         }
-        ns->j[n.attr] = std::move(v.j);
+        json updated = ns->j();  // copy on write: data is shared
+        updated[n.attr] = v.j();
+        *ns = Value(std::move(updated));
         break;
       }
     }
@@ -1036,44 +1057,48 @@ class Interpreter {
   }
 
   // The items a for loop or filter iterates.
-  static std::vector<json> Items(const Value& v, const char* what) {
-    if (v.undefined || v.j.is_null()) return {};
-    if (v.j.is_array()) return {v.j.begin(), v.j.end()};
-    if (v.j.is_object()) {
-      std::vector<json> keys;
-      for (auto it = v.j.begin(); it != v.j.end(); ++it) {
-        keys.push_back(it.key());
-      }
-      return keys;
+  static std::vector<Value> Items(const Value& v, const char* what) {
+    std::vector<Value> out;
+    if (v.undefined || v.j().is_null()) return out;
+    if (v.j().is_array()) {
+      for (const json& x : v.j()) out.push_back(Value::Alias(v, x));
+      return out;
     }
-    if (v.j.is_string()) {
-      std::vector<json> out;
-      for (auto& c : CodePoints(v.j.get<std::string>())) out.push_back(c);
+    if (v.j().is_object()) {
+      for (auto it = v.j().begin(); it != v.j().end(); ++it) {
+        out.push_back(Value(it.key()));
+      }
+      return out;
+    }
+    if (v.j().is_string()) {
+      for (auto& c : CodePoints(v.j().get<std::string>())) {
+        out.push_back(Value(std::move(c)));
+      }
       return out;
     }
     Fail(absl::StrCat(what, ": ", TypeName(v), " is not iterable"));
   }
 
-  void Bind(const std::vector<std::string>& vars, const json& item) {
+  void Bind(const std::vector<std::string>& vars, const Value& item) {
     if (vars.size() == 1) {
-      scopes_.back()[vars[0]] = Value(item);
+      scopes_.back()[vars[0]] = item;
       return;
     }
-    if (!item.is_array() || item.size() != vars.size()) {
-      Fail(absl::StrCat("cannot unpack ", item.type_name(), " into ",
+    if (!item.j().is_array() || item.j().size() != vars.size()) {
+      Fail(absl::StrCat("cannot unpack ", TypeName(item), " into ",
                         vars.size(), " loop variables"));
     }
     for (size_t i = 0; i < vars.size(); ++i) {
-      scopes_.back()[vars[i]] = Value(item[i]);
+      scopes_.back()[vars[i]] = Value::Alias(item, item.j()[i]);
     }
   }
 
   void For(const Node& n, std::string* out) {
-    std::vector<json> items = Items(Eval(*n.expr), "for");
+    std::vector<Value> items = Items(Eval(*n.expr), "for");
     scopes_.emplace_back();
     if (n.filter) {
-      std::vector<json> kept;
-      for (const json& item : items) {
+      std::vector<Value> kept;
+      for (const Value& item : items) {
         Bind(n.vars, item);
         if (Truthy(Eval(*n.filter))) kept.push_back(item);
       }
@@ -1090,8 +1115,8 @@ class Interpreter {
                    {"revindex", len - i},   {"revindex0", len - i - 1},
                    {"first", i == 0},       {"last", i == len - 1},
                    {"length", len}};
-      if (i > 0) loop["previtem"] = items[i - 1];
-      if (i + 1 < len) loop["nextitem"] = items[i + 1];
+      if (i > 0) loop["previtem"] = items[i - 1].j();
+      if (i + 1 < len) loop["nextitem"] = items[i + 1].j();
       scopes_.back()["loop"] = Value(std::move(loop));
       Run(*n.body, out);
     }
@@ -1110,9 +1135,9 @@ class Interpreter {
       }
       case Expr::kAttr: {
         Value obj = Eval(*e.args[0]);
-        if (!obj.undefined && obj.j.is_object()) {
-          auto it = obj.j.find(e.name);
-          if (it != obj.j.end()) return Value(*it);
+        if (!obj.undefined && obj.j().is_object()) {
+          auto it = obj.j().find(e.name);
+          if (it != obj.j().end()) return Value::Alias(obj, *it);
         }
         return Value::Undefined();
       }
@@ -1124,16 +1149,16 @@ class Interpreter {
         for (int i = 0; i < 3; ++i) {
           parts[i] = e.args[i + 1] ? Eval(*e.args[i + 1]) : Value::Undefined();
         }
-        if (!obj.undefined && obj.j.is_array()) {
+        if (!obj.undefined && obj.j().is_array()) {
           json out = json::array();
-          for (int64_t i : SliceIndices(obj.j.size(), parts[0], parts[1],
+          for (int64_t i : SliceIndices(obj.j().size(), parts[0], parts[1],
                                         parts[2])) {
-            out.push_back(obj.j[i]);
+            out.push_back(obj.j()[i]);
           }
           return Value(std::move(out));
         }
-        if (!obj.undefined && obj.j.is_string()) {
-          const auto cps = CodePoints(obj.j.get<std::string>());
+        if (!obj.undefined && obj.j().is_string()) {
+          const auto cps = CodePoints(obj.j().get<std::string>());
           std::string out;
           for (int64_t i : SliceIndices(cps.size(), parts[0], parts[1],
                                         parts[2])) {
@@ -1155,7 +1180,7 @@ class Interpreter {
         return Value(!Truthy(Eval(*e.args[0])));
       case Expr::kNeg: {
         Value v = Eval(*e.args[0]);
-        if (IsInt(v)) return Value(-v.j.get<int64_t>());
+        if (IsInt(v)) return Value(-v.j().get<int64_t>());
         return Value(-Num(v, "unary -"));
       }
       case Expr::kBinary:
@@ -1164,13 +1189,13 @@ class Interpreter {
         return Truthy(Eval(*e.args[0])) ? Eval(*e.args[1]) : Eval(*e.args[2]);
       case Expr::kList: {
         json out = json::array();
-        for (const auto& a : e.args) out.push_back(Eval(*a).j);
+        for (const auto& a : e.args) out.push_back(Eval(*a).j());
         return Value(std::move(out));
       }
       case Expr::kDict: {
         json out = json::object();
         for (size_t i = 0; i + 1 < e.args.size(); i += 2) {
-          out[Str(Eval(*e.args[i]), "dict key")] = Eval(*e.args[i + 1]).j;
+          out[Str(Eval(*e.args[i]), "dict key")] = Eval(*e.args[i + 1]).j();
         }
         return Value(std::move(out));
       }
@@ -1180,23 +1205,23 @@ class Interpreter {
 
   static Value Index(const Value& obj, const Value& idx) {
     if (obj.undefined) return Value::Undefined();
-    if (obj.j.is_object()) {
-      if (idx.undefined || !idx.j.is_string()) return Value::Undefined();
-      auto it = obj.j.find(idx.j.get<std::string>());
-      return it != obj.j.end() ? Value(*it) : Value::Undefined();
+    if (obj.j().is_object()) {
+      if (idx.undefined || !idx.j().is_string()) return Value::Undefined();
+      auto it = obj.j().find(idx.j().get<std::string>());
+      return it != obj.j().end() ? Value::Alias(obj, *it) : Value::Undefined();
     }
-    if (obj.j.is_array() || obj.j.is_string()) {
+    if (obj.j().is_array() || obj.j().is_string()) {
       if (!IsInt(idx)) {
         Fail(absl::StrCat("indices must be integers, got ", TypeName(idx)));
       }
-      int64_t i = idx.j.get<int64_t>();
-      if (obj.j.is_array()) {
-        const int64_t n = obj.j.size();
+      int64_t i = idx.j().get<int64_t>();
+      if (obj.j().is_array()) {
+        const int64_t n = obj.j().size();
         if (i < 0) i += n;
         if (i < 0 || i >= n) return Value::Undefined();
-        return Value(obj.j[i]);
+        return Value::Alias(obj, obj.j()[i]);
       }
-      const auto cps = CodePoints(obj.j.get<std::string>());
+      const auto cps = CodePoints(obj.j().get<std::string>());
       const int64_t n = cps.size();
       if (i < 0) i += n;
       if (i < 0 || i >= n) return Value::Undefined();
@@ -1221,28 +1246,28 @@ class Interpreter {
     if (op == "~") return Value(ToString(a) + ToString(b));
     if (op == "==" || op == "!=") {
       bool eq = a.undefined || b.undefined ? a.undefined == b.undefined
-                                           : a.j == b.j;
+                                           : a.j() == b.j();
       return Value(op == "==" ? eq : !eq);
     }
     if (op == "in" || op == "not in") {
       bool in = false;
-      if (!b.undefined && b.j.is_string()) {
-        in = absl::StrContains(b.j.get<std::string>(), Str(a, where.c_str()));
-      } else if (!b.undefined && b.j.is_array()) {
-        for (const json& x : b.j) in = in || (!a.undefined && x == a.j);
-      } else if (!b.undefined && b.j.is_object()) {
-        in = !a.undefined && a.j.is_string() && b.j.contains(a.j.get<std::string>());
+      if (!b.undefined && b.j().is_string()) {
+        in = absl::StrContains(b.j().get<std::string>(), Str(a, where.c_str()));
+      } else if (!b.undefined && b.j().is_array()) {
+        for (const json& x : b.j()) in = in || (!a.undefined && x == a.j());
+      } else if (!b.undefined && b.j().is_object()) {
+        in = !a.undefined && a.j().is_string() && b.j().contains(a.j().get<std::string>());
       } else {
         Fail(absl::StrCat(where, ": ", TypeName(b), " is not a container"));
       }
       return Value(op == "in" ? in : !in);
     }
-    const bool strings = !a.undefined && !b.undefined && a.j.is_string() &&
-                         b.j.is_string();
+    const bool strings = !a.undefined && !b.undefined && a.j().is_string() &&
+                         b.j().is_string();
     if (op == "<" || op == "<=" || op == ">" || op == ">=") {
       int c;
       if (strings) {
-        c = a.j.get<std::string>().compare(b.j.get<std::string>());
+        c = a.j().get<std::string>().compare(b.j().get<std::string>());
       } else {
         const double x = Num(a, where.c_str()), y = Num(b, where.c_str());
         c = x < y ? -1 : x > y ? 1 : 0;
@@ -1251,28 +1276,28 @@ class Interpreter {
                                                                      : c >= 0);
     }
     if (op == "+") {
-      if (strings) return Value(a.j.get<std::string>() + b.j.get<std::string>());
-      if (!a.undefined && !b.undefined && a.j.is_array() && b.j.is_array()) {
-        json out = a.j;
-        for (const json& x : b.j) out.push_back(x);
+      if (strings) return Value(a.j().get<std::string>() + b.j().get<std::string>());
+      if (!a.undefined && !b.undefined && a.j().is_array() && b.j().is_array()) {
+        json out = a.j();
+        for (const json& x : b.j()) out.push_back(x);
         return Value(std::move(out));
       }
     }
-    if (op == "*" && !a.undefined && a.j.is_string() && IsInt(b)) {
+    if (op == "*" && !a.undefined && a.j().is_string() && IsInt(b)) {
       std::string out;
-      for (int64_t i = 0; i < b.j.get<int64_t>(); ++i) out += a.j.get<std::string>();
+      for (int64_t i = 0; i < b.j().get<int64_t>(); ++i) out += a.j().get<std::string>();
       return Value(out);
     }
     const bool ints = IsInt(a) && IsInt(b);
     const double x = Num(a, where.c_str()), y = Num(b, where.c_str());
-    if (op == "+") return ints ? Value(a.j.get<int64_t>() + b.j.get<int64_t>()) : Value(x + y);
-    if (op == "-") return ints ? Value(a.j.get<int64_t>() - b.j.get<int64_t>()) : Value(x - y);
-    if (op == "*") return ints ? Value(a.j.get<int64_t>() * b.j.get<int64_t>()) : Value(x * y);
+    if (op == "+") return ints ? Value(a.j().get<int64_t>() + b.j().get<int64_t>()) : Value(x + y);
+    if (op == "-") return ints ? Value(a.j().get<int64_t>() - b.j().get<int64_t>()) : Value(x - y);
+    if (op == "*") return ints ? Value(a.j().get<int64_t>() * b.j().get<int64_t>()) : Value(x * y);
     if (y == 0) Fail(absl::StrCat(where, ": division by zero"));
     if (op == "/") return Value(x / y);
     if (op == "//") {
       if (ints) {
-        const int64_t p = a.j.get<int64_t>(), q = b.j.get<int64_t>();
+        const int64_t p = a.j().get<int64_t>(), q = b.j().get<int64_t>();
         int64_t r = p / q;
         if ((p % q != 0) && ((p < 0) != (q < 0))) --r;
         return Value(r);
@@ -1281,7 +1306,7 @@ class Interpreter {
     }
     if (op == "%") {
       if (ints) {
-        const int64_t p = a.j.get<int64_t>(), q = b.j.get<int64_t>();
+        const int64_t p = a.j().get<int64_t>(), q = b.j().get<int64_t>();
         int64_t r = p % q;
         if (r != 0 && ((r < 0) != (q < 0))) r += q;
         return Value(r);
@@ -1317,9 +1342,9 @@ class Interpreter {
       if (f == "namespace") {
         json ns = json::object();
         for (const Value& a : args) {
-          if (!a.undefined && a.j.is_object()) ns.update(a.j);
+          if (!a.undefined && a.j().is_object()) ns.update(a.j());
         }
-        for (const auto& [k, v] : e.kwargs) ns[k] = Eval(*v).j;
+        for (const auto& [k, v] : e.kwargs) ns[k] = Eval(*v).j();
         return Value(std::move(ns));
       }
       if (f == "range") {
@@ -1328,11 +1353,11 @@ class Interpreter {
           if (!IsInt(a)) Fail("range() takes integers");
         }
         if (args.size() == 1) {
-          stop = args[0].j.get<int64_t>();
+          stop = args[0].j().get<int64_t>();
         } else if (args.size() >= 2) {
-          start = args[0].j.get<int64_t>();
-          stop = args[1].j.get<int64_t>();
-          if (args.size() > 2) step = args[2].j.get<int64_t>();
+          start = args[0].j().get<int64_t>();
+          stop = args[1].j().get<int64_t>();
+          if (args.size() > 2) step = args[2].j().get<int64_t>();
         } else {
           Fail("range() needs an argument");
         }
@@ -1354,13 +1379,13 @@ class Interpreter {
   Value Method(const Expr& e, const Value& obj, const std::string& m,
                const std::vector<Value>& args) {
     const std::string where = absl::StrCat("line ", e.line, ": ", m, "()");
-    if (!obj.undefined && obj.j.is_string()) {
-      const std::string& s = obj.j.get_ref<const std::string&>();
+    if (!obj.undefined && obj.j().is_string()) {
+      const std::string& s = obj.j().get_ref<const std::string&>();
       if (m == "startswith" || m == "endswith") {
         const Value p = Arg(e, args, 0, "prefix");
         std::vector<std::string> ps;
-        if (!p.undefined && p.j.is_array()) {
-          for (const json& x : p.j) ps.push_back(Str(Value(x), where.c_str()));
+        if (!p.undefined && p.j().is_array()) {
+          for (const json& x : p.j()) ps.push_back(Str(Value(x), where.c_str()));
         } else {
           ps.push_back(Str(p, where.c_str()));
         }
@@ -1374,15 +1399,15 @@ class Interpreter {
       if (m == "strip" || m == "lstrip" || m == "rstrip") {
         const Value c = Arg(e, args, 0, "chars");
         std::optional<std::string> chars;
-        if (!c.undefined && !c.j.is_null()) chars = Str(c, where.c_str());
+        if (!c.undefined && !c.j().is_null()) chars = Str(c, where.c_str());
         return Value(Strip(s, m != "rstrip", m != "lstrip", chars));
       }
       if (m == "split") {
         const Value sep = Arg(e, args, 0, "sep");
         const Value max = Arg(e, args, 1, "maxsplit");
-        int64_t limit = IsInt(max) ? max.j.get<int64_t>() : -1;
+        int64_t limit = IsInt(max) ? max.j().get<int64_t>() : -1;
         json out = json::array();
-        if (sep.undefined || sep.j.is_null()) {  // runs of whitespace
+        if (sep.undefined || sep.j().is_null()) {  // runs of whitespace
           size_t i = 0;
           for (;;) {
             while (i < s.size() && SpaceAt(s, i)) i += SpaceAt(s, i);
@@ -1424,13 +1449,13 @@ class Interpreter {
       }
       if (m == "join") {
         std::vector<std::string> parts;
-        for (const json& x : Items(Arg(e, args, 0, "iterable"), "join")) {
-          parts.push_back(ToString(Value(x)));
+        for (const Value& x : Items(Arg(e, args, 0, "iterable"), "join")) {
+          parts.push_back(ToString(x));
         }
         return Value(absl::StrJoin(parts, s));
       }
     }
-    if (!obj.undefined && obj.j.is_object()) {
+    if (!obj.undefined && obj.j().is_object()) {
       if (m == "get") {
         const Value k = Arg(e, args, 0, "key");
         Value v = Index(obj, k);
@@ -1442,7 +1467,7 @@ class Interpreter {
       }
       if (m == "items" || m == "keys" || m == "values") {
         json out = json::array();
-        for (auto it = obj.j.begin(); it != obj.j.end(); ++it) {
+        for (auto it = obj.j().begin(); it != obj.j().end(); ++it) {
           if (m == "items") {
             out.push_back(json::array({it.key(), it.value()}));
           } else {
@@ -1479,7 +1504,7 @@ class Interpreter {
 
   static std::string Replace(const std::string& s, const std::string& from,
                              const std::string& to, const Value& count) {
-    int64_t n = IsInt(count) ? count.j.get<int64_t>() : -1;
+    int64_t n = IsInt(count) ? count.j().get<int64_t>() : -1;
     if (from.empty()) return s;
     std::string out;
     size_t i = 0;
@@ -1511,16 +1536,16 @@ class Interpreter {
     if (f == "tojson") {
       const Value ind = Arg(e, args, 0, "indent");
       std::string out;
-      ToJson(v.undefined ? json(nullptr) : v.j,
-             IsInt(ind) ? static_cast<int>(ind.j.get<int64_t>()) : 0, 0, &out);
+      ToJson(v.undefined ? json(nullptr) : v.j(),
+             IsInt(ind) ? static_cast<int>(ind.j().get<int64_t>()) : 0, 0, &out);
       return Value(out);
     }
     if (f == "length" || f == "count") {
-      if (!v.undefined && v.j.is_string()) {
-        return Value(static_cast<int64_t>(CodePoints(v.j.get<std::string>()).size()));
+      if (!v.undefined && v.j().is_string()) {
+        return Value(static_cast<int64_t>(CodePoints(v.j().get<std::string>()).size()));
       }
-      if (!v.undefined && (v.j.is_array() || v.j.is_object())) {
-        return Value(static_cast<int64_t>(v.j.size()));
+      if (!v.undefined && (v.j().is_array() || v.j().is_object())) {
+        return Value(static_cast<int64_t>(v.j().size()));
       }
       Fail(absl::StrCat(where, ": ", TypeName(v), " has no length"));
     }
@@ -1536,58 +1561,66 @@ class Interpreter {
                            Arg(e, args, 2, "count")));
     }
     if (f == "first" || f == "last") {
-      const std::vector<json> items = Items(v, where.c_str());
+      const std::vector<Value> items = Items(v, where.c_str());
       if (items.empty()) return Value::Undefined();
-      return Value(f == "first" ? items.front() : items.back());
+      return f == "first" ? items.front() : items.back();
     }
-    if (f == "list") return Value(json(Items(v, where.c_str())));
+    if (f == "list") {
+      json out = json::array();
+      for (const Value& x : Items(v, where.c_str())) out.push_back(x.j());
+      return Value(std::move(out));
+    }
     if (f == "reverse") {
-      if (!v.undefined && v.j.is_string()) {
-        auto cps = CodePoints(v.j.get<std::string>());
+      if (!v.undefined && v.j().is_string()) {
+        auto cps = CodePoints(v.j().get<std::string>());
         std::string out;
         for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
         return Value(out);
       }
-      std::vector<json> items = Items(v, where.c_str());
-      return Value(json(std::vector<json>(items.rbegin(), items.rend())));
+      const std::vector<Value> items = Items(v, where.c_str());
+      json out = json::array();
+      for (auto it = items.rbegin(); it != items.rend(); ++it) {
+        out.push_back(it->j());
+      }
+      return Value(std::move(out));
     }
     if (f == "join") {
       const Value sep = Arg(e, args, 0, "d");
       std::vector<std::string> parts;
-      for (const json& x : Items(v, where.c_str())) {
-        parts.push_back(ToString(Value(x)));
+      for (const Value& x : Items(v, where.c_str())) {
+        parts.push_back(ToString(x));
       }
       return Value(absl::StrJoin(parts, sep.undefined ? "" : ToString(sep)));
     }
     if (f == "items") {
-      if (v.undefined || !v.j.is_object()) {
+      if (v.undefined || !v.j().is_object()) {
         Fail(absl::StrCat(where, ": expected a mapping"));
       }
       json out = json::array();
-      for (auto it = v.j.begin(); it != v.j.end(); ++it) {
+      for (auto it = v.j().begin(); it != v.j().end(); ++it) {
         out.push_back(json::array({it.key(), it.value()}));
       }
       return Value(std::move(out));
     }
     if (f == "int") {
       if (IsInt(v)) return v;
-      if (!v.undefined && v.j.is_number()) {
-        return Value(static_cast<int64_t>(v.j.get<double>()));
+      if (!v.undefined && v.j().is_number()) {
+        return Value(static_cast<int64_t>(v.j().get<double>()));
       }
-      if (!v.undefined && v.j.is_string()) {
+      if (!v.undefined && v.j().is_string()) {
         try {
-          return Value(static_cast<int64_t>(std::stoll(v.j.get<std::string>())));
+          return Value(static_cast<int64_t>(std::stoll(v.j().get<std::string>())));
         } catch (const std::exception&) {
         }
       }
       return Value(int64_t{0});
     }
     if (f == "float") {
-      if (!v.undefined && v.j.is_number()) return Value(v.j.get<double>());
+      if (!v.undefined && v.j().is_number()) return Value(v.j().get<double>());
       return Value(0.0);
     }
     if (f == "abs") {
-      if (IsInt(v)) return Value(std::llabs(v.j.get<int64_t>()));
+      if (IsInt(v)) return Value(std::llabs(v.j().get<int64_t>()));
       return Value(std::fabs(Num(v, where.c_str())));
     }
     Fail(absl::StrCat(where, ": unknown filter"));
@@ -1600,36 +1633,36 @@ class Interpreter {
     const bool def = !v.undefined;
     if (t == "defined") return def;
     if (t == "undefined") return !def;
-    if (t == "none") return def && v.j.is_null();
-    if (t == "string") return def && v.j.is_string();
-    if (t == "number") return def && v.j.is_number();
-    if (t == "integer") return def && v.j.is_number_integer();
-    if (t == "float") return def && v.j.is_number_float();
-    if (t == "boolean") return def && v.j.is_boolean();
-    if (t == "true") return def && v.j.is_boolean() && v.j.get<bool>();
-    if (t == "false") return def && v.j.is_boolean() && !v.j.get<bool>();
-    if (t == "mapping") return def && v.j.is_object();
-    if (t == "sequence") return def && (v.j.is_array() || v.j.is_string());
+    if (t == "none") return def && v.j().is_null();
+    if (t == "string") return def && v.j().is_string();
+    if (t == "number") return def && v.j().is_number();
+    if (t == "integer") return def && v.j().is_number_integer();
+    if (t == "float") return def && v.j().is_number_float();
+    if (t == "boolean") return def && v.j().is_boolean();
+    if (t == "true") return def && v.j().is_boolean() && v.j().get<bool>();
+    if (t == "false") return def && v.j().is_boolean() && !v.j().get<bool>();
+    if (t == "mapping") return def && v.j().is_object();
+    if (t == "sequence") return def && (v.j().is_array() || v.j().is_string());
     if (t == "iterable") {
-      return def && (v.j.is_array() || v.j.is_string() || v.j.is_object());
+      return def && (v.j().is_array() || v.j().is_string() || v.j().is_object());
     }
     if (t == "callable") return false;
     if (t == "odd" || t == "even") {
       if (!IsInt(v)) Fail(absl::StrCat("line ", e.line, ": ", t, " needs an integer"));
-      return (v.j.get<int64_t>() % 2 != 0) == (t == "odd");
+      return (v.j().get<int64_t>() % 2 != 0) == (t == "odd");
     }
     if (t == "divisibleby") {
       if (!IsInt(v) || args.empty() || !IsInt(args[0]) ||
-          args[0].j.get<int64_t>() == 0) {
+          args[0].j().get<int64_t>() == 0) {
         Fail(absl::StrCat("line ", e.line, ": bad divisibleby"));
       }
-      return v.j.get<int64_t>() % args[0].j.get<int64_t>() == 0;
+      return v.j().get<int64_t>() % args[0].j().get<int64_t>() == 0;
     }
     if (t == "eq" || t == "equalto" || t == "ne") {
       if (args.empty()) Fail(absl::StrCat("line ", e.line, ": ", t, " needs a value"));
       const bool eq = v.undefined || args[0].undefined
                           ? v.undefined == args[0].undefined
-                          : v.j == args[0].j;
+                          : v.j() == args[0].j();
       return t == "ne" ? !eq : eq;
     }
     Fail(absl::StrCat("line ", e.line, ": unknown test '", t, "'"));

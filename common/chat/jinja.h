@@ -30,7 +30,12 @@
 // differ: strip/lstrip/rstrip take the optional `chars` argument (without
 // it they strip Unicode whitespace), booleans print as True/False, None as
 // "None". tojson writes object keys sorted (the context is a
-// nlohmann::json).
+// nlohmann::json). A namespace is a value: `set ns.x = v` updates the
+// variable `ns` (a copy made by `set b = ns` does not see it).
+//
+// Cost: variables, attributes and items refer into the context (no copies),
+// so rendering is linear in the conversation; the output is capped at 10^7
+// bytes and loops at 10^6 iterations.
 
 #include <memory>
 #include <string>

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
@@ -117,6 +119,30 @@ TEST(JinjaTest, ErrorsAreStatuses) {
             std::string::npos);
   EXPECT_NE(Render("{% set ns = 1 %}{% set ns.a = 2 %}").find("RENDER ERROR"),
             std::string::npos);
+}
+
+// Variables refer into the context instead of copying it: a template that
+// looks at the whole `messages` in every iteration (as Qwen 3's does) stays
+// linear. Copying would move ~10^12 bytes here (minutes); sharing takes
+// well under a second.
+TEST(JinjaTest, LargeConversationsRenderInLinearTime) {
+  json messages = json::array();
+  for (int i = 0; i < 20000; ++i) {
+    messages.push_back({{"role", i % 2 ? "assistant" : "user"},
+                        {"content", std::string(400, 'a' + i % 26)}});
+  }
+  auto t = JinjaTemplate::Parse(
+      "{% set ns = namespace(n=0) %}{% for m in messages %}"
+      "{% if loop.index0 < messages|length and messages[loop.index0].role "
+      "== m.role %}{% set ns.n = ns.n + 1 %}{% endif %}{% endfor %}"
+      "{{ ns.n }} {{ messages[-1].content|length }}");
+  ASSERT_TRUE(t.ok()) << t.status();
+  const absl::Time start = absl::Now();
+  auto out = t->Render({{"messages", messages}});
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, "20000 400");
+  EXPECT_LT(took, absl::Seconds(10));
 }
 
 // --- the reference comparison -------------------------------------------
