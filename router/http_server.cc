@@ -88,9 +88,31 @@ struct HttpServer::Stream {
 
 class HttpHandlers {
  public:
+  // POST bodies are read here rather than by httplib, which would cap an
+  // application/x-www-form-urlencoded one (curl -d's default type) at 8 KiB;
+  // the body is JSON whatever the Content-Type says. The size cap
+  // (max_body_bytes -> 413) still applies.
+  static void Post(HttpServer* s, openai::Endpoint endpoint,
+                   const httplib::Request& req, httplib::Response& res,
+                   const httplib::ContentReader& reader) {
+    if (req.is_multipart_form_data()) {
+      return SendError(res, absl::InvalidArgumentError(
+                                "the request body must be JSON, not "
+                                "multipart/form-data"));
+    }
+    std::string body;
+    if (!reader([&body](const char* data, size_t n) {
+          body.append(data, n);
+          return true;
+        })) {
+      return;  // httplib set the status (413, 400)
+    }
+    Generate(s, endpoint, body, res);
+  }
+
   static void Generate(HttpServer* s, openai::Endpoint endpoint,
-                       const httplib::Request& req, httplib::Response& res) {
-    auto parsed = openai::ParseRequest(endpoint, req.body, s->options_.chat,
+                       const std::string& body, httplib::Response& res) {
+    auto parsed = openai::ParseRequest(endpoint, body, s->options_.chat,
                                        s->router_->tokenizer());
     if (!parsed.ok()) return SendError(res, parsed.status());
     const std::string model = ModelName(*s->router_);
@@ -290,13 +312,16 @@ absl::Status HttpServer::Start(int port) {
     return httplib::Server::HandlerResponse::Unhandled;
   });
   srv.Post("/v1/completions",
-           [this](const httplib::Request& req, httplib::Response& res) {
-             HttpHandlers::Generate(this, openai::Endpoint::kCompletions, req,
-                                    res);
+           [this](const httplib::Request& req, httplib::Response& res,
+                  const httplib::ContentReader& reader) {
+             HttpHandlers::Post(this, openai::Endpoint::kCompletions, req, res,
+                                reader);
            });
   srv.Post("/v1/chat/completions",
-           [this](const httplib::Request& req, httplib::Response& res) {
-             HttpHandlers::Generate(this, openai::Endpoint::kChat, req, res);
+           [this](const httplib::Request& req, httplib::Response& res,
+                  const httplib::ContentReader& reader) {
+             HttpHandlers::Post(this, openai::Endpoint::kChat, req, res,
+                                reader);
            });
   srv.Get("/v1/models", [this](const httplib::Request&,
                                httplib::Response& res) {

@@ -463,6 +463,22 @@ TEST_F(HttpServerTest, BadRequests) {
   // A 10 MB body: refused before it is parsed.
   const std::string big = json{{"prompt", std::string(10 << 20, 'a')}}.dump();
   ExpectError(Post("/v1/completions", big), 413, "");
+  ExpectError(client_->Post("/v1/completions", big, "text/plain"), 413, "");
+  // The body is JSON whatever the Content-Type (curl -d sends a form type,
+  // which httplib alone would cap at 8 KiB).
+  const std::string long_prompt =
+      json{{"prompt", std::string(20000, 'a')}, {"max_tokens", 1}}.dump();
+  auto form = client_->Post("/v1/completions", long_prompt,
+                            "application/x-www-form-urlencoded");
+  ASSERT_TRUE(form);
+  EXPECT_EQ(form->status, 400) << form->body;  // past the 512-token context
+  EXPECT_TRUE(absl::StrContains(form->body, "context")) << form->body;
+  auto no_type = client_->Post("/v1/completions",
+                               R"({"prompt": "Once", "max_tokens": 2})", "");
+  ASSERT_TRUE(no_type);
+  EXPECT_EQ(no_type->status, 200) << no_type->body;
+  httplib::MultipartFormDataItems items = {{"prompt", "Once", "", ""}};
+  ExpectError(client_->Post("/v1/completions", items), 400, "");
   // The server still serves afterwards.
   auto ok = Post("/v1/chat/completions",
                  R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 4})");
