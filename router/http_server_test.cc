@@ -361,6 +361,84 @@ TEST_F(HttpServerTest, ChatUsesTheTokenizerConfigTemplate) {
             tokenizer_->Encode("USER said: Hi\n", true)->size());
 }
 
+// The text of a completion or chat response, unary or streamed.
+std::string TextOf(const httplib::Result& r, bool chat, bool stream) {
+  if (!r || r->status != 200) return "HTTP error";
+  if (!stream) {
+    const json j = json::parse(r->body);
+    return chat ? j["choices"][0]["message"]["content"].get<std::string>()
+                : j["choices"][0]["text"].get<std::string>();
+  }
+  std::string text;
+  for (const json& e : ParseSse(r->body).events) {
+    if (e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    if (chat) {
+      if (c["delta"].contains("content")) text += c["delta"]["content"];
+    } else {
+      text += c["text"];
+    }
+  }
+  return text;
+}
+
+// Many clients at once (unary and streams, completions and chat, greedy and
+// seeded sampling, different Speculative Prefill settings), each answer
+// equal to the same request made alone.
+TEST_F(HttpServerTest, ConcurrentClientsGetTheirOwnAnswers) {
+  Start();
+  struct Kind {
+    bool chat, stream;
+    json body;
+  };
+  std::vector<Kind> kinds;
+  for (int i = 0; i < 6; ++i) {
+    Kind k{i % 3 == 2, i % 2 == 1, {{"max_tokens", 24}}};
+    if (k.chat) {
+      k.body["messages"] = {{{"role", "user"}, {"content", StoryPrompt(1 + i)}}};
+    } else {
+      k.body["prompt"] = StoryPrompt(1 + i);
+    }
+    k.body["speculative_prefill"] = {{"keep_ratio", i < 3 ? 0.3 : 1.0},
+                                     {"chunk_size", 8}};
+    k.body["speculative_decoding"] = {{"num_draft_tokens", 1 + i}};
+    if (i == 4) {
+      k.body["temperature"] = 0.9;
+      k.body["seed"] = 42;
+    }
+    k.body["stream"] = k.stream;
+    kinds.push_back(k);
+  }
+  auto run = [&](httplib::Client& c, const Kind& k) {
+    return TextOf(c.Post(k.chat ? "/v1/chat/completions" : "/v1/completions",
+                         k.body.dump(), "application/json"),
+                  k.chat, k.stream);
+  };
+  std::vector<std::string> alone;
+  for (const Kind& k : kinds) {
+    alone.push_back(run(*client_, k));
+    ASSERT_NE(alone.back(), "HTTP error");
+    ASSERT_FALSE(alone.back().empty());
+  }
+  constexpr int kClients = 12;
+  std::vector<std::vector<std::string>> got(kClients);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      httplib::Client c("127.0.0.1", http_->port());
+      c.set_read_timeout(30, 0);
+      for (int r = 0; r < 3; ++r) got[t].push_back(run(c, kinds[(t + r) % 6]));
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kClients; ++t) {
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(got[t][r], alone[(t + r) % 6]) << "client " << t << " #" << r;
+    }
+  }
+  EXPECT_TRUE(Eventually([&] { return router_->in_flight() == 0; }));
+}
+
 TEST_F(HttpServerTest, StopStringsAndSeeds) {
   Start();
   auto full = Post("/v1/completions",
