@@ -23,6 +23,10 @@ namespace {
 constexpr char kJson[] = "application/json";
 // How often a stream waiting for tokens checks that its client is there.
 constexpr absl::Duration kPollPeriod = absl::Milliseconds(100);
+// How long a stream's status line waits for its first chunk (so that early
+// errors are HTTP errors); after that it is sent, and a client that hangs
+// up while the request waits (e.g. in the target's queue) is noticed.
+constexpr absl::Duration kFirstChunkWait = absl::Seconds(1);
 
 std::string Dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -181,21 +185,23 @@ class HttpHandlers {
       c->done = true;
       c->status = st;
     });
-    // The status line waits for the first chunk: errors before it are
-    // plain HTTP errors.
-    bool started;
+    // The status line waits for the first chunk (up to kFirstChunkWait):
+    // errors before it are plain HTTP errors.
+    bool failed;
     absl::Status early;
     {
       absl::MutexLock lock(&c->mu);
-      c->mu.Await(absl::Condition(
-          +[](HttpServer::Stream* x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->mu) {
-            return x->started || x->done;
-          },
-          c));
-      started = c->started;
+      c->mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](HttpServer::Stream* x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->mu) {
+                return x->started || x->done;
+              },
+              c),
+          kFirstChunkWait);
+      failed = c->done && !c->started;
       early = c->status;
     }
-    if (!started) {
+    if (failed) {
       call->worker.join();
       return SendError(res, openai::NameParam(early, endpoint));
     }

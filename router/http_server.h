@@ -14,13 +14,13 @@
 //                              healthy, else 503
 //
 // Streaming responses are Server-Sent Events (router/openai_api.h). A
-// stream's HTTP status is decided by its first chunk: errors before it
-// (validation, queue full, target down) are plain error responses; errors
-// after it are an error event before `data: [DONE]`. A client that closes a
+// stream's status line waits up to 1 s for the first chunk: errors before it
+// (validation, queue full, target down) are plain error responses; later
+// errors are an error event before `data: [DONE]`. A client that closes a
 // stream cancels the request (both services free their sessions) within one
-// poll period (100 ms); one that closes while waiting for the first token is
-// noticed at that token. A non-streaming request runs to its end (bounded
-// by max_tokens and the deadline) even if its client has gone.
+// poll period (100 ms) once the status line is out (at the first chunk or
+// after 1 s). A non-streaming request runs to its end (bounded by
+// max_tokens and the deadline) even if its client has gone.
 
 #include <atomic>
 #include <cstddef>

@@ -32,10 +32,12 @@ using namespace router_test;  // NOLINT: test helpers
 using json = nlohmann::json;
 
 // A Target that emits token 400 every 20 ms, forever, until its stream is
-// cancelled; counts open streams (its "sessions").
+// cancelled; counts open streams (its "sessions"). With `silent` it never
+// answers the prefill (a request stuck before its first token).
 class SlowTarget final : public v1::Target::Service {
  public:
   explicit SlowTarget(v1::ModelInfo info) : info_(std::move(info)) {}
+  std::atomic<bool> silent{false};
   grpc::Status Info(grpc::ServerContext*, const v1::InfoRequest*,
                     v1::ModelInfo* out) override {
     *out = info_;
@@ -49,6 +51,9 @@ class SlowTarget final : public v1::Target::Service {
     ++started_;
     v1::GenerateRequest req;
     bool ok = s->Read(&req);
+    while (ok && silent && !ctx->IsCancelled()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     while (ok && !ctx->IsCancelled()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       v1::GenerateResponse r;
@@ -684,6 +689,37 @@ TEST_F(HttpServerTest, DisconnectMidStreamFreesSessions) {
         << http_->active() << ", router " << router_->in_flight();
   }
   EXPECT_EQ(slow_->started_, 2);
+}
+
+// A stream whose first token never comes: the status line goes out after
+// 1 s, and a client that then hangs up still frees the sessions.
+TEST_F(HttpServerTest, DisconnectBeforeTheFirstTokenFreesSessions) {
+  const std::string slow = StartSlowTarget();
+  slow_->silent = true;
+  Start({}, [&](RouterServerOptions* o) {
+    o->speculator = "";
+    o->target = slow;
+  });
+  bool got_headers = false;
+  httplib::Client c("127.0.0.1", http_->port());
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = R"({"prompt": "Once", "max_tokens": 10, "stream": true})";
+  req.set_header("Content-Type", "application/json");
+  req.response_handler = [&](const httplib::Response& r) {
+    got_headers = r.status == 200;
+    return false;  // hang up as soon as the status line is in
+  };
+  const absl::Time start = absl::Now();
+  c.send(req);
+  EXPECT_TRUE(got_headers);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));
+  EXPECT_TRUE(Eventually([&] {
+    return slow_->open_ == 0 && http_->active() == 0 &&
+           router_->in_flight() == 0;
+  })) << "open target streams " << slow_->open_;
+  EXPECT_EQ(slow_->started_, 1);
 }
 
 }  // namespace
