@@ -91,6 +91,16 @@ absl::StatusOr<std::optional<bool>> GetBool(const json& obj, const char* key,
   return v->get<bool>();
 }
 
+// Whether an unsupported parameter's value asks for something: not false,
+// 0 (1 for best_of, whose default it is), "" or {}.
+bool AsksForSomething(const json& v, bool one_is_default) {
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number_integer()) return v.get<int64_t>() > (one_is_default ? 1 : 0);
+  if (v.is_string()) return !v.get_ref<const std::string&>().empty();
+  if (v.is_object() || v.is_array()) return !v.empty();
+  return true;
+}
+
 #define SPECSERVE_ASSIGN(lhs, expr)     \
   auto lhs##_or = (expr);               \
   if (!lhs##_or.ok()) return lhs##_or.status(); \
@@ -369,6 +379,15 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     return ParamError("n", absl::StrCat("'n' must be 1 (one choice per "
                                         "request), got ",
                                         *n));
+  }
+  // Known parameters that would change the answer and are not implemented:
+  // refused when they ask for something, rather than silently ignored.
+  for (const char* key : {"logprobs", "top_logprobs", "echo", "suffix",
+                          "best_of", "logit_bias"}) {
+    const json* v = Member(body, key);
+    if (v != nullptr && AsksForSomething(*v, key == std::string("best_of"))) {
+      return ParamError(key, absl::StrCat("'", key, "' is not supported"));
+    }
   }
   SPECSERVE_ASSIGN(stream, GetBool(body, "stream", "stream"));
   out.stream = stream.value_or(false);

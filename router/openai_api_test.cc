@@ -90,6 +90,18 @@ TEST(ParseRequestTest, UnsetFieldsStayUnset) {
   EXPECT_FALSE(p->request.has_speculative_prefill());
 }
 
+TEST(ParseRequestTest, UnsupportedParametersAtTheirDefaultsAreAccepted) {
+  EXPECT_TRUE(Completion({{"prompt", "a"},
+                          {"logprobs", nullptr},
+                          {"top_logprobs", 0},
+                          {"echo", false},
+                          {"best_of", 1},
+                          {"suffix", ""},
+                          {"logit_bias", json::object()}})
+                  .ok());
+  EXPECT_TRUE(Completion({{"prompt", "a"}, {"logprobs", false}}).ok());
+}
+
 TEST(ParseRequestTest, MaxCompletionTokensWinsAndNegativeSeedsWrap) {
   auto p = Completion({{"prompt", "a"},
                        {"max_tokens", 3},
@@ -129,6 +141,12 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"speculative_prefill", {{"chunk_size", 2.5}}}},
        "speculative_prefill.chunk_size"},
       {{{"prompt", "a"}, {"speculative_prefill", true}}, "speculative_prefill"},
+      {{{"prompt", "a"}, {"logprobs", 2}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", true}}, "logprobs"},
+      {{{"prompt", "a"}, {"echo", true}}, "echo"},
+      {{{"prompt", "a"}, {"best_of", 3}}, "best_of"},
+      {{{"prompt", "a"}, {"suffix", "x"}}, "suffix"},
+      {{{"prompt", "a"}, {"logit_bias", {{"5", 10}}}}, "logit_bias"},
   };
   for (const Case& c : cases) {
     auto p = Completion(c.body);
