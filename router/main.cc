@@ -1,5 +1,6 @@
 // The router binary: the public specserve.v1.Router API in front of the
-// speculator and target services (issue 5), with /metrics over HTTP.
+// speculator and target services (issue 5), with /metrics over HTTP and,
+// with --http_port, the OpenAI-compatible HTTP API (issue 15).
 //   bazel run //router:router -- --speculator 127.0.0.1:50061
 //       --target 127.0.0.1:50052 --tokenizer models/stories260K
 //       --port 50051 --metrics_port 9151
@@ -10,6 +11,8 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -19,6 +22,7 @@
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
 #include "common/util/paths.h"
+#include "router/http_server.h"
 #include "router/router_server.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
@@ -43,6 +47,12 @@ ABSL_FLAG(int, speculator_deadline_ms, 2000,
           "the request falls back to the target alone");
 ABSL_FLAG(int, request_deadline_ms, 300000,
           "deadline of requests whose client set none");
+ABSL_FLAG(int, http_port, 0,
+          "OpenAI-compatible HTTP API port (/v1/completions, "
+          "/v1/chat/completions, /v1/models, /health); 0 = off");
+ABSL_FLAG(std::string, api_key, "",
+          "when set (or env SPECSERVE_API_KEY), the HTTP API's /v1/* needs "
+          "'Authorization: Bearer <key>'");
 ABSL_FLAG(double, shutdown_grace_s, 5, "seconds open requests get on exit");
 ABSL_FLAG(int, default_max_new_tokens, 256, "max_new_tokens when unset");
 ABSL_FLAG(double, default_temperature, 0, "temperature when unset (0=greedy)");
@@ -106,7 +116,20 @@ int Run() {
     std::fprintf(stderr, "router: %s\n", server.status().ToString().c_str());
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
-  return ServeUntilStopSignal("router", **server, absl::GetFlag(FLAGS_port),
+  HttpServerOptions http;
+  http.host = o.host;
+  http.api_key = absl::GetFlag(FLAGS_api_key);
+  if (const char* env = std::getenv("SPECSERVE_API_KEY");
+      http.api_key.empty() && env != nullptr) {
+    http.api_key = env;
+  }
+  auto front = RouterWithHttp::Create(server->get(), http,
+                                      absl::GetFlag(FLAGS_http_port));
+  if (!front.ok()) {
+    std::fprintf(stderr, "router: %s\n", front.status().ToString().c_str());
+    return 2;
+  }
+  return ServeUntilStopSignal("router", **front, absl::GetFlag(FLAGS_port),
                               absl::GetFlag(FLAGS_metrics_port),
                               (*server)->registry(), stop,
                               absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));

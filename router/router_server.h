@@ -78,6 +78,18 @@ class RouterServer {
   int in_flight() const;
   ReplicaPool& target_pool() { return *target_; }
   ReplicaPool& speculator_pool() { return *speculator_; }
+  const RouterServerOptions& options() const { return options_; }
+  /// The router's tokenizer (--tokenizer); null when it has none.
+  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+  /// What a RequestRunner needs: front ends other than gRPC (the HTTP API,
+  /// router/http_server.h) run requests on the same path with these.
+  const RouterBackends* backends() const { return &backends_; }
+
+  /// Admission shared by every front end: false (counted as
+  /// RESOURCE_EXHAUSTED) with --max_concurrent_requests in flight. After a
+  /// true, call Done exactly once with the request's final status.
+  bool Admit();
+  void Done(const absl::Status& status);
 
   class Service;  // router_server.cc
 
@@ -87,8 +99,6 @@ class RouterServer {
   absl::Status CheckReplica(const std::string& service,
                             const std::string& address,
                             const v1::ModelInfo& info) const;
-  bool Admit();
-  void Done(const absl::Status& status);
   void HealthLoop();
 
   const RouterServerOptions options_;

@@ -8,7 +8,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev nlohmann-json3-dev libopenblas-dev libonig-dev
-  libutf8proc-dev
+  libutf8proc-dev libcpp-httplib-dev
   python3 python3-grpcio python3-numpy
   python3-protobuf python3-yaml prometheus yamllint
   clang-14 libclang-rt-14-dev

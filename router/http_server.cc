@@ -1,0 +1,457 @@
+#include "router/http_server.h"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <deque>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/chat/chat_template.h"
+#include "httplib.h"
+#include "router/request_runner.h"
+#include "router/router_server.h"
+
+namespace specserve {
+
+using json = nlohmann::json;
+
+namespace {
+
+constexpr char kJson[] = "application/json";
+// How often a stream waiting for tokens checks that its client is there.
+constexpr absl::Duration kPollPeriod = absl::Milliseconds(100);
+// How long a stream's status line waits for its first chunk (so that early
+// errors are HTTP errors); after that it is sent, and a client that hangs
+// up while the request waits (e.g. in the target's queue) is noticed.
+constexpr absl::Duration kFirstChunkWait = absl::Seconds(1);
+
+std::string Dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+void SendError(httplib::Response& res, const absl::Status& status) {
+  res.status = openai::HttpStatus(status);
+  res.set_content(Dump(openai::ErrorBody(status)), kJson);
+}
+
+// The id clients pass as `model`: the target's model id.
+std::string ModelName(RouterServer& router) {
+  auto info = router.target_pool().model_info();
+  return info ? info->model_id() : "";
+}
+
+}  // namespace
+
+absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir) {
+  absl::StatusOr<chat::ChatTemplate> t =
+      model_dir.empty() ? absl::NotFoundError("no tokenizer directory")
+                        : chat::LoadChatTemplate(model_dir);
+  std::shared_ptr<const chat::ChatTemplate> tmpl;
+  if (t.ok()) {
+    tmpl = std::make_shared<const chat::ChatTemplate>(*std::move(t));
+  } else if (absl::IsNotFound(t.status())) {
+    tmpl = std::make_shared<const chat::ChatTemplate>(
+        chat::ChatTemplate::Default());
+  } else {
+    return t.status();
+  }
+  openai::ChatFormat f;
+  f.bos_token = tmpl->bos_token();
+  f.add_bos = tmpl->is_default();
+  f.render = [tmpl](const json& context) { return tmpl->Render(context); };
+  return f;
+}
+
+bool ConstantTimeEquals(absl::string_view got, absl::string_view want) {
+  unsigned diff = got.size() == want.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const unsigned char g =
+        i < got.size() ? static_cast<unsigned char>(got[i]) : 0;
+    diff |= g ^ static_cast<unsigned char>(want[i]);
+  }
+  return diff == 0;
+}
+
+// A streaming request: the runner works on its own thread and queues SSE
+// events; the connection thread writes them (httplib's content provider).
+struct HttpServer::Stream {
+  explicit Stream(const RouterBackends* backends, openai::ResponseBuilder b)
+      : runner(backends), builder(std::move(b)) {}
+  RequestRunner runner;
+  openai::ResponseBuilder builder;  // worker thread only
+  std::thread worker;
+  absl::Mutex mu;
+  std::deque<std::string> events ABSL_GUARDED_BY(mu);
+  bool started ABSL_GUARDED_BY(mu) = false;  // a chunk arrived
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+class HttpHandlers {
+ public:
+  // POST bodies are read here rather than by httplib, which would cap an
+  // application/x-www-form-urlencoded one (curl -d's default type) at 8 KiB;
+  // the body is JSON whatever the Content-Type says. The size cap
+  // (max_body_bytes -> 413) still applies.
+  static void Post(HttpServer* s, openai::Endpoint endpoint,
+                   const httplib::Request& req, httplib::Response& res,
+                   const httplib::ContentReader& reader) {
+    if (req.is_multipart_form_data()) {
+      return SendError(res, absl::InvalidArgumentError(
+                                "the request body must be JSON, not "
+                                "multipart/form-data"));
+    }
+    std::string body;
+    if (!reader([&body](const char* data, size_t n) {
+          body.append(data, n);
+          return true;
+        })) {
+      return;  // httplib set the status (413, 400)
+    }
+    Generate(s, endpoint, body, res);
+  }
+
+  static void Generate(HttpServer* s, openai::Endpoint endpoint,
+                       const std::string& body, httplib::Response& res) {
+    auto parsed = openai::ParseRequest(endpoint, body, s->options_.chat,
+                                       s->router_->tokenizer());
+    if (!parsed.ok()) return SendError(res, parsed.status());
+    const std::string model = ModelName(*s->router_);
+    if (!parsed->model.empty() && !model.empty() && parsed->model != model) {
+      return SendError(
+          res, openai::WithParam(
+                   absl::NotFoundError(absl::StrCat(
+                       "the model '", parsed->model,
+                       "' does not exist; this server serves '", model, "'")),
+                   "model"));
+    }
+    const bool chat = endpoint == openai::Endpoint::kChat;
+    openai::ResponseBuilder builder(
+        endpoint, openai::NewId(chat ? "chatcmpl-" : "cmpl-"),
+        parsed->model.empty() ? model : parsed->model,
+        absl::ToUnixSeconds(absl::Now()), parsed->include_usage);
+    if (!s->router_->Admit()) {
+      return SendError(
+          res, absl::ResourceExhaustedError(absl::StrCat(
+                   "router at capacity: ",
+                   s->router_->options().max_concurrent_requests,
+                   " requests in flight (--max_concurrent_requests)")));
+    }
+    const absl::Time start = absl::Now();
+    const absl::Time deadline = start + s->router_->options().request_deadline;
+    if (!parsed->stream) {
+      RequestRunner runner(s->router_->backends());
+      v1::GenerateTextResponse out;
+      s->Register(&runner);
+      const absl::Status st =
+          runner.Run(parsed->request, start, deadline,
+                     [&out](const v1::GenerateTextChunk& c) {
+                       AppendChunk(c, &out);
+                     });
+      s->Unregister(&runner);
+      s->router_->Done(st);
+      if (!st.ok()) return SendError(res, openai::NameParam(st, endpoint));
+      res.set_content(Dump(builder.Response(out)), kJson);
+      return;
+    }
+    Stream(s, endpoint, std::move(parsed->request), start, deadline,
+           std::move(builder), res);
+  }
+
+ private:
+  static void Stream(HttpServer* s, openai::Endpoint endpoint,
+                     v1::GenerateTextRequest request,
+                     absl::Time start, absl::Time deadline,
+                     openai::ResponseBuilder builder, httplib::Response& res) {
+    auto call = std::make_shared<HttpServer::Stream>(s->router_->backends(),
+                                                     std::move(builder));
+    s->Register(&call->runner);
+    HttpServer::Stream* c = call.get();
+    call->worker = std::thread([s, c, request = std::move(request), start,
+                                deadline] {
+      const absl::Status st = c->runner.Run(
+          request, start, deadline, [c](const v1::GenerateTextChunk& chunk) {
+            std::string ev = c->builder.StreamEvents(chunk);
+            absl::MutexLock lock(&c->mu);
+            c->started = true;
+            if (!ev.empty()) c->events.push_back(std::move(ev));
+          });
+      s->Unregister(&c->runner);
+      s->router_->Done(st);
+      absl::MutexLock lock(&c->mu);
+      c->done = true;
+      c->status = st;
+    });
+    // The status line waits for the first chunk (up to kFirstChunkWait):
+    // errors before it are plain HTTP errors.
+    bool failed;
+    absl::Status early;
+    {
+      absl::MutexLock lock(&c->mu);
+      c->mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](HttpServer::Stream* x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->mu) {
+                return x->started || x->done;
+              },
+              c),
+          kFirstChunkWait);
+      failed = c->done && !c->started;
+      early = c->status;
+    }
+    if (failed) {
+      call->worker.join();
+      return SendError(res, openai::NameParam(early, endpoint));
+    }
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [call](size_t /*offset*/, httplib::DataSink& sink) {
+          HttpServer::Stream* c = call.get();
+          std::deque<std::string> batch;
+          bool done;
+          absl::Status status;
+          {
+            absl::MutexLock lock(&c->mu);
+            c->mu.AwaitWithTimeout(
+                absl::Condition(
+                    +[](HttpServer::Stream* x)
+                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(x->mu) {
+                          return x->done || !x->events.empty();
+                        },
+                    c),
+                kPollPeriod);
+            batch.swap(c->events);
+            done = c->done;
+            status = c->status;
+          }
+          for (const std::string& ev : batch) {
+            if (!sink.write(ev.data(), ev.size())) {
+              c->runner.Cancel();  // the client is gone
+              return false;
+            }
+          }
+          if (!done) {
+            if (batch.empty() && !sink.is_writable()) {
+              c->runner.Cancel();
+              return false;
+            }
+            return true;  // called again
+          }
+          std::string tail;
+          if (!status.ok()) {
+            tail = openai::ResponseBuilder::ErrorEvent(status);
+          }
+          tail += openai::ResponseBuilder::DoneEvent();
+          if (!sink.write(tail.data(), tail.size())) return false;
+          sink.done();
+          return true;
+        },
+        [call](bool /*success*/) {
+          // Every path ends here (httplib runs it when the response dies).
+          call->runner.Cancel();
+          if (call->worker.joinable()) call->worker.join();
+        });
+  }
+};
+
+HttpServer::HttpServer(RouterServer* router, HttpServerOptions options)
+    : router_(router),
+      options_(std::move(options)),
+      server_(std::make_unique<httplib::Server>()) {}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Create(
+    RouterServer* router, HttpServerOptions options) {
+  if (options.max_body_bytes == 0) {
+    return absl::InvalidArgumentError("HTTP max_body_bytes must be > 0");
+  }
+  if (options.threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HTTP threads must be >= 0, got ", options.threads));
+  }
+  if (!options.chat.render) {
+    auto format = ChatFormatFor(router->options().tokenizer_dir);
+    if (!format.ok()) return format.status();
+    options.chat = *std::move(format);
+  }
+  return std::unique_ptr<HttpServer>(new HttpServer(router, std::move(options)));
+}
+
+HttpServer::~HttpServer() { Shutdown(); }
+
+absl::Status HttpServer::Start(int port) {
+  if (listener_.joinable() || port_ != 0) {
+    return absl::FailedPreconditionError("HTTP server already started");
+  }
+  const size_t threads =
+      options_.threads > 0
+          ? options_.threads
+          : std::max(1, router_->options().max_concurrent_requests) + 8;
+  httplib::Server& srv = *server_;
+  srv.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  srv.set_payload_max_length(options_.max_body_bytes);
+  srv.set_tcp_nodelay(true);  // stream chunks are small and latency-bound
+  // httplib's default is SO_REUSEPORT, which lets a second server bind a
+  // port in use and split its connections; SO_REUSEADDR only allows the
+  // restart of one whose old connections linger in TIME_WAIT.
+  srv.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  srv.set_pre_routing_handler([this](const httplib::Request& req,
+                                     httplib::Response& res) {
+    if (options_.api_key.empty() || !absl::StartsWith(req.path, "/v1/")) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    const std::string auth = req.get_header_value("Authorization");
+    constexpr absl::string_view kBearer = "Bearer ";
+    if (!absl::StartsWith(auth, kBearer) ||
+        !ConstantTimeEquals(absl::string_view(auth).substr(kBearer.size()),
+                            options_.api_key)) {
+      SendError(res, absl::UnauthenticatedError(
+                         "missing or invalid API key: send the header "
+                         "'Authorization: Bearer <key>'"));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  srv.Post("/v1/completions",
+           [this](const httplib::Request& req, httplib::Response& res,
+                  const httplib::ContentReader& reader) {
+             HttpHandlers::Post(this, openai::Endpoint::kCompletions, req, res,
+                                reader);
+           });
+  srv.Post("/v1/chat/completions",
+           [this](const httplib::Request& req, httplib::Response& res,
+                  const httplib::ContentReader& reader) {
+             HttpHandlers::Post(this, openai::Endpoint::kChat, req, res,
+                                reader);
+           });
+  srv.Get("/v1/models", [this](const httplib::Request&,
+                               httplib::Response& res) {
+    json data = json::array();
+    if (const auto info = router_->target_pool().model_info()) {
+      data.push_back({{"id", info->model_id()},
+                      {"object", "model"},
+                      {"created", 0},
+                      {"owned_by", "specserve"},
+                      {"max_model_len", info->max_context()}});
+    }
+    res.set_content(Dump({{"object", "list"}, {"data", data}}), kJson);
+  });
+  srv.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    const bool ok = router_->target_pool().num_healthy() > 0 &&
+                    router_->target_pool().compatibility().ok() &&
+                    router_->speculator_pool().compatibility().ok();
+    res.status = ok ? 200 : 503;
+    res.set_content(Dump({{"status", ok ? "ok" : "unavailable"}}), kJson);
+  });
+  // 404 (no route), 413 (body too large) and the like: OpenAI's shape.
+  srv.set_error_handler([](const httplib::Request& req,
+                           httplib::Response& res) {
+    if (!res.body.empty()) return;
+    absl::Status st;
+    if (res.status == 404) {
+      st = absl::NotFoundError(
+          absl::StrCat("no route ", req.method, " ", req.path));
+    } else if (res.status == 413) {
+      st = absl::InvalidArgumentError("the request body is too large");
+    } else {
+      st = absl::UnknownError(absl::StrCat("HTTP ", res.status));
+    }
+    const int code = res.status;
+    SendError(res, st);
+    res.status = code;
+  });
+  const int bound = port == 0 ? srv.bind_to_any_port(options_.host)
+                              : (srv.bind_to_port(options_.host, port) ? port
+                                                                       : -1);
+  if (bound <= 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen for HTTP on ", options_.host, ":", port));
+  }
+  port_ = bound;
+  listener_ = std::thread([this] {
+    server_->listen_after_bind();
+    listener_done_ = true;
+  });
+  // stop() is a no-op until the listener runs: Shutdown must not race it.
+  while (!server_->is_running() && !listener_done_) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return absl::OkStatus();
+}
+
+void HttpServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](absl::flat_hash_set<RequestRunner*>* r) {
+                               return r->empty();
+                             },
+                             &running_),
+                         grace);
+    cancel_all_ = true;
+    for (RequestRunner* r : running_) r->Cancel();
+  }
+  if (listener_.joinable()) {
+    server_->stop();  // joins the connection threads
+    listener_.join();
+  }
+}
+
+void HttpServer::Register(RequestRunner* runner) {
+  absl::MutexLock lock(&mu_);
+  running_.insert(runner);
+  if (cancel_all_) runner->Cancel();
+}
+
+void HttpServer::Unregister(RequestRunner* runner) {
+  absl::MutexLock lock(&mu_);
+  running_.erase(runner);
+}
+
+int HttpServer::active() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(running_.size());
+}
+
+absl::StatusOr<std::unique_ptr<RouterWithHttp>> RouterWithHttp::Create(
+    RouterServer* router, HttpServerOptions options, int http_port) {
+  if (http_port < 0 || http_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_port must be in [0, 65535], got ", http_port));
+  }
+  std::unique_ptr<HttpServer> http;
+  if (http_port != 0) {
+    auto h = HttpServer::Create(router, std::move(options));
+    if (!h.ok()) return h.status();
+    http = *std::move(h);
+  }
+  return std::unique_ptr<RouterWithHttp>(
+      new RouterWithHttp(router, std::move(http), http_port));
+}
+
+absl::Status RouterWithHttp::Start(int port) {
+  if (absl::Status s = router_->Start(port); !s.ok()) return s;
+  if (http_ == nullptr) return absl::OkStatus();
+  if (absl::Status s = http_->Start(http_port_); !s.ok()) {
+    router_->Shutdown();
+    return s;
+  }
+  std::fprintf(stderr, "http on %d\n", http_->port());
+  return absl::OkStatus();
+}
+
+int RouterWithHttp::port() const { return router_->port(); }
+
+void RouterWithHttp::Shutdown(absl::Duration grace) {
+  if (http_ != nullptr) http_->Shutdown(grace);
+  router_->Shutdown(grace);
+}
+
+}  // namespace specserve

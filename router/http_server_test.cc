@@ -1,0 +1,726 @@
+// The OpenAI HTTP API over real loopback sockets (port 0), with an httplib
+// client, in front of the bundled speculator/target pair served in-process
+// (or a slow fake target): responses agree with the gRPC API, streaming
+// (SSE) agrees with unary, errors have OpenAI's shape and status, API keys,
+// and a client that disconnects mid-stream frees every session.
+
+#include "router/http_server.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
+#include "protos/router.grpc.pb.h"
+#include "protos/target.grpc.pb.h"
+#include "router/router_server.h"
+#include "router/test_env.h"
+
+namespace specserve {
+namespace {
+
+using namespace router_test;  // NOLINT: test helpers
+using json = nlohmann::json;
+
+// A Target that emits token 400 every 20 ms, forever, until its stream is
+// cancelled; counts open streams (its "sessions"). With `silent` it never
+// answers the prefill (a request stuck before its first token).
+class SlowTarget final : public v1::Target::Service {
+ public:
+  explicit SlowTarget(v1::ModelInfo info) : info_(std::move(info)) {}
+  std::atomic<bool> silent{false};
+  grpc::Status Info(grpc::ServerContext*, const v1::InfoRequest*,
+                    v1::ModelInfo* out) override {
+    *out = info_;
+    return grpc::Status::OK;
+  }
+  grpc::Status Generate(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::GenerateResponse, v1::GenerateRequest>* s)
+      override {
+    ++open_;
+    ++started_;
+    v1::GenerateRequest req;
+    bool ok = s->Read(&req);
+    while (ok && silent && !ctx->IsCancelled()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    while (ok && !ctx->IsCancelled()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      v1::GenerateResponse r;
+      r.add_token_ids(400);
+      ok = s->Write(r) && s->Read(&req);
+    }
+    --open_;
+    return grpc::Status::CANCELLED;
+  }
+  std::atomic<int> open_{0};
+  std::atomic<int> started_{0};
+
+ private:
+  const v1::ModelInfo info_;
+};
+
+struct Sse {
+  std::vector<json> events;  // parsed data: lines before [DONE]
+  bool done = false;         // saw data: [DONE]
+};
+
+Sse ParseSse(const std::string& body) {
+  Sse out;
+  for (absl::string_view block : absl::StrSplit(body, "\n\n")) {
+    if (block.empty()) continue;
+    EXPECT_TRUE(absl::StartsWith(block, "data: ")) << block;
+    if (!absl::StartsWith(block, "data: ")) continue;
+    block.remove_prefix(6);
+    if (block == "[DONE]") {
+      EXPECT_FALSE(out.done) << "two [DONE]";
+      out.done = true;
+      continue;
+    }
+    EXPECT_FALSE(out.done) << "event after [DONE]";
+    out.events.push_back(json::parse(block));
+  }
+  return out;
+}
+
+class HttpServerTest : public ServicesTest {
+ protected:
+  void TearDown() override {
+    if (http_) http_->Shutdown();
+    if (router_) router_->Shutdown();
+    if (slow_server_) slow_server_->Shutdown();
+  }
+
+  void Start(HttpServerOptions http = {},
+             std::function<void(RouterServerOptions*)> tweak = {}) {
+    RouterServerOptions o;
+    o.host = "127.0.0.1";
+    o.speculator = Addr(speculator_->port());
+    o.target = Addr(target_->port());
+    o.tokenizer_dir = kTargetModel;
+    o.pool.health_period = absl::Milliseconds(100);
+    if (tweak) tweak(&o);
+    auto r = RouterServer::Create(o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    router_ = *std::move(r);
+    ASSERT_TRUE(router_->Start(0).ok());
+    http.host = "127.0.0.1";
+    auto h = HttpServer::Create(router_.get(), http);
+    ASSERT_TRUE(h.ok()) << h.status();
+    http_ = *std::move(h);
+    ASSERT_TRUE(http_->Start(0).ok());
+    client_ = std::make_unique<httplib::Client>("127.0.0.1", http_->port());
+    client_->set_read_timeout(20, 0);
+  }
+
+  std::string StartSlowTarget() {
+    v1::ModelInfo info;
+    info.set_model_id("slow");
+    info.set_vocab_size(512);
+    info.set_max_context(100000);
+    info.set_tokenizer_fingerprint(tokenizer_->Fingerprint());
+    slow_ = std::make_unique<SlowTarget>(info);
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(slow_.get());
+    slow_server_ = b.BuildAndStart();
+    return Addr(port);
+  }
+
+  httplib::Result Post(const std::string& path, const std::string& body,
+                       const httplib::Headers& headers = {}) {
+    return client_->Post(path.c_str(), headers, body, "application/json");
+  }
+
+  // The gRPC API's answer to the same request.
+  v1::GenerateTextResponse Grpc(const v1::GenerateTextRequest& req) {
+    auto stub = v1::Router::NewStub(grpc::CreateChannel(
+        Addr(router_->port()), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    v1::GenerateTextResponse resp;
+    EXPECT_TRUE(stub->Generate(&ctx, req, &resp).ok());
+    return resp;
+  }
+
+  // Expects an OpenAI error with `status` naming `param` (null if "").
+  static void ExpectError(const httplib::Result& res, int status,
+                          const std::string& param) {
+    ASSERT_TRUE(res) << "no response";
+    EXPECT_EQ(res->status, status) << res->body;
+    const json j = json::parse(res->body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << res->body;
+    ASSERT_TRUE(j.contains("error")) << res->body;
+    const json& e = j["error"];
+    EXPECT_TRUE(e["message"].is_string() && !e["message"].get<std::string>().empty());
+    EXPECT_TRUE(e["type"].is_string());
+    EXPECT_TRUE(e.contains("code"));
+    if (param.empty()) {
+      EXPECT_TRUE(e["param"].is_null()) << res->body;
+    } else {
+      EXPECT_EQ(e["param"], param) << res->body;
+    }
+  }
+
+  std::unique_ptr<RouterServer> router_;
+  std::unique_ptr<HttpServer> http_;
+  std::unique_ptr<httplib::Client> client_;
+  std::unique_ptr<SlowTarget> slow_;
+  std::unique_ptr<grpc::Server> slow_server_;
+};
+
+TEST_F(HttpServerTest, HealthAndModels) {
+  Start();
+  ASSERT_TRUE(Eventually([&] {
+    auto r = client_->Get("/health");
+    return r && r->status == 200;
+  }));
+  auto m = client_->Get("/v1/models");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 200);
+  const json j = json::parse(m->body);
+  EXPECT_EQ(j["object"], "list");
+  ASSERT_EQ(j["data"].size(), 1u);
+  EXPECT_EQ(j["data"][0]["id"], "stories260K");
+  EXPECT_EQ(j["data"][0]["object"], "model");
+}
+
+TEST_F(HttpServerTest, CompletionMatchesGrpc) {
+  Start();
+  const std::string prompt = StoryPrompt(3);
+  auto res = Post("/v1/completions",
+                  json{{"model", "stories260K"},
+                       {"prompt", prompt},
+                       {"max_tokens", 24},
+                       {"some_unknown_field", {1, 2}},
+                       {"speculative_prefill", {{"keep_ratio", 0.5}}},
+                       {"speculative_decoding", {{"num_draft_tokens", 3}}}}
+                      .dump());
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json j = json::parse(res->body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_TRUE(absl::StartsWith(j["id"].get<std::string>(), "cmpl-"));
+  EXPECT_EQ(j["model"], "stories260K");
+  ASSERT_EQ(j["choices"].size(), 1u);
+
+  v1::GenerateTextRequest g;
+  g.set_text(prompt);
+  g.mutable_sampling()->set_max_new_tokens(24);
+  g.mutable_speculative_prefill()->set_keep_ratio(0.5f);
+  g.mutable_speculative_decoding()->set_num_draft_tokens(3);
+  const v1::GenerateTextResponse want = Grpc(g);
+  EXPECT_EQ(j["choices"][0]["text"], want.text());
+  EXPECT_EQ(j["choices"][0]["finish_reason"],
+            openai::FinishReason(want.finish_reason()));
+  EXPECT_EQ(j["usage"]["prompt_tokens"], want.usage().prompt_tokens());
+  EXPECT_EQ(j["usage"]["completion_tokens"], want.usage().completion_tokens());
+  EXPECT_EQ(j["usage"]["total_tokens"],
+            want.usage().prompt_tokens() + want.usage().completion_tokens());
+  // The extension took effect: half of the chunks kept.
+  const json& s = j["specserve"];
+  EXPECT_EQ(s["kept_prompt_tokens"], want.usage().kept_prompt_tokens());
+  EXPECT_LT(s["kept_prompt_tokens"].get<int>(), s["prompt_tokens"].get<int>());
+  EXPECT_GT(s["num_drafts"].get<int>(), 0);
+  EXPECT_EQ(s["num_drafts"], want.stats().num_drafts());
+  EXPECT_EQ(s["num_draft_tokens"], want.stats().num_draft_tokens());
+  EXPECT_EQ(s["num_accepted_tokens"], want.stats().num_accepted_tokens());
+  EXPECT_GT(s["ttft_s"].get<double>(), 0);
+}
+
+TEST_F(HttpServerTest, TokenIdPromptsAndOneElementBatches) {
+  Start();
+  auto ids = tokenizer_->Encode("Once upon a time", true);
+  ASSERT_TRUE(ids.ok());
+  const json as_ids = json(*ids);
+  std::string text;
+  for (const json& prompt :
+       {as_ids, json::array({as_ids}), json("Once upon a time"),
+        json::array({"Once upon a time"})}) {
+    auto res = Post("/v1/completions",
+                    json{{"prompt", prompt}, {"max_tokens", 12}}.dump());
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    const json j = json::parse(res->body);
+    EXPECT_EQ(j["usage"]["prompt_tokens"], ids->size()) << prompt;
+    if (text.empty()) text = j["choices"][0]["text"];
+    EXPECT_EQ(j["choices"][0]["text"], text) << prompt;
+  }
+  EXPECT_FALSE(text.empty());
+}
+
+TEST_F(HttpServerTest, StreamingMatchesUnary) {
+  Start();
+  for (const bool chat : {false, true}) {
+    json req = {{"max_tokens", 40}};
+    if (chat) {
+      req["messages"] = {{{"role", "system"}, {"content", "Be kind."}},
+                         {{"role", "user"}, {"content", StoryPrompt(2)}}};
+    } else {
+      req["prompt"] = StoryPrompt(2);
+    }
+    const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
+    auto unary = Post(path, req.dump());
+    ASSERT_TRUE(unary);
+    ASSERT_EQ(unary->status, 200) << unary->body;
+    const json u = json::parse(unary->body);
+    const std::string want =
+        chat ? u["choices"][0]["message"]["content"].get<std::string>()
+             : u["choices"][0]["text"].get<std::string>();
+    if (chat) {
+      EXPECT_EQ(u["object"], "chat.completion");
+      EXPECT_EQ(u["choices"][0]["message"]["role"], "assistant");
+    }
+
+    req["stream"] = true;
+    req["stream_options"] = {{"include_usage", true}};
+    auto res = Post(path, req.dump());
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    EXPECT_TRUE(absl::StartsWith(res->get_header_value("Content-Type"),
+                                 "text/event-stream"));
+    const Sse sse = ParseSse(res->body);
+    EXPECT_TRUE(sse.done);
+    ASSERT_GE(sse.events.size(), 3u);
+    std::string text;
+    int finishes = 0;
+    for (size_t i = 0; i < sse.events.size(); ++i) {
+      const json& e = sse.events[i];
+      EXPECT_EQ(e["object"], chat ? "chat.completion.chunk" : "text_completion");
+      EXPECT_EQ(e["id"], sse.events[0]["id"]);
+      ASSERT_TRUE(e.contains("usage"));
+      if (i + 1 == sse.events.size()) {  // the usage chunk
+        EXPECT_TRUE(e["choices"].empty());
+        EXPECT_EQ(e["usage"], u["usage"]);
+        continue;
+      }
+      EXPECT_TRUE(e["usage"].is_null());
+      const json& c = e["choices"][0];
+      if (chat) {
+        if (i == 0) {
+          EXPECT_EQ(c["delta"]["role"], "assistant");
+        }
+        if (c["delta"].contains("content")) text += c["delta"]["content"];
+      } else {
+        text += c["text"];
+      }
+      if (!c["finish_reason"].is_null()) {
+        ++finishes;
+        EXPECT_EQ(c["finish_reason"], u["choices"][0]["finish_reason"]);
+        EXPECT_EQ(e["specserve"]["completion_tokens"],
+                  u["usage"]["completion_tokens"]);
+      }
+    }
+    EXPECT_EQ(finishes, 1);
+    EXPECT_EQ(text, want) << "chat=" << chat;
+  }
+}
+
+// A tokenizer directory with a tokenizer_config.json chat template: chat
+// prompts are the template's render, BOS string -> BOS id.
+TEST_F(HttpServerTest, ChatUsesTheTokenizerConfigTemplate) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir = absl::StrCat(tmp ? tmp : "/tmp", "/chat_model");
+  ASSERT_EQ(std::system(absl::StrCat("mkdir -p ", dir, " && cp ", kTargetModel,
+                                     "/tokenizer.model ", dir)
+                            .c_str()),
+            0);
+  std::ofstream(dir + "/tokenizer_config.json") << R"({
+    "bos_token": "<s>", "eos_token": "</s>",
+    "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] | upper }} said: {{ m['content'] | trim }}\n{% endfor %}{% if add_generation_prompt %}Then{% endif %}"})";
+  Start({}, [&](RouterServerOptions* o) { o->tokenizer_dir = dir; });
+  auto res = Post("/v1/chat/completions",
+                  R"({"messages": [{"role": "user", "content": " Lily ran. "},
+                                   {"role": "assistant", "content": "Tom sat."}],
+                      "max_tokens": 16})");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json chat = json::parse(res->body);
+  auto ids = tokenizer_->Encode("USER said: Lily ran.\nASSISTANT said: Tom sat.\nThen",
+                                /*add_bos=*/true);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(chat["usage"]["prompt_tokens"], ids->size());
+  // The same ids as a completion prompt give the same text.
+  auto same = Post("/v1/completions",
+                   json{{"prompt", *ids}, {"max_tokens", 16}}.dump());
+  ASSERT_TRUE(same && same->status == 200);
+  EXPECT_EQ(chat["choices"][0]["message"]["content"],
+            json::parse(same->body)["choices"][0]["text"]);
+  // add_generation_prompt: false drops "Then".
+  auto nogen = Post("/v1/chat/completions",
+                    R"({"messages": [{"role": "user", "content": "Hi"}],
+                        "add_generation_prompt": false, "max_tokens": 2})");
+  ASSERT_TRUE(nogen && nogen->status == 200) << nogen->body;
+  EXPECT_EQ(json::parse(nogen->body)["usage"]["prompt_tokens"],
+            tokenizer_->Encode("USER said: Hi\n", true)->size());
+}
+
+// The text of a completion or chat response, unary or streamed.
+std::string TextOf(const httplib::Result& r, bool chat, bool stream) {
+  if (!r || r->status != 200) return "HTTP error";
+  if (!stream) {
+    const json j = json::parse(r->body);
+    return chat ? j["choices"][0]["message"]["content"].get<std::string>()
+                : j["choices"][0]["text"].get<std::string>();
+  }
+  std::string text;
+  for (const json& e : ParseSse(r->body).events) {
+    if (e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    if (chat) {
+      if (c["delta"].contains("content")) text += c["delta"]["content"];
+    } else {
+      text += c["text"];
+    }
+  }
+  return text;
+}
+
+// Many clients at once (unary and streams, completions and chat, greedy and
+// seeded sampling, different Speculative Prefill settings), each answer
+// equal to the same request made alone.
+TEST_F(HttpServerTest, ConcurrentClientsGetTheirOwnAnswers) {
+  Start();
+  struct Kind {
+    bool chat, stream;
+    json body;
+  };
+  std::vector<Kind> kinds;
+  for (int i = 0; i < 6; ++i) {
+    Kind k{i % 3 == 2, i % 2 == 1, {{"max_tokens", 24}}};
+    if (k.chat) {
+      k.body["messages"] = {{{"role", "user"}, {"content", StoryPrompt(1 + i)}}};
+    } else {
+      k.body["prompt"] = StoryPrompt(1 + i);
+    }
+    k.body["speculative_prefill"] = {{"keep_ratio", i < 3 ? 0.3 : 1.0},
+                                     {"chunk_size", 8}};
+    k.body["speculative_decoding"] = {{"num_draft_tokens", 1 + i}};
+    if (i == 4) {
+      k.body["temperature"] = 0.9;
+      k.body["seed"] = 42;
+    }
+    k.body["stream"] = k.stream;
+    kinds.push_back(k);
+  }
+  auto run = [&](httplib::Client& c, const Kind& k) {
+    return TextOf(c.Post(k.chat ? "/v1/chat/completions" : "/v1/completions",
+                         k.body.dump(), "application/json"),
+                  k.chat, k.stream);
+  };
+  std::vector<std::string> alone;
+  for (const Kind& k : kinds) {
+    alone.push_back(run(*client_, k));
+    ASSERT_NE(alone.back(), "HTTP error");
+    ASSERT_FALSE(alone.back().empty());
+  }
+  constexpr int kClients = 12;
+  std::vector<std::vector<std::string>> got(kClients);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      httplib::Client c("127.0.0.1", http_->port());
+      c.set_read_timeout(30, 0);
+      for (int r = 0; r < 3; ++r) got[t].push_back(run(c, kinds[(t + r) % 6]));
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kClients; ++t) {
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(got[t][r], alone[(t + r) % 6]) << "client " << t << " #" << r;
+    }
+  }
+  EXPECT_TRUE(Eventually([&] { return router_->in_flight() == 0; }));
+}
+
+TEST_F(HttpServerTest, StopStringsAndSeeds) {
+  Start();
+  auto full = Post("/v1/completions",
+                   json{{"prompt", "Once upon a time"}, {"max_tokens", 30}}
+                       .dump());
+  ASSERT_TRUE(full && full->status == 200);
+  const std::string text = json::parse(full->body)["choices"][0]["text"];
+  // A word from the middle of the output as the stop string.
+  const size_t at = text.find(' ', text.size() / 2);
+  ASSERT_NE(at, std::string::npos) << text;
+  const std::string stop = text.substr(at, 4);
+  auto cut = Post("/v1/completions", json{{"prompt", "Once upon a time"},
+                                          {"max_tokens", 30},
+                                          {"stop", {stop, "zzzz"}}}
+                                         .dump());
+  ASSERT_TRUE(cut && cut->status == 200) << cut->body;
+  const json c = json::parse(cut->body);
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(c["choices"][0]["text"], text.substr(0, text.find(stop)));
+
+  // Sampling: the same seed gives the same text.
+  const json sampled = {{"prompt", "Once upon a time"},
+                        {"max_tokens", 30},
+                        {"temperature", 1.0},
+                        {"seed", 1234}};
+  auto a = Post("/v1/completions", sampled.dump());
+  auto b = Post("/v1/completions", sampled.dump());
+  ASSERT_TRUE(a && b && a->status == 200 && b->status == 200);
+  EXPECT_EQ(json::parse(a->body)["choices"][0]["text"],
+            json::parse(b->body)["choices"][0]["text"]);
+}
+
+TEST_F(HttpServerTest, BadRequests) {
+  Start();
+  ExpectError(Post("/v1/completions", "{not json"), 400, "");
+  ExpectError(Post("/v1/completions", "[1, 2]"), 400, "");
+  ExpectError(Post("/v1/completions", "{}"), 400, "prompt");
+  ExpectError(Post("/v1/completions", R"({"prompt": ""})"), 400, "prompt");
+  ExpectError(Post("/v1/completions", R"({"prompt": 5})"), 400, "prompt");
+  ExpectError(Post("/v1/completions", R"({"prompt": [1, "a"]})"), 400,
+              "prompt");
+  ExpectError(Post("/v1/completions", R"({"prompt": ["a", "b"]})"), 400,
+              "prompt");
+  // Errors of the router's own checks name the OpenAI parameter too.
+  ExpectError(Post("/v1/completions", R"({"prompt": [1, 100000]})"), 400,
+              "prompt");
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": [1, 100000], "stream": true})"),
+              400, "prompt");
+  ExpectError(Post("/v1/completions",
+                   json{{"prompt", std::string(3000, 'a')}}.dump()),
+              400, "prompt");  // past the model's 512-token context
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "a", "stop_token_ids": [100000]})"),
+              400, "stop_token_ids");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "n": 2})"), 400, "n");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "max_tokens": 1.5})"),
+              400, "max_tokens");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "max_tokens": 0})"),
+              400, "max_tokens");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "temperature": "hot"})"),
+              400, "temperature");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "temperature": 3})"),
+              400, "temperature");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "top_p": 0})"), 400,
+              "top_p");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "stream": "yes"})"),
+              400, "stream");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "stop": [1]})"), 400,
+              "stop[0]");
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "a", "stream_options": {"include_usage": true}})"),
+              400, "stream_options");
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "a", "speculative_prefill": {"keep_ratio": "x"}})"),
+              400, "speculative_prefill.keep_ratio");
+  // Range checks of the extensions are the router's (same field names).
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "a", "speculative_prefill": {"keep_ratio": 2}})"),
+              400, "speculative_prefill.keep_ratio");
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "a", "speculative_decoding": {"num_draft_tokens": 99}})"),
+              400, "speculative_decoding.num_draft_tokens");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "model": "gpt-4"})"),
+              404, "model");
+  ExpectError(Post("/v1/chat/completions", "{}"), 400, "messages");
+  ExpectError(Post("/v1/chat/completions", R"({"messages": "hi"})"), 400,
+              "messages");
+  ExpectError(Post("/v1/chat/completions", R"({"messages": []})"), 400,
+              "messages");
+  ExpectError(Post("/v1/chat/completions", R"({"messages": [{"content": "x"}]})"),
+              400, "messages[0].role");
+  ExpectError(Post("/v1/chat/completions",
+                   R"({"messages": [{"role": "user", "content": 7}]})"),
+              400, "messages[0].content");
+  ExpectError(Post("/v1/chat/completions",
+                   R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})"),
+              400, "messages[0].content[0]");
+  ExpectError(client_->Get("/v1/nothing"), 404, "");
+  // A 10 MB body: refused before it is parsed.
+  const std::string big = json{{"prompt", std::string(10 << 20, 'a')}}.dump();
+  ExpectError(Post("/v1/completions", big), 413, "");
+  ExpectError(client_->Post("/v1/completions", big, "text/plain"), 413, "");
+  // The body is JSON whatever the Content-Type (curl -d sends a form type,
+  // which httplib alone would cap at 8 KiB).
+  const std::string long_prompt =
+      json{{"prompt", std::string(20000, 'a')}, {"max_tokens", 1}}.dump();
+  auto form = client_->Post("/v1/completions", long_prompt,
+                            "application/x-www-form-urlencoded");
+  ASSERT_TRUE(form);
+  EXPECT_EQ(form->status, 400) << form->body;  // past the 512-token context
+  EXPECT_TRUE(absl::StrContains(form->body, "context")) << form->body;
+  auto no_type = client_->Post("/v1/completions",
+                               R"({"prompt": "Once", "max_tokens": 2})", "");
+  ASSERT_TRUE(no_type);
+  EXPECT_EQ(no_type->status, 200) << no_type->body;
+  httplib::MultipartFormDataItems items = {{"prompt", "Once", "", ""}};
+  ExpectError(client_->Post("/v1/completions", items), 400, "");
+  // The server still serves afterwards.
+  auto ok = Post("/v1/chat/completions",
+                 R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 4})");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+TEST_F(HttpServerTest, ApiKey) {
+  HttpServerOptions o;
+  o.api_key = "s3cret-key";
+  Start(o);
+  const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
+  ExpectError(Post("/v1/completions", body), 401, "");
+  ExpectError(Post("/v1/completions", body, {{"Authorization", "Bearer nope"}}),
+              401, "");
+  ExpectError(Post("/v1/completions", body,
+                   {{"Authorization", "Bearer s3cret-key2"}}),
+              401, "");
+  ExpectError(Post("/v1/completions", body, {{"Authorization", "s3cret-key"}}),
+              401, "");
+  ExpectError(client_->Get("/v1/models"), 401, "");
+  auto ok = Post("/v1/completions", body,
+                 {{"Authorization", "Bearer s3cret-key"}});
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  auto health = client_->Get("/health");  // probes need no key
+  ASSERT_TRUE(health);
+  EXPECT_NE(health->status, 401);
+}
+
+TEST_F(HttpServerTest, StartErrorsAndRouterWithHttp) {
+  Start();
+  // The port is taken.
+  auto other = HttpServer::Create(router_.get(), {});
+  ASSERT_TRUE(other.ok());
+  const absl::Status busy = (*other)->Start(http_->port());
+  EXPECT_EQ(busy.code(), absl::StatusCode::kUnavailable) << busy;
+  EXPECT_EQ((*http_).Start(0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(RouterWithHttp::Create(router_.get(), {}, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RouterWithHttp::Create(router_.get(), {}, 70000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  HttpServerOptions bad;
+  bad.max_body_bytes = 0;
+  EXPECT_EQ(HttpServer::Create(router_.get(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ConstantTimeEqualsTest, ComparesWholeStrings) {
+  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+  EXPECT_FALSE(ConstantTimeEquals("abd", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("ab", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("abcd", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals(std::string("ab\0", 3), "ab"));
+}
+
+TEST_F(HttpServerTest, TargetDownIs503) {
+  Start({}, [](RouterServerOptions* o) {
+    o->speculator = "";
+    o->target = Addr(DeadPort());
+  });
+  ExpectError(Post("/v1/completions", R"({"prompt": "Once", "max_tokens": 2})"),
+              503, "");
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "Once", "max_tokens": 2, "stream": true})"),
+              503, "");
+  auto h = client_->Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 503);
+}
+
+TEST_F(HttpServerTest, QueueFullIs429) {
+  const std::string slow = StartSlowTarget();
+  Start({}, [&](RouterServerOptions* o) {
+    o->speculator = "";
+    o->target = slow;
+    o->max_concurrent_requests = 1;
+  });
+  // One stream holds the only slot.
+  std::thread holder([&] {
+    httplib::Client c("127.0.0.1", http_->port());
+    c.Post("/v1/completions", {},
+           R"({"prompt": "Once", "max_tokens": 100000, "stream": true})",
+           "application/json");
+  });
+  ASSERT_TRUE(Eventually([&] { return router_->in_flight() == 1; }));
+  ExpectError(Post("/v1/completions", R"({"prompt": "Once", "max_tokens": 2})"),
+              429, "");
+  http_->Shutdown();  // cancels the holder
+  holder.join();
+  EXPECT_TRUE(Eventually([&] { return slow_->open_ == 0; }));
+}
+
+TEST_F(HttpServerTest, DisconnectMidStreamFreesSessions) {
+  const std::string slow = StartSlowTarget();
+  Start({}, [&](RouterServerOptions* o) {
+    o->speculator = "";
+    o->target = slow;
+  });
+  for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+    const std::string body =
+        std::string(path) == "/v1/completions"
+            ? R"({"prompt": "Once", "max_tokens": 100000, "stream": true})"
+            : R"({"messages": [{"role": "user", "content": "Hi"}],
+                  "max_tokens": 100000, "stream": true})";
+    int received = 0;
+    httplib::Client c("127.0.0.1", http_->port());
+    httplib::Request req;
+    req.method = "POST";
+    req.path = path;
+    req.body = body;
+    req.set_header("Content-Type", "application/json");
+    req.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      return ++received < 5;  // then the client hangs up
+    };
+    auto res = c.send(req);
+    EXPECT_EQ(received, 5);
+    c.stop();
+    EXPECT_TRUE(Eventually([&] {
+      return slow_->open_ == 0 && http_->active() == 0 &&
+             router_->in_flight() == 0;
+    })) << "open target streams " << slow_->open_ << ", http "
+        << http_->active() << ", router " << router_->in_flight();
+  }
+  EXPECT_EQ(slow_->started_, 2);
+}
+
+// A stream whose first token never comes: the status line goes out after
+// 1 s, and a client that then hangs up still frees the sessions.
+TEST_F(HttpServerTest, DisconnectBeforeTheFirstTokenFreesSessions) {
+  const std::string slow = StartSlowTarget();
+  slow_->silent = true;
+  Start({}, [&](RouterServerOptions* o) {
+    o->speculator = "";
+    o->target = slow;
+  });
+  bool got_headers = false;
+  httplib::Client c("127.0.0.1", http_->port());
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = R"({"prompt": "Once", "max_tokens": 10, "stream": true})";
+  req.set_header("Content-Type", "application/json");
+  req.response_handler = [&](const httplib::Response& r) {
+    got_headers = r.status == 200;
+    return false;  // hang up as soon as the status line is in
+  };
+  const absl::Time start = absl::Now();
+  c.send(req);
+  EXPECT_TRUE(got_headers);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(900));
+  EXPECT_TRUE(Eventually([&] {
+    return slow_->open_ == 0 && http_->active() == 0 &&
+           router_->in_flight() == 0;
+  })) << "open target streams " << slow_->open_;
+  EXPECT_EQ(slow_->started_, 1);
+}
+
+}  // namespace
+}  // namespace specserve

@@ -1,0 +1,662 @@
+#include "router/openai_api.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "common/tokenizer/tokenizer.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace specserve {
+namespace openai {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr char kParamPayload[] = "type.googleapis.com/specserve.openai.Param";
+
+const char* TypeName(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    case json::value_t::number_float:
+      return "a number";
+    default:
+      return "an integer";
+  }
+}
+
+absl::Status WrongType(absl::string_view param, absl::string_view want,
+                       const json& got) {
+  return ParamError(param, absl::StrCat("'", param, "' must be ", want,
+                                        ", got ", TypeName(got)));
+}
+
+// The member `key` of `obj` unless absent or null.
+const json* Member(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::StatusOr<std::optional<int64_t>> GetInt(const json& obj, const char* key,
+                                              absl::string_view param,
+                                              int64_t min, int64_t max) {
+  const json* v = Member(obj, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_number_integer()) return WrongType(param, "an integer", *v);
+  if (v->is_number_unsigned() &&
+      v->get<uint64_t>() > static_cast<uint64_t>(max)) {
+    return ParamError(param, absl::StrCat("'", param, "' must be <= ", max));
+  }
+  const int64_t x = v->get<int64_t>();
+  if (x < min || x > max) {
+    return ParamError(param, absl::StrCat("'", param, "' must be in [", min,
+                                          ", ", max, "], got ", x));
+  }
+  return x;
+}
+
+absl::StatusOr<std::optional<double>> GetNumber(const json& obj,
+                                                const char* key,
+                                                absl::string_view param) {
+  const json* v = Member(obj, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_number()) return WrongType(param, "a number", *v);
+  return v->get<double>();
+}
+
+absl::StatusOr<std::optional<bool>> GetBool(const json& obj, const char* key,
+                                            absl::string_view param) {
+  const json* v = Member(obj, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_boolean()) return WrongType(param, "a boolean", *v);
+  return v->get<bool>();
+}
+
+// Whether an unsupported parameter's value asks for something: not false,
+// 0 (1 for best_of, whose default it is), "" or {}.
+bool AsksForSomething(const json& v, bool one_is_default) {
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number_integer()) return v.get<int64_t>() > (one_is_default ? 1 : 0);
+  if (v.is_string()) return !v.get_ref<const std::string&>().empty();
+  if (v.is_object() || v.is_array()) return !v.empty();
+  return true;
+}
+
+#define SPECSERVE_ASSIGN(lhs, expr)     \
+  auto lhs##_or = (expr);               \
+  if (!lhs##_or.ok()) return lhs##_or.status(); \
+  const auto lhs = *lhs##_or
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// A list of token ids (non-empty, each in [0, 2^31)).
+absl::Status ParseIds(const json& v, absl::string_view param,
+                      v1::TokenIds* out) {
+  if (v.empty()) return ParamError(param, absl::StrCat("'", param, "' is empty"));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& x = v[i];
+    if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
+        x.get<int64_t>() > kInt32Max) {
+      return ParamError(param, absl::StrCat("'", param, "[", i,
+                                            "]' must be a token id (an "
+                                            "integer >= 0)"));
+    }
+    out->add_ids(static_cast<int>(x.get<int64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParsePrompt(const json& body, v1::GenerateTextRequest* r) {
+  const json* p = Member(body, "prompt");
+  if (p == nullptr) return ParamError("prompt", "'prompt' is required");
+  if (p->is_string()) {
+    if (p->get_ref<const std::string&>().empty()) {
+      return ParamError("prompt", "'prompt' is empty");
+    }
+    r->set_text(p->get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!p->is_array()) {
+    return WrongType("prompt", "a string or a list of token ids", *p);
+  }
+  if (!p->empty() && ((*p)[0].is_string() || (*p)[0].is_array())) {
+    // A batch of prompts: one only (n = 1, one choice).
+    if (p->size() != 1) {
+      return ParamError("prompt",
+                        "a batch of prompts is not supported: send one");
+    }
+    const json& one = (*p)[0];
+    if (one.is_string()) {
+      if (one.get_ref<const std::string&>().empty()) {
+        return ParamError("prompt", "'prompt' is empty");
+      }
+      r->set_text(one.get<std::string>());
+      return absl::OkStatus();
+    }
+    return ParseIds(one, "prompt", r->mutable_token_ids());
+  }
+  return ParseIds(*p, "prompt", r->mutable_token_ids());
+}
+
+// messages -> [{"role", "content"}] with content parts joined.
+absl::StatusOr<json> NormalizeMessages(const json& body) {
+  const json* m = Member(body, "messages");
+  if (m == nullptr) return ParamError("messages", "'messages' is required");
+  if (!m->is_array()) return WrongType("messages", "an array", *m);
+  if (m->empty()) return ParamError("messages", "'messages' is empty");
+  json out = json::array();
+  for (size_t i = 0; i < m->size(); ++i) {
+    const std::string param = absl::StrCat("messages[", i, "]");
+    const json& msg = (*m)[i];
+    if (!msg.is_object()) return WrongType(param, "an object", msg);
+    const json* role = Member(msg, "role");
+    if (role == nullptr || !role->is_string()) {
+      return ParamError(absl::StrCat(param, ".role"),
+                        absl::StrCat("'", param, ".role' must be a string"));
+    }
+    std::string content;
+    if (const json* c = Member(msg, "content"); c != nullptr) {
+      if (c->is_string()) {
+        content = c->get<std::string>();
+      } else if (c->is_array()) {
+        for (size_t j = 0; j < c->size(); ++j) {
+          const json& part = (*c)[j];
+          const std::string pp = absl::StrCat(param, ".content[", j, "]");
+          const json* type = part.is_object() ? Member(part, "type") : nullptr;
+          const json* text = part.is_object() ? Member(part, "text") : nullptr;
+          if (type == nullptr || *type != "text" || text == nullptr ||
+              !text->is_string()) {
+            return ParamError(pp, absl::StrCat("'", pp,
+                                               "' must be a text part "
+                                               "{\"type\": \"text\", "
+                                               "\"text\": str}"));
+          }
+          content += text->get<std::string>();
+        }
+      } else {
+        return WrongType(absl::StrCat(param, ".content"),
+                         "a string or an array of text parts", *c);
+      }
+    }
+    out.push_back({{"role", role->get<std::string>()}, {"content", content}});
+  }
+  return out;
+}
+
+absl::Status ParseStop(const json& body, v1::GenerationSampling* s) {
+  const json* v = Member(body, "stop");
+  if (v == nullptr) return absl::OkStatus();
+  auto add = [&](const json& x, absl::string_view param) -> absl::Status {
+    if (!x.is_string()) return WrongType(param, "a string", x);
+    if (x.get_ref<const std::string&>().empty()) {
+      return ParamError(param, absl::StrCat("'", param, "' is empty"));
+    }
+    s->add_stop(x.get<std::string>());
+    return absl::OkStatus();
+  };
+  if (v->is_string()) return add(*v, "stop");
+  if (!v->is_array()) return WrongType("stop", "a string or an array", *v);
+  for (size_t i = 0; i < v->size(); ++i) {
+    if (auto st = add((*v)[i], absl::StrCat("stop[", i, "]")); !st.ok()) {
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseSampling(const json& body,
+                           v1::GenerationSampling* s) {
+  SPECSERVE_ASSIGN(max_tokens, GetInt(body, "max_tokens", "max_tokens", 1,
+                                      kInt32Max));
+  SPECSERVE_ASSIGN(max_completion, GetInt(body, "max_completion_tokens",
+                                          "max_completion_tokens", 1,
+                                          kInt32Max));
+  if (max_completion) {
+    s->set_max_new_tokens(static_cast<int>(*max_completion));
+  } else if (max_tokens) {
+    s->set_max_new_tokens(static_cast<int>(*max_tokens));
+  }
+  SPECSERVE_ASSIGN(temperature, GetNumber(body, "temperature", "temperature"));
+  if (temperature) {
+    if (!(*temperature >= 0 && *temperature <= 2)) {
+      return ParamError("temperature", "'temperature' must be in [0, 2]");
+    }
+    s->set_temperature(static_cast<float>(*temperature));
+  }
+  SPECSERVE_ASSIGN(top_p, GetNumber(body, "top_p", "top_p"));
+  if (top_p) {
+    if (!(*top_p > 0 && *top_p <= 1)) {
+      return ParamError("top_p", "'top_p' must be in (0, 1]");
+    }
+    s->set_top_p(static_cast<float>(*top_p));
+  }
+  // vLLM's extension; -1 (vLLM's "off") and 0 both disable it.
+  SPECSERVE_ASSIGN(top_k, GetInt(body, "top_k", "top_k", -1, kInt32Max));
+  if (top_k) s->set_top_k(*top_k < 0 ? 0 : static_cast<int>(*top_k));
+  if (const json* seed = Member(body, "seed"); seed != nullptr) {
+    if (!seed->is_number_integer()) {
+      return WrongType("seed", "an integer", *seed);
+    }
+    s->set_seed(seed->is_number_unsigned()
+                    ? seed->get<uint64_t>()
+                    : static_cast<uint64_t>(seed->get<int64_t>()));
+  }
+  if (auto st = ParseStop(body, s); !st.ok()) return st;
+  if (const json* ids = Member(body, "stop_token_ids"); ids != nullptr) {
+    if (!ids->is_array()) return WrongType("stop_token_ids", "an array", *ids);
+    v1::TokenIds t;
+    if (!ids->empty()) {
+      if (auto st = ParseIds(*ids, "stop_token_ids", &t); !st.ok()) return st;
+    }
+    s->mutable_stop_token_ids()->Add(t.ids().begin(), t.ids().end());
+  }
+  SPECSERVE_ASSIGN(ignore_eos, GetBool(body, "ignore_eos", "ignore_eos"));
+  if (ignore_eos) s->set_ignore_eos(*ignore_eos);
+  return absl::OkStatus();
+}
+
+// Our extensions: speculative_prefill {...}, speculative_decoding {...}.
+// Ranges are checked by the router (ResolveOptions) with the same names.
+absl::Status ParseExtensions(const json& body, v1::GenerateTextRequest* r) {
+  if (const json* p = Member(body, "speculative_prefill"); p != nullptr) {
+    if (!p->is_object()) {
+      return WrongType("speculative_prefill", "an object", *p);
+    }
+    v1::SpeculativePrefillConfig* c = r->mutable_speculative_prefill();
+    SPECSERVE_ASSIGN(enabled, GetBool(*p, "enabled",
+                                      "speculative_prefill.enabled"));
+    if (enabled) c->set_enabled(*enabled);
+    SPECSERVE_ASSIGN(keep_ratio, GetNumber(*p, "keep_ratio",
+                                           "speculative_prefill.keep_ratio"));
+    if (keep_ratio) c->set_keep_ratio(static_cast<float>(*keep_ratio));
+    SPECSERVE_ASSIGN(keep_mass, GetNumber(*p, "keep_mass",
+                                          "speculative_prefill.keep_mass"));
+    if (keep_mass) c->set_keep_mass(static_cast<float>(*keep_mass));
+    struct IntField {
+      const char* key;
+      void (v1::SpeculativePrefillConfig::*set)(int32_t);
+    };
+    static constexpr IntField kInts[] = {
+        {"chunk_size", &v1::SpeculativePrefillConfig::set_chunk_size},
+        {"pool_kernel_size",
+         &v1::SpeculativePrefillConfig::set_pool_kernel_size},
+        {"look_ahead", &v1::SpeculativePrefillConfig::set_look_ahead},
+        {"keep_first", &v1::SpeculativePrefillConfig::set_keep_first},
+        {"keep_last", &v1::SpeculativePrefillConfig::set_keep_last},
+        {"min_prompt_tokens",
+         &v1::SpeculativePrefillConfig::set_min_prompt_tokens},
+    };
+    for (const IntField& f : kInts) {
+      const std::string param = absl::StrCat("speculative_prefill.", f.key);
+      SPECSERVE_ASSIGN(v, GetInt(*p, f.key, param, -kInt32Max, kInt32Max));
+      if (v) (c->*f.set)(static_cast<int32_t>(*v));
+    }
+  }
+  if (const json* d = Member(body, "speculative_decoding"); d != nullptr) {
+    if (!d->is_object()) {
+      return WrongType("speculative_decoding", "an object", *d);
+    }
+    v1::SpeculativeDecodingConfig* c = r->mutable_speculative_decoding();
+    SPECSERVE_ASSIGN(enabled, GetBool(*d, "enabled",
+                                      "speculative_decoding.enabled"));
+    if (enabled) c->set_enabled(*enabled);
+    SPECSERVE_ASSIGN(k, GetInt(*d, "num_draft_tokens",
+                               "speculative_decoding.num_draft_tokens",
+                               -kInt32Max, kInt32Max));
+    if (k) c->set_num_draft_tokens(static_cast<int32_t>(*k));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ParamError(absl::string_view param, absl::string_view message) {
+  return WithParam(absl::InvalidArgumentError(message), param);
+}
+
+absl::Status WithParam(absl::Status status, absl::string_view param) {
+  status.SetPayload(kParamPayload, absl::Cord(param));
+  return status;
+}
+
+std::optional<std::string> ParamOf(const absl::Status& status) {
+  auto p = status.GetPayload(kParamPayload);
+  if (!p) return std::nullopt;
+  return std::string(*p);
+}
+
+absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
+                                               const ChatFormat& format,
+                                               const Tokenizer& tokenizer) {
+  bool add_bos = format.add_bos;
+  if (!format.bos_token.empty() && absl::StartsWith(text, format.bos_token)) {
+    text.remove_prefix(format.bos_token.size());
+    add_bos = true;
+  }
+  return tokenizer.Encode(std::string_view(text.data(), text.size()), add_bos);
+}
+
+absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
+                                           absl::string_view body_text,
+                                           const ChatFormat& chat,
+                                           const Tokenizer* tokenizer) {
+  const json body = json::parse(body_text.begin(), body_text.end(), nullptr,
+                                /*allow_exceptions=*/false);
+  if (body.is_discarded()) {
+    return ParamError("", "the request body is not valid JSON");
+  }
+  if (!body.is_object()) {
+    return ParamError("", "the request body must be a JSON object");
+  }
+  ParsedRequest out;
+  v1::GenerateTextRequest& r = out.request;
+  if (const json* m = Member(body, "model"); m != nullptr) {
+    if (!m->is_string()) return WrongType("model", "a string", *m);
+    out.model = m->get<std::string>();
+  }
+  SPECSERVE_ASSIGN(n, GetInt(body, "n", "n", std::numeric_limits<int64_t>::min(),
+                             std::numeric_limits<int64_t>::max()));
+  if (n && *n != 1) {
+    return ParamError("n", absl::StrCat("'n' must be 1 (one choice per "
+                                        "request), got ",
+                                        *n));
+  }
+  // Known parameters that would change the answer and are not implemented:
+  // refused when they ask for something, rather than silently ignored.
+  for (const char* key : {"logprobs", "top_logprobs", "echo", "suffix",
+                          "best_of", "logit_bias"}) {
+    const json* v = Member(body, key);
+    if (v != nullptr && AsksForSomething(*v, key == std::string("best_of"))) {
+      return ParamError(key, absl::StrCat("'", key, "' is not supported"));
+    }
+  }
+  SPECSERVE_ASSIGN(stream, GetBool(body, "stream", "stream"));
+  out.stream = stream.value_or(false);
+  if (const json* so = Member(body, "stream_options"); so != nullptr) {
+    if (!so->is_object()) return WrongType("stream_options", "an object", *so);
+    if (!out.stream) {
+      return ParamError("stream_options",
+                        "'stream_options' is only allowed with 'stream': "
+                        "true");
+    }
+    SPECSERVE_ASSIGN(usage, GetBool(*so, "include_usage",
+                                    "stream_options.include_usage"));
+    out.include_usage = usage.value_or(false);
+  }
+  if (auto s = ParseSampling(body, r.mutable_sampling()); !s.ok()) {
+    return s;
+  }
+  if (auto s = ParseExtensions(body, &r); !s.ok()) return s;
+  if (endpoint == Endpoint::kCompletions) {
+    if (auto s = ParsePrompt(body, &r); !s.ok()) return s;
+    return out;
+  }
+  // Tool calling needs the template's tool prompt and a tool-call parser:
+  // refused rather than silently ignored.
+  if (const json* tools = Member(body, "tools");
+      tools != nullptr && !(tools->is_array() && tools->empty())) {
+    return ParamError("tools", "'tools' (function calling) is not supported");
+  }
+  auto messages = NormalizeMessages(body);
+  if (!messages.ok()) return messages.status();
+  if (tokenizer == nullptr || !chat.render) {
+    return ParamError("messages",
+                      "chat completions need the router's --tokenizer");
+  }
+  json context = {{"messages", *messages}, {"add_generation_prompt", true}};
+  if (const json* kw = Member(body, "chat_template_kwargs"); kw != nullptr) {
+    if (!kw->is_object()) {
+      return WrongType("chat_template_kwargs", "an object", *kw);
+    }
+    for (auto it = kw->begin(); it != kw->end(); ++it) {
+      context[it.key()] = it.value();
+    }
+  }
+  SPECSERVE_ASSIGN(gen, GetBool(body, "add_generation_prompt",
+                                "add_generation_prompt"));
+  if (gen) context["add_generation_prompt"] = *gen;
+  context["messages"] = *messages;
+  auto text = chat.render(context);
+  if (!text.ok()) {
+    if (!absl::IsInvalidArgument(text.status())) return text.status();
+    return ParamError("messages", text.status().message());
+  }
+  auto ids = ChatPromptIds(*text, chat, *tokenizer);
+  if (!ids.ok()) return ids.status();
+  if (ids->empty()) return ParamError("messages", "the chat prompt is empty");
+  r.mutable_token_ids()->mutable_ids()->Add(ids->begin(), ids->end());
+  return out;
+}
+
+absl::Status NameParam(absl::Status status, Endpoint endpoint) {
+  if (!absl::IsInvalidArgument(status) || ParamOf(status)) return status;
+  absl::string_view field = status.message();
+  field = field.substr(0, field.find_first_of(" :=["));
+  std::string param;
+  if (absl::StartsWith(field, "token_ids") || field == "text" ||
+      field == "prompt") {
+    param = endpoint == Endpoint::kChat ? "messages" : "prompt";
+  } else if (field == "sampling.max_new_tokens") {
+    param = "max_tokens";
+  } else if (absl::ConsumePrefix(&field, "sampling.")) {
+    param = std::string(field);
+  } else if (absl::StartsWith(field, "speculative_prefill.") ||
+             absl::StartsWith(field, "speculative_decoding.")) {
+    param = std::string(field);
+  } else {
+    return status;
+  }
+  return WithParam(std::move(status), param);
+}
+
+int HttpStatus(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      return 400;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kFailedPrecondition:
+      return 503;
+    case absl::StatusCode::kDeadlineExceeded:
+      return 504;
+    case absl::StatusCode::kCancelled:
+      return 499;
+    default:
+      return 500;
+  }
+}
+
+nlohmann::json ErrorBody(const absl::Status& status) {
+  const char* type = "server_error";
+  switch (HttpStatus(status)) {
+    case 400:
+      type = "invalid_request_error";
+      break;
+    case 401:
+      type = "authentication_error";
+      break;
+    case 404:
+      type = "not_found_error";
+      break;
+    case 429:
+      type = "rate_limit_error";
+      break;
+    case 503:
+      type = "service_unavailable_error";
+      break;
+    case 504:
+      type = "timeout_error";
+      break;
+    default:
+      break;
+  }
+  json param = nullptr;
+  if (auto p = ParamOf(status); p && !p->empty()) param = *p;
+  return {{"error",
+           {{"message", std::string(status.message())},
+            {"type", type},
+            {"param", param},
+            {"code", absl::StatusCodeToString(status.code())}}}};
+}
+
+std::string FinishReason(absl::string_view router_reason) {
+  if (router_reason == "length" || router_reason == "context_limit") {
+    return "length";
+  }
+  return "stop";
+}
+
+ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
+                                 std::string model, int64_t created,
+                                 bool include_usage)
+    : endpoint_(endpoint),
+      id_(std::move(id)),
+      model_(std::move(model)),
+      created_(created),
+      include_usage_(include_usage) {}
+
+json ResponseBuilder::Stats(const v1::Usage& usage,
+                            const v1::GenerationStats& stats) {
+  google::protobuf::util::JsonPrintOptions o;
+  o.always_print_primitive_fields = true;
+  o.preserve_proto_field_names = true;
+  std::string text;
+  json out = json::object();
+  if (google::protobuf::util::MessageToJsonString(stats, &text, o).ok()) {
+    out = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (out.is_discarded()) out = json::object();
+  }
+  out["prompt_tokens"] = usage.prompt_tokens();
+  out["kept_prompt_tokens"] = usage.kept_prompt_tokens();
+  out["completion_tokens"] = usage.completion_tokens();
+  return out;
+}
+
+json ResponseBuilder::Usage(const v1::Usage& u) const {
+  return {{"prompt_tokens", u.prompt_tokens()},
+          {"completion_tokens", u.completion_tokens()},
+          {"total_tokens", u.prompt_tokens() + u.completion_tokens()}};
+}
+
+json ResponseBuilder::Response(const v1::GenerateTextResponse& r) const {
+  const bool chat = endpoint_ == Endpoint::kChat;
+  json choice = {{"index", 0},
+                 {"logprobs", nullptr},
+                 {"finish_reason", FinishReason(r.finish_reason())}};
+  if (chat) {
+    choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
+  } else {
+    choice["text"] = r.text();
+  }
+  return {{"id", id_},
+          {"object", chat ? "chat.completion" : "text_completion"},
+          {"created", created_},
+          {"model", model_},
+          {"choices", json::array({choice})},
+          {"usage", Usage(r.usage())},
+          {"specserve", Stats(r.usage(), r.stats())}};
+}
+
+json ResponseBuilder::Chunk() const {
+  json c = {{"id", id_},
+            {"object", endpoint_ == Endpoint::kChat ? "chat.completion.chunk"
+                                                     : "text_completion"},
+            {"created", created_},
+            {"model", model_}};
+  if (include_usage_) c["usage"] = nullptr;
+  return c;
+}
+
+std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
+  const bool chat = endpoint_ == Endpoint::kChat;
+  const bool last = !chunk.finish_reason().empty();
+  std::string out;
+  auto emit = [&out](const json& j) {
+    absl::StrAppend(&out, "data: ", j.dump(-1, ' ', false,
+                                           json::error_handler_t::replace),
+                    "\n\n");
+  };
+  auto choice = [&](const std::string& text, const json& finish) {
+    json c = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
+    if (chat) {
+      c["delta"] = text.empty() ? json::object() : json{{"content", text}};
+    } else {
+      c["text"] = text;
+    }
+    return c;
+  };
+  if (chat && !role_sent_) {
+    json c = Chunk();
+    c["choices"] = json::array(
+        {{{"index", 0},
+          {"delta", {{"role", "assistant"}, {"content", ""}}},
+          {"logprobs", nullptr},
+          {"finish_reason", nullptr}}});
+    emit(c);
+    role_sent_ = true;
+  }
+  if (!chunk.text().empty() && !last) {
+    json c = Chunk();
+    c["choices"] = json::array({choice(chunk.text(), nullptr)});
+    emit(c);
+  }
+  if (last) {
+    json c = Chunk();
+    c["choices"] = json::array(
+        {choice(chunk.text(), FinishReason(chunk.finish_reason()))});
+    c["specserve"] = Stats(chunk.usage(), chunk.stats());
+    emit(c);
+    if (include_usage_) {
+      json u = Chunk();
+      u["choices"] = json::array();
+      u["usage"] = Usage(chunk.usage());
+      emit(u);
+    }
+  }
+  return out;
+}
+
+std::string ResponseBuilder::ErrorEvent(const absl::Status& status) {
+  return absl::StrCat("data: ", ErrorBody(status).dump(), "\n\n");
+}
+
+std::string ResponseBuilder::DoneEvent() { return "data: [DONE]\n\n"; }
+
+std::string NewId(absl::string_view prefix) {
+  static absl::Mutex mu;
+  static absl::BitGen* gen = new absl::BitGen();
+  absl::MutexLock lock(&mu);
+  return absl::StrCat(prefix,
+                      absl::StrFormat("%016x", absl::Uniform<uint64_t>(*gen)),
+                      absl::StrFormat("%08x", absl::Uniform<uint32_t>(*gen)));
+}
+
+}  // namespace openai
+}  // namespace specserve

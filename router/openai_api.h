@@ -1,0 +1,162 @@
+#ifndef SPECSERVE_ROUTER_OPENAI_API_H_
+#define SPECSERVE_ROUTER_OPENAI_API_H_
+
+// The OpenAI HTTP API's JSON <-> the router's request type (issue 15):
+// request bodies of POST /v1/completions and /v1/chat/completions become a
+// v1::GenerateTextRequest (the gRPC API's), and the runner's chunks become
+// OpenAI responses, stream chunks (Server-Sent Events) and errors. No I/O
+// here; router/http_server.h does the HTTP.
+//
+// Follows the OpenAI API reference (completions and chat completions
+// objects) as vLLM serves it: `n` other than 1 is refused, unknown fields
+// are ignored, and a wrong type or range is INVALID_ARGUMENT naming the
+// parameter (ParamOf).
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
+#include "protos/router.pb.h"
+
+namespace specserve {
+
+class Tokenizer;
+
+namespace openai {
+
+enum class Endpoint { kCompletions, kChat };
+
+/// A validated request body.
+struct ParsedRequest {
+  v1::GenerateTextRequest request;  ///< what the router runs.
+  std::string model;                ///< as sent; "" when absent.
+  bool stream = false;
+  bool include_usage = false;  ///< stream_options.include_usage.
+};
+
+/// Chat messages -> prompt text. `context` is the template's:
+/// {"messages": [{"role": str, "content": str}, ...] (content parts joined),
+/// "add_generation_prompt": bool, plus the request's chat_template_kwargs}.
+/// The text may start with the BOS string (Jinja templates write
+/// `bos_token`); ChatPromptIds turns it into the BOS id.
+/// INVALID_ARGUMENT for a conversation the template refuses (a 400).
+using ChatRenderer =
+    std::function<absl::StatusOr<std::string>(const nlohmann::json& context)>;
+
+/// How chat requests become prompts: the renderer, the BOS string its
+/// output may start with ("" = none), and whether to prepend the BOS id when
+/// the output does not start with it (true for a template that does not
+/// know the model's BOS, e.g. the default; false for the model's own
+/// template, which writes `bos_token` where the model wants it).
+struct ChatFormat {
+  ChatRenderer render;  ///< null: chat is refused.
+  std::string bos_token;
+  bool add_bos = false;
+};
+
+/// The prompt ids of rendered chat text: a leading `bos_token` (when
+/// non-empty) is removed and the rest encoded after the BOS id; otherwise
+/// the text is encoded with the BOS id only if `add_bos`. The tokenizer's
+/// BOS rule applies (none when its vocabulary has no BOS). INTERNAL from
+/// the tokenizer.
+absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
+                                               const ChatFormat& format,
+                                               const Tokenizer& tokenizer);
+
+/// Parses a POST body. Completions: `prompt` is a string, a list of token
+/// ids, or a one-element list of either. Chat: `messages` rendered by
+/// `chat` (with vLLM's `add_generation_prompt`, default true, and
+/// `chat_template_kwargs`), tokenized by `tokenizer` into token_ids with
+/// ChatPromptIds; both required for chat, else INVALID_ARGUMENT. A
+/// renderer's error other than INVALID_ARGUMENT is returned as is. Errors: INVALID_ARGUMENT with ParamOf() naming the
+/// field for malformed JSON, a missing or mistyped field, a value out of
+/// range (temperature [0, 2], top_p (0, 1], max_tokens >= 1, n = 1, ...),
+/// stream_options without stream.
+absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
+                                           absl::string_view body,
+                                           const ChatFormat& chat,
+                                           const Tokenizer* tokenizer);
+
+/// An INVALID_ARGUMENT whose OpenAI `param` is `param`.
+absl::Status ParamError(absl::string_view param, absl::string_view message);
+/// `status` with OpenAI `param` `param` attached.
+absl::Status WithParam(absl::Status status, absl::string_view param);
+/// The `param` attached by ParamError, if any.
+std::optional<std::string> ParamOf(const absl::Status& status);
+
+/// A router error in API terms: an INVALID_ARGUMENT from the runner names a
+/// field of the gRPC request in its first word ("sampling.top_p must ...",
+/// "token_ids.ids[3] = ..."); the OpenAI parameter it came from is attached
+/// (`prompt` / `messages`, `max_tokens`, `temperature`, `stop`,
+/// `speculative_prefill.keep_ratio`, ...). Other statuses pass unchanged.
+absl::Status NameParam(absl::Status status, Endpoint endpoint);
+
+/// HTTP status of an error: 400 INVALID_ARGUMENT / OUT_OF_RANGE, 401
+/// UNAUTHENTICATED, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 503
+/// UNAVAILABLE / FAILED_PRECONDITION (replicas unusable), 504
+/// DEADLINE_EXCEEDED, 499 CANCELLED (client closed), 500 otherwise.
+int HttpStatus(const absl::Status& status);
+
+/// OpenAI's error object {"error": {"message", "type", "param", "code"}};
+/// `type` follows the HTTP status (invalid_request_error, authentication_
+/// error, not_found_error, rate_limit_error, service_unavailable_error,
+/// timeout_error, server_error), `code` is the status code name.
+nlohmann::json ErrorBody(const absl::Status& status);
+
+/// OpenAI finish_reason of the router's: "stop" (eos, stop_token, stop) or
+/// "length" (length, context_limit).
+std::string FinishReason(absl::string_view router_reason);
+
+/// Builds the responses of one request (one per request; not
+/// thread-safe). `id` e.g. "cmpl-..."; `created` in Unix seconds.
+class ResponseBuilder {
+ public:
+  ResponseBuilder(Endpoint endpoint, std::string id, std::string model,
+                  int64_t created, bool include_usage);
+
+  /// The non-streaming response: one choice, usage, and the `specserve`
+  /// object (Stats).
+  nlohmann::json Response(const v1::GenerateTextResponse& response) const;
+
+  /// The SSE events ("data: {...}\n\n" each) for a runner chunk: chat
+  /// starts with a role delta; empty deltas send nothing; the final chunk
+  /// sends finish_reason and `specserve`, then (include_usage) a chunk with
+  /// no choices and the usage. Every chunk carries "usage": null when
+  /// include_usage is set, as OpenAI's do.
+  std::string StreamEvents(const v1::GenerateTextChunk& chunk);
+
+  /// An error event mid-stream ("data: {"error": ...}\n\n").
+  static std::string ErrorEvent(const absl::Status& status);
+  /// The end of a stream: "data: [DONE]\n\n".
+  static std::string DoneEvent();
+
+  /// The per-request statistics object: GenerationStats' fields (proto
+  /// names) plus prompt_tokens, kept_prompt_tokens and completion_tokens.
+  static nlohmann::json Stats(const v1::Usage& usage,
+                              const v1::GenerationStats& stats);
+
+ private:
+  nlohmann::json Chunk() const;  // the fields every stream chunk has
+  nlohmann::json Usage(const v1::Usage& usage) const;
+
+  const Endpoint endpoint_;
+  const std::string id_;
+  const std::string model_;
+  const int64_t created_;
+  const bool include_usage_;
+  bool role_sent_ = false;
+};
+
+/// A fresh response id: `prefix` + 24 random hex digits.
+std::string NewId(absl::string_view prefix);
+
+}  // namespace openai
+}  // namespace specserve
+
+#endif  // SPECSERVE_ROUTER_OPENAI_API_H_

@@ -1,0 +1,377 @@
+// OpenAI request bodies -> the router's request, and the runner's chunks ->
+// OpenAI responses, stream chunks and errors (no sockets).
+
+#include "router/openai_api.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "common/tokenizer/tokenizer.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace openai {
+namespace {
+
+using json = nlohmann::json;
+
+absl::StatusOr<ParsedRequest> Completion(const json& body) {
+  return ParseRequest(Endpoint::kCompletions, body.dump(), {}, nullptr);
+}
+
+TEST(ParseRequestTest, MapsEveryField) {
+  auto p = Completion({{"model", "m"},
+                       {"prompt", "Hello"},
+                       {"max_tokens", 7},
+                       {"temperature", 0.5},
+                       {"top_p", 0.9},
+                       {"top_k", 40},
+                       {"seed", 42},
+                       {"stop", "\n"},
+                       {"stop_token_ids", {5, 6}},
+                       {"ignore_eos", true},
+                       {"stream", true},
+                       {"stream_options", {{"include_usage", true}}},
+                       {"logprobs", nullptr},
+                       {"user", "ignored"},
+                       {"speculative_prefill",
+                        {{"enabled", true},
+                         {"keep_ratio", 0.25},
+                         {"chunk_size", 8},
+                         {"pool_kernel_size", 5},
+                         {"look_ahead", 2},
+                         {"keep_first", 3},
+                         {"keep_last", 4},
+                         {"min_prompt_tokens", 9}}},
+                       {"speculative_decoding",
+                        {{"enabled", false}, {"num_draft_tokens", 6}}}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->model, "m");
+  EXPECT_TRUE(p->stream);
+  EXPECT_TRUE(p->include_usage);
+  const v1::GenerateTextRequest& r = p->request;
+  EXPECT_EQ(r.text(), "Hello");
+  const v1::GenerationSampling& s = r.sampling();
+  EXPECT_EQ(s.max_new_tokens(), 7);
+  EXPECT_FLOAT_EQ(s.temperature(), 0.5f);
+  EXPECT_FLOAT_EQ(s.top_p(), 0.9f);
+  EXPECT_EQ(s.top_k(), 40);
+  EXPECT_EQ(s.seed(), 42u);
+  ASSERT_EQ(s.stop_size(), 1);
+  EXPECT_EQ(s.stop(0), "\n");
+  ASSERT_EQ(s.stop_token_ids_size(), 2);
+  EXPECT_EQ(s.stop_token_ids(1), 6);
+  EXPECT_TRUE(s.ignore_eos());
+  const v1::SpeculativePrefillConfig& sp = r.speculative_prefill();
+  EXPECT_TRUE(sp.enabled());
+  EXPECT_FLOAT_EQ(sp.keep_ratio(), 0.25f);
+  EXPECT_EQ(sp.chunk_size(), 8);
+  EXPECT_EQ(sp.pool_kernel_size(), 5);
+  EXPECT_EQ(sp.look_ahead(), 2);
+  EXPECT_EQ(sp.keep_first(), 3);
+  EXPECT_EQ(sp.keep_last(), 4);
+  EXPECT_EQ(sp.min_prompt_tokens(), 9);
+  EXPECT_TRUE(r.speculative_decoding().has_enabled());
+  EXPECT_FALSE(r.speculative_decoding().enabled());
+  EXPECT_EQ(r.speculative_decoding().num_draft_tokens(), 6);
+}
+
+TEST(ParseRequestTest, UnsetFieldsStayUnset) {
+  auto p = Completion({{"prompt", {1, 2, 3}}, {"temperature", nullptr}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->stream);
+  EXPECT_EQ(p->request.token_ids().ids_size(), 3);
+  EXPECT_FALSE(p->request.sampling().has_max_new_tokens());
+  EXPECT_FALSE(p->request.sampling().has_temperature());
+  EXPECT_FALSE(p->request.sampling().has_seed());
+  EXPECT_FALSE(p->request.has_speculative_prefill());
+}
+
+TEST(ParseRequestTest, UnsupportedParametersAtTheirDefaultsAreAccepted) {
+  EXPECT_TRUE(Completion({{"prompt", "a"},
+                          {"logprobs", nullptr},
+                          {"top_logprobs", 0},
+                          {"echo", false},
+                          {"best_of", 1},
+                          {"suffix", ""},
+                          {"logit_bias", json::object()}})
+                  .ok());
+  EXPECT_TRUE(Completion({{"prompt", "a"}, {"logprobs", false}}).ok());
+}
+
+TEST(ParseRequestTest, MaxCompletionTokensWinsAndNegativeSeedsWrap) {
+  auto p = Completion({{"prompt", "a"},
+                       {"max_tokens", 3},
+                       {"max_completion_tokens", 9},
+                       {"top_k", -1},
+                       {"seed", -1}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().max_new_tokens(), 9);
+  EXPECT_EQ(p->request.sampling().top_k(), 0);
+  EXPECT_EQ(p->request.sampling().seed(), ~uint64_t{0});
+}
+
+TEST(ParseRequestTest, ErrorsNameTheParameter) {
+  struct Case {
+    json body;
+    std::string param;
+  };
+  const std::vector<Case> cases = {
+      {{{"prompt", "a"}, {"n", 3}}, "n"},
+      {{{"prompt", "a"}, {"max_tokens", "9"}}, "max_tokens"},
+      {{{"prompt", "a"}, {"max_tokens", 1e10}}, "max_tokens"},
+      {{{"prompt", "a"}, {"max_tokens", 5000000000}}, "max_tokens"},
+      {{{"prompt", "a"}, {"top_p", 1.5}}, "top_p"},
+      {{{"prompt", "a"}, {"temperature", -0.1}}, "temperature"},
+      {{{"prompt", "a"}, {"seed", 1.5}}, "seed"},
+      {{{"prompt", "a"}, {"stop", {"x", ""}}}, "stop[1]"},
+      {{{"prompt", "a"}, {"stop", 3}}, "stop"},
+      {{{"prompt", "a"}, {"stream_options", {{"include_usage", true}}}},
+       "stream_options"},
+      {{{"prompt", "a"}, {"stream", true}, {"stream_options", 1}},
+       "stream_options"},
+      {{{"prompt", "a"}, {"model", 1}}, "model"},
+      {{{"prompt", {-1}}}, "prompt"},
+      {{{"prompt", json::array()}}, "prompt"},
+      {{{"prompt", "a"}, {"speculative_decoding", {{"enabled", 1}}}},
+       "speculative_decoding.enabled"},
+      {{{"prompt", "a"}, {"speculative_prefill", {{"chunk_size", 2.5}}}},
+       "speculative_prefill.chunk_size"},
+      {{{"prompt", "a"}, {"speculative_prefill", true}}, "speculative_prefill"},
+      {{{"prompt", "a"}, {"logprobs", 2}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", true}}, "logprobs"},
+      {{{"prompt", "a"}, {"echo", true}}, "echo"},
+      {{{"prompt", "a"}, {"best_of", 3}}, "best_of"},
+      {{{"prompt", "a"}, {"suffix", "x"}}, "suffix"},
+      {{{"prompt", "a"}, {"logit_bias", {{"5", 10}}}}, "logit_bias"},
+  };
+  for (const Case& c : cases) {
+    auto p = Completion(c.body);
+    ASSERT_FALSE(p.ok()) << c.body;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ParamOf(p.status()).value_or("(none)"), c.param) << c.body;
+    EXPECT_EQ(HttpStatus(p.status()), 400);
+  }
+}
+
+TEST(ParseRequestTest, ChatRendersAndTokenizes) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  json seen;
+  ChatFormat f;
+  f.add_bos = true;
+  f.render = [&seen](const json& ctx) -> absl::StatusOr<std::string> {
+    seen = ctx;
+    std::string out;
+    for (const json& m : ctx["messages"]) {
+      out += m["role"].get<std::string>() + ": " +
+             m["content"].get<std::string>() + "\n";
+    }
+    return out + (ctx["add_generation_prompt"] == true ? "assistant:" : "");
+  };
+  const json body = {
+      {"messages",
+       {{{"role", "system"}, {"content", "Be nice."}},
+        {{"role", "user"},
+         {"content",
+          {{{"type", "text"}, {"text", "Hi "}},
+           {{"type", "text"}, {"text", "there"}}}}},
+        {{"role", "assistant"}, {"content", nullptr}}}}};
+  auto p = ParseRequest(Endpoint::kChat, body.dump(), f, tok->get());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(seen, json::parse(R"({"messages": [
+      {"role":"system","content":"Be nice."},
+      {"role":"user","content":"Hi there"},{"role":"assistant","content":""}],
+      "add_generation_prompt": true})"));
+  const std::string prompt =
+      "system: Be nice.\nuser: Hi there\nassistant: \nassistant:";
+  auto want = (*tok)->Encode(prompt, /*add_bos=*/true);
+  ASSERT_TRUE(want.ok());
+  const auto& ids = p->request.token_ids().ids();
+  EXPECT_EQ(std::vector<int>(ids.begin(), ids.end()), *want);
+
+  // vLLM's add_generation_prompt and chat_template_kwargs reach the
+  // template.
+  json body2 = body;
+  body2["add_generation_prompt"] = false;
+  body2["chat_template_kwargs"] = {{"enable_thinking", false}};
+  ASSERT_TRUE(ParseRequest(Endpoint::kChat, body2.dump(), f, tok->get()).ok());
+  EXPECT_EQ(seen["add_generation_prompt"], false);
+  EXPECT_EQ(seen["enable_thinking"], false);
+  body2["chat_template_kwargs"] = 1;
+  EXPECT_EQ(ParamOf(ParseRequest(Endpoint::kChat, body2.dump(), f, tok->get())
+                        .status()),
+            "chat_template_kwargs");
+
+  // Function calling is refused, not ignored.
+  json with_tools = body;
+  with_tools["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}}}}};
+  EXPECT_EQ(ParamOf(ParseRequest(Endpoint::kChat, with_tools.dump(), f,
+                                 tok->get())
+                        .status()),
+            "tools");
+  with_tools["tools"] = json::array();
+  EXPECT_TRUE(
+      ParseRequest(Endpoint::kChat, with_tools.dump(), f, tok->get()).ok());
+
+  // Without a tokenizer chat is refused; a template error is a 400.
+  EXPECT_FALSE(ParseRequest(Endpoint::kChat, body.dump(), f, nullptr).ok());
+  f.render = [](const json&) -> absl::StatusOr<std::string> {
+    return absl::InvalidArgumentError("boom");
+  };
+  auto bad = ParseRequest(Endpoint::kChat, body.dump(), f, tok->get());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(ParamOf(bad.status()), "messages");
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "boom"));
+  // A template the server cannot run is the server's error.
+  f.render = [](const json&) -> absl::StatusOr<std::string> {
+    return absl::UnimplementedError("unsupported");
+  };
+  EXPECT_EQ(ParseRequest(Endpoint::kChat, body.dump(), f, tok->get())
+                .status()
+                .code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST(ChatPromptIdsTest, BosStringBecomesTheBosId) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const Tokenizer& t = **tok;
+  ChatFormat model_template;  // writes its own BOS string
+  model_template.bos_token = "<s>";
+  ChatFormat default_template;  // knows no BOS
+  default_template.add_bos = true;
+  auto with = ChatPromptIds("<s>Hello", model_template, t);
+  auto plain = ChatPromptIds("Hello", model_template, t);
+  auto default_fmt = ChatPromptIds("Hello", default_template, t);
+  auto no_bos = ChatPromptIds("Hello", ChatFormat(), t);
+  ASSERT_TRUE(with.ok() && plain.ok() && default_fmt.ok() && no_bos.ok());
+  EXPECT_EQ(*with, *t.Encode("Hello", true));
+  EXPECT_EQ(*plain, *t.Encode("Hello", false));
+  EXPECT_EQ(*default_fmt, *t.Encode("Hello", true));
+  EXPECT_EQ(*no_bos, *t.Encode("Hello", false));
+  EXPECT_EQ((*with)[0], t.bos_id());
+}
+
+TEST(StatusMappingTest, RouterErrorsNameTheParameter) {
+  const auto param = [](const char* msg, Endpoint e = Endpoint::kCompletions) {
+    return ParamOf(NameParam(absl::InvalidArgumentError(msg), e))
+        .value_or("(none)");
+  };
+  EXPECT_EQ(param("token_ids.ids[3] = 9 is outside"), "prompt");
+  EXPECT_EQ(param("token_ids.ids[3] = 9 is outside", Endpoint::kChat),
+            "messages");
+  EXPECT_EQ(param("prompt: 600 tokens leave no room"), "prompt");
+  EXPECT_EQ(param("sampling.max_new_tokens must be >= 1"), "max_tokens");
+  EXPECT_EQ(param("sampling.top_p must be in (0, 1]"), "top_p");
+  EXPECT_EQ(param("sampling.stop_token_ids[0] = 7 is outside"),
+            "stop_token_ids");
+  EXPECT_EQ(param("speculative_prefill.keep_ratio must be"),
+            "speculative_prefill.keep_ratio");
+  EXPECT_EQ(param("something else"), "(none)");
+  // An existing param and other codes are kept.
+  EXPECT_EQ(ParamOf(NameParam(ParamError("n", "sampling.x"),
+                              Endpoint::kCompletions)),
+            "n");
+  EXPECT_FALSE(ParamOf(NameParam(absl::UnavailableError("token_ids"),
+                                 Endpoint::kCompletions)));
+}
+
+TEST(StatusMappingTest, HttpStatusesAndErrorShape) {
+  EXPECT_EQ(HttpStatus(absl::UnauthenticatedError("")), 401);
+  EXPECT_EQ(HttpStatus(absl::NotFoundError("")), 404);
+  EXPECT_EQ(HttpStatus(absl::ResourceExhaustedError("")), 429);
+  EXPECT_EQ(HttpStatus(absl::UnavailableError("")), 503);
+  EXPECT_EQ(HttpStatus(absl::DeadlineExceededError("")), 504);
+  EXPECT_EQ(HttpStatus(absl::InternalError("")), 500);
+  const json e = ErrorBody(ParamError("top_p", "bad top_p"));
+  EXPECT_EQ(e, json::parse(R"({"error": {"message": "bad top_p",
+      "type": "invalid_request_error", "param": "top_p",
+      "code": "INVALID_ARGUMENT"}})"));
+  EXPECT_TRUE(ErrorBody(absl::UnavailableError("down"))["error"]["param"]
+                  .is_null());
+  EXPECT_EQ(FinishReason("eos"), "stop");
+  EXPECT_EQ(FinishReason("stop_token"), "stop");
+  EXPECT_EQ(FinishReason("stop"), "stop");
+  EXPECT_EQ(FinishReason("length"), "length");
+  EXPECT_EQ(FinishReason("context_limit"), "length");
+}
+
+std::vector<json> Events(const std::string& sse) {
+  std::vector<json> out;
+  for (absl::string_view e : absl::StrSplit(sse, "\n\n", absl::SkipEmpty())) {
+    EXPECT_TRUE(absl::ConsumePrefix(&e, "data: ")) << e;
+    out.push_back(json::parse(e));
+  }
+  return out;
+}
+
+TEST(ResponseBuilderTest, ChatStream) {
+  ResponseBuilder b(Endpoint::kChat, "chatcmpl-1", "m", 100, true);
+  v1::GenerateTextChunk c;
+  c.set_text("Hel");
+  std::vector<json> ev = Events(b.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 2u);  // role, then content
+  EXPECT_EQ(ev[0]["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(ev[1]["choices"][0]["delta"]["content"], "Hel");
+  EXPECT_TRUE(ev[1]["usage"].is_null());
+  c.set_text("");
+  EXPECT_EQ(b.StreamEvents(c), "");  // empty deltas send nothing
+  c.set_text("lo");
+  c.set_finish_reason("context_limit");
+  c.mutable_usage()->set_prompt_tokens(5);
+  c.mutable_usage()->set_kept_prompt_tokens(3);
+  c.mutable_usage()->set_completion_tokens(2);
+  c.mutable_stats()->set_num_drafts(4);
+  ev = Events(b.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 2u);  // last content + finish, then usage
+  EXPECT_EQ(ev[0]["choices"][0]["delta"]["content"], "lo");
+  EXPECT_EQ(ev[0]["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(ev[0]["specserve"]["kept_prompt_tokens"], 3);
+  EXPECT_EQ(ev[0]["specserve"]["num_drafts"], 4);
+  EXPECT_TRUE(ev[1]["choices"].empty());
+  EXPECT_EQ(ev[1]["usage"],
+            json::parse(R"({"prompt_tokens": 5, "completion_tokens": 2,
+                            "total_tokens": 7})"));
+  EXPECT_EQ(ev[1]["id"], "chatcmpl-1");
+  EXPECT_EQ(ResponseBuilder::DoneEvent(), "data: [DONE]\n\n");
+}
+
+TEST(ResponseBuilderTest, CompletionResponse) {
+  ResponseBuilder b(Endpoint::kCompletions, "cmpl-1", "m", 100, false);
+  v1::GenerateTextResponse r;
+  r.set_text("story");
+  r.set_finish_reason("eos");
+  r.mutable_usage()->set_prompt_tokens(4);
+  r.mutable_usage()->set_completion_tokens(1);
+  r.mutable_stats()->set_ttft_s(0.5);
+  const json j = b.Response(r);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["created"], 100);
+  EXPECT_EQ(j["choices"][0]["text"], "story");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["usage"]["total_tokens"], 5);
+  EXPECT_DOUBLE_EQ(j["specserve"]["ttft_s"].get<double>(), 0.5);
+  EXPECT_EQ(j["specserve"]["fallback_reason"], "");
+  // Without include_usage, stream chunks carry no usage key.
+  v1::GenerateTextChunk c;
+  c.set_text("x");
+  const std::vector<json> ev = Events(b.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_FALSE(ev[0].contains("usage"));
+  EXPECT_EQ(ev[0]["choices"][0]["text"], "x");
+}
+
+TEST(NewIdTest, PrefixedAndUnique) {
+  const std::string a = NewId("cmpl-"), b = NewId("cmpl-");
+  EXPECT_TRUE(absl::StartsWith(a, "cmpl-"));
+  EXPECT_EQ(a.size(), 5u + 24u);
+  EXPECT_NE(a, b);
+}
+
+}  // namespace
+}  // namespace openai
+}  // namespace specserve

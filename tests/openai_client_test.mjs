@@ -1,0 +1,184 @@
+// The official OpenAI Node client (npm `openai`, pinned in third_party/npm)
+// against the router's HTTP API; driven by tests/openai_client_test.py,
+// which starts the stack.
+//   node tests/openai_client_test.mjs <node_modules> <base_url> <api_key>
+// Exits non-zero on the first failed check; prints one line per check.
+import assert from "node:assert/strict";
+import path from "node:path";
+import { pathToFileURL } from "node:url";
+
+const [nodeModules, baseURL, apiKey] = process.argv.slice(2);
+const { default: OpenAI } = await import(
+  pathToFileURL(path.join(nodeModules, "openai/index.mjs")).href
+);
+const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 60000 });
+
+const STORY =
+  "Once upon a time, there was a little girl named Lily. She loved to play " +
+  "outside with her dog Max. One day, they found a big red ball in the park. " +
+  "Lily was very happy and she wanted to share it with her friends.";
+const MESSAGES = [
+  { role: "system", content: "You tell short stories." },
+  { role: "user", content: "Tell me about Lily and her dog." },
+];
+
+async function check(name, fn) {
+  await fn();
+  console.log(`ok ${name}`);
+}
+
+// Collects a stream: text, finish reasons, usage and specserve stats.
+async function collect(stream, chat) {
+  let text = "";
+  const finishes = [];
+  let usage = null;
+  let stats = null;
+  let chunks = 0;
+  for await (const chunk of stream) {
+    chunks++;
+    if (chunk.usage) usage = chunk.usage;
+    if (chunk.specserve) stats = chunk.specserve;
+    for (const c of chunk.choices) {
+      text += chat ? (c.delta.content ?? "") : c.text;
+      if (c.finish_reason) finishes.push(c.finish_reason);
+    }
+  }
+  return { text, finishes, usage, stats, chunks };
+}
+
+const models = await client.models.list();
+const model = models.data[0].id;
+await check("models.list", async () => {
+  assert.equal(models.data.length, 1);
+  assert.equal(model, "stories260K");
+});
+
+let greedy;
+await check("completions (unary, usage, specserve stats)", async () => {
+  greedy = await client.completions.create({
+    model, prompt: STORY, max_tokens: 32, temperature: 0,
+    speculative_prefill: { enabled: true, keep_ratio: 0.3, chunk_size: 8 },
+    speculative_decoding: { enabled: true, num_draft_tokens: 4 },
+  });
+  assert.equal(greedy.object, "text_completion");
+  assert.equal(greedy.choices.length, 1);
+  const c = greedy.choices[0];
+  assert.ok(c.text.length > 0);
+  assert.ok(["stop", "length"].includes(c.finish_reason));
+  assert.ok(greedy.usage.prompt_tokens > 40);
+  assert.ok(greedy.usage.completion_tokens > 0);
+  assert.ok(greedy.usage.completion_tokens <= 32);
+  assert.equal(greedy.usage.total_tokens,
+               greedy.usage.prompt_tokens + greedy.usage.completion_tokens);
+  // The extensions reached the router: 30% of the 8-token chunks kept.
+  assert.ok(greedy.specserve.kept_prompt_tokens < greedy.usage.prompt_tokens);
+  assert.ok(greedy.specserve.num_drafts > 0);
+});
+
+await check("completions stream == unary (include_usage)", async () => {
+  const s = await client.completions.create({
+    model, prompt: STORY, max_tokens: 32, temperature: 0, stream: true,
+    stream_options: { include_usage: true },
+    speculative_prefill: { enabled: true, keep_ratio: 0.3, chunk_size: 8 },
+    speculative_decoding: { enabled: true, num_draft_tokens: 4 },
+  });
+  const r = await collect(s, false);
+  assert.equal(r.text, greedy.choices[0].text);
+  assert.deepEqual(r.finishes, [greedy.choices[0].finish_reason]);
+  assert.deepEqual(r.usage, greedy.usage);
+  assert.equal(r.stats.kept_prompt_tokens, greedy.specserve.kept_prompt_tokens);
+  assert.ok(r.chunks >= 3);
+});
+
+let chat;
+await check("chat.completions (unary)", async () => {
+  chat = await client.chat.completions.create({
+    model, messages: MESSAGES, max_tokens: 24, temperature: 0,
+  });
+  assert.equal(chat.object, "chat.completion");
+  const m = chat.choices[0].message;
+  assert.equal(m.role, "assistant");
+  assert.ok(m.content.length > 0);
+  assert.ok(chat.usage.completion_tokens > 0);
+});
+
+await check("chat.completions stream == unary", async () => {
+  const s = await client.chat.completions.create({
+    model, messages: MESSAGES, max_tokens: 24, temperature: 0, stream: true,
+    stream_options: { include_usage: true },
+  });
+  const r = await collect(s, true);
+  assert.equal(r.text, chat.choices[0].message.content);
+  assert.deepEqual(r.finishes, [chat.choices[0].finish_reason]);
+  assert.deepEqual(r.usage, chat.usage);
+});
+
+await check("stop strings", async () => {
+  const text = greedy.choices[0].text;
+  const at = text.indexOf(" ", Math.floor(text.length / 2));
+  assert.ok(at > 0, text);
+  const stop = text.slice(at, at + 4);
+  for (const stream of [false, true]) {
+    const req = {
+      model, prompt: STORY, max_tokens: 32, temperature: 0, stop: [stop],
+      speculative_prefill: { enabled: true, keep_ratio: 0.3, chunk_size: 8 },
+    };
+    let got, finish;
+    if (stream) {
+      const r = await collect(
+          await client.completions.create({ ...req, stream: true }), false);
+      got = r.text;
+      finish = r.finishes[0];
+    } else {
+      const r = await client.completions.create(req);
+      got = r.choices[0].text;
+      finish = r.choices[0].finish_reason;
+    }
+    assert.equal(got, text.slice(0, text.indexOf(stop)));
+    assert.equal(finish, "stop");
+  }
+});
+
+await check("seed reproducibility", async () => {
+  const run = async (seed) =>
+    (await client.completions.create({
+      model, prompt: "Once upon a time", max_tokens: 40, temperature: 1.0,
+      top_p: 0.95, seed,
+    })).choices[0].text;
+  const a = await run(7), b = await run(7);
+  assert.equal(a, b);
+  const others = [await run(8), await run(9), await run(10)];
+  assert.ok(others.some((o) => o !== a), "different seeds, same text");
+});
+
+await check("errors", async () => {
+  const bad = new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 });
+  await assert.rejects(bad.models.list(), (e) => e.status === 401);
+  await assert.rejects(
+      client.completions.create({ model, prompt: "x", n: 2 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "n");
+  await assert.rejects(
+      client.completions.create({ model: "no-such-model", prompt: "x" }),
+      (e) => e instanceof OpenAI.NotFoundError);
+  await assert.rejects(
+      client.chat.completions.create({ model, messages: [] }),
+      (e) => e.status === 400 && e.param === "messages");
+});
+
+await check("abort mid-stream", async () => {
+  const controller = new AbortController();
+  const s = await client.completions.create(
+      { model, prompt: STORY, max_tokens: 400, ignore_eos: true, stream: true },
+      { signal: controller.signal });
+  let n = 0;
+  try {  // the client ends the iteration or throws an abort error
+    for await (const _ of s) {
+      if (++n === 3) controller.abort();
+    }
+  } catch (e) {
+    assert.ok(e.name === "AbortError" || e instanceof OpenAI.APIUserAbortError,
+              String(e));
+  }
+  assert.equal(n, 3);
+});
+console.log("all checks passed");
