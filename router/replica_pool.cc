@@ -51,8 +51,9 @@ absl::string_view DnsTarget(absl::string_view entry) {
   return {};
 }
 
-grpc::ChannelArguments ChannelArgs() {
+grpc::ChannelArguments ChannelArgs(const std::string& server_name) {
   grpc::ChannelArguments args;
+  if (!server_name.empty()) args.SetSslTargetNameOverride(server_name);
   // Notice a restarted replica within seconds (the default backoff grows to
   // two minutes), and keep each replica's connection state its own.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -206,7 +207,10 @@ void ReplicaPool::Resolve() {
       auto s = std::make_shared<State>();
       s->address = a;
       s->channel = grpc::CreateCustomChannel(
-          a, grpc::InsecureChannelCredentials(), ChannelArgs());
+          a,
+          options_.credentials != nullptr ? options_.credentials
+                                          : grpc::InsecureChannelCredentials(),
+          ChannelArgs(options_.server_name));
       next.push_back(std::move(s));
     }
   }

@@ -47,6 +47,12 @@ struct ReplicaPoolOptions {
   absl::Duration health_period = absl::Seconds(1);    ///< background checks.
   absl::Duration resolve_period = absl::Seconds(30);  ///< DNS re-resolution.
   absl::Duration info_timeout = absl::Seconds(2);     ///< per Info call.
+  /// Credentials of every replica channel (common/service/tls.h's
+  /// MakeChannelSecurity); null = plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  /// Name replica certificates must carry instead of the dialled address
+  /// (gRPC's SSL target-name override); "" = the address's host.
+  std::string server_name;
 };
 
 /// One replica handed to a request: its address and channel. The channel

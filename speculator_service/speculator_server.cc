@@ -435,7 +435,10 @@ absl::Status SpeculatorServer::Start(int port) {
   if (server_ != nullptr) return absl::FailedPreconditionError("started");
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
-                           grpc::InsecureServerCredentials(), &port_);
+                           options_.credentials != nullptr
+                               ? options_.credentials
+                               : grpc::InsecureServerCredentials(),
+                           &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {
