@@ -132,11 +132,17 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     }
     return session->BeginScore(Ids(req->token_ids()), score_opts);
   };
-  auto finish = [this, req, resp, reactor, t0, lease, owned,
+  auto finish = [this, ctx, req, resp, reactor, t0, lease, owned,
                  session](absl::Status status) {
     absl::StatusOr<ScoreResult> r =
         status.ok() ? session->TakeScoreResult()
                     : absl::StatusOr<ScoreResult>(status);
+    // A client that gave up (deadline, cancel) while the work ran never
+    // learns the session id, so nobody would release the session before
+    // its TTL: free it now.
+    if (r.ok() && ctx->IsCancelled()) {
+      r = absl::CancelledError("client went away while scoring");
+    }
     if (!r.ok()) {
       if (*lease) sessions_->Release(lease->id());
       lease->Reset();

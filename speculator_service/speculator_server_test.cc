@@ -532,6 +532,43 @@ TEST_F(SpeculatorServerTest, CancelledStreamFreesTheSessionAndBusyIsRefused) {
   EXPECT_EQ(late->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// Issue 17 (faults under load): a Score whose client gave up (deadline or
+// cancel) while it was queued or running keeps no session; before, one
+// cancelled mid-work kept its session until the TTL, which a frozen
+// speculator's backlog turned into max_sessions RESOURCE_EXHAUSTED.
+TEST_F(SpeculatorServerTest, ScoreAbandonedByItsClientKeepsNoSession) {
+  const std::vector<int> prompt = RandomPrompt(400, 17);
+  int answered = 0, abandoned = 0;
+  std::vector<std::thread> clients;
+  absl::Mutex mu;
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 12; ++i) {
+        grpc::ClientContext ctx;
+        // Deadlines from 1 to 48 ms: before, during and after the work.
+        SetDeadline(&ctx, 0.001 * (1 + c * 12 + i));
+        v1::ScoreResponse resp;
+        const grpc::Status s = stub_->Score(&ctx, MakeScore(prompt, true), &resp);
+        absl::MutexLock lock(&mu);
+        if (s.ok()) {
+          ++answered;
+          // The client got the session: it is the client's to release.
+          EXPECT_TRUE(server_->sessions().Release(resp.session_id()));
+        } else {
+          EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+              << s.error_message();
+          ++abandoned;
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  EXPECT_GT(abandoned, 0);
+  EXPECT_TRUE(Eventually([&] { return server_->sessions().num_sessions() == 0; }))
+      << server_->sessions().num_sessions() << " sessions left; " << answered
+      << " answered, " << abandoned << " abandoned";
+}
+
 TEST_F(SpeculatorServerTest, ShutdownEndsOpenStreamsPromptly) {
   v1::ScoreResponse score;
   const std::string id = OpenSession({1, 5, 9}, 1, &score);
