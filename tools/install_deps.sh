@@ -9,7 +9,7 @@ PACKAGES=(
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev nlohmann-json3-dev libopenblas-dev
   python3 python3-grpcio python3-numpy
-  python3-protobuf python3-yaml prometheus yamllint
+  python3-protobuf python3-yaml prometheus yamllint openssl
 )
 
 missing=()
