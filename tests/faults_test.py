@@ -46,10 +46,14 @@ PROMPTS = [
 
 
 class Outcome:
-    __slots__ = ("start", "end", "code", "details", "finish", "fallback",
-                 "tokens")
+    __slots__ = ("prompt", "greedy", "start", "end", "code", "details",
+                 "finish", "fallback", "tokens", "ids", "prompt_tokens", "kept")
 
-    def __init__(self, start):
+    def __init__(self, prompt, greedy, start):
+        self.prompt = prompt
+        self.greedy = greedy
+        self.ids = []
+        self.prompt_tokens = self.kept = 0
         self.start = start
         self.end = None
         self.code = grpc.StatusCode.OK
@@ -84,19 +88,27 @@ class Load:
         n = 0
         while not self._stop.is_set():
             n += 1
+            # Greedy requests keep the whole prompt, so every one of them,
+            # drafted or not, must equal the target alone; sampled ones
+            # prune half of it.
+            greedy = i % 2 == 1
+            prompt = (i + n) % len(PROMPTS)
             req = specserve_client.build_request(
-                pb, prompt=PROMPTS[(i + n) % len(PROMPTS)], max_new_tokens=48,
-                temperature=0.0 if i % 2 else 0.8, seed=i * 1000 + n,
-                keep_ratio=0.5, num_draft_tokens=4)
-            o = Outcome(time.time())
+                pb, prompt=PROMPTS[prompt], max_new_tokens=48,
+                temperature=0.0 if greedy else 0.8, seed=i * 1000 + n,
+                keep_ratio=1.0 if greedy else 0.5, num_draft_tokens=4)
+            o = Outcome(prompt, greedy, time.time())
             with self.lock:
                 self.active += 1
             try:
                 for chunk in self.stub.GenerateStream(req, timeout=DEADLINE_S):
                     o.tokens += len(chunk.token_ids)
+                    o.ids += chunk.token_ids
                     if chunk.finish_reason:
                         o.finish = chunk.finish_reason
                         o.fallback = chunk.stats.fallback_reason
+                        o.prompt_tokens = chunk.usage.prompt_tokens
+                        o.kept = chunk.usage.kept_prompt_tokens
             except grpc.RpcError as e:
                 o.code, o.details = e.code(), e.details()
             o.end = time.time()
@@ -229,6 +241,17 @@ class FaultsUnderLoadTest(unittest.TestCase):
         self.assertEqual(late, [], "requests past their deadline")
         self.assertEqual(bad, [], "requests that neither completed nor "
                          "failed cleanly during the target outage")
+        # Losslessness under faults: each prompt's greedy completions agree,
+        # whether drafted, fallen back before Score or mid-generation.
+        for p in range(len(PROMPTS)):
+            greedy = {tuple(o.ids) for o in outcomes
+                      if o.code == grpc.StatusCode.OK and o.greedy and o.prompt == p}
+            self.assertEqual(len(greedy), 1, (p, greedy))
+        # A fallback before Score prefills the full prompt.
+        for o in outcomes:
+            if o.fallback.startswith("speculator_") and not o.fallback.startswith(
+                    "speculator_failed_mid_generation"):
+                self.assertEqual(o.kept, o.prompt_tokens, o)
         fell_back = sum(1 for o in outcomes if o.fallback)
         failed = sum(1 for o in outcomes if o.code != grpc.StatusCode.OK)
         self.assertGreater(fell_back, 0)
