@@ -187,7 +187,7 @@ void ReleaseSessionAsync(std::shared_ptr<grpc::Channel> channel,
 // router gave up, keeping a session nobody knows), so an abandoned call
 // runs on to its answer and a session it opened is released at once. The
 // state is shared with the gRPC callback, so it outlives the request.
-class ScoreCall : public std::enable_shared_from_this<ScoreCall> {
+class ScoreCall {
  public:
   // Starts `req` on `channel`; the call's own deadline is `deadline`.
   static std::shared_ptr<ScoreCall> Start(std::shared_ptr<grpc::Channel> channel,
