@@ -83,6 +83,8 @@ namespace {
 int Run() {
   RouterServerOptions o;
   o.host = absl::GetFlag(FLAGS_host);
+  // Before the credentials: their check starts gRPC's threads.
+  const sigset_t stop = BlockStopSignals();
   auto credentials = ServerCredentialsFromFlags();
   if (!credentials.ok()) {
     std::fprintf(stderr, "router: %s\n", credentials.status().ToString().c_str());
@@ -129,7 +131,6 @@ int Run() {
   d.spec_decode = absl::GetFlag(FLAGS_default_spec_decode);
   d.num_draft_tokens = absl::GetFlag(FLAGS_default_num_draft_tokens);
 
-  const sigset_t stop = BlockStopSignals();
   EnableHealthAndReflection();
   auto server = RouterServer::Create(o);
   if (!server.ok()) {

@@ -62,6 +62,8 @@ int Run() {
   o.model_dir = ResolveUserPath(absl::GetFlag(FLAGS_model));
   o.model_id = absl::GetFlag(FLAGS_model_id);
   o.host = absl::GetFlag(FLAGS_host);
+  // Before the credentials: their check starts gRPC's threads.
+  const sigset_t stop = BlockStopSignals();
   auto credentials = ServerCredentialsFromFlags();
   if (!credentials.ok()) {
     std::fprintf(stderr, "error: %s\n", credentials.status().ToString().c_str());
@@ -85,7 +87,6 @@ int Run() {
   o.defaults.keep_last = absl::GetFlag(FLAGS_default_keep_last);
   o.defaults.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
 
-  const sigset_t stop = BlockStopSignals();
   SetEngineThreads(o.engine_threads);
   EnableHealthAndReflection();
   auto server = SpeculatorServer::Create(o);

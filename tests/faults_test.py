@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "tools", "python"))
 import grpc  # noqa: E402
 import specserve_client  # noqa: E402
-from stack import Service, Stack, wait_until  # noqa: E402
+from stack import Service, Stack, find_binary, wait_until  # noqa: E402
 
 pb, pb_grpc = specserve_client.load_stubs(
     os.path.join(os.environ.get("TEST_TMPDIR", tempfile.gettempdir()), "stubs"))
@@ -272,6 +272,29 @@ class FaultsUnderLoadTest(unittest.TestCase):
 
         ok = wait_until(drained, timeout=15, interval=0.2)
         self.assertTrue(ok, [(name, s.metric_value(name)) for s, name in gauges])
+
+
+class StopSignalTest(unittest.TestCase):
+
+    def test_sigterm_right_after_ready_shuts_down_cleanly(self):
+        """SIGTERM is a stop request, whichever thread the kernel hands it
+        to: OpenBLAS starts its threads before main() blocks the signal, and
+        one of them could take it and kill the process (exit -15, no
+        graceful drain; deterministic check: //common/service:
+        server_main_test)."""
+        for name, rel, extra in [
+                ("speculator", "speculator_service/speculator_service",
+                 ["--model", "models/stories260K-draft"]),
+                ("target", "target_service/target_service",
+                 ["--model", "models/stories260K"]),
+                ("router", "router/router", ["--target", "127.0.0.1:1"])]:
+            with self.subTest(name):
+                s = Service(name, [find_binary(rel), "--port", "0",
+                                   "--metrics_port", "0"] + extra)
+                s.proc.send_signal(signal.SIGTERM)
+                self.assertEqual(s.proc.wait(timeout=20), 0, "".join(s.log))
+                s._reader.join(5)
+                self.assertIn("shutting down", "".join(s.log))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the router, and the router's public port requires one from its clients.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,29 @@ class TlsStackTest(unittest.TestCase):
         finally:
             good.stop()
             bad.stop()
+
+
+class TlsShutdownTest(unittest.TestCase):
+
+    def test_tls_binaries_shut_down_cleanly_on_sigterm(self):
+        # The TLS check starts gRPC threads early; SIGTERM must still reach
+        # the graceful path (sigwait), not kill the process.
+        if not os.path.isdir(CERTS):
+            subprocess.run(["bash", "tests/make_test_certs.sh", CERTS], check=True)
+        for name, rel, extra in [
+                ("speculator", "speculator_service/speculator_service",
+                 ["--model", "models/stories260K-draft"]),
+                ("target", "target_service/target_service",
+                 ["--model", "models/stories260K"]),
+                ("router", "router/router",
+                 ["--target", "127.0.0.1:1"] + ROUTER_BACKEND_MTLS)]:
+            with self.subTest(name):
+                s = Service(name, [find_binary(rel), "--port", "0",
+                                   "--metrics_port", "0"] + extra + server_tls())
+                s.proc.send_signal(signal.SIGTERM)
+                self.assertEqual(s.proc.wait(timeout=20), 0, "".join(s.log))
+                s._reader.join(5)
+                self.assertIn("shutting down", "".join(s.log))
 
 
 class TlsFlagErrorsTest(unittest.TestCase):

@@ -1,8 +1,10 @@
 #include "common/service/tls.h"
 
 #include <cerrno>
-#include <cstring>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -65,6 +67,12 @@ absl::StatusOr<std::string> ReadPemFile(absl::string_view flag,
     return absl::InvalidArgumentError(absl::StrCat(
         flag, ": ", path, " holds no PEM \"", label, "\" block"));
   }
+  if (label != "CERTIFICATE" &&
+      absl::StrContains(pem, "-----BEGIN ENCRYPTED PRIVATE KEY-----")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path,
+                     " is an encrypted private key; gRPC needs it unencrypted"));
+  }
   return pem;
 }
 
@@ -103,11 +111,21 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
             : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   auto creds = grpc::SslServerCredentials(ssl);
-  if (creds == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gRPC rejected the TLS settings of ", cert_flag, " ",
-                     o.cert_file, " and ", key_flag, " ", o.key_file));
+  // gRPC checks the key against the certificate only when a port is added;
+  // try it on a throwaway loopback server so that a mismatch is reported
+  // here, naming the files, instead of as "cannot listen".
+  int port = 0;
+  grpc::ServerBuilder probe;
+  probe.AddListeningPort("127.0.0.1:0", creds, &port);
+  std::unique_ptr<grpc::Server> server =
+      creds != nullptr ? probe.BuildAndStart() : nullptr;
+  if (server == nullptr || port == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gRPC cannot serve TLS with ", cert_flag, " ", o.cert_file, " and ",
+        key_flag, " ", o.key_file,
+        " (does the key belong to the certificate?)"));
   }
+  server->Shutdown(std::chrono::system_clock::now());
   return creds;
 }
 

@@ -73,9 +73,12 @@ absl::StatusOr<std::string> ReadPemFile(absl::string_view flag,
                                         absl::string_view label);
 
 /// Server credentials for `options`: insecure when no file is given, else
-/// TLS (mutual when client_ca_file is set). INVALID_ARGUMENT naming the
-/// flags when the combination is incomplete (a certificate without a key,
-/// a key or client CA without a certificate); ReadPemFile's errors.
+/// TLS (mutual when client_ca_file is set), checked by starting a
+/// throwaway server on a loopback port. INVALID_ARGUMENT naming the flags
+/// when the combination is incomplete (a certificate without a key, a key
+/// or client CA without a certificate) or gRPC cannot serve with the pair
+/// (a key that does not belong to the certificate); ReadPemFile's errors
+/// (also INVALID_ARGUMENT for an encrypted key).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     const ServerTlsOptions& options);
 

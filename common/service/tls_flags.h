@@ -19,7 +19,8 @@ namespace specserve {
 ServerTlsOptions ServerTlsOptionsFromFlags();
 
 /// MakeServerCredentials(ServerTlsOptionsFromFlags()): insecure when no
-/// flag is set; its errors name the flag and path.
+/// flag is set; its errors name the flag and path. With TLS it starts
+/// gRPC's threads (the key check), so call it after BlockStopSignals().
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>>
 ServerCredentialsFromFlags();
 

@@ -153,6 +153,22 @@ TEST_F(TlsTest, FilesWithoutPemBlocksAreInvalidArgument) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_THAT(std::string(st.message()), HasSubstr("PRIVATE KEY"));
 
+  s = ServerTls(false);
+  s.key_file = F("client.key");  // another certificate's key
+  st = MakeServerCredentials(s).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr(F("client.key")));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("--tls_key_file"));
+
+  const std::string encrypted = F("encrypted.key");
+  std::ofstream(encrypted) << "-----BEGIN ENCRYPTED PRIVATE KEY-----\nAAAA\n"
+                              "-----END ENCRYPTED PRIVATE KEY-----\n";
+  s = ServerTls(false);
+  s.key_file = encrypted;
+  st = MakeServerCredentials(s).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("encrypted"));
+
   ClientTlsOptions c;
   c.ca_file = *dir_;  // a directory
   st = MakeChannelSecurity(c).status();
