@@ -87,7 +87,8 @@ int Run() {
   const sigset_t stop = BlockStopSignals();
   auto credentials = ServerCredentialsFromFlags();
   if (!credentials.ok()) {
-    std::fprintf(stderr, "router: %s\n", credentials.status().ToString().c_str());
+    std::fprintf(stderr, "router: %s\n",
+                 credentials.status().ToString().c_str());
     return 2;
   }
   o.credentials = *std::move(credentials);

@@ -190,9 +190,9 @@ void ReleaseSessionAsync(std::shared_ptr<grpc::Channel> channel,
 class ScoreCall {
  public:
   // Starts `req` on `channel`; the call's own deadline is `deadline`.
-  static std::shared_ptr<ScoreCall> Start(std::shared_ptr<grpc::Channel> channel,
-                                          const v1::ScoreRequest& req,
-                                          absl::Time deadline) {
+  static std::shared_ptr<ScoreCall> Start(
+      std::shared_ptr<grpc::Channel> channel, const v1::ScoreRequest& req,
+      absl::Time deadline) {
     std::shared_ptr<ScoreCall> call(new ScoreCall(std::move(channel)));
     call->req_ = req;
     call->ctx_.set_deadline(absl::ToChronoTime(deadline));
@@ -489,8 +489,8 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
   const absl::Time t0 = absl::Now();
   std::shared_ptr<ScoreCall> call = ScoreCall::Start(
       picked->channel, req,
-      std::min(deadline, t0 + std::max(b.speculator_deadline,
-                                       kAbandonedCallDeadline)));
+      std::min(deadline,
+               t0 + std::max(b.speculator_deadline, kAbandonedCallDeadline)));
   calls_->Add(call->context());
   absl::StatusOr<v1::ScoreResponse> answer =
       call->Wait(std::min(deadline, t0 + b.speculator_deadline) - t0);

@@ -416,7 +416,8 @@ TEST_F(RequestRunnerTest, LateScoreAnswerAfterFallbackIsReleased) {
   server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
 
-TEST_F(RequestRunnerTest, ReleaseReachesASlowSpeculatorWithoutHoldingTheRequest) {
+TEST_F(RequestRunnerTest,
+       ReleaseReachesASlowSpeculatorWithoutHoldingTheRequest) {
   SlowSpeculator slow(absl::ZeroDuration(), absl::Milliseconds(1500));
   int port = 0;
   std::unique_ptr<grpc::Server> server = Serve(&slow, &port);

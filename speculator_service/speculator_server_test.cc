@@ -548,7 +548,8 @@ TEST_F(SpeculatorServerTest, ScoreAbandonedByItsClientKeepsNoSession) {
         // Deadlines from 1 to 48 ms: before, during and after the work.
         SetDeadline(&ctx, 0.001 * (1 + c * 12 + i));
         v1::ScoreResponse resp;
-        const grpc::Status s = stub_->Score(&ctx, MakeScore(prompt, true), &resp);
+        const grpc::Status s =
+            stub_->Score(&ctx, MakeScore(prompt, true), &resp);
         absl::MutexLock lock(&mu);
         if (s.ok()) {
           ++answered;
@@ -564,9 +565,11 @@ TEST_F(SpeculatorServerTest, ScoreAbandonedByItsClientKeepsNoSession) {
   }
   for (std::thread& t : clients) t.join();
   EXPECT_GT(abandoned, 0);
-  EXPECT_TRUE(Eventually([&] { return server_->sessions().num_sessions() == 0; }))
-      << server_->sessions().num_sessions() << " sessions left; " << answered
-      << " answered, " << abandoned << " abandoned";
+  EXPECT_TRUE(Eventually([&] {
+    return server_->sessions().num_sessions() == 0;
+  })) << server_->sessions().num_sessions()
+      << " sessions left; " << answered << " answered, " << abandoned
+      << " abandoned";
 }
 
 TEST_F(SpeculatorServerTest, ShutdownEndsOpenStreamsPromptly) {

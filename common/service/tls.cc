@@ -32,8 +32,8 @@ absl::StatusOr<std::string> ReadPemFile(absl::string_view flag,
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
     const int err = errno;
-    const std::string what = absl::StrCat(flag, ": cannot open ", path, ": ",
-                                          std::strerror(err));
+    const std::string what =
+        absl::StrCat(flag, ": cannot open ", path, ": ", std::strerror(err));
     if (err == ENOENT) return absl::NotFoundError(what);
     if (err == EACCES) return absl::PermissionDeniedError(what);
     return absl::InvalidArgumentError(what);
@@ -49,29 +49,28 @@ absl::StatusOr<std::string> ReadPemFile(absl::string_view flag,
   const int err = errno;
   std::fclose(f);
   if (failed) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": cannot read ", path, ": ", std::strerror(err)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read ", path, ": ", std::strerror(err)));
   }
   if (pem.size() > kMaxPemBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": ", path, " is over ", kMaxPemBytes,
-        " bytes, not a PEM credential"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path, " is over ", kMaxPemBytes,
+                     " bytes, not a PEM credential"));
   }
   // "-----BEGIN CERTIFICATE-----", or "-----BEGIN [RSA |EC ]PRIVATE KEY-----".
-  const bool found =
-      label == "CERTIFICATE"
-          ? absl::StrContains(pem, "-----BEGIN CERTIFICATE-----")
-          : absl::StrContains(pem, "-----BEGIN ") &&
-                absl::StrContains(pem, "PRIVATE KEY-----");
+  const bool found = label == "CERTIFICATE"
+                         ? absl::StrContains(pem, "-----BEGIN CERTIFICATE-----")
+                         : absl::StrContains(pem, "-----BEGIN ") &&
+                               absl::StrContains(pem, "PRIVATE KEY-----");
   if (!found) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": ", path, " holds no PEM \"", label, "\" block"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path, " holds no PEM \"", label, "\" block"));
   }
   if (label != "CERTIFICATE" &&
       absl::StrContains(pem, "-----BEGIN ENCRYPTED PRIVATE KEY-----")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": ", path,
-                     " is an encrypted private key; gRPC needs it unencrypted"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, ": ", path,
+        " is an encrypted private key; gRPC needs it unencrypted"));
   }
   return pem;
 }
@@ -84,9 +83,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   if (o.cert_file.empty()) {
     if (!o.key_file.empty() || !o.client_ca_file.empty()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(o.key_file.empty() ? ca_flag : key_flag,
-                       " is set but ", cert_flag,
-                       " is empty: TLS needs a server certificate"));
+          absl::StrCat(o.key_file.empty() ? ca_flag : key_flag, " is set but ",
+                       cert_flag, " is empty: TLS needs a server certificate"));
     }
     return grpc::InsecureServerCredentials();
   }
@@ -120,17 +118,16 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
   std::unique_ptr<grpc::Server> server =
       creds != nullptr ? probe.BuildAndStart() : nullptr;
   if (server == nullptr || port == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "gRPC cannot serve TLS with ", cert_flag, " ", o.cert_file, " and ",
-        key_flag, " ", o.key_file,
-        " (does the key belong to the certificate?)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gRPC cannot serve TLS with ", cert_flag, " ", o.cert_file,
+                     " and ", key_flag, " ", o.key_file,
+                     " (does the key belong to the certificate?)"));
   }
   server->Shutdown(std::chrono::system_clock::now());
   return creds;
 }
 
-absl::StatusOr<ChannelSecurity> MakeChannelSecurity(
-    const ClientTlsOptions& o) {
+absl::StatusOr<ChannelSecurity> MakeChannelSecurity(const ClientTlsOptions& o) {
   const std::string ca_flag = Flag(o.flag_prefix, "ca_file");
   const std::string cert_flag = Flag(o.flag_prefix, "cert_file");
   const std::string key_flag = Flag(o.flag_prefix, "key_file");
@@ -140,9 +137,9 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(
             !o.key_file.empty();
   if (!out.tls) {
     if (!o.server_name.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name_flag, " is set but TLS is off (set --", o.flag_prefix,
-          " or ", ca_flag, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name_flag, " is set but TLS is off (set --",
+                       o.flag_prefix, " or ", ca_flag, ")"));
     }
     out.credentials = grpc::InsecureChannelCredentials();
     return out;
@@ -168,9 +165,8 @@ absl::StatusOr<ChannelSecurity> MakeChannelSecurity(
   }
   out.credentials = grpc::SslCredentials(ssl);
   if (out.credentials == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gRPC rejected the TLS settings of --", o.flag_prefix,
-                     "_*"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gRPC rejected the TLS settings of --", o.flag_prefix, "_*"));
   }
   out.server_name = o.server_name;
   return out;

@@ -8,8 +8,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/service/service_test_util.h"
-#include "grpcpp/grpcpp.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
@@ -23,8 +23,8 @@ class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     const char* tmp = std::getenv("TEST_TMPDIR");
-    dir_ = new std::string(absl::StrCat(tmp != nullptr ? tmp : "/tmp",
-                                        "/tls_test_certs"));
+    dir_ = new std::string(
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/tls_test_certs"));
     const std::string cmd =
         absl::StrCat("bash tests/make_test_certs.sh ", *dir_);
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
