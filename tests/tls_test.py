@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -156,6 +157,35 @@ class TlsStackTest(unittest.TestCase):
         finally:
             good.stop()
             bad.stop()
+
+    def test_z_restarted_services_are_used_again_over_tls(self):
+        # Last (z): restarts the shared stack's services on their ports;
+        # the router's TLS channels must reconnect and handshake again.
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=read("ca.pem"), private_key=read("client.key"),
+            certificate_chain=read("client.pem"))
+        for name in ("speculator", "target"):
+            old = getattr(self.stack, name)
+            old.kill()
+            argv = list(old.argv)
+            argv[argv.index("--port") + 1] = str(old.port)
+            new = Service(name, argv)
+            self.stack.services[self.stack.services.index(old)] = new
+            setattr(self.stack, name, new)
+        deadline = time.time() + 20
+        while True:
+            try:
+                resp = self.call(creds, request(keep_ratio=0.5), timeout=10)
+                if not resp.stats.fallback_reason:
+                    break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+            self.assertLess(time.time(), deadline,
+                            "restarted services not used again over TLS")
+            time.sleep(0.2)
+        self.assertGreater(resp.usage.completion_tokens, 0)
+        self.assertLess(resp.usage.kept_prompt_tokens, resp.usage.prompt_tokens)
 
 
 class TlsShutdownTest(unittest.TestCase):
