@@ -100,7 +100,8 @@ class ReplicaPool {
 
   /// The next healthy replica, round-robin. FAILED_PRECONDITION (the check's
   /// message) while any replica is incompatible; UNAVAILABLE naming the
-  /// addresses when none is healthy (after one on-demand re-check, at most
+  /// addresses, each with why its last Info failed (e.g. a TLS handshake
+  /// error), when none is healthy (after one on-demand re-check, at most
   /// every 200 ms, unless a pass is already running).
   absl::StatusOr<Replica> Pick();
   /// A call to `address` failed as if the replica were down: it is not
@@ -125,6 +126,7 @@ class ReplicaPool {
     bool verified = false;  // Info OK and checked since the last drop
     bool healthy = false;   // verified and compatible
     absl::Status mismatch;  // the check's verdict
+    std::string last_error;  // why the last Info failed ("" = it did not)
     std::optional<v1::ModelInfo> info;
   };
 

@@ -139,6 +139,19 @@ class TlsStackTest(unittest.TestCase):
         finally:
             r.stop()
 
+    def test_router_trusting_another_ca_reports_the_handshake_error(self):
+        r = self.router(["--backend_tls_ca_file", cert("other_ca.pem"),
+                         "--backend_tls_cert_file", cert("client.pem"),
+                         "--backend_tls_key_file", cert("client.key")])
+        try:
+            with grpc.insecure_channel(r.address) as ch:
+                with self.assertRaises(grpc.RpcError) as ctx:
+                    pb_grpc.RouterStub(ch).Generate(request(), timeout=20)
+            self.assertEqual(ctx.exception.code(), grpc.StatusCode.UNAVAILABLE)
+            self.assertIn("certificate verify failed", ctx.exception.details())
+        finally:
+            r.stop()
+
     def test_backend_server_name_override(self):
         # Certificates name "specserve-internal"; dialling 127.0.0.1 with
         # that override succeeds, another name fails.
