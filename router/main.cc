@@ -21,6 +21,8 @@
 #include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
+#include "common/service/tls.h"
+#include "common/service/tls_flags.h"
 #include "common/util/paths.h"
 #include "router/http_server.h"
 #include "router/router_server.h"
@@ -53,6 +55,19 @@ ABSL_FLAG(int, http_port, 0,
 ABSL_FLAG(std::string, api_key, "",
           "when set (or env SPECSERVE_API_KEY), the HTTP API's /v1/* needs "
           "'Authorization: Bearer <key>'");
+ABSL_FLAG(bool, backend_tls, false,
+          "TLS to the speculator and target (implied by any --backend_tls_* "
+          "file); without --backend_tls_ca_file gRPC's default roots verify "
+          "them");
+ABSL_FLAG(std::string, backend_tls_ca_file, "",
+          "PEM CA bundle that verifies the speculator and target certificates");
+ABSL_FLAG(std::string, backend_tls_cert_file, "",
+          "PEM certificate chain the router presents to them (mutual TLS)");
+ABSL_FLAG(std::string, backend_tls_key_file, "",
+          "PEM private key of --backend_tls_cert_file");
+ABSL_FLAG(std::string, backend_tls_server_name, "",
+          "name their certificates must carry instead of the dialled host "
+          "(e.g. when dialling pod IPs); empty = the host");
 ABSL_FLAG(double, shutdown_grace_s, 5, "seconds open requests get on exit");
 ABSL_FLAG(int, default_max_new_tokens, 256, "max_new_tokens when unset");
 ABSL_FLAG(double, default_temperature, 0, "temperature when unset (0=greedy)");
@@ -81,6 +96,28 @@ namespace {
 int Run() {
   RouterServerOptions o;
   o.host = absl::GetFlag(FLAGS_host);
+  // Before the credentials: their check starts gRPC's threads.
+  const sigset_t stop = BlockStopSignals();
+  auto credentials = ServerCredentialsFromFlags();
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "router: %s\n",
+                 credentials.status().ToString().c_str());
+    return 2;
+  }
+  o.credentials = *std::move(credentials);
+  ClientTlsOptions backend;
+  backend.enabled = absl::GetFlag(FLAGS_backend_tls);
+  backend.ca_file = absl::GetFlag(FLAGS_backend_tls_ca_file);
+  backend.cert_file = absl::GetFlag(FLAGS_backend_tls_cert_file);
+  backend.key_file = absl::GetFlag(FLAGS_backend_tls_key_file);
+  backend.server_name = absl::GetFlag(FLAGS_backend_tls_server_name);
+  auto security = MakeChannelSecurity(backend);
+  if (!security.ok()) {
+    std::fprintf(stderr, "router: %s\n", security.status().ToString().c_str());
+    return 2;
+  }
+  o.pool.credentials = security->credentials;
+  o.pool.server_name = security->server_name;
   o.speculator = absl::GetFlag(FLAGS_speculator);
   o.target = absl::GetFlag(FLAGS_target);
   const std::string tok = absl::GetFlag(FLAGS_tokenizer);
@@ -109,7 +146,6 @@ int Run() {
   d.spec_decode = absl::GetFlag(FLAGS_default_spec_decode);
   d.num_draft_tokens = absl::GetFlag(FLAGS_default_num_draft_tokens);
 
-  const sigset_t stop = BlockStopSignals();
   EnableHealthAndReflection();
   auto server = RouterServer::Create(o);
   if (!server.ok()) {

@@ -51,8 +51,9 @@ absl::string_view DnsTarget(absl::string_view entry) {
   return {};
 }
 
-grpc::ChannelArguments ChannelArgs() {
+grpc::ChannelArguments ChannelArgs(const std::string& server_name) {
   grpc::ChannelArguments args;
+  if (!server_name.empty()) args.SetSslTargetNameOverride(server_name);
   // Notice a restarted replica within seconds (the default backoff grows to
   // two minutes), and keep each replica's connection state its own.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -206,7 +207,10 @@ void ReplicaPool::Resolve() {
       auto s = std::make_shared<State>();
       s->address = a;
       s->channel = grpc::CreateCustomChannel(
-          a, grpc::InsecureChannelCredentials(), ChannelArgs());
+          a,
+          options_.credentials != nullptr ? options_.credentials
+                                          : grpc::InsecureChannelCredentials(),
+          ChannelArgs(options_.server_name));
       next.push_back(std::move(s));
     }
   }
@@ -222,8 +226,12 @@ ReplicaPool::State ReplicaPool::Check(State s) const {
     // An unreachable replica serves nothing, so it blocks nothing either.
     s.verified = s.healthy = false;
     s.mismatch = absl::OkStatus();
+    s.last_error = absl::Status(static_cast<absl::StatusCode>(st.error_code()),
+                                st.error_message())
+                       .ToString();
     return s;
   }
+  s.last_error.clear();
   s.info = info;
   s.verified = true;
   s.mismatch = check_fn_ ? check_fn_(s.address, info) : absl::OkStatus();
@@ -245,14 +253,16 @@ void ReplicaPool::Refresh(bool resolve) {
     const State next = Check(snap);
     if (!snap.checked || next.healthy != snap.healthy ||
         next.mismatch != snap.mismatch) {
+      std::string why(next.mismatch.message());
+      if (why.empty() && !next.last_error.empty()) {
+        why = absl::StrCat(" (", next.last_error, ")");
+      }
       std::fprintf(stderr, "router: %s replica %s is %s%s\n",
                    options_.service.c_str(), snap.address.c_str(),
                    next.healthy    ? "healthy"
                    : next.verified ? "INCOMPATIBLE: "
                                    : "unreachable",
-                   next.mismatch.ok()
-                       ? ""
-                       : std::string(next.mismatch.message()).c_str());
+                   why.c_str());
     }
     absl::MutexLock lock(&mu_);
     *ptr = next;
@@ -285,9 +295,18 @@ absl::StatusOr<Replica> ReplicaPool::Pick() {
     refresh_mu_.Unlock();  // Refresh takes it again; a race only skips one
     Refresh(/*resolve=*/false);
   }
-  return absl::UnavailableError(
-      absl::StrCat("no healthy ", options_.service, " replica (tried ",
-                   absl::StrJoin(endpoints(), ", "), ")"));
+  std::vector<std::string> tried;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& s : replicas_) {
+      tried.push_back(s->last_error.empty()
+                          ? s->address
+                          : absl::StrCat(s->address, ": ", s->last_error));
+    }
+  }
+  return absl::UnavailableError(absl::StrCat("no healthy ", options_.service,
+                                             " replica (tried ",
+                                             absl::StrJoin(tried, "; "), ")"));
 }
 
 void ReplicaPool::ReportFailure(const std::string& address) {

@@ -47,6 +47,12 @@ struct ReplicaPoolOptions {
   absl::Duration health_period = absl::Seconds(1);    ///< background checks.
   absl::Duration resolve_period = absl::Seconds(30);  ///< DNS re-resolution.
   absl::Duration info_timeout = absl::Seconds(2);     ///< per Info call.
+  /// Credentials of every replica channel (common/service/tls.h's
+  /// MakeChannelSecurity); null = plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  /// Name replica certificates must carry instead of the dialled address
+  /// (gRPC's SSL target-name override); "" = the address's host.
+  std::string server_name;
 };
 
 /// One replica handed to a request: its address and channel. The channel
@@ -94,7 +100,8 @@ class ReplicaPool {
 
   /// The next healthy replica, round-robin. FAILED_PRECONDITION (the check's
   /// message) while any replica is incompatible; UNAVAILABLE naming the
-  /// addresses when none is healthy (after one on-demand re-check, at most
+  /// addresses, each with why its last Info failed (e.g. a TLS handshake
+  /// error), when none is healthy (after one on-demand re-check, at most
   /// every 200 ms, unless a pass is already running).
   absl::StatusOr<Replica> Pick();
   /// A call to `address` failed as if the replica were down: it is not
@@ -119,6 +126,7 @@ class ReplicaPool {
     bool verified = false;  // Info OK and checked since the last drop
     bool healthy = false;   // verified and compatible
     absl::Status mismatch;  // the check's verdict
+    std::string last_error;  // why the last Info failed ("" = it did not)
     std::optional<v1::ModelInfo> info;
   };
 

@@ -97,6 +97,10 @@ TEST_F(ReplicaPoolTest, RoundRobinsOverHealthyReplicasAndSkipsDeadOnes) {
   auto none = pool->Pick();
   EXPECT_TRUE(absl::IsUnavailable(none.status())) << none.status();
   EXPECT_NE(none.status().message().find(dead), std::string::npos);
+  // Each address says why its last check failed (e.g. a TLS handshake).
+  EXPECT_NE(none.status().message().find(dead + ": UNAVAILABLE: "),
+            std::string::npos)
+      << none.status();
 }
 
 TEST_F(ReplicaPoolTest, IncompatibleReplicasBlockServing) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <utility>
 
@@ -152,6 +153,94 @@ std::string FallbackReason(const absl::Status& s) {
                           absl::StatusCodeToString(s.code()));
   }
 }
+
+// How long a speculator call the request no longer waits for may live: a
+// ReleaseSession, or a Score past --speculator_deadline_ms. Generous: such
+// a call holds no request, and a speculator that is frozen or overloaded
+// for a while (issue 17: SIGSTOP for 10 s) must still deliver its answer
+// when it catches up, or the session it opens stays until its TTL.
+constexpr absl::Duration kAbandonedCallDeadline = absl::Seconds(30);
+
+// Releases speculator session `id` in the background: fire and forget, the
+// call frees itself when it ends (answered, failed or past the deadline).
+void ReleaseSessionAsync(std::shared_ptr<grpc::Channel> channel,
+                         const std::string& id) {
+  struct Call {
+    std::unique_ptr<v1::Speculator::Stub> stub;
+    grpc::ClientContext ctx;
+    v1::ReleaseSessionRequest req;
+    v1::ReleaseSessionResponse resp;
+  };
+  auto* call = new Call;
+  call->stub = v1::Speculator::NewStub(std::move(channel));
+  call->req.set_session_id(id);
+  call->ctx.set_deadline(
+      absl::ToChronoTime(absl::Now() + kAbandonedCallDeadline));
+  call->stub->async()->ReleaseSession(&call->ctx, &call->req, &call->resp,
+                                      [call](grpc::Status) { delete call; });
+}
+
+// One Speculator.Score call that the request waits for at most a timeout
+// (--speculator_deadline_ms) but does not cancel when it stops waiting:
+// a cancelled Score races with its answer (a speculator that was frozen
+// sees the call's deadline later than the router and may answer after the
+// router gave up, keeping a session nobody knows), so an abandoned call
+// runs on to its answer and a session it opened is released at once. The
+// state is shared with the gRPC callback, so it outlives the request.
+class ScoreCall {
+ public:
+  // Starts `req` on `channel`; the call's own deadline is `deadline`.
+  static std::shared_ptr<ScoreCall> Start(
+      std::shared_ptr<grpc::Channel> channel, const v1::ScoreRequest& req,
+      absl::Time deadline) {
+    std::shared_ptr<ScoreCall> call(new ScoreCall(std::move(channel)));
+    call->req_ = req;
+    call->ctx_.set_deadline(absl::ToChronoTime(deadline));
+    call->stub_->async()->Score(
+        &call->ctx_, &call->req_, &call->resp_,
+        [self = call](grpc::Status s) { self->OnDone(std::move(s)); });
+    return call;
+  }
+
+  grpc::ClientContext* context() { return &ctx_; }
+
+  // Waits up to `timeout` for the answer: the response, the call's error,
+  // or DEADLINE_EXCEEDED (then the call is abandoned, see above).
+  absl::StatusOr<v1::ScoreResponse> Wait(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
+      abandoned_ = true;
+      return absl::DeadlineExceededError(
+          "Speculator.Score past --speculator_deadline_ms");
+    }
+    if (!status_.ok()) return FromGrpcStatus(status_);
+    return resp_;
+  }
+
+ private:
+  explicit ScoreCall(std::shared_ptr<grpc::Channel> channel)
+      : channel_(std::move(channel)),
+        stub_(v1::Speculator::NewStub(channel_)) {}
+
+  void OnDone(grpc::Status s) {
+    absl::MutexLock lock(&mu_);
+    status_ = std::move(s);
+    done_ = true;
+    if (abandoned_ && status_.ok() && !resp_.session_id().empty()) {
+      ReleaseSessionAsync(channel_, resp_.session_id());
+    }
+  }
+
+  const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<v1::Speculator::Stub> stub_;
+  grpc::ClientContext ctx_;
+  v1::ScoreRequest req_;
+  v1::ScoreResponse resp_;
+  absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+};
 
 // A target call's status as the client should see it.
 absl::Status TargetError(const grpc::Status& g, const Replica& replica,
@@ -401,17 +490,23 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
   }
   req.set_keep_session(opts.spec_decode);
   *req.mutable_sampling() = opts.sampling;
-  v1::ScoreResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(
-      std::min(deadline, absl::Now() + b.speculator_deadline)));
-  calls_->Add(&ctx);
   const absl::Time t0 = absl::Now();
-  const absl::Status st = FromGrpcStatus(
-      v1::Speculator::NewStub(picked->channel)->Score(&ctx, req, &resp));
-  calls_->Remove(&ctx);
+  std::shared_ptr<ScoreCall> call = ScoreCall::Start(
+      picked->channel, req,
+      std::min(deadline,
+               t0 + std::max(b.speculator_deadline, kAbandonedCallDeadline)));
+  calls_->Add(call->context());
+  absl::StatusOr<v1::ScoreResponse> answer =
+      call->Wait(std::min(deadline, t0 + b.speculator_deadline) - t0);
+  calls_->Remove(call->context());
   plan->speculate_s = Seconds(absl::Now() - t0);
-  if (calls_->cancelled()) return absl::CancelledError("cancelled");
+  if (calls_->cancelled()) {
+    if (answer.ok() && !answer->session_id().empty()) {
+      ReleaseSessionAsync(picked->channel, answer->session_id());
+    }
+    return absl::CancelledError("cancelled");
+  }
+  const absl::Status st = answer.status();
   if (!st.ok()) {
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
@@ -421,6 +516,7 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
     plan->fallback = FallbackReason(st);
     return absl::OkStatus();
   }
+  const v1::ScoreResponse& resp = *answer;
   plan->speculator = *picked;
   plan->session_id = resp.session_id();  // released even if unusable
   // Trust but verify: the kept indices must be a sorted subset.
@@ -520,14 +616,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     if (session_id.empty()) return;
     // Always: a half-closed stream keeps the session, and a stream cancelled
     // before its first message never bound it. Idempotent on the speculator.
-    v1::ReleaseSessionRequest rreq;
-    rreq.set_session_id(session_id);
-    v1::ReleaseSessionResponse rresp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(
-        absl::Now() + std::min(b.speculator_deadline, absl::Seconds(1))));
-    v1::Speculator::NewStub(plan.speculator->channel)
-        ->ReleaseSession(&ctx, rreq, &rresp);
+    ReleaseSessionAsync(plan.speculator->channel, session_id);
   });
   if (prefill.token_ids().empty()) {  // no pruning
     prefill.mutable_token_ids()->Add(prompt.begin(), prompt.end());

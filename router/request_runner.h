@@ -120,7 +120,8 @@ struct RouterBackends {
   ReplicaPool* speculator = nullptr;  ///< null or empty: no speculation.
   RouterMetrics* metrics = nullptr;   ///< optional.
   RequestDefaults defaults;
-  /// Per speculator call: Score, each Draft round, ReleaseSession.
+  /// Per speculator call: Score and each Draft round (ReleaseSession runs
+  /// in the background with a 30 s deadline).
   absl::Duration speculator_deadline = absl::Seconds(2);
   /// Speculative decoding under load (vLLM's speculative_disable_by_batch_
   /// size): with this many requests running, rounds go without drafts;

@@ -375,6 +375,110 @@ TEST_F(RequestRunnerTest, SpeculatorPastItsDeadlineFallsBack) {
   server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
 
+// A Speculator that answers Score after `score_delay` even if the caller
+// gave up meanwhile (what a frozen process does when it resumes: it sees
+// the call's deadline later than the caller), opening a session each time,
+// and takes `release_delay` to get to a ReleaseSession, which it applies
+// only if the caller is still waiting (a frozen process drops cancelled
+// calls). Issue 17: both leaked sessions until their TTL.
+class SlowSpeculator final : public v1::Speculator::Service {
+ public:
+  SlowSpeculator(absl::Duration score_delay, absl::Duration release_delay)
+      : score_delay_(score_delay), release_delay_(release_delay) {}
+
+  grpc::Status Info(grpc::ServerContext*, const v1::InfoRequest*,
+                    v1::ModelInfo* out) override {
+    out->set_vocab_size(512);
+    return grpc::Status::OK;
+  }
+  grpc::Status Score(grpc::ServerContext*, const v1::ScoreRequest* req,
+                     v1::ScoreResponse* resp) override {
+    absl::SleepFor(score_delay_);
+    for (int i = 0; i < req->token_ids_size(); ++i) {
+      resp->add_kept_indices(i);
+      resp->add_position_ids(i);
+    }
+    resp->set_next_position(req->token_ids_size());
+    absl::MutexLock lock(&mu_);
+    resp->set_session_id(absl::StrCat("s", ++opened_));
+    return grpc::Status::OK;
+  }
+  grpc::Status ReleaseSession(grpc::ServerContext* ctx,
+                              const v1::ReleaseSessionRequest*,
+                              v1::ReleaseSessionResponse*) override {
+    absl::SleepFor(release_delay_);
+    if (ctx->IsCancelled()) return grpc::Status::CANCELLED;
+    absl::MutexLock lock(&mu_);
+    ++released_;
+    return grpc::Status::OK;
+  }
+  int open_sessions() {
+    absl::MutexLock lock(&mu_);
+    return opened_ - released_;
+  }
+  int opened() {
+    absl::MutexLock lock(&mu_);
+    return opened_;
+  }
+
+ private:
+  const absl::Duration score_delay_, release_delay_;
+  absl::Mutex mu_;
+  int opened_ ABSL_GUARDED_BY(mu_) = 0;
+  int released_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Serves `service` on 127.0.0.1:0; writes the port.
+std::unique_ptr<grpc::Server> Serve(grpc::Service* service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           port);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
+TEST_F(RequestRunnerTest, LateScoreAnswerAfterFallbackIsReleased) {
+  SlowSpeculator slow(absl::Milliseconds(600), absl::ZeroDuration());
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = Serve(&slow, &port);
+  Connect(Addr(port), Addr(target_->port()));
+  backends_.speculator_deadline = absl::Milliseconds(100);
+  const std::string text = StoryPrompt(2);
+  const absl::Time t0 = absl::Now();
+  Outcome o = Run(Request(text, 8, 0.3f, true));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.response.stats().fallback_reason(), "speculator_deadline");
+  EXPECT_EQ(Ids(o.response), FullReference(text, 8));
+  EXPECT_LT(o.response.stats().speculate_s(), 0.5);
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  // The session the late answer opened is released when it arrives.
+  EXPECT_TRUE(Eventually([&] { return slow.opened() == 1; }));
+  EXPECT_TRUE(Eventually([&] { return slow.open_sessions() == 0; }))
+      << slow.open_sessions();
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+TEST_F(RequestRunnerTest,
+       ReleaseReachesASlowSpeculatorWithoutHoldingTheRequest) {
+  SlowSpeculator slow(absl::ZeroDuration(), absl::Milliseconds(1500));
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = Serve(&slow, &port);
+  Connect(Addr(port), Addr(target_->port()));
+  backends_.speculator_deadline = absl::Milliseconds(200);
+  const std::string text = StoryPrompt(2);
+  const absl::Time t0 = absl::Now();
+  Outcome o = Run(Request(text, 8, 1.f, /*spec_decode=*/false));
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.response.stats().fallback_reason(), "");
+  EXPECT_EQ(Ids(o.response), FullReference(text, 8));
+  EXPECT_LT(took, absl::Milliseconds(1500));  // did not wait for the release
+  EXPECT_EQ(slow.opened(), 1);
+  EXPECT_TRUE(Eventually([&] { return slow.open_sessions() == 0; }))
+      << slow.open_sessions();
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
 TEST_F(RequestRunnerTest, SpeculatorKilledMidGenerationStillCompletes) {
   const std::string text = StoryPrompt(2);
   const int kNew = 60;

@@ -316,7 +316,10 @@ absl::Status RouterServer::Start(int port) {
   speculator_->Start();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
-                           grpc::InsecureServerCredentials(), &port_);
+                           options_.credentials != nullptr
+                               ? options_.credentials
+                               : grpc::InsecureServerCredentials(),
+                           &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {

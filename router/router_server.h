@@ -27,6 +27,9 @@ class Tokenizer;
 /// Everything the router binary's flags control (main.cc maps them 1:1).
 struct RouterServerOptions {
   std::string host = "0.0.0.0";  ///< listening address (tests: 127.0.0.1).
+  /// Transport security of the public port (common/service/tls.h); null =
+  /// plaintext. The channels to the services take `pool.credentials`.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
   /// --speculator: comma-separated host:port / dns:///name:port; "" = no
   /// speculator (plain target serving, no fallback counted).
   std::string speculator;

@@ -18,6 +18,7 @@
 #include "common/service/runner_flags.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
+#include "common/service/tls_flags.h"
 #include "common/util/paths.h"
 #include "speculator_service/speculator_server.h"
 
@@ -66,6 +67,15 @@ int Run() {
   o.model_dir = ResolveUserPath(absl::GetFlag(FLAGS_model));
   o.model_id = absl::GetFlag(FLAGS_model_id);
   o.host = absl::GetFlag(FLAGS_host);
+  // Before the credentials: their check starts gRPC's threads.
+  const sigset_t stop = BlockStopSignals();
+  auto credentials = ServerCredentialsFromFlags();
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "error: %s\n",
+                 credentials.status().ToString().c_str());
+    return 2;
+  }
+  o.credentials = *std::move(credentials);
   o.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   o.engine_threads = absl::GetFlag(FLAGS_engine_threads);
   o.max_queue = absl::GetFlag(FLAGS_max_queue);
@@ -85,7 +95,6 @@ int Run() {
   o.defaults.keep_last = absl::GetFlag(FLAGS_default_keep_last);
   o.defaults.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
 
-  const sigset_t stop = BlockStopSignals();
   SetEngineThreads(o.engine_threads);
   EnableHealthAndReflection();
   auto server = SpeculatorServer::Create(o);

@@ -144,11 +144,17 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
     }
     return session->BeginScore(Ids(req->token_ids()), score_opts);
   };
-  auto finish = [this, req, resp, reactor, t0, lease, owned,
+  auto finish = [this, ctx, req, resp, reactor, t0, lease, owned,
                  session](absl::Status status) {
     absl::StatusOr<ScoreResult> r =
         status.ok() ? session->TakeScoreResult()
                     : absl::StatusOr<ScoreResult>(status);
+    // A client that gave up (deadline, cancel) while the work ran never
+    // learns the session id, so nobody would release the session before
+    // its TTL: free it now.
+    if (r.ok() && ctx->IsCancelled()) {
+      r = absl::CancelledError("client went away while scoring");
+    }
     if (!r.ok()) {
       if (*lease) sessions_->Release(lease->id());
       lease->Reset();
@@ -450,7 +456,10 @@ absl::Status SpeculatorServer::Start(int port) {
   if (server_ != nullptr) return absl::FailedPreconditionError("started");
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
-                           grpc::InsecureServerCredentials(), &port_);
+                           options_.credentials != nullptr
+                               ? options_.credentials
+                               : grpc::InsecureServerCredentials(),
+                           &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port_ == 0) {

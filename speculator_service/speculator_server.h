@@ -23,6 +23,9 @@ struct SpeculatorServerOptions {
   std::string model_dir;         ///< HF Llama checkpoint (+ tokenizer).
   std::string model_id;          ///< reported by Info; "" = dir basename.
   std::string host = "0.0.0.0";  ///< listen address.
+  /// Transport security of the listening port (common/service/tls.h);
+  /// null = plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
   /// Rows (tokens) per batched forward of the model's scheduler: draft
   /// and look-ahead rows of all sessions first, then prompt chunks; 0 = by
   /// backend (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).

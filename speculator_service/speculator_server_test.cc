@@ -547,6 +547,58 @@ TEST_F(SpeculatorServerTest, CancelledStreamFreesTheSessionAndBusyIsRefused) {
   EXPECT_EQ(late->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// Issue 17 (faults under load): a Score whose client went away while it
+// ran keeps no session. Before, it kept its session until the TTL (nobody
+// knows its id), which a frozen speculator's backlog turned into
+// max_sessions RESOURCE_EXHAUSTED. Small batches make the Score run long
+// enough to be cancelled mid-work.
+TEST_F(SpeculatorServerTest, ScoreCancelledWhileRunningKeepsNoSession) {
+  server_.reset();
+  StartServer(
+      [](SpeculatorServerOptions* o) { o->max_num_batched_tokens = 1; });
+  const std::vector<int> prompt = RandomPrompt(400, 17);
+  bool cancelled = false;
+  // A Score that beats the cancel (the test's threads starved) proves
+  // nothing: its session is the client's, released, and tried again.
+  for (int attempt = 0; attempt < 3 && !cancelled; ++attempt) {
+    // Three session-less Scores share the one-row steps, so the watched
+    // one takes thousands of steps after it begins.
+    std::vector<std::thread> background;
+    for (int i = 0; i < 3; ++i) {
+      background.emplace_back([&] {
+        v1::ScoreResponse r;
+        EXPECT_TRUE(Score(MakeScore(prompt, false), &r).ok());
+      });
+    }
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    std::thread canceller([&] {
+      // The session exists once the work is queued; it begins at the next
+      // step, at most 2 ms later (the scheduler's batching wait), and then
+      // runs for thousands of steps.
+      const absl::Time give_up = absl::Now() + absl::Seconds(10);
+      while (server_->sessions().num_sessions() == 0 && absl::Now() < give_up) {
+        absl::SleepFor(absl::Microseconds(100));
+      }
+      absl::SleepFor(absl::Milliseconds(3));
+      ctx.TryCancel();
+    });
+    v1::ScoreResponse resp;
+    const grpc::Status s = stub_->Score(&ctx, MakeScore(prompt, true), &resp);
+    canceller.join();
+    for (std::thread& t : background) t.join();
+    if (s.ok()) {
+      EXPECT_TRUE(server_->sessions().Release(resp.session_id()));
+      continue;
+    }
+    cancelled = true;
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+    EXPECT_TRUE(
+        Eventually([&] { return server_->sessions().num_sessions() == 0; }));
+  }
+  EXPECT_TRUE(cancelled);
+}
+
 TEST_F(SpeculatorServerTest, ShutdownEndsOpenStreamsPromptly) {
   v1::ScoreResponse score;
   const std::string id = OpenSession({1, 5, 9}, 1, &score);

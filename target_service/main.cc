@@ -20,6 +20,7 @@
 #include "common/service/runner_flags.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
+#include "common/service/tls_flags.h"
 #include "target_service/target_server.h"
 
 ABSL_FLAG(std::string, model, "", "HF Llama checkpoint directory (required)");
@@ -56,6 +57,13 @@ int main(int argc, char** argv) {
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.model_id = absl::GetFlag(FLAGS_model_id);
   options.host = absl::GetFlag(FLAGS_host);
+  auto credentials = specserve::ServerCredentialsFromFlags();
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "target_service: %s\n",
+                 credentials.status().ToString().c_str());
+    return 2;
+  }
+  options.credentials = *std::move(credentials);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);

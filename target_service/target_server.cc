@@ -621,7 +621,10 @@ absl::Status TargetServer::Start(int port) {
   grpc::ServerBuilder builder;
   int bound = 0;
   builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
-                           grpc::InsecureServerCredentials(), &bound);
+                           options_.credentials != nullptr
+                               ? options_.credentials
+                               : grpc::InsecureServerCredentials(),
+                           &bound);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || bound == 0) {

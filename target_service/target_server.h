@@ -67,6 +67,9 @@ struct TargetServerOptions {
   std::string model_dir;     ///< HF Llama checkpoint directory (--model).
   std::string model_id;      ///< Info.model_id; empty = basename(model_dir).
   std::string host = "0.0.0.0";  ///< listening address (tests: 127.0.0.1).
+  /// Transport security of the listening port (common/service/tls.h);
+  /// null = plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
   int threads = 0;           ///< OpenBLAS threads; 0 = library default.
   int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
   /// Streams that wait for admission (max_sessions or the KV budget)

@@ -10,7 +10,7 @@ PACKAGES=(
   libsentencepiece-dev nlohmann-json3-dev libopenblas-dev libonig-dev
   libutf8proc-dev libcpp-httplib-dev
   python3 python3-grpcio python3-numpy
-  python3-protobuf python3-yaml prometheus yamllint
+  python3-protobuf python3-yaml prometheus yamllint openssl
   clang-14 libclang-rt-14-dev
 )
 

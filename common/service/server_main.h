@@ -18,8 +18,9 @@
 namespace specserve {
 
 /// Blocks SIGINT and SIGTERM in the calling thread and in every thread it
-/// starts afterwards, so ServeUntilStopSignal can sigwait for them. Call at
-/// the top of main(), before any thread exists.
+/// starts afterwards, so ServeUntilStopSignal can sigwait for them, and
+/// forwards them to the calling thread from any thread started before
+/// (a library's). Call early in main(), in the thread that will serve.
 sigset_t BlockStopSignals();
 
 /// Starts `server` on `port`, serves `registry` at /metrics on

@@ -13,7 +13,7 @@ import tempfile
 
 import yaml
 
-OVERLAYS = ("local-cpu", "gpu")
+OVERLAYS = ("local-cpu", "gpu", "local-cpu-tls")
 # Component (image basename, Dockerfile name, k8s label) -> Bazel binary.
 BINARIES = {
     "router": "router/router",

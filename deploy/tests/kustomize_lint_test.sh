@@ -8,7 +8,7 @@ command -v yamllint > /dev/null || { echo "yamllint is not installed (tools/inst
 
 # A real copy: kustomize rejects symlinks that point outside its root.
 cp -rL deploy/k8s "$TMP/k8s"
-for dir in base overlays/local-cpu overlays/gpu; do
+for dir in base overlays/local-cpu overlays/gpu overlays/local-cpu-tls; do
   out="$TMP/$(echo "$dir" | tr / _).yaml"
   kubectl kustomize "$TMP/k8s/$dir" > "$out"
   n=$(grep -c '^kind: ' "$out")

@@ -130,8 +130,11 @@ class ManifestsTest(unittest.TestCase):
                 self.assertIs(sc.get("readOnlyRootFilesystem"), True, where)
                 self.assertIs(sc.get("runAsNonRoot"), True, where)
                 self.assertEqual(sc["capabilities"]["drop"], ["ALL"], where)
+                # gRPC health probes, or (TLS: kubelet's gRPC probes are
+                # plaintext only) HTTP probes of /metrics.
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                    self.assertIn("grpc", c.get(probe, {}), where + (probe,))
+                    self.assertTrue({"grpc", "httpGet"} & set(c.get(probe, {})),
+                                    where + (probe,))
                 startup = c["startupProbe"]
                 budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
                 if r.component(dep) in MODEL_SERVICES:
@@ -173,7 +176,14 @@ class ManifestsTest(unittest.TestCase):
                 self.assertEqual(port_number(c, "grpc"), grpc, where)
                 self.assertEqual(port_number(c, "metrics"), metrics, where)
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                    self.assertEqual(c[probe]["grpc"]["port"], grpc, where + (probe,))
+                    if "tls_cert_file" in flags:
+                        self.assertNotIn("grpc", c[probe], where + (probe,))
+                        get = c[probe]["httpGet"]
+                        self.assertEqual(port_number(c, get["port"]), metrics,
+                                         where + (probe,))
+                        self.assertEqual(get["path"], "/metrics", where + (probe,))
+                    else:
+                        self.assertEqual(c[probe]["grpc"]["port"], grpc, where + (probe,))
                 ann = dep["spec"]["template"]["metadata"]["annotations"]
                 self.assertEqual(ann["prometheus.io/scrape"], "true", where)
                 self.assertEqual(int(ann["prometheus.io/port"]), metrics, where)
@@ -186,6 +196,47 @@ class ManifestsTest(unittest.TestCase):
                 if comp in MODEL_SERVICES:
                     self.assertEqual(svc["spec"].get("clusterIP"), "None", where)
                     self.assertTrue(flags["model"].startswith("/models/"), where)
+
+    def test_tls_files_come_from_secrets(self):
+        """Every --*tls*_file flag names a file in a mounted Secret; with TLS
+        the model services require router client certificates and the
+        router presents one, verifying them under one server name."""
+        file_flags = ("tls_cert_file", "tls_key_file", "tls_client_ca_file",
+                      "backend_tls_ca_file", "backend_tls_cert_file",
+                      "backend_tls_key_file")
+        with_tls = set()
+        for r in self.rendered:
+            for dep in r.deployments.values():
+                comp = r.component(dep)
+                where = (r.overlay, comp)
+                c, _, flags = r.container_args(dep)
+                volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+                for flag in file_flags:
+                    if not flags.get(flag):
+                        continue
+                    path = flags[flag]
+                    mounts = [m for m in c["volumeMounts"]
+                              if path.startswith(m["mountPath"].rstrip("/") + "/")]
+                    self.assertEqual(len(mounts), 1, where + (flag, path))
+                    self.assertIs(mounts[0].get("readOnly"), True, where + (flag,))
+                    secret = volumes[mounts[0]["name"]].get("secret")
+                    self.assertTrue(secret, where + (flag, "not from a Secret"))
+                    self.assertEqual(secret["secretName"], "specserve-%s-tls" % comp, where)
+                if not flags.get("tls_cert_file"):
+                    continue
+                with_tls.add(r.overlay)
+                self.assertTrue(flags.get("tls_key_file"), where)
+                if comp in MODEL_SERVICES:
+                    self.assertTrue(flags.get("tls_client_ca_file"), where)
+                    self.assertNotEqual(flags.get("tls_require_client_cert"), "false", where)
+                else:
+                    for flag in ("backend_tls_ca_file", "backend_tls_cert_file",
+                                 "backend_tls_key_file", "backend_tls_server_name"):
+                        self.assertTrue(flags.get(flag), where + (flag,))
+        self.assertIn("local-cpu-tls", with_tls)
+        # Plaintext stays the default.
+        self.assertNotIn("local-cpu", with_tls)
+        self.assertNotIn("gpu", with_tls)
 
     def service_for(self, r, dep):
         labels = dep["spec"]["template"]["metadata"]["labels"]
