@@ -24,6 +24,6 @@ COPY --from=build /out/ /opt/specserve/
 ENV LD_LIBRARY_PATH=/opt/specserve/lib
 USER 65532:65532
 VOLUME ["/models"]
-EXPOSE 50051 9151
+EXPOSE 50051 8000 9151
 ENTRYPOINT ["/opt/specserve/bin/router"]
-CMD ["--port=50051", "--metrics_port=9151", "--tokenizer=/models/target", "--speculator=dns:///specserve-speculator:50061", "--target=dns:///specserve-target:50052"]
+CMD ["--port=50051", "--http_port=8000", "--metrics_port=9151", "--tokenizer=/models/target", "--speculator=dns:///specserve-speculator:50061", "--target=dns:///specserve-target:50052"]

@@ -156,10 +156,12 @@ class DockerfileTest(unittest.TestCase):
             # EXPOSE = the ports CMD sets = the k8s base flagfile's ports.
             flags = du.flag_map(cmd)
             expose = sorted(int(p) for w, a in final if w == "EXPOSE" for p in a.split())
-            self.assertEqual(expose, sorted([int(flags["port"]), int(flags["metrics_port"])]), comp)
+            ports = ("port", "metrics_port", "http_port")
+            self.assertEqual(expose, sorted(int(flags[k]) for k in ports if k in flags), comp)
             with open("deploy/k8s/base/flags/%s.flags" % comp) as f:
                 base = du.flag_map(du.parse_flagfile(f.read()))
-            for k in ("port", "metrics_port"):
+            self.assertEqual("http_port" in flags, "http_port" in base, comp)
+            for k in [p for p in ports if p in flags]:
                 self.assertEqual(flags[k], base[k], (comp, k))
 
     def test_bundle_makes_a_self_contained_lib_dir(self):
