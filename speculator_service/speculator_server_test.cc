@@ -238,6 +238,44 @@ TEST_F(SpeculatorServerTest, ConcurrentScoresAgree) {
 
 // Draft proposals equal the draft model's greedy continuation of the
 // committed sequence after full, partial or no acceptance (rollback).
+// Kept sessions idle between requests hold KV blocks; when they fill the
+// pool, a new Score preempts them (they recompute on their next Draft)
+// instead of waiting for their TTL. Regression: the Score waited forever.
+TEST_F(SpeculatorServerTest, IdleSessionsArePreemptedForNewScores) {
+  server_.reset();
+  StartServer([&](SpeculatorServerOptions* o) {
+    o->kv_budget_bytes =
+        CpuModelRunner::BytesPerToken(model_->config()) * 256;  // 16 blocks
+  });
+  std::vector<std::string> ids;
+  std::vector<std::vector<int>> prompts;
+  std::vector<std::vector<int>> proposals;
+  for (int i = 0; i < 6; ++i) {  // 6 x ~100 tokens > 256 slots
+    prompts.push_back(RandomPrompt(96, 20 + i));
+    v1::ScoreResponse r;
+    ids.push_back(OpenSession(prompts.back(), 4, &r));
+    ASSERT_FALSE(ids.back().empty()) << i;
+    proposals.emplace_back(r.look_ahead_token_ids().begin(),
+                           r.look_ahead_token_ids().end());
+  }
+  EXPECT_GT(MetricValue(Metrics(), "specserve_speculator_num_preemptions_total"),
+            0);
+  // The first (preempted) session still drafts what the model says.
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  std::unique_ptr<DraftStream> stream = stub_->Draft(&ctx);
+  std::vector<int> committed = prompts[0];
+  const std::vector<int> emitted = {proposals[0][0], proposals[0][1]};
+  committed.insert(committed.end(), emitted.begin(), emitted.end());
+  ASSERT_TRUE(stream->Write(MakeDraft(ids[0], emitted, 3)));
+  v1::DraftResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_EQ(DraftIds(resp),
+            GreedyReference(*model_, committed, {}, committed.size(), 3));
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(SpeculatorServerTest, DraftsFollowTheModelAfterAnyAcceptedPrefix) {
   const std::vector<int> prompt = RandomPrompt(40, 11);
   v1::ScoreResponse score;

@@ -30,6 +30,9 @@ class RoundWork : public BatchedWork {
     return absl::OkStatus();
   }
   void Abort() override { session_->AbortRound(); }
+  const KvSequence* sequence() const override {
+    return session_->kv_sequence();
+  }
   void Finish(absl::Status status) override {
     if (status.ok()) {
       done_(std::move(result_));

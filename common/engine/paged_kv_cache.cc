@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/util/clock.h"
 
 namespace specserve {
 
@@ -100,13 +101,40 @@ std::vector<const KvSequence*> PagedKvCache::PreemptNewest(
   return preempted;
 }
 
+std::vector<const KvSequence*> PagedKvCache::PreemptIdle(
+    int want_available, const absl::flat_hash_set<const KvSequence*>& busy,
+    int64_t idle_since_ns) {
+  std::vector<const KvSequence*> preempted;
+  absl::MutexLock lock(&seq_mu_);
+  if (num_available_blocks() >= want_available) return preempted;
+  std::vector<std::pair<int64_t, KvSequence*>> idle;
+  for (const auto& [id, seq] : live_) {
+    const int64_t used = seq->last_used_ns_.load(std::memory_order_relaxed);
+    if (seq->preempter_ && !seq->blocks_.empty() && !busy.contains(seq) &&
+        used < idle_since_ns) {
+      idle.emplace_back(used, seq);
+    }
+  }
+  std::sort(idle.begin(), idle.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [used, seq] : idle) {
+    if (num_available_blocks() >= want_available) break;
+    seq->preempter_();
+    preempted.push_back(seq);
+  }
+  return preempted;
+}
+
 double PagedKvCache::usage() const {
   const int n = num_blocks();
   return n == 0 ? 0.0 : 1.0 - static_cast<double>(num_available_blocks()) / n;
 }
 
 KvSequence::KvSequence(PagedKvCache* cache, int max_tokens)
-    : cache_(cache), max_tokens_(max_tokens), id_(cache->Register(this)) {}
+    : cache_(cache),
+      max_tokens_(max_tokens),
+      id_(cache->Register(this)),
+      last_used_ns_(MonotonicNowNs()) {}
 
 KvSequence::~KvSequence() {
   cache_->Unregister(id_);
@@ -156,6 +184,7 @@ absl::StatusOr<int> KvSequence::Reserve(int n) {
                      " new tokens exceed the sequence's capacity ",
                      max_tokens_));
   }
+  last_used_ns_.store(MonotonicNowNs(), std::memory_order_relaxed);
   const int bs = cache_->block_size();
   const bool cow = SharesPartialBlock(n);
   const int fresh = BlocksToReserve(n);

@@ -2,6 +2,7 @@
 #define SPECSERVE_COMMON_ENGINE_PAGED_KV_CACHE_H_
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -67,6 +69,15 @@ class PagedKvCache {
   /// preempted, newest first.
   std::vector<const KvSequence*> PreemptNewest(int want_available,
                                                uint64_t after_id);
+  /// The same for idle sequences: preempts live sequences NOT in `busy`
+  /// (of any age) that have a preempter, hold blocks and were last
+  /// reserved into before `idle_since_ns` (MonotonicNowNs clock), least
+  /// recently used first, until num_available_blocks() >= `want_available`
+  /// or none is left. An idle sequence loses nothing but the recomputation
+  /// of its context when it is next used.
+  std::vector<const KvSequence*> PreemptIdle(
+      int want_available, const absl::flat_hash_set<const KvSequence*>& busy,
+      int64_t idle_since_ns);
 
   int block_size() const { return block_size_; }
   int num_blocks() const { return pool_.num_blocks(); }
@@ -225,6 +236,8 @@ class KvSequence {
   int max_tokens_;
   uint64_t id_ = 0;
   std::function<void()> preempter_;  // guarded by cache_->seq_mu_
+  // MonotonicNowNs of the last Reserve (creation until then).
+  std::atomic<int64_t> last_used_ns_;
   int size_ = 0;
   std::vector<int> blocks_;
   std::vector<int> positions_;

@@ -1,5 +1,7 @@
 #include "common/engine/paged_kv_cache.h"
 
+#include "common/util/clock.h"
+
 #include <map>
 #include <memory>
 #include <random>
@@ -282,6 +284,42 @@ TEST(PagedKvCacheTest, PreemptNewestFreesNewestSequencesFirst) {
   auto part = seqs[1]->Fork();
   EXPECT_EQ(part->BlocksToReserve(1), 1);  // copy of the shared partial block
   EXPECT_EQ(part->BlocksToReserve(3), 2);  // copy + one new block
+}
+
+}  // namespace
+}  // namespace specserve
+
+namespace specserve {
+namespace {
+
+// Idle sequences (not in `busy`, unused since the given time) are
+// preempted least recently used first, of any age; busy ones, recently
+// used ones and ones without a preempter never.
+TEST(PagedKvCacheTest, PreemptIdleTakesLeastRecentlyUsedIdleSequences) {
+  PagedKvCache cache(6, 4, /*bytes_per_token=*/10, nullptr);
+  std::vector<std::unique_ptr<KvSequence>> seqs;
+  const int64_t before = MonotonicNowNs();
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(cache.NewSequence(32));
+    ASSERT_TRUE(seqs.back()->Reserve(8).ok());
+    KvSequence* s = seqs.back().get();
+    s->SetPreempter([s] { s->Clear(); });
+  }
+  absl::flat_hash_set<const KvSequence*> busy = {seqs[2].get()};
+  // Used after `before`: not idle long enough.
+  EXPECT_TRUE(cache.PreemptIdle(2, busy, before).empty());
+  ASSERT_TRUE(seqs[0]->Truncate(8).ok());
+  ASSERT_TRUE(seqs[1]->Reserve(0).ok());  // seqs[1] used last
+  const int64_t now = MonotonicNowNs() + 1;
+  auto v = cache.PreemptIdle(2, busy, now);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0], seqs[0].get());  // least recently used
+  EXPECT_EQ(seqs[2]->size(), 8);
+  v = cache.PreemptIdle(6, busy, now);
+  ASSERT_EQ(v.size(), 1u);
+  EXPECT_EQ(v[0], seqs[1].get());
+  EXPECT_EQ(cache.num_available_blocks(), 4);
+  EXPECT_TRUE(cache.PreemptIdle(6, busy, now).empty());
 }
 
 }  // namespace

@@ -159,7 +159,14 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   // memory leave the batch (their plans are made again next step).
   if (!batch.empty()) {
     std::vector<bool> keep(batch.size(), true), fail(batch.size(), false);
-    ClaimKvBlocks(batch, &keep, &fail, &stats);
+    absl::flat_hash_set<const KvSequence*> busy;
+    for (const Entry& e : *works) {
+      if (e.work != nullptr && e.work->sequence() != nullptr) {
+        busy.insert(e.work->sequence());
+      }
+    }
+    for (const SequenceForward& f : batch) busy.insert(f.kv);
+    ClaimKvBlocks(batch, busy, &keep, &fail, &stats);
     size_t kept = 0;
     for (size_t b = 0; b < batch.size(); ++b) {
       if (fail[b]) {
@@ -243,10 +250,10 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   return stats.sequences;
 }
 
-void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
-                                   std::vector<bool>* keep,
-                                   std::vector<bool>* fail,
-                                   StepStats* stats) {
+void BatchScheduler::ClaimKvBlocks(
+    const std::vector<SequenceForward>& batch,
+    const absl::flat_hash_set<const KvSequence*>& busy, std::vector<bool>* keep,
+    std::vector<bool>* fail, StepStats* stats) {
   PagedKvCache& cache = model_->kv_cache();
   const int watermark = static_cast<int>(
       std::ceil(options_.kv_watermark * cache.num_blocks()));
@@ -276,6 +283,20 @@ void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
       (*fail)[b] = true;
       (*keep)[b] = false;
       continue;
+    }
+    // Sequences idle for a while go first when memory is short: nothing
+    // runs on them. (Briefly idle ones, e.g. target streams waiting for the
+    // client's next drafts, would be back within milliseconds and pay a
+    // full recomputation.)
+    if (!blocked && available - claimed - need[b] < watermark) {
+      stats->preempted += static_cast<int>(
+          cache
+              .PreemptIdle(claimed + need[b] + watermark, busy,
+                           MonotonicNowNs() -
+                               absl::ToInt64Nanoseconds(
+                                   options_.idle_preempt_after))
+              .size());
+      available = cache.num_available_blocks();
     }
     if (held == 0) {
       if (blocked || available - claimed - need[b] < watermark) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -47,6 +48,11 @@ class BatchedWork {
   /// it. Runs on the scheduler thread, outside its locks; the scheduler
   /// destroys the work right after.
   virtual void Finish(absl::Status status) = 0;
+  /// The KV sequence the work runs on, or nullptr. A sequence no work in
+  /// flight runs on is idle (a kept speculator session between requests, a
+  /// target stream between rounds): the scheduler may preempt it when a
+  /// waiting work finds no free blocks.
+  virtual const KvSequence* sequence() const { return nullptr; }
 };
 
 /// Continuous batching over one ModelRunner: iteration-level scheduling
@@ -63,9 +69,14 @@ class BatchedWork {
 /// oldest sequence (KvSequence::id) first. A sequence that holds blocks
 /// and needs more preempts newer sequences, newest first
 /// (PagedKvCache::PreemptNewest), and waits if that is not enough; a
-/// sequence that holds none (a new or preempted request) never preempts:
-/// it starts when the free blocks cover it plus the watermark, and newer
-/// block-less ones wait behind it (first come, first served). So a
+/// sequence that holds none (a new or preempted request) never preempts a
+/// running one: it starts when the free blocks cover it plus the
+/// watermark, and newer block-less ones wait behind it (first come, first
+/// served). Either kind, when short, first preempts IDLE sequences (no
+/// work in flight and unused for Options::idle_preempt_after: kept
+/// speculator sessions between requests, abandoned streams;
+/// PagedKvCache::PreemptIdle, least recently used first), which would
+/// otherwise hold the pool until their requests end. So a
 /// temporary lack of blocks delays requests instead of failing them; a
 /// work that could not fit in the whole pool fails RESOURCE_EXHAUSTED.
 /// Thread-safe.
@@ -84,6 +95,11 @@ class BatchScheduler {
     /// no blocks (a new or preempted request) starts: vLLM's watermark,
     /// so that admitting a request does not immediately force preemptions.
     double kv_watermark = 0.01;
+    /// A sequence no work has used for this long (a kept speculator
+    /// session between requests, an abandoned stream) may be preempted
+    /// when a work is short of KV blocks; more briefly idle ones (a
+    /// stream between two rounds) are not.
+    absl::Duration idle_preempt_after = absl::Milliseconds(200);
   };
   /// What one step did (the serving loop's metrics).
   struct StepStats {
@@ -131,7 +147,9 @@ class BatchScheduler {
   // The memory phase of a step: claims KV blocks for the planned entries
   // (see the class comment) and clears keep[b] for the entries that must
   // wait; works whose need exceeds the whole pool are added to `fail`.
+  // `busy`: the sequences of every work in flight (the rest are idle).
   void ClaimKvBlocks(const std::vector<SequenceForward>& batch,
+                     const absl::flat_hash_set<const KvSequence*>& busy,
                      std::vector<bool>* keep, std::vector<bool>* fail,
                      StepStats* stats);
 

@@ -169,6 +169,97 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
   EXPECT_EQ((*sched)->num_works(), 0);
 }
 
+// Under KV pressure (a pool of one 512-token sequence for 8 sessions that
+// keep their caches), older sessions preempt newer ones, which recompute
+// their prompt and drafts later: every Score and Draft still equals the
+// session's own sequential run, and preemptions happened.
+TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
+  auto small = testing_util::MakeCpuRunner(LoadBundled("stories260K-draft"), 1);
+  ASSERT_NE(small, nullptr);
+  absl::Mutex mu;
+  int preempted = 0, waited = 0;
+  BatchScheduler::Options o;
+  o.max_num_batched_tokens = 64;
+  auto sched = BatchScheduler::Create(
+      small.get(), o, [&](const BatchScheduler::StepStats& st) {
+        absl::MutexLock lock(&mu);
+        preempted += st.preempted;
+        waited += st.waiting_for_kv;
+      });
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  std::mt19937 rng(5);
+  ScoreOptions so;
+  so.look_ahead = 4;
+  so.selection.chunk_size = 4;
+  const int kSessions = 8;
+  const std::vector<int> emitted = {7, 9, 11};
+  std::vector<std::vector<int>> prompts;
+  std::vector<ScoreResult> want_score;
+  std::vector<std::vector<DraftToken>> want_drafts;
+  for (int i = 0; i < kSessions; ++i) {
+    prompts.push_back(Prompt(80 + rng() % 60, &rng));
+    auto s = DraftSession::Create(model_.get(), 512, SamplingParams{});
+    ASSERT_TRUE(s.ok());
+    auto r = (*s)->Score(prompts.back(), so);
+    ASSERT_TRUE(r.ok()) << r.status();
+    want_score.push_back(*r);
+    auto d = (*s)->Draft(emitted, 6);
+    ASSERT_TRUE(d.ok()) << d.status();
+    want_drafts.push_back(*d);
+  }
+  std::vector<std::unique_ptr<DraftSession>> sessions;
+  for (int i = 0; i < kSessions; ++i) {
+    auto s = DraftSession::Create(small.get(), 512, SamplingParams{});
+    ASSERT_TRUE(s.ok());
+    sessions.push_back(*std::move(s));
+  }
+  // Score all (their caches stay), then draft all: 8 x ~110 tokens do not
+  // fit 512 slots.
+  for (int phase = 0; phase < 2; ++phase) {
+    std::vector<absl::Status> got(kSessions, absl::UnknownError("not run"));
+    std::vector<absl::Notification> done(kSessions);
+    for (int i = 0; i < kSessions; ++i) {
+      DraftSession* s = sessions[i].get();
+      auto begin = [s, &prompts, &emitted, i, so, phase] {
+        return phase == 0 ? s->BeginScore(prompts[i], so)
+                          : s->BeginDraft(emitted, 6);
+      };
+      ASSERT_TRUE((*sched)
+                      ->Submit(std::make_unique<DraftSessionWork>(
+                          s, begin,
+                          [&, i](absl::Status st) {
+                            got[i] = st;
+                            done[i].Notify();
+                          }))
+                      .ok());
+    }
+    for (int i = 0; i < kSessions; ++i) {
+      ASSERT_TRUE(done[i].WaitForNotificationWithTimeout(absl::Seconds(60)));
+      ASSERT_TRUE(got[i].ok()) << i << ": " << got[i];
+      if (phase == 0) {
+        const absl::StatusOr<ScoreResult> r = sessions[i]->TakeScoreResult();
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_EQ(r->look_ahead_tokens, want_score[i].look_ahead_tokens) << i;
+        EXPECT_EQ(r->selection.kept_indices,
+                  want_score[i].selection.kept_indices)
+            << i;
+      } else {
+        const std::vector<DraftToken> d = sessions[i]->TakeDrafts();
+        ASSERT_EQ(d.size(), want_drafts[i].size()) << i;
+        for (size_t j = 0; j < d.size(); ++j) {
+          EXPECT_EQ(d[j].id, want_drafts[i][j].id) << i << " " << j;
+        }
+      }
+    }
+  }
+  absl::MutexLock lock(&mu);
+  EXPECT_GT(preempted + waited, 0);
+  EXPECT_GT(preempted, 0);
+  int recomputed = 0;
+  for (const auto& s : sessions) recomputed += s->num_preemptions();
+  EXPECT_EQ(recomputed, preempted);
+}
+
 TEST_F(BatchSchedulerTest, ImpossibleAndFailingWorkEndWithErrors) {
   BatchScheduler::Options o;
   o.max_num_batched_tokens = 8;

@@ -128,6 +128,8 @@ class DraftSession {
   size_t kv_bytes() const { return cache_->bytes_used(); }
   /// Tokens in the KV cache.
   int kv_tokens() const { return cache_->size(); }
+  /// The session's sequence in the model's paged KV cache.
+  const KvSequence* kv_sequence() const { return cache_.get(); }
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
 
  private:

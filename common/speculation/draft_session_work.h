@@ -35,6 +35,9 @@ class DraftSessionWork : public BatchedWork {
   }
   void Abort() override { session_->AbortOp(); }
   void Finish(absl::Status status) override { finish_(std::move(status)); }
+  const KvSequence* sequence() const override {
+    return session_->kv_sequence();
+  }
 
  private:
   DraftSession* const session_;

@@ -129,6 +129,8 @@ class TargetSession {
   size_t kv_bytes() const { return cache_->bytes_used(); }
   /// Tokens in the KV cache.
   int kv_tokens() const { return cache_->size(); }
+  /// The session's sequence in the model's paged KV cache.
+  const KvSequence* kv_sequence() const { return cache_.get(); }
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
   /// Tokens the KV cache may need: kept + max_new_tokens + max_drafts.
   static int CapacityFor(const ModelConfig& config, const TargetRequest& r);
