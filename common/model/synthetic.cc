@@ -32,6 +32,11 @@ struct Preset {
   const char* rope_type;
   double rope_factor, low_freq, high_freq;
   int rope_original;
+  // Standard deviation of the projections and embeddings. The tiny presets
+  // use 0.2 so attention is peaked and logits spread (std ~1): with 0.02 at
+  // hidden 64 attention is nearly uniform and RoPE, biases and norms would
+  // barely move the logits a reference test compares.
+  float init_std = 0.02f;
 };
 
 // Real-size presets: shapes from llama2.c (stories15M / stories110M, with the
@@ -62,17 +67,17 @@ constexpr Preset kPresets[] = {
     {"qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 40960,
      1000000.0, 1e-6f, false, 151643, 151645, "", 1, 1, 4, 0},
     {"llama-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 4096, 10000.0, 1e-5f,
-     true, 1, 2, "", 1, 1, 4, 0},
+     true, 1, 2, "", 1, 1, 4, 0, 0.2f},
     {"llama3-tiny", "llama", 64, 128, 2, 4, 2, 32, 512, 131072, 500000.0,
-     1e-5f, false, 1, 2, "llama3", 8, 1, 4, 8192},
+     1e-5f, false, 1, 2, "llama3", 8, 1, 4, 8192, 0.2f},
     {"llama-linear-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 8192, 10000.0,
-     1e-5f, true, 1, 2, "linear", 4, 1, 4, 0},
+     1e-5f, true, 1, 2, "linear", 4, 1, 4, 0, 0.2f},
     {"qwen2-tiny", "qwen2", 64, 128, 2, 4, 2, 16, 512, 32768, 1000000.0, 1e-6f,
-     true, 1, 2, "", 1, 1, 4, 0},
+     true, 1, 2, "", 1, 1, 4, 0, 0.2f},
     {"qwen2-yarn-tiny", "qwen2", 64, 128, 2, 4, 2, 32, 512, 16384, 10000.0,
-     1e-6f, false, 1, 2, "yarn", 4, 1, 4, 4096},
+     1e-6f, false, 1, 2, "yarn", 4, 1, 4, 4096, 0.2f},
     {"qwen3-tiny", "qwen3", 64, 128, 2, 4, 2, 32, 512, 40960, 1000000.0, 1e-6f,
-     true, 1, 2, "", 1, 1, 4, 0},
+     true, 1, 2, "", 1, 1, 4, 0, 0.2f},
 };
 
 constexpr float kInitStd = 0.02f;
@@ -112,18 +117,19 @@ struct SyntheticTensor {
   float std;   // 0 for the model's RMSNorm weights (all ones)
 };
 
-// Biases and q/k norm weights are spread wider than the projections so a
-// reference comparison notices one applied wrongly.
+// Biases and q/k norm weights are spread wider than 0.02 so a reference
+// comparison notices one applied wrongly.
 constexpr float kBiasStd = 0.1f;
 
-std::vector<SyntheticTensor> TensorsOf(const ModelConfig& c, DType dtype) {
+std::vector<SyntheticTensor> TensorsOf(const ModelConfig& c, DType dtype,
+                                       float init_std) {
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
   const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
   const int64_t kv = int64_t{c.num_key_value_heads} * c.head_dim;
   std::vector<SyntheticTensor> ts;
   auto add = [&](std::string name, std::vector<int64_t> shape, bool ones) {
     ts.push_back({{std::move(name), std::move(shape), dtype},
-                  ones ? 1.0f : 0.0f, ones ? 0.0f : kInitStd});
+                  ones ? 1.0f : 0.0f, ones ? 0.0f : init_std});
   };
   auto add_spread = [&](std::string name, std::vector<int64_t> shape,
                         float mean) {
@@ -198,7 +204,7 @@ const char* TorchDType(DType d) {
 }
 
 absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
-                       uint64_t seed, DType dtype,
+                       uint64_t seed, DType dtype, float init_std,
                        const std::map<std::string, std::string>& metadata) {
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::InvalidArgumentError(
@@ -216,7 +222,7 @@ absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
   if (!s.ok()) return s;
   const std::string final_path = dir + "/model.safetensors";
   const std::string tmp_path = final_path + ".tmp";
-  std::vector<SyntheticTensor> tensors = TensorsOf(c, dtype);
+  std::vector<SyntheticTensor> tensors = TensorsOf(c, dtype, init_std);
   std::vector<TensorSpec> specs;
   specs.reserve(tensors.size());
   for (const SyntheticTensor& t : tensors) specs.push_back(t.spec);
@@ -312,7 +318,7 @@ int64_t CountParameters(const ModelConfig& c) {
 absl::Status WriteSyntheticCheckpointForConfig(const ModelConfig& config,
                                                const std::string& dir,
                                                uint64_t seed, DType dtype) {
-  return WriteImpl(config, dir, seed, dtype,
+  return WriteImpl(config, dir, seed, dtype, kInitStd,
                    {{"format", "pt"},
                     {"specserve_synthetic", "random weights"},
                     {"seed", absl::StrCat(seed)}});
@@ -329,7 +335,11 @@ absl::Status WriteSyntheticCheckpoint(const std::string& preset,
     return absl::InvalidArgumentError(absl::StrCat(
         "synthetic checkpoint dtype '", dtype, "' is not F32, BF16 or F16"));
   }
-  return WriteImpl(*config, dir, seed, *d,
+  float init_std = kInitStd;
+  for (const Preset& p : kPresets) {
+    if (preset == p.name) init_std = p.init_std;
+  }
+  return WriteImpl(*config, dir, seed, *d, init_std,
                    {{"format", "pt"},
                     {"specserve_synthetic", preset},
                     {"seed", absl::StrCat(seed)}});

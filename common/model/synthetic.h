@@ -34,7 +34,8 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& name);
 int64_t CountParameters(const ModelConfig& config);
 
 /// Writes `dir`/config.json and `dir`/model.safetensors (creating `dir`) for
-/// preset `preset`, with weights drawn from N(0, 0.02^2) (approximated by a
+/// preset `preset`, with weights drawn from N(0, 0.02^2) (0.2^2 for the
+/// *-tiny presets) (approximated by a
 /// scaled sum of four uniforms, so |w| < 0.07) from a counter-based
 /// SplitMix64 stream per tensor seeded by `seed`: the same seed gives the
 /// same bytes. RMSNorm weights are 1; biases are N(0, 0.1^2) and Qwen3's
