@@ -7,7 +7,8 @@ PACKAGES=(
   bazel-bootstrap g++ pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libsentencepiece-dev nlohmann-json3-dev libopenblas-dev
+  libsentencepiece-dev nlohmann-json3-dev libopenblas-dev libonig-dev
+  libutf8proc-dev
   python3 python3-grpcio python3-numpy
   python3-protobuf python3-yaml prometheus yamllint
   clang-14 libclang-rt-14-dev

@@ -4,6 +4,10 @@
 //     {"kind":"sentencepiece","ids":[1,403,...],"pieces":["<s>","▁Once",...]}
 //   bazel run //tools:tokenize -- --model models/stories260K --decode 1,403
 //     -> Once
+// --model takes any directory LoadTokenizer accepts: tokenizer.model, or
+// tokenizer.json (+ tokenizer_config.json) as downloaded from HuggingFace,
+// byte-level ones (Llama 3, Qwen) included; special tokens written in --text
+// (e.g. "<|eot_id|>") become their ids.
 // --no_bos omits the BOS id. Exit status 2 for bad arguments, 1 otherwise.
 
 #include <cstdio>

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/model/generation_config.h"
 #include "nlohmann/json.hpp"
 
 namespace specserve {
@@ -459,6 +460,11 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
     return absl::Status(c.status().code(),
                         absl::StrCat(path, ": ", c.status().message()));
   }
+  // EOS ids from a sibling generation_config.json join config.json's.
+  const size_t slash = path.find_last_of('/');
+  const std::string dir =
+      slash == std::string::npos ? "." : path.substr(0, slash);
+  if (absl::Status s = ApplyGenerationConfigFile(dir, &*c); !s.ok()) return s;
   return c;
 }
 

@@ -77,7 +77,10 @@ struct ModelConfig {
 /// naming the key.
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);
 
-/// Reads and parses `path` (a config.json). NOT_FOUND if absent.
+/// Reads and parses `path` (a config.json). NOT_FOUND if absent. When a
+/// generation_config.json sits next to it, its EOS ids are added
+/// (ApplyGenerationConfig in generation_config.h); a malformed one is
+/// INVALID_ARGUMENT naming it.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
 
 /// Serialises `config` as HF config.json text (LlamaForCausalLM,

@@ -1,6 +1,9 @@
 #include "common/tokenizer/hf_bpe_tokenizer.h"
 
+#include <utf8proc.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <queue>
@@ -12,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/tokenizer/byte_level.h"
 #include "nlohmann/json.hpp"
 
 namespace specserve {
@@ -27,6 +31,10 @@ absl::string_view Sv(std::string_view s) {
 
 constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD
 constexpr int kMaxVocabId = 1 << 24;  // Sanity bound on ids in the file.
+// Word cache bounds: longer words are rare and cheap to skip; the cache is
+// cleared when it reaches kMaxCachedWords (HF bounds its cache likewise).
+constexpr size_t kMaxCachedWordBytes = 256;
+constexpr size_t kMaxCachedWords = 1 << 16;
 
 // Length of the valid UTF-8 sequence starting at s[i] (RFC 3629: no
 // overlongs, surrogates or code points above U+10FFFF), or 0 when the bytes
@@ -72,6 +80,112 @@ void AppendBytesLossy(std::string_view bytes, std::string* out) {
       i += n;
     }
   }
+}
+
+// Bytes -> text, each maximal subpart of an invalid sequence becoming one
+// U+FFFD (Unicode's "best practice", used by Rust's from_utf8_lossy and the
+// WHATWG TextDecoder): a lead byte followed by some but not all of its valid
+// continuation bytes is one U+FFFD.
+void AppendBytesLossyMaximal(std::string_view bytes, std::string* out) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(bytes[k]); };
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const size_t n = ValidUtf8Len(bytes, i);
+    if (n > 0) {
+      out->append(bytes.substr(i, n));
+      i += n;
+      continue;
+    }
+    // Length of the valid prefix of a sequence starting at i (>= 1).
+    const unsigned char c = b(i);
+    size_t need = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      need = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      need = 2;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      need = 3;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    }
+    size_t k = 1;
+    for (; k <= need && i + k < bytes.size(); ++k) {
+      const unsigned char d = b(i + k);
+      if (k == 1 ? (d < lo || d > hi) : (d & 0xC0) != 0x80) break;
+    }
+    out->append(kReplacementChar);
+    i += k;
+  }
+}
+
+// Applies a utf8proc normalization (`options`) to every maximal valid UTF-8
+// run of `s`; bytes that are not UTF-8 (lenient input) stay as they are.
+std::string UnicodeNormalize(std::string_view s, int options) {
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t j = i;
+    while (j < s.size()) {
+      const size_t n = ValidUtf8Len(s, j);
+      if (n == 0) break;
+      j += n;
+    }
+    if (j > i) {
+      utf8proc_uint8_t* dst = nullptr;
+      const utf8proc_ssize_t len = utf8proc_map(
+          reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
+          static_cast<utf8proc_ssize_t>(j - i), &dst,
+          static_cast<utf8proc_option_t>(options));
+      if (len >= 0) {
+        out.append(reinterpret_cast<const char*>(dst), len);
+      } else {
+        out.append(s.substr(i, j - i));  // Not expected for valid UTF-8.
+      }
+      std::free(dst);
+      i = j;
+    }
+    if (i < s.size()) {
+      out.push_back(s[i]);  // An invalid byte.
+      ++i;
+    }
+  }
+  return out;
+}
+
+// Byte length of the White_Space character (Rust's char::is_whitespace,
+// which HF's lstrip/rstrip use) starting at s[i], or 0.
+size_t WhitespaceLen(std::string_view s, size_t i) {
+  const size_t n = ValidUtf8Len(s, i);
+  if (n == 0) return 0;
+  uint32_t cp = static_cast<unsigned char>(s[i]);
+  if (n > 1) {
+    cp &= 0x7F >> n;
+    for (size_t k = 1; k < n; ++k) {
+      cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+    }
+  }
+  const bool ws = (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 ||
+                  cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
+                  cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+                  cp == 0x205F || cp == 0x3000;
+  return ws ? n : 0;
+}
+
+// Start of the run of whitespace that ends at s[end] (not before `begin`).
+size_t WhitespaceRunStart(std::string_view s, size_t begin, size_t end) {
+  size_t start = end;
+  while (start > begin) {
+    // Step back to the previous character's first byte.
+    size_t k = start - 1;
+    while (k > begin && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    if (WhitespaceLen(s, k) != start - k) break;
+    start = k;
+  }
+  return start;
 }
 
 // Parses a "<0xXX>" byte piece.
@@ -129,23 +243,6 @@ bool GetBool(const Json& j, const char* key, bool dflt) {
   return it != j.end() && it->is_boolean() ? it->get<bool>() : dflt;
 }
 
-// True if the component or any member of a Sequence is ByteLevel.
-bool MentionsByteLevel(const Json& j) {
-  if (TypeOf(j) == "ByteLevel") return true;
-  if (j.is_object()) {
-    for (const char* key :
-         {"pretokenizers", "decoders", "normalizers", "processors"}) {
-      auto it = j.find(key);
-      if (it != j.end() && it->is_array()) {
-        for (const Json& sub : *it) {
-          if (MentionsByteLevel(sub)) return true;
-        }
-      }
-    }
-  }
-  return false;
-}
-
 // The literal pattern of a Replace component ({"String": s}); false for a
 // regex pattern.
 bool ReplacePattern(const Json& j, std::string* pattern) {
@@ -155,6 +252,21 @@ bool ReplacePattern(const Json& j, std::string* pattern) {
   if (s == it->end() || !s->is_string()) return false;
   *pattern = s->get<std::string>();
   return !pattern->empty();
+}
+
+// The TemplateProcessing post-processor, alone or inside a Sequence; null
+// when there is none.
+const Json* FindTemplate(const Json& pp) {
+  if (TypeOf(pp) == "TemplateProcessing") return &pp;
+  if (TypeOf(pp) == "Sequence") {
+    auto it = pp.find("processors");
+    if (it != pp.end() && it->is_array()) {
+      for (const Json& sub : *it) {
+        if (const Json* t = FindTemplate(sub)) return t;
+      }
+    }
+  }
+  return nullptr;
 }
 
 // Token name in tokenizer_config.json: a string or {"content": ...}.
@@ -235,6 +347,8 @@ absl::Status HfBpeTokenizer::ParseVocab(const Json& model, const Json& root) {
       t.special = GetBool(a, "special", false);
       // HF's default: special tokens are matched on the raw text.
       t.normalized = GetBool(a, "normalized", !t.special);
+      t.lstrip = GetBool(a, "lstrip", false);
+      t.rstrip = GetBool(a, "rstrip", false);
       if (t.content.empty()) return Invalid("empty added token content");
       added_.push_back(std::move(t));
       max_id = std::max(max_id, static_cast<int>(id));
@@ -327,10 +441,18 @@ absl::Status HfBpeTokenizer::ParseNormalizer(const Json& norm) {
     const std::string type = TypeOf(*n);
     NormalizerStep step;
     if (type == "Prepend") {
-      step.is_prepend = true;
+      step.type = NormalizerStep::kPrepend;
       step.to = GetString(*n, "prepend", "");
+    } else if (type == "NFC" || type == "NFD" || type == "NFKC" ||
+               type == "NFKD") {
+      step.type = NormalizerStep::kUnicode;
+      const bool compat = type[2] == 'K';
+      const bool compose = type.back() == 'C';
+      step.utf8proc_options =
+          UTF8PROC_STABLE | (compose ? UTF8PROC_COMPOSE : UTF8PROC_DECOMPOSE) |
+          (compat ? UTF8PROC_COMPAT : 0);
     } else if (type == "Replace") {
-      step.is_prepend = false;
+      step.type = NormalizerStep::kReplace;
       if (!ReplacePattern(*n, &step.from)) {
         return Unimplemented("normalizer Replace with a regex pattern");
       }
@@ -343,7 +465,8 @@ absl::Status HfBpeTokenizer::ParseNormalizer(const Json& norm) {
   return absl::OkStatus();
 }
 
-// Only Metaspace (alone or as a one-element Sequence) is supported.
+// Metaspace (alone or as a one-element Sequence) here; Split / ByteLevel
+// steps through PreTokenizer.
 absl::Status HfBpeTokenizer::ParsePreTokenizer(const Json& pre) {
   if (pre.is_null()) return absl::OkStatus();
   const Json* meta = nullptr;
@@ -355,7 +478,18 @@ absl::Status HfBpeTokenizer::ParsePreTokenizer(const Json& pre) {
              TypeOf(pre["pretokenizers"][0]) == "Metaspace") {
     meta = &pre["pretokenizers"][0];
   } else {
-    return Unimplemented(absl::StrCat("pre_tokenizer \"", TypeOf(pre), "\""));
+    absl::StatusOr<std::unique_ptr<PreTokenizer>> p =
+        PreTokenizer::FromJson(pre);
+    if (!p.ok()) {
+      if (p.status().code() == absl::StatusCode::kUnimplemented) {
+        const absl::string_view m = p.status().message();
+        return Unimplemented(std::string_view(m.data(), m.size()));
+      }
+      return Invalid(absl::StrCat("pre_tokenizer: ", p.status().message()));
+    }
+    pre_tokenizer_ = *std::move(p);
+    byte_level_ = pre_tokenizer_->byte_level();
+    return absl::OkStatus();
   }
   metaspace_ = true;
   metaspace_replacement_ = GetString(*meta, "replacement", "\u2581");
@@ -399,6 +533,9 @@ absl::Status HfBpeTokenizer::ParseDecoder(const Json& dec) {
       step.to = GetString(*d, "content", "");
     } else if (type == "ByteFallback") {
       step.type = DecoderStep::kByteFallback;
+    } else if (type == "ByteLevel") {
+      // add_prefix_space / trim_offsets do not change decoded text in HF.
+      step.type = DecoderStep::kByteLevel;
     } else if (type == "Fuse") {
       step.type = DecoderStep::kFuse;
     } else if (type == "Strip") {
@@ -421,7 +558,8 @@ absl::Status HfBpeTokenizer::ParseDecoder(const Json& dec) {
       return Unimplemented(absl::StrCat("decoder \"", type, "\""));
     }
     if (step.from.empty() && step.type != DecoderStep::kByteFallback &&
-        step.type != DecoderStep::kFuse) {
+        step.type != DecoderStep::kFuse &&
+        step.type != DecoderStep::kByteLevel) {
       return Invalid(
           absl::StrCat("decoder \"", type, "\" with an empty pattern"));
     }
@@ -437,8 +575,12 @@ absl::Status HfBpeTokenizer::IndexAddedTokens() {
     t.match = t.normalized ? Normalize(t.content) : t.content;
     if (t.match.empty()) return Invalid("added token normalizes to \"\"");
   }
+  raw_added_.assign(256, {});
+  normalized_added_.assign(256, {});
   for (const AddedToken& t : added_) {
-    (t.normalized ? normalized_added_ : raw_added_).push_back(&t);
+    (t.normalized ? normalized_added_ : raw_added_)
+        [static_cast<unsigned char>(t.match[0])]
+            .push_back(&t);
   }
   return absl::OkStatus();
 }
@@ -456,24 +598,78 @@ void HfBpeTokenizer::ResolveSpecialIds(const Json& root, const Json& config) {
   unk_id_ = model_unk_id_ >= 0 ? model_unk_id_
                                : lookup(SpecialTokenName(config, "unk_token"));
   bos_id_ = lookup(SpecialTokenName(config, "bos_token"));
-  if (bos_id_ < 0 && root.contains("post_processor")) {
+  const Json* tmpl = root.contains("post_processor")
+                         ? FindTemplate(root["post_processor"])
+                         : nullptr;
+  if (bos_id_ < 0 && tmpl != nullptr) {
     // TemplateProcessing: a leading SpecialToken of the single template.
-    const Json& pp = root["post_processor"];
-    if (TypeOf(pp) == "TemplateProcessing" && pp.contains("single") &&
-        pp["single"].is_array() && !pp["single"].empty() &&
-        pp["single"][0].is_object() &&
+    const Json& pp = *tmpl;
+    if (pp.contains("single") && pp["single"].is_array() &&
+        !pp["single"].empty() && pp["single"][0].is_object() &&
         pp["single"][0].contains("SpecialToken")) {
       bos_id_ = lookup(GetString(pp["single"][0]["SpecialToken"], "id", ""));
     }
   }
-  if (bos_id_ < 0) bos_id_ = lookup("<s>");
+  // Fallbacks by name, for sentencepiece-style vocabularies only: in a
+  // byte-level vocabulary "<s>" is ordinary text (Qwen has it as a BPE
+  // piece), and a config that sets a token to null means "none".
+  auto fallback = [&](const char* key, const std::string& name) -> int {
+    if (byte_level_) return -1;
+    if (config.is_object() && config.contains(key) && config[key].is_null()) {
+      return -1;
+    }
+    return lookup(name);
+  };
+  if (bos_id_ < 0) bos_id_ = fallback("bos_token", "<s>");
   eos_id_ = lookup(SpecialTokenName(config, "eos_token"));
-  if (eos_id_ < 0) eos_id_ = lookup("</s>");
+  if (eos_id_ < 0) eos_id_ = fallback("eos_token", "</s>");
   pad_id_ = lookup(SpecialTokenName(config, "pad_token"));
-  if (pad_id_ < 0) pad_id_ = lookup("<pad>");
+  if (pad_id_ < 0) pad_id_ = fallback("pad_token", "<pad>");
   for (const AddedToken& t : added_) {
     if (t.id == bos_id_) bos_content_ = t.content;
   }
+}
+
+// Byte-level only: what Encode(text, true) prepends (needs bos_id_).
+absl::Status HfBpeTokenizer::ParsePostProcessor(const Json& pp,
+                                                const Json& config) {
+  if (!byte_level_) return absl::OkStatus();
+  const Json* tmpl = FindTemplate(pp);
+  if (tmpl == nullptr) {
+    const bool add_bos =
+        !config.is_object() || GetBool(config, "add_bos_token", true);
+    if (add_bos && bos_id_ >= 0) bos_prefix_ = {bos_id_};
+    return absl::OkStatus();
+  }
+  auto single = tmpl->find("single");
+  if (single == tmpl->end() || !single->is_array()) {
+    return Invalid("TemplateProcessing without a \"single\" template");
+  }
+  for (const Json& piece : *single) {
+    if (!piece.is_object() || !piece.contains("SpecialToken")) break;
+    const std::string name = GetString(piece["SpecialToken"], "id", "");
+    // Ids come from the template's special_tokens map.
+    const Json* ids = nullptr;
+    if (tmpl->contains("special_tokens") &&
+        (*tmpl)["special_tokens"].is_object() &&
+        (*tmpl)["special_tokens"].contains(name) &&
+        (*tmpl)["special_tokens"][name].contains("ids")) {
+      ids = &(*tmpl)["special_tokens"][name]["ids"];
+    }
+    if (ids == nullptr || !ids->is_array()) {
+      return Invalid(absl::StrCat("TemplateProcessing special token \"", name,
+                                  "\" has no ids"));
+    }
+    for (const Json& id : *ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+          id.get<int64_t>() >= vocab_size()) {
+        return Invalid(absl::StrCat("TemplateProcessing special token \"",
+                                    name, "\" has an id outside the vocab"));
+      }
+      bos_prefix_.push_back(id.get<int>());
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
@@ -506,11 +702,6 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
         root.contains("normalizer") ? root["normalizer"] : null_json;
     const Json& dec = root.contains("decoder") ? root["decoder"] : null_json;
 
-    // Kind checks first, so the error names the real reason.
-    if (MentionsByteLevel(pre) || MentionsByteLevel(dec) ||
-        MentionsByteLevel(norm)) {
-      return tok->Unimplemented("kind ByteLevel BPE");
-    }
     if (!model.is_object()) return tok->Invalid("missing \"model\" object");
     const std::string model_type = TypeOf(model);
     if (model_type != "BPE") {
@@ -533,6 +724,10 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
     if (status.ok()) status = tok->IndexAddedTokens();
     if (!status.ok()) return status;
     tok->ResolveSpecialIds(root, config);
+    status = tok->ParsePostProcessor(
+        root.contains("post_processor") ? root["post_processor"] : null_json,
+        config);
+    if (!status.ok()) return status;
   } catch (const Json::exception& e) {
     return tok->Invalid(absl::StrCat("malformed tokenizer.json: ", e.what()));
   }
@@ -544,9 +739,9 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Parse(
 }
 
 void HfBpeTokenizer::SplitOnAddedTokens(
-    const std::vector<const AddedToken*>& tokens, const Segment& in,
+    const AddedIndex& tokens, const Segment& in,
     std::vector<Segment>* out) const {
-  if (in.added_id >= 0 || tokens.empty()) {
+  if (in.added_id >= 0 || added_.empty()) {
     out->push_back(in);
     return;
   }
@@ -556,7 +751,7 @@ void HfBpeTokenizer::SplitOnAddedTokens(
   while (i < s.size()) {
     // Leftmost-longest match, like HF's aho-corasick (LeftmostLongest).
     const AddedToken* best = nullptr;
-    for (const AddedToken* t : tokens) {
+    for (const AddedToken* t : tokens[static_cast<unsigned char>(s[i])]) {
       if (t->match.size() <= s.size() - i &&
           (best == nullptr || t->match.size() > best->match.size()) &&
           s.compare(i, t->match.size(), t->match) == 0) {
@@ -567,12 +762,22 @@ void HfBpeTokenizer::SplitOnAddedTokens(
       ++i;
       continue;
     }
-    if (i > text_start) {
-      out->push_back({s.substr(text_start, i - text_start), -1,
+    // lstrip / rstrip: the match takes the whitespace around it (never
+    // reaching back into an earlier match).
+    const size_t start =
+        best->lstrip ? WhitespaceRunStart(s, text_start, i) : i;
+    size_t stop = i + best->match.size();
+    if (best->rstrip) {
+      for (size_t n; stop < s.size() && (n = WhitespaceLen(s, stop)) > 0;) {
+        stop += n;
+      }
+    }
+    if (start > text_start) {
+      out->push_back({s.substr(text_start, start - text_start), -1,
                       in.at_start && text_start == 0});
     }
-    out->push_back({std::string(), best->id, in.at_start && i == 0});
-    i += best->match.size();
+    out->push_back({std::string(), best->id, in.at_start && start == 0});
+    i = stop;
     text_start = i;
   }
   if (text_start < s.size()) {
@@ -583,10 +788,16 @@ void HfBpeTokenizer::SplitOnAddedTokens(
 std::string HfBpeTokenizer::Normalize(std::string_view text) const {
   std::string s(text);
   for (const NormalizerStep& step : normalizer_) {
-    if (step.is_prepend) {
-      if (!s.empty()) s.insert(0, step.to);  // HF: only non-empty strings.
-    } else {
-      s = absl::StrReplaceAll(s, {{step.from, step.to}});
+    switch (step.type) {
+      case NormalizerStep::kPrepend:
+        if (!s.empty()) s.insert(0, step.to);  // HF: only non-empty strings.
+        break;
+      case NormalizerStep::kReplace:
+        s = absl::StrReplaceAll(s, {{step.from, step.to}});
+        break;
+      case NormalizerStep::kUnicode:
+        s = UnicodeNormalize(s, step.utf8proc_options);
+        break;
     }
   }
   return s;
@@ -594,6 +805,10 @@ std::string HfBpeTokenizer::Normalize(std::string_view text) const {
 
 void HfBpeTokenizer::PreTokenize(const Segment& seg,
                                  std::vector<std::string>* words) const {
+  if (pre_tokenizer_ != nullptr) {
+    pre_tokenizer_->Split(seg.text, words);
+    return;
+  }
   if (!metaspace_) {
     words->push_back(seg.text);
     return;
@@ -622,6 +837,28 @@ void HfBpeTokenizer::PreTokenize(const Segment& seg,
 void HfBpeTokenizer::EncodeWord(std::string_view word,
                                 std::vector<int>* ids) const {
   if (word.empty()) return;
+  if (word.size() > kMaxCachedWordBytes) {
+    EncodeWordUncached(word, ids);
+    return;
+  }
+  {
+    absl::MutexLock lock(&cache_mu_);
+    auto it = cache_.find(Sv(word));
+    if (it != cache_.end()) {
+      ids->insert(ids->end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const size_t start = ids->size();
+  EncodeWordUncached(word, ids);
+  std::vector<int> word_ids(ids->begin() + start, ids->end());
+  absl::MutexLock lock(&cache_mu_);
+  if (cache_.size() >= kMaxCachedWords) cache_.clear();
+  cache_.emplace(std::string(word), std::move(word_ids));
+}
+
+void HfBpeTokenizer::EncodeWordUncached(std::string_view word,
+                                        std::vector<int>* ids) const {
   if (ignore_merges_) {
     auto it = vocab_.find(Sv(word));
     if (it != vocab_.end()) {
@@ -752,6 +989,11 @@ absl::StatusOr<std::vector<int>> HfBpeTokenizer::Encode(std::string_view text,
                                                         bool add_bos) const {
   std::vector<int> ids;
   ids.reserve(text.size() / 2 + 2);
+  if (byte_level_) {
+    if (add_bos) ids = bos_prefix_;
+    EncodeText(text, &ids);
+    return ids;
+  }
   if (add_bos && !bos_content_.empty()) {
     // Tokenize BOS + text as one string, the way a BOS written in training
     // text is tokenized (see the class comment).
@@ -796,6 +1038,18 @@ std::string HfBpeTokenizer::ApplyDecoder(
         }
         flush();
         tokens = std::move(out);
+        break;
+      }
+      case DecoderStep::kByteLevel: {
+        // HF: every token back to bytes (a token with characters outside
+        // the map keeps its own bytes), then one lossy UTF-8 conversion.
+        std::string bytes;
+        for (const std::string& t : tokens) {
+          if (!ByteLevelDecode(t, &bytes)) bytes.append(t);
+        }
+        std::string text;
+        AppendBytesLossyMaximal(bytes, &text);
+        tokens.assign(1, std::move(text));
         break;
       }
       case DecoderStep::kFuse: {

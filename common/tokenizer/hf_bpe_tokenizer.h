@@ -11,47 +11,67 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/tokenizer/pretokenizer.h"
 #include "common/tokenizer/tokenizer.h"
 #include "nlohmann/json_fwd.hpp"
 
 namespace specserve {
 
-/// HF tokenizers `tokenizer.json` of the sentencepiece-style BPE kind (Llama
-/// family exported by `transformers`), implemented natively:
+/// HF tokenizers `tokenizer.json` with a BPE model, implemented natively, in
+/// its two families: sentencepiece-style (Llama 1/2, Mistral, TinyStories:
+/// "▁" word marks, byte fallback) and byte-level (GPT-2, Llama 3, Qwen 2/3:
+/// every byte mapped to a printable character, byte_level.h).
 ///
-/// - normalizer: Prepend("▁") and Replace(" " -> "▁"), alone or in a
-///   Sequence; or none with a Metaspace pre-tokenizer (replacement,
-///   prepend_scheme always/first/never or add_prefix_space, split).
+/// - normalizer: Prepend, Replace (literal pattern), NFC/NFD/NFKC/NFKD
+///   (utf8proc), alone or in a Sequence.
+/// - pre_tokenizer: Metaspace (replacement, prepend_scheme always/first/
+///   never or add_prefix_space, split), alone or as a one-element Sequence;
+///   or Split (Oniguruma regex or literal, every behavior, invert) and
+///   ByteLevel (add_prefix_space, use_regex) steps, alone or in a Sequence
+///   (pretokenizer.h).
 /// - model: BPE with `vocab`, `merges` ("a b" strings or ["a", "b"] pairs),
 ///   `byte_fallback` (characters missing from the vocabulary become <0xXX>
-///   byte pieces), `unk_token`, `fuse_unk`, `ignore_merges`. Merging is the
-///   standard rank-ordered BPE (lowest merge rank first, leftmost on ties),
-///   done with a heap over a linked list of symbols: O(n log n) per word.
-///   `dropout` is ignored (encoding is deterministic).
+///   byte pieces), `unk_token`, `fuse_unk`, `ignore_merges` (a word that is
+///   itself in the vocab is one token). Merging is the standard rank-ordered
+///   BPE (lowest merge rank first, leftmost on ties), done with a heap over a
+///   linked list of symbols: O(n log n) per word, with a bounded per-word
+///   cache. `dropout` is ignored (encoding is deterministic).
 /// - added_tokens: matched literally (leftmost-longest) and split out before
-///   BPE, as HF does: `normalized: false` tokens in the raw text, the others
-///   (their content normalized too, so with Prepend("▁") "<x>" matches
-///   "▁<x>") in the normalized text; lstrip/rstrip/single_word are not
-///   implemented.
-/// - decoder: Sequence of Replace, ByteFallback, Fuse, Strip, or Metaspace.
-///   Special added tokens are skipped. One deliberate deviation: a run of
-///   byte pieces that is not valid UTF-8 yields U+FFFD per invalid byte
-///   (sentencepiece's rule) rather than HF's U+FFFD for every byte of the
-///   run, so decoding is prefix-stable for IncrementalDecoder.
-/// - post_processor is ignored; the `add_bos` argument governs BOS.
-///   `Encode(text, true)` tokenizes BOS-content + text as one string when BOS
-///   is an added token, i.e. as a BOS written in training text is tokenized.
-///   For a Llama-2 style `normalized: false` "<s>" that is [bos] +
-///   Encode(text, false). For a `normalized: true` BOS after a Prepend("▁")
-///   normalizer (tinystories-656K) the normalized match "▁<|start_story|>"
-///   absorbs the prepended "▁", so the first word has none -- which is how
-///   that model was trained (from BOS it generates "On", "ce▁", not "▁") and
-///   what the golden prompt ids hold. HF's TemplateProcessing path ([bos] +
-///   "▁On"...) would differ there.
+///   pre-tokenization, as HF does (special tokens written in the text become
+///   their ids, HF's default): `normalized: false` tokens in the raw text,
+///   the others (their content normalized too, so with Prepend("▁") "<x>"
+///   matches "▁<x>") in the normalized text. `lstrip` / `rstrip` make a
+///   match take the whitespace (Unicode White_Space) before / after it, as
+///   HF does; `single_word` is not implemented.
+/// - decoder: Sequence of Replace, ByteFallback, Fuse, Strip, Metaspace, or
+///   ByteLevel. Special added tokens are skipped. Invalid UTF-8 from bytes:
+///   ByteLevel yields one U+FFFD per maximal invalid subpart, as HF's
+///   from_utf8_lossy and the WHATWG TextDecoder do. ByteFallback deliberately
+///   deviates: U+FFFD per invalid byte (sentencepiece's rule) rather than
+///   HF's U+FFFD for every byte of the run, so decoding is prefix-stable for
+///   IncrementalDecoder. `clean_up_tokenization_spaces` is NOT applied
+///   (decoding is faithful: Decode(Encode(s)) == s).
+/// - post_processor: TemplateProcessing's leading special tokens (alone or
+///   in a Sequence, e.g. Llama 3.1's [ByteLevel, TemplateProcessing]) are
+///   what `Encode(text, true)` prepends for byte-level tokenizers; trailing
+///   ones are never added. ByteLevel post-processing only moves offsets and
+///   is ignored. Without a template, byte-level BPE prepends [bos_id()] unless
+///   tokenizer_config.json says `add_bos_token: false` or there is no BOS
+///   (Qwen).
 ///
-/// Byte-level BPE (ByteLevel pre-tokenizer/decoder, Llama-3 / Qwen) and
-/// other model types are UNIMPLEMENTED.
+/// Sentencepiece-style `Encode(text, true)` tokenizes BOS-content + text as
+/// one string when BOS is an added token, i.e. as a BOS written in training
+/// text is tokenized. For a Llama-2 style `normalized: false` "<s>" that is
+/// [bos] + Encode(text, false). For a `normalized: true` BOS after a
+/// Prepend("▁") normalizer (tinystories-656K) the normalized match
+/// "▁<|start_story|>" absorbs the prepended "▁", so the first word has none
+/// -- which is how that model was trained (from BOS it generates "On", "ce▁",
+/// not "▁") and what the golden prompt ids hold. HF's TemplateProcessing path
+/// ([bos] + "▁On"...) would differ there.
+///
+/// Other model types (WordPiece, Unigram, ...) are UNIMPLEMENTED.
 ///
 /// Special ids: unk from `model.unk_token`; bos/eos/pad from the sibling
 /// tokenizer_config.json (or special_tokens_map.json) `bos_token`/
@@ -93,15 +113,25 @@ class HfBpeTokenizer : public Tokenizer {
     int id;
     bool special;
     bool normalized;
+    bool lstrip;  // The match absorbs whitespace before it.
+    bool rstrip;  // The match absorbs whitespace after it.
   };
   struct NormalizerStep {
-    bool is_prepend;  // Else Replace(from -> to).
-    std::string from;
-    std::string to;
+    enum Type { kPrepend, kReplace, kUnicode } type;
+    std::string from;  // Replace pattern.
+    std::string to;    // Prepend / Replace content.
+    int utf8proc_options = 0;  // kUnicode: NFC/NFD/NFKC/NFKD as flags.
   };
   enum class PrependScheme { kAlways, kFirst, kNever };
   struct DecoderStep {
-    enum Type { kReplace, kByteFallback, kFuse, kStrip, kMetaspace } type;
+    enum Type {
+      kReplace,
+      kByteFallback,
+      kFuse,
+      kStrip,
+      kMetaspace,
+      kByteLevel
+    } type;
     std::string from;  // Replace pattern / Strip char / Metaspace replacement.
     std::string to;    // Replace content.
     int start = 0;     // Strip: leading chars.
@@ -116,6 +146,8 @@ class HfBpeTokenizer : public Tokenizer {
   };
 
   using Json = nlohmann::json;
+  // Added tokens by the first byte of their match string (256 lists).
+  using AddedIndex = std::vector<std::vector<const AddedToken*>>;
 
   HfBpeTokenizer() = default;
 
@@ -125,16 +157,20 @@ class HfBpeTokenizer : public Tokenizer {
   absl::Status ParseNormalizer(const Json& normalizer);
   absl::Status ParsePreTokenizer(const Json& pre_tokenizer);
   absl::Status ParseDecoder(const Json& decoder);
+  absl::Status ParsePostProcessor(const Json& post_processor,
+                                  const Json& config);
   absl::Status IndexAddedTokens();
   void ResolveSpecialIds(const Json& root, const Json& config);
   absl::Status Invalid(std::string_view what) const;
   absl::Status Unimplemented(std::string_view what) const;
 
-  void SplitOnAddedTokens(const std::vector<const AddedToken*>& tokens,
+  void SplitOnAddedTokens(const AddedIndex& tokens,
                           const Segment& in, std::vector<Segment>* out) const;
   std::string Normalize(std::string_view text) const;
   void PreTokenize(const Segment& seg, std::vector<std::string>* words) const;
+  // BPE of one word through the cache.
   void EncodeWord(std::string_view word, std::vector<int>* ids) const;
+  void EncodeWordUncached(std::string_view word, std::vector<int>* ids) const;
   // Added-token splitting, normalization, pre-tokenization and BPE.
   void EncodeText(std::string_view text, std::vector<int>* ids) const;
   std::string ApplyDecoder(std::vector<std::string> tokens) const;
@@ -157,24 +193,33 @@ class HfBpeTokenizer : public Tokenizer {
   int model_unk_id_ = -1;  // For unknown characters.
 
   std::vector<AddedToken> added_;
-  std::vector<const AddedToken*> raw_added_;         // normalized == false.
-  std::vector<const AddedToken*> normalized_added_;  // normalized == true.
+  AddedIndex raw_added_;         // normalized == false.
+  AddedIndex normalized_added_;  // normalized == true.
 
   std::vector<NormalizerStep> normalizer_;
   bool metaspace_ = false;  // Metaspace pre-tokenizer present.
   std::string metaspace_replacement_;
   PrependScheme metaspace_prepend_ = PrependScheme::kAlways;
   bool metaspace_split_ = true;
+  std::unique_ptr<PreTokenizer> pre_tokenizer_;  // Split / ByteLevel steps.
+  bool byte_level_ = false;  // ByteLevel pre-tokenizer: byte-level BPE.
 
   bool has_decoder_ = false;
   std::vector<DecoderStep> decoder_;
 
   int bos_id_ = -1;
   std::string bos_content_;  // BOS's added-token content, if it is one.
+  // Byte-level: ids Encode(text, true) prepends (template or [bos]).
+  std::vector<int> bos_prefix_;
   int eos_id_ = -1;
   int unk_id_ = -1;
   int pad_id_ = -1;
   std::string fingerprint_;
+
+  // Word -> ids for words up to kMaxCachedWordBytes; cleared when full.
+  mutable absl::Mutex cache_mu_;
+  mutable absl::flat_hash_map<std::string, std::vector<int>> cache_
+      ABSL_GUARDED_BY(cache_mu_);
 };
 
 }  // namespace specserve

@@ -22,7 +22,10 @@ class Tokenizer {
   /// UTF-8 text -> ids. With `add_bos` (and a BOS in the vocabulary) the
   /// result starts with bos_id() and the text is tokenized as it follows a
   /// BOS in training data (hf-bpe: see HfBpeTokenizer on how a BOS absorbs
-  /// the prepended "▁"); for sentencepiece that is [bos] + Encode(text).
+  /// the prepended "▁", and on byte-level BPE, where the tokenizer.json
+  /// template decides: Qwen adds none); for sentencepiece that is [bos] +
+  /// Encode(text). Special tokens written in the text (e.g. "<|eot_id|>")
+  /// become their ids, as HF tokenizers does by default.
   /// Never adds EOS. Lenient: any byte string is accepted; bytes
   /// that are not valid UTF-8 are tokenized like the reference libraries do
   /// (sentencepiece normalizes them; hf-bpe encodes each such byte through
@@ -32,8 +35,10 @@ class Tokenizer {
                                                   bool add_bos) const = 0;
 
   /// Ids -> text. Special/control tokens (BOS, EOS, ...) produce no text;
-  /// byte pieces that do not form valid UTF-8 produce one U+FFFD per bad
-  /// byte. INVALID_ARGUMENT for an id outside [0, vocab_size()).
+  /// byte pieces that do not form valid UTF-8 produce U+FFFD (one per bad
+  /// byte for sentencepiece and byte fallback, one per maximal invalid
+  /// subpart for byte-level BPE, as HF). INVALID_ARGUMENT for an id outside
+  /// [0, vocab_size()).
   virtual absl::StatusOr<std::string> Decode(
       absl::Span<const int> ids) const = 0;
 
@@ -59,11 +64,11 @@ class Tokenizer {
 };
 
 /// Loads `model_dir`/tokenizer.model (sentencepiece) if present, else
-/// `model_dir`/tokenizer.json (HF sentencepiece-style BPE with byte
-/// fallback). NOT_FOUND if neither exists; INVALID_ARGUMENT for a malformed
-/// file and UNIMPLEMENTED for an unsupported tokenizer.json kind (e.g.
-/// byte-level BPE), both naming the file; UNAVAILABLE if libsentencepiece
-/// cannot be loaded.
+/// `model_dir`/tokenizer.json (HF BPE: sentencepiece-style with byte
+/// fallback, or byte-level as Llama 3 and Qwen 2/3; see HfBpeTokenizer).
+/// NOT_FOUND if neither exists; INVALID_ARGUMENT for a malformed file and
+/// UNIMPLEMENTED for an unsupported tokenizer.json kind (e.g. WordPiece),
+/// both naming the file; UNAVAILABLE if libsentencepiece cannot be loaded.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(
     const std::string& model_dir);
 

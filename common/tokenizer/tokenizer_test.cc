@@ -216,30 +216,113 @@ void WriteFile(const std::string& path, const std::string& text) {
   out << text;
 }
 
-TEST(LoadTokenizerTest, ByteLevelBpeIsUnimplemented) {
-  // The shape of a Llama-3 / GPT-2 style tokenizer.json.
-  const std::string dir = MakeTempDir("bytelevel");
-  WriteFile(dir + "/tokenizer.json", R"({
+// The shape of a Llama-3 / GPT-2 style tokenizer.json, tiny.
+std::string TinyByteLevelJson(const std::string& pre_tokenizer) {
+  return absl::StrCat(R"({
     "version": "1.0",
-    "added_tokens": [{"id": 3, "content": "<|begin_of_text|>",
+    "added_tokens": [{"id": 5, "content": "<|begin_of_text|>",
                       "special": true, "normalized": false}],
     "normalizer": null,
-    "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Isolated",
-         "invert": false},
-        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
-         "use_regex": false}]},
-    "post_processor": null,
+    "pre_tokenizer": )",
+                      pre_tokenizer, R"(,
+    "post_processor": {"type": "ByteLevel", "add_prefix_space": true,
+                       "trim_offsets": false, "use_regex": true},
     "decoder": {"type": "ByteLevel", "add_prefix_space": true,
                 "trim_offsets": true, "use_regex": true},
     "model": {"type": "BPE", "dropout": null, "unk_token": null,
               "continuing_subword_prefix": null, "end_of_word_suffix": null,
               "fuse_unk": false, "byte_fallback": false,
-              "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}})");
+              "vocab": {"a": 0, "b": 1, "ab": 2, "\u0120": 3, "\u0120ab": 4},
+              "merges": ["a b", "\u0120 ab"]}})");
+}
+
+TEST(LoadTokenizerTest, LoadsByteLevelBpe) {
+  const std::string dir = MakeTempDir("bytelevel");
+  WriteFile(dir + "/tokenizer.json", TinyByteLevelJson(R"(
+    {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\s+"},
+         "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+         "use_regex": false}]})"));
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = LoadTokenizer(dir);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->kind(), "hf-bpe");
+  // The Split regex isolates the space, so "Ġab" never forms; spaces map
+  // to "Ġ" (U+0120).
+  EXPECT_THAT(*(*tok)->Encode("ab ab", false), ElementsAre(2, 3, 2));
+  EXPECT_THAT(*(*tok)->Encode("ab<|begin_of_text|>ab", false),
+              ElementsAre(2, 5, 2));
+  EXPECT_EQ(*(*tok)->Decode({2, 3, 2, 5, 4}), "ab ab ab");
+
+  // GPT-2 style: ByteLevel alone with its own regex and a prefix space.
+  WriteFile(dir + "/tokenizer.json",
+            TinyByteLevelJson(R"({"type": "ByteLevel",
+                "add_prefix_space": true, "use_regex": true})"));
+  tok = LoadTokenizer(dir);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_THAT(*(*tok)->Encode("ab ab", false), ElementsAre(4, 4));
+  // Each piece between added tokens gets the prefix space, as in HF.
+  EXPECT_THAT(*(*tok)->Encode("ab<|begin_of_text|>ab", false),
+              ElementsAre(4, 5, 4));
+  EXPECT_EQ((*tok)->bos_id(), -1);  // No config, no template: no BOS.
+}
+
+TEST(LoadTokenizerTest, ByteLevelTemplateBosAndItsErrors) {
+  const std::string gpt2 =
+      R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})";
+  auto with_template = [&](const std::string& ids) {
+    std::string json = TinyByteLevelJson(gpt2);
+    const std::string old_pp = R"({"type": "ByteLevel", "add_prefix_space": true,
+                       "trim_offsets": false, "use_regex": true})";
+    const size_t at = json.find(old_pp);
+    EXPECT_NE(at, std::string::npos);
+    json.replace(at, old_pp.size(), absl::StrCat(R"({"type": "Sequence",
+        "processors": [{"type": "ByteLevel"}, {"type": "TemplateProcessing",
+          "single": [{"SpecialToken": {"id": "<|begin_of_text|>"}},
+                     {"Sequence": {"id": "A"}}],
+          "special_tokens": {"<|begin_of_text|>": {"ids": )",
+                                                 ids, "}}}]}"));
+    return HfBpeTokenizer::Parse(json, "", "tiny.json");
+  };
+  auto tok = with_template("[5]");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->bos_id(), 5);
+  EXPECT_THAT(*(*tok)->Encode("ab", true), ElementsAre(5, 2));
+  for (const char* bad : {"[99]", "[-1]", "\"x\"", "[\"5\"]"}) {
+    tok = with_template(bad);
+    EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(tok.status().message(), HasSubstr("tiny.json")) << bad;
+  }
+  // add_bos_token: false in tokenizer_config.json and no template: no BOS.
+  auto plain = HfBpeTokenizer::Parse(
+      TinyByteLevelJson(gpt2),
+      R"({"bos_token": "<|begin_of_text|>", "add_bos_token": false})", "t");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ((*plain)->bos_id(), 5);
+  EXPECT_THAT(*(*plain)->Encode("ab", true), ElementsAre(2));
+}
+
+TEST(LoadTokenizerTest, UnsupportedOrBadPreTokenizersAreErrors) {
+  const std::string dir = MakeTempDir("bytelevel_bad");
+  WriteFile(dir + "/tokenizer.json",
+            TinyByteLevelJson(R"({"type": "Digits", "individual_digits": true})"));
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok = LoadTokenizer(dir);
   EXPECT_EQ(tok.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(tok.status().message(), HasSubstr("ByteLevel"));
+  EXPECT_THAT(tok.status().message(), HasSubstr("Digits"));
   EXPECT_THAT(tok.status().message(), HasSubstr(dir + "/tokenizer.json"));
+
+  WriteFile(dir + "/tokenizer.json", TinyByteLevelJson(R"(
+      {"type": "Split", "pattern": {"Regex": "(unclosed"},
+       "behavior": "Isolated"})"));
+  tok = LoadTokenizer(dir);
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("(unclosed"));
+
+  WriteFile(dir + "/tokenizer.json", TinyByteLevelJson(R"(
+      {"type": "Split", "pattern": {"Regex": "a"}, "behavior": "Sideways"})"));
+  tok = LoadTokenizer(dir);
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tok.status().message(), HasSubstr("Sideways"));
 }
 
 TEST(LoadTokenizerTest, OtherModelTypesAreUnimplemented) {
