@@ -1,6 +1,7 @@
 // The engine against the float64 numpy reference (tools/python/reference.py)
 // on small synthetic checkpoints of every supported architecture feature:
-// llama3 / linear / yarn rope_scaling, Qwen2 q/k/v biases, Qwen3 q/k norms,
+// llama3 / linear / yarn rope_scaling, Qwen2 q/k/v biases, Llama q/k/v/o
+// biases (attention_bias), Qwen3 q/k norms,
 // tied and untied embeddings, F32 and BF16 storage. Logits at contiguous and
 // at pruned (non-contiguous, up to position ~3000) positions within 1e-3,
 // and greedy continuations (KV-cache decode at the original positions)
@@ -236,7 +237,8 @@ INSTANTIATE_TEST_SUITE_P(
         Variant{"qwen2-tiny", "F32", "model_type", "\"llama\""},
         Variant{"qwen2-yarn-tiny", "F32", "rope_scaling", "null"},
         Variant{"qwen3-tiny", "F32", "model_type", "\"llama\""},
-        Variant{"qwen3-tiny", "BF16", "model_type", "\"llama\""}),
+        Variant{"qwen3-tiny", "BF16", "model_type", "\"llama\""},
+        Variant{"llama-bias-tiny", "F32", "attention_bias", "false"}),
     [](const ::testing::TestParamInfo<Variant>& info) {
       return Name(info.param);
     });

@@ -37,6 +37,7 @@ struct Preset {
   // hidden 64 attention is nearly uniform and RoPE, biases and norms would
   // barely move the logits a reference test compares.
   float init_std = 0.02f;
+  bool attention_bias = false;
 };
 
 // Real-size presets: shapes from llama2.c (stories15M / stories110M, with the
@@ -78,6 +79,9 @@ constexpr Preset kPresets[] = {
      1e-6f, false, 1, 2, "yarn", 4, 1, 4, 4096, 0.2f},
     {"qwen3-tiny", "qwen3", 64, 128, 2, 4, 2, 32, 512, 40960, 1000000.0, 1e-6f,
      true, 1, 2, "", 1, 1, 4, 0, 0.2f},
+    // attention_bias: true (q/k/v and o biases), as some Llama derivatives.
+    {"llama-bias-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 4096, 10000.0,
+     1e-5f, true, 1, 2, "", 1, 1, 4, 0, 0.2f, true},
 };
 
 constexpr float kInitStd = 0.02f;
@@ -287,6 +291,7 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& name) {
     c.eos_token_ids = {p.eos};
     c.hidden_act = "silu";
     c.torch_dtype = "float32";
+    c.attention_bias = p.attention_bias;
     c.rope_scaling.type = p.rope_type;
     if (!c.rope_scaling.type.empty()) {
       c.rope_scaling.factor = p.rope_factor;

@@ -23,7 +23,8 @@ namespace specserve {
 /// included), "qwen2.5-0.5b", "qwen2.5-7b" (q/k/v biases), "qwen3-0.6b",
 /// "qwen3-8b" (q/k norms, head_dim 128); the 7B / 8B ones are untied. Test
 /// sizes (vocab 512, 2 layers): "llama-tiny", "llama3-tiny",
-/// "llama-linear-tiny", "qwen2-tiny", "qwen2-yarn-tiny", "qwen3-tiny".
+/// "llama-linear-tiny", "qwen2-tiny", "qwen2-yarn-tiny", "qwen3-tiny",
+/// "llama-bias-tiny" (attention_bias: q/k/v and o biases).
 std::vector<std::string> PresetNames();
 
 /// The config of preset `name`. NOT_FOUND listing the known names otherwise.

@@ -42,7 +42,7 @@ TEST(PresetTest, NamesAndConfigs) {
                           "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b",
                           "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "llama-tiny",
                           "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
-                          "qwen2-yarn-tiny", "qwen3-tiny"));
+                          "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"));
   for (const std::string& name : PresetNames()) {
     absl::StatusOr<ModelConfig> c = PresetConfig(name);
     ASSERT_TRUE(c.ok()) << name;
@@ -111,7 +111,7 @@ TEST(PresetTest, ParameterCountsMatchTheRealModels) {
 TEST(SyntheticTest, TinyPresetsLoadWithTheirArchitectureTensors) {
   for (const std::string name :
        {"llama-tiny", "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
-        "qwen2-yarn-tiny", "qwen3-tiny"}) {
+        "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"}) {
     for (const std::string dtype : {"F32", "BF16"}) {
       SCOPED_TRACE(name + " " + dtype);
       const std::string dir = TmpDir(name + "-" + dtype);
@@ -126,7 +126,7 @@ TEST(SyntheticTest, TinyPresetsLoadWithTheirArchitectureTensors) {
                   c->has_qkv_bias() ? static_cast<size_t>(c->qkv_dim()) : 0u);
         EXPECT_EQ(l.q_norm.size(), c->has_qk_norm() ? 32u : 0u);
         EXPECT_EQ(l.k_norm.size(), l.q_norm.size());
-        EXPECT_TRUE(l.bo.empty());
+        EXPECT_EQ(l.bo.size(), c->has_o_bias() ? 64u : 0u);
         // q/k norm weights scatter around 1 (not all ones).
         if (!l.q_norm.empty()) {
           EXPECT_NE(l.q_norm, l.k_norm);
