@@ -258,6 +258,13 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
       return absl::InvalidArgumentError(
           "config.json: 'rope_scaling.attention_factor' must be positive");
     }
+    // 0.1 * mscale * ln(factor) + 1 must stay positive: HF's values are 0
+    // (absent) or around 1.
+    if (r.mscale < 0.0 || r.mscale_all_dim < 0.0) {
+      return absl::InvalidArgumentError(
+          "config.json: 'rope_scaling.mscale' and "
+          "'rope_scaling.mscale_all_dim' must be non-negative");
+    }
   }
   *out = r;
   return absl::OkStatus();
@@ -399,9 +406,12 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: rope_theta = ", c.rope_theta, " must be positive"));
   }
-  if ((s = ReadRopeScaling(j, &c.rope_scaling));
-      !s.ok()) {
-    return s;
+  if ((s = ReadRopeScaling(j, &c.rope_scaling)); !s.ok()) return s;
+  // YaRN's correction range divides by ln(rope_theta).
+  if (c.rope_scaling.type == "yarn" && !(c.rope_theta > 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: rope_theta = ", c.rope_theta,
+        " must exceed 1 for rope_scaling type 'yarn'"));
   }
   auto tie = j.find("tie_word_embeddings");
   if (tie != j.end() && !tie->is_null()) {

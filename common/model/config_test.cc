@@ -250,6 +250,14 @@ INSTANTIATE_TEST_SUITE_P(
                 "{" BASE ", \"rope_scaling\": {\"rope_type\": "
                 "\"linear\", \"factor\": 0}}",
                 "'rope_scaling.factor' = 0"},
+        BadCase{"YarnThetaOne",
+                "{" BASE ", \"rope_theta\": 1.0, \"rope_scaling\": "
+                "{\"rope_type\": \"yarn\", \"factor\": 4.0}}",
+                "must exceed 1 for rope_scaling type 'yarn'"},
+        BadCase{"YarnNegativeMscale",
+                "{" BASE ", \"rope_scaling\": {\"rope_type\": \"yarn\", "
+                "\"factor\": 4.0, \"mscale\": -20}}",
+                "'rope_scaling.mscale'"},
         BadCase{"RopeScalingNotObject", "{" BASE ", \"rope_scaling\": 2}",
                 "'rope_scaling' must be an object"},
         BadCase{"SlidingWindowInUse",
