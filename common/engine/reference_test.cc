@@ -124,9 +124,13 @@ int ArgMax(const float* x, int n) {
 void CheckBackend(const std::string& device, const ModelWeights& weights,
                   const std::vector<Case>& cases,
                   const std::vector<json>& refs) {
-  // CPU is fp32 throughout; CUDA stores weights, q and K/V as bf16.
+  // CPU is fp32 throughout: every logit within 1e-3 of the reference.
+  // CUDA stores weights, q and K/V as bf16: the relative L2 error of the
+  // logits below 3e-2 (cuda_backend_test's batch bound vs the fp32 engine),
+  // greedy compared where the reference's margin exceeds 0.3.
   const bool cpu = device == "cpu";
-  const double tol = cpu ? 1e-3 : 0.15;
+  const double tol = cpu ? 1e-3 : 3e-2;
+  const double margin_floor = cpu ? 2e-3 : 0.3;
   RunnerOptions o;
   o.device = device;
   o.kv_cache.block_size = 16;
@@ -150,19 +154,22 @@ void CheckBackend(const std::string& device, const ModelWeights& weights,
     for (int r = 0; r < n; ++r) in.logit_rows.push_back(r);
     ForwardOutput out;
     ASSERT_TRUE(model.Forward(in, seq->get(), &out).ok());
-    double max_diff = 0;
+    double max_diff = 0, err2 = 0, ref2 = 0;
     for (int r = 0; r < n; ++r) {
       const json& row = ref["logits"][r];
       ASSERT_EQ(static_cast<int>(row.size()), vocab);
       for (int t = 0; t < vocab; ++t) {
-        max_diff = std::max(
-            max_diff, std::abs(out.logits_row(r, vocab)[t] -
-                               row[t].get<double>()));
+        const double want = row[t].get<double>();
+        const double d = out.logits_row(r, vocab)[t] - want;
+        max_diff = std::max(max_diff, std::abs(d));
+        err2 += d * d;
+        ref2 += want * want;
       }
     }
-    std::printf("%s case %zu: max abs logit diff %.3g\n", device.c_str(), c,
-                max_diff);
-    EXPECT_LE(max_diff, tol);
+    const double rel = std::sqrt(err2 / ref2);
+    std::printf("%s case %zu: max abs logit diff %.3g, relative L2 %.3g\n",
+                device.c_str(), c, max_diff, rel);
+    EXPECT_LE(cpu ? max_diff : rel, tol);
     // Greedy: token 0 from the last prompt row, then one-token decode steps
     // from the KV cache at start, start + 1, ...
     std::vector<int> greedy = {ArgMax(out.logits_row(n - 1, vocab), vocab)};
@@ -178,11 +185,16 @@ void CheckBackend(const std::string& device, const ModelWeights& weights,
     }
     // Compare up to the first near-tie of the reference (a float32 engine
     // may legitimately pick the other token there).
+    int compared = 0;
     for (int i = 0; i < kGreedy; ++i) {
-      if (ref["greedy_margins"][i].get<double>() < 2 * tol) break;
+      if (ref["greedy_margins"][i].get<double>() < margin_floor) break;
       EXPECT_EQ(greedy[i], ref["greedy"][i].get<int>()) << "step " << i;
       if (greedy[i] != ref["greedy"][i].get<int>()) break;
+      ++compared;
     }
+    std::printf("%s case %zu: greedy equal for %d of %d tokens\n",
+                device.c_str(), c, compared, kGreedy);
+    if (cpu) EXPECT_GE(compared, kGreedy / 2);  // not vacuous
   }
 }
 
