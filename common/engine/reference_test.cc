@@ -239,6 +239,55 @@ TEST_P(ReferenceTest, LogitsAndGreedyMatchTheFloat64Reference) {
   EXPECT_GT(moved, 0.05) << v.off_key << " barely changes the logits";
 }
 
+// The numpy reference itself against the checked-in goldens of the bundled
+// models (tests/data/golden: an independent float64 PyTorch reference):
+// top-10 logits of every recorded row, logsumexp and the robust greedy
+// prefix. tinystories-656K stores only lm_head (tied).
+class ReferenceSelfTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ReferenceSelfTest, MatchesCheckedInGoldens) {
+  std::ifstream in("tests/data/golden/" + GetParam() + ".json");
+  const json golden = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(golden.is_object());
+  const std::string model = "models/" + golden["model_dir"].get<std::string>();
+  int rows_checked = 0;
+  for (const json& cs : golden["cases"]) {
+    SCOPED_TRACE(cs["name"].get<std::string>());
+    const std::vector<int> ids = cs["token_ids"];
+    const std::vector<int> pos = cs["position_ids"];
+    const json& greedy = cs["greedy"];
+    const int n_greedy = greedy["robust_prefix_len"];
+    const json ref = RunReference(model, ids, pos, std::max(1, n_greedy),
+                                  greedy["start_position"]);
+    ASSERT_TRUE(ref.is_object());
+    for (const json& row : cs["rows"]) {
+      const json& lg = ref["logits"][row["row"].get<int>()];
+      for (const json& top : row["top10"]) {
+        EXPECT_NEAR(lg[top[0].get<int>()].get<double>(), top[1].get<double>(),
+                    1e-5);
+      }
+      double m = -1e300, sum = 0;
+      for (const json& v : lg) m = std::max(m, v.get<double>());
+      for (const json& v : lg) sum += std::exp(v.get<double>() - m);
+      EXPECT_NEAR(m + std::log(sum), row["logsumexp"].get<double>(), 1e-5);
+      ++rows_checked;
+    }
+    for (int i = 0; i < n_greedy; ++i) {
+      EXPECT_EQ(ref["greedy"][i].get<int>(), greedy["token_ids"][i].get<int>())
+          << "greedy step " << i;
+    }
+  }
+  EXPECT_GT(rows_checked, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(BundledModels, ReferenceSelfTest,
+                         ::testing::Values("stories260K", "tinystories-656K"),
+                         [](const ::testing::TestParamInfo<std::string>& i) {
+                           std::string s = i.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
 INSTANTIATE_TEST_SUITE_P(
     Architectures, ReferenceTest,
     ::testing::Values(
