@@ -153,16 +153,19 @@ absl::Status ReadBool(const Json& j, const char* key, bool* out) {
   return absl::OkStatus();
 }
 
-// Reads `rope_scaling` (transformers' modeling_rope_utils: the type under
-// "rope_type" or the legacy "type"). Required fields per type as HF
-// validates them; values that would divide by zero or are not finite are
-// INVALID_ARGUMENT naming rope_scaling.<field>.
-absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
-  auto rs = j.find("rope_scaling");
+// Reads the RoPE scaling object under `key`: `rope_scaling`
+// (transformers' modeling_rope_utils: the type under "rope_type" or the
+// legacy "type"), or `rope_parameters` (transformers >= 5, which also holds
+// rope_theta). Required fields per type as HF validates them; values that
+// would divide by zero or are not finite are INVALID_ARGUMENT naming
+// <key>.<field>.
+absl::Status ReadRopeScaling(const Json& j, const char* key,
+                             RopeScaling* out) {
+  auto rs = j.find(key);
   if (rs == j.end() || rs->is_null()) return absl::OkStatus();
   if (!rs->is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: 'rope_scaling' must be an object or null, got ",
+        "config.json: '", key, "' must be an object or null, got ",
         rs->dump()));
   }
   RopeScaling r;
@@ -170,7 +173,7 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
   for (const char* key : {"type", "rope_type"}) {  // rope_type wins
     if ((s = ReadString(*rs, key, &r.type)); !s.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(s.message(), " (in rope_scaling)"));
+          absl::StrCat(s.message(), " (in ", key, ")"));
     }
   }
   if (r.type == "default") r.type.clear();
@@ -180,21 +183,22 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
   }
   if (r.type != "linear" && r.type != "llama3" && r.type != "yarn") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: rope_scaling type '", r.type,
+        "config.json: ", key, " type '", r.type,
         "' is not supported (only 'linear', 'llama3' and 'yarn')"));
   }
   // A number field of rope_scaling; `required` ones must be present.
-  auto num = [&](const char* key, bool required, double* v) -> absl::Status {
-    auto it = rs->find(key);
+  auto num = [&](const char* field, bool required,
+                 double* v) -> absl::Status {
+    auto it = rs->find(field);
     if (it == rs->end() || it->is_null()) {
       if (!required) return absl::OkStatus();
       return absl::InvalidArgumentError(
-          absl::StrCat("config.json: rope_scaling type '", r.type,
-                       "' requires 'rope_scaling.", key, "'"));
+          absl::StrCat("config.json: ", key, " type '", r.type,
+                       "' requires '", key, ".", field, "'"));
     }
     if (!it->is_number() || !std::isfinite(it->get<double>())) {
       return absl::InvalidArgumentError(
-          absl::StrCat("config.json: 'rope_scaling.", key,
+          absl::StrCat("config.json: '", key, ".", field,
                        "' must be a finite number, got ", it->dump()));
     }
     *v = it->get<double>();
@@ -203,7 +207,7 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
   if ((s = num("factor", true, &r.factor)); !s.ok()) return s;
   if (!(r.factor > 0.0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: 'rope_scaling.factor' = ", r.factor,
+        "config.json: '", key, ".factor' = ", r.factor,
         " must be positive"));
   }
   double orig = 0.0;
@@ -215,7 +219,7 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
   if (orig != 0.0 || r.type == "llama3") {
     if (!(orig >= 1.0 && orig <= kMaxDim && orig == std::floor(orig))) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: 'rope_scaling.original_max_position_embeddings' = ",
+          "config.json: '", key, ".original_max_position_embeddings' = ",
           orig, " must be an integer in [1, ", kMaxDim, "]"));
     }
     r.original_max_position_embeddings = static_cast<int>(orig);
@@ -230,8 +234,8 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
     if (!(r.low_freq_factor > 0.0 &&
           r.high_freq_factor > r.low_freq_factor)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: 'rope_scaling.high_freq_factor' (", r.high_freq_factor,
-          ") must exceed 'rope_scaling.low_freq_factor' (", r.low_freq_factor,
+          "config.json: '", key, ".high_freq_factor' (", r.high_freq_factor,
+          ") must exceed '", key, ".low_freq_factor' (", r.low_freq_factor,
           ") > 0"));
     }
   }
@@ -247,23 +251,23 @@ absl::Status ReadRopeScaling(const Json& j, RopeScaling* out) {
     }
     if ((s = ReadBool(*rs, "truncate", &r.truncate)); !s.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(s.message(), " (in rope_scaling)"));
+          absl::StrCat(s.message(), " (in ", key, ")"));
     }
     if (!(r.beta_fast > 0.0 && r.beta_slow > 0.0)) {
       return absl::InvalidArgumentError(
-          "config.json: 'rope_scaling.beta_fast' and 'rope_scaling.beta_slow' "
-          "must be positive");
+          absl::StrCat("config.json: '", key, ".beta_fast' and '", key,
+                       ".beta_slow' must be positive"));
     }
     if (r.attention_factor < 0.0) {
-      return absl::InvalidArgumentError(
-          "config.json: 'rope_scaling.attention_factor' must be positive");
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: '", key, ".attention_factor' must be positive"));
     }
     // 0.1 * mscale * ln(factor) + 1 must stay positive: HF's values are 0
     // (absent) or around 1.
     if (r.mscale < 0.0 || r.mscale_all_dim < 0.0) {
       return absl::InvalidArgumentError(
-          "config.json: 'rope_scaling.mscale' and "
-          "'rope_scaling.mscale_all_dim' must be non-negative");
+          absl::StrCat("config.json: '", key, ".mscale' and '", key,
+                       ".mscale_all_dim' must be non-negative"));
     }
   }
   *out = r;
@@ -402,11 +406,29 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
   }
   c.rms_norm_eps = static_cast<float>(eps);
   if ((s = ReadDouble(j, "rope_theta", &c.rope_theta)); !s.ok()) return s;
+  // transformers >= 5 saves rope_theta and the scaling together under
+  // rope_parameters; older files use rope_theta + rope_scaling.
+  const char* rope_key = "rope_scaling";
+  auto rp = j.find("rope_parameters");
+  if (rp != j.end() && !rp->is_null()) {
+    auto rs = j.find("rope_scaling");
+    if (rs != j.end() && !rs->is_null()) {
+      return absl::InvalidArgumentError(
+          "config.json: both 'rope_scaling' and 'rope_parameters' are given");
+    }
+    rope_key = "rope_parameters";
+    if (rp->is_object()) {
+      if ((s = ReadDouble(*rp, "rope_theta", &c.rope_theta)); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(s.message(), " (in rope_parameters)"));
+      }
+    }
+  }
   if (!(c.rope_theta > 0.0 && std::isfinite(c.rope_theta))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: rope_theta = ", c.rope_theta, " must be positive"));
   }
-  if ((s = ReadRopeScaling(j, &c.rope_scaling)); !s.ok()) return s;
+  if ((s = ReadRopeScaling(j, rope_key, &c.rope_scaling)); !s.ok()) return s;
   // YaRN's correction range divides by ln(rope_theta).
   if (c.rope_scaling.type == "yarn" && !(c.rope_theta > 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat(

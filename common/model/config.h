@@ -72,7 +72,9 @@ struct ModelConfig {
 /// Parses config.json text. Missing optional keys take the HF defaults;
 /// missing required keys, a `model_type` other than llama / qwen2 / qwen3,
 /// non-SiLU activation, inconsistent head counts, a `rope_scaling` type other
-/// than linear / llama3 / yarn (or missing its fields), a sliding window in
+/// than linear / llama3 / yarn (or missing its fields; transformers >= 5's
+/// `rope_parameters`, holding rope_theta too, is read alike), a sliding
+/// window in
 /// use, `mlp_bias`, or `partial_rotary_factor` != 1 are INVALID_ARGUMENT
 /// naming the key.
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);

@@ -175,6 +175,27 @@ TEST(ParseModelConfigTest, YarnDefaultsAndLegacyTypeKey) {
   EXPECT_TRUE(c->rope_scaling.truncate);
 }
 
+TEST(ParseModelConfigTest, TransformersV5RopeParameters) {
+  // transformers >= 5 writes rope_theta and the scaling under one key.
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(R"({
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "vocab_size": 10,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3",
+      "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_DOUBLE_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rope_scaling.type, "llama3");
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 32.0);
+  c = ParseModelConfig(R"({
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "vocab_size": 10,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1000000.0);
+  EXPECT_TRUE(c->rope_scaling.type.empty());
+}
+
 TEST(ParseModelConfigTest, DefaultRopeTypeIsNoScaling) {
   absl::StatusOr<ModelConfig> c = ParseModelConfig(R"({
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
@@ -258,6 +279,15 @@ INSTANTIATE_TEST_SUITE_P(
                 "{" BASE ", \"rope_scaling\": {\"rope_type\": \"yarn\", "
                 "\"factor\": 4.0, \"mscale\": -20}}",
                 "'rope_scaling.mscale'"},
+        BadCase{"RopeParametersAndScaling",
+                "{" BASE ", \"rope_scaling\": {\"rope_type\": \"linear\", "
+                "\"factor\": 2.0}, \"rope_parameters\": "
+                "{\"rope_type\": \"default\"}}",
+                "both 'rope_scaling' and 'rope_parameters'"},
+        BadCase{"RopeParametersMissingFactor",
+                "{" BASE ", \"rope_parameters\": {\"rope_type\": "
+                "\"yarn\", \"rope_theta\": 10000.0}}",
+                "'rope_parameters.factor'"},
         BadCase{"RopeScalingNotObject", "{" BASE ", \"rope_scaling\": 2}",
                 "'rope_scaling' must be an object"},
         BadCase{"SlidingWindowInUse",

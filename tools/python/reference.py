@@ -82,10 +82,11 @@ def load_tensors(model_dir):
 def rope_frequencies(cfg, head_dim):
     """(inv_freq [head_dim / 2], attention_factor) per transformers'
     modeling_rope_utils (_compute_{default,linear_scaling,llama3,yarn}_...)."""
-    theta = float(cfg.get("rope_theta", 10000.0))
+    # transformers >= 5 keeps rope_theta and the scaling in rope_parameters.
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or rs.get("rope_theta") or 10000.0)
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     inv_freq = theta ** -exponents
-    rs = cfg.get("rope_scaling") or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
         return inv_freq, 1.0
