@@ -1,4 +1,4 @@
-// Writes a synthetic random-weight Llama checkpoint (config.json +
+// Writes a synthetic random-weight Llama / Qwen2 / Qwen3 checkpoint (config.json +
 // model.safetensors) with the shapes of a real model, for speed measurements
 // at realistic sizes. Presets: see PresetNames() in common/model/synthetic.h.
 // Example (about 1 s for llama2-110m F32, 20 s for llama-3.2-1b F32):
@@ -19,7 +19,9 @@
 
 ABSL_FLAG(std::string, preset, "",
           "model shape: llama2-15m | llama2-110m | llama-3.2-1b | "
-          "llama-3.1-8b");
+          "llama-3.2-3b | llama-3.1-8b | qwen2.5-0.5b | qwen2.5-7b | "
+          "qwen3-0.6b | qwen3-8b, or a test-size *-tiny preset (see "
+          "common/model/synthetic.h)");
 ABSL_FLAG(std::string, out, "", "output directory (created if missing)");
 ABSL_FLAG(uint64_t, seed, 0, "random seed; the same seed gives the same bytes");
 ABSL_FLAG(std::string, dtype, "F32", "stored dtype: F32 | BF16 | F16");

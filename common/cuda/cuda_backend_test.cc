@@ -498,6 +498,75 @@ TEST_F(CudaTest, RopeAtExplicitPositionsMatchesCpuAndStoresQkv) {
   }
 }
 
+// Scaled frequencies (llama3 / yarn rope_scaling) and YaRN's attention
+// factor: the same rotation as the CPU kernel given the same inv_freq.
+TEST_F(CudaTest, RopeWithInvFreqAndAttentionFactorMatchesCpu) {
+  const int n = 7, H = 4, KV = 2, D = 32;
+  const int qkv_dim = (H + 2 * KV) * D;
+  const std::vector<float> qkv = Normal(static_cast<size_t>(n) * qkv_dim);
+  std::vector<int> pos(n);
+  for (int& p : pos) p = Uniform(0, 131071);
+  std::vector<double> inv_freq(D / 2);
+  for (int i = 0; i < D / 2; ++i) {
+    inv_freq[i] = std::pow(500000.0, -2.0 * i / D) / (i % 3 == 0 ? 8.0 : 1.0);
+  }
+  const double factor = 1.1386;
+  std::vector<float> ref = qkv;
+  kernels::ApplyRope(ref.data(), qkv_dim, n, H + KV, D, pos.data(),
+                     inv_freq.data(), factor);
+  DeviceBuffer d_qkv = Upload(qkv), d_pos = Upload(pos);
+  DeviceBuffer d_freq = Upload(inv_freq);
+  ck::RopeArgs a;
+  a.qkv = d_qkv.as<float>();
+  a.n = n;
+  a.num_heads = H;
+  a.num_kv_heads = KV;
+  a.head_dim = D;
+  a.positions = d_pos.as<int>();
+  a.inv_freq = d_freq.as<double>();
+  a.attention_factor = factor;
+  a.dtype = CudaDType::kF32;
+  EXPECT_LAUNCH_OK(ck::RopeQkvStore(a, nullptr));
+  EXPECT_LT(RelErr(Download(d_qkv.get(), CudaDType::kF32, qkv.size()), ref),
+            1e-5);
+}
+
+TEST_F(CudaTest, AddBiasAndHeadRmsNormMatchCpu) {
+  const int n = 9, H = 8, KV = 2, D = 128;
+  const int qkv_dim = (H + 2 * KV) * D;
+  const std::vector<float> qkv = Normal(static_cast<size_t>(n) * qkv_dim);
+  const std::vector<float> bias = Normal(qkv_dim);
+  const std::vector<float> qw = Normal(D), kw = Normal(D);
+  std::vector<float> ref = qkv;
+  kernels::AddBias(ref.data(), qkv_dim, n, qkv_dim, bias.data());
+  for (int t = 0; t < n; ++t) {
+    float* row = &ref[static_cast<size_t>(t) * qkv_dim];
+    kernels::RmsNorm(row, D, qw.data(), 1e-6f, H, D, row, D);
+    kernels::RmsNorm(row + H * D, D, kw.data(), 1e-6f, KV, D, row + H * D, D);
+  }
+  DeviceBuffer d_qkv = Upload(qkv), d_bias = Upload(bias);
+  DeviceBuffer d_qw = Upload(qw), d_kw = Upload(kw);
+  EXPECT_LAUNCH_OK(ck::AddBias(d_qkv.as<float>(), qkv_dim, n, qkv_dim,
+                               d_bias.as<float>(), nullptr));
+  EXPECT_LAUNCH_OK(ck::HeadRmsNorm(d_qkv.as<float>(), n, H, KV, D,
+                                   d_qw.as<float>(), d_kw.as<float>(), 1e-6f,
+                                   nullptr));
+  const std::vector<float> got =
+      Download(d_qkv.get(), CudaDType::kF32, qkv.size());
+  EXPECT_LT(RelErr(got, ref), 1e-5);
+  // v heads: bias added, not normalised.
+  for (int t = 0; t < n; ++t) {
+    const size_t v0 = static_cast<size_t>(t) * qkv_dim + (H + KV) * D;
+    EXPECT_FLOAT_EQ(got[v0], qkv[v0] + bias[(H + KV) * D]);
+  }
+  EXPECT_EQ(ck::AddBias(d_qkv.as<float>(), 4, n, 8, d_bias.as<float>(),
+                        nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::HeadRmsNorm(nullptr, n, H, KV, D, d_qw.as<float>(),
+                            d_kw.as<float>(), 1e-6f, nullptr),
+            cudaErrorInvalidValue);
+}
+
 // A paged cache: row i's K and V land at physical row slots[i] (any order,
 // anywhere in the pool) and no other row is written.
 TEST_F(CudaTest, RopeStoresIntoPagedSlots) {

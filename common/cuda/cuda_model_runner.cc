@@ -398,6 +398,14 @@ absl::Status CudaModelRunner::Run(
     SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
                                            w.wqkv, qkv_dim, reg.qkv,
                                            CudaDType::kF32, 0.0f));
+    if (w.bqkv != nullptr) {  // Qwen2
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::AddBias(
+          reg.qkv, qkv_dim, N, qkv_dim, w.bqkv, stream_));
+    }
+    if (w.q_norm != nullptr) {  // Qwen3: per-head RMSNorm before RoPE
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::HeadRmsNorm(
+          reg.qkv, N, H, KV, D, w.q_norm, w.k_norm, c.rms_norm_eps, stream_));
+    }
     cuda_kernels::RopeArgs rope;
     rope.qkv = reg.qkv;
     rope.n = N;
@@ -406,6 +414,8 @@ absl::Status CudaModelRunner::Run(
     rope.head_dim = D;
     rope.positions = d_pos;
     rope.theta = c.rope_theta;
+    rope.inv_freq = weights_->rope_inv_freq();
+    rope.attention_factor = weights_->rope_attention_factor();
     rope.q_out = reg.q;
     rope.k_cache = keys(l);
     rope.v_cache = values(l);
@@ -443,6 +453,10 @@ absl::Status CudaModelRunner::Run(
     SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.attn, N, H * D,
                                            w.wo, hidden, reg.x,
                                            CudaDType::kF32, 1.0f));
+    if (w.bo != nullptr) {
+      SPECSERVE_CUDA_RETURN_IF_ERROR(
+          cuda_kernels::AddBias(reg.x, hidden, N, hidden, w.bo, stream_));
+    }
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
         reg.x, nullptr, N, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
         stream_));

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_status.h"
+#include "common/model/rope.h"
 
 namespace specserve {
 namespace {
@@ -102,6 +103,20 @@ absl::StatusOr<std::shared_ptr<const CudaWeights>> CudaWeights::Upload(
   }
   SPECSERVE_RETURN_IF_ERROR(
       add_f32(weights.final_norm, hidden, "final_norm", &out->final_norm_));
+  // RoPE frequencies (rope_scaling applied), in double as the CPU uses.
+  const RopeFrequencies rope = ComputeRopeFrequencies(c);
+  {
+    const size_t bytes = rope.inv_freq.size() * sizeof(double);
+    absl::StatusOr<DeviceBuffer> buf = DeviceBuffer::Allocate(bytes);
+    if (!buf.ok()) return buf.status();
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+        buf->get(), rope.inv_freq.data(), bytes, cudaMemcpyHostToDevice));
+    out->rope_inv_freq_ = buf->as<double>();
+    out->rope_attention_factor_ = rope.attention_factor;
+    out->bytes_ += buf->bytes();
+    out->buffers_.push_back(*std::move(buf));
+  }
+  const size_t head_dim = c.head_dim;
   out->layers_.resize(c.num_hidden_layers);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = weights.layers[l];
@@ -120,6 +135,21 @@ absl::StatusOr<std::shared_ptr<const CudaWeights>> CudaWeights::Upload(
                                   p + "w_gate_up", &d.w_gate_up));
     SPECSERVE_RETURN_IF_ERROR(
         add(w.w_down, hidden * ffn, dtype, p + "w_down", &d.w_down));
+    // Optional per-architecture tensors: present iff the config implies
+    // them (LoadModelWeights' contract); sizes checked by UploadTensor.
+    if (c.has_qkv_bias()) {
+      SPECSERVE_RETURN_IF_ERROR(add_f32(
+          w.bqkv, static_cast<size_t>(c.qkv_dim()), p + "bqkv", &d.bqkv));
+    }
+    if (c.has_o_bias()) {
+      SPECSERVE_RETURN_IF_ERROR(add_f32(w.bo, hidden, p + "bo", &d.bo));
+    }
+    if (c.has_qk_norm()) {
+      SPECSERVE_RETURN_IF_ERROR(
+          add_f32(w.q_norm, head_dim, p + "q_norm", &d.q_norm));
+      SPECSERVE_RETURN_IF_ERROR(
+          add_f32(w.k_norm, head_dim, p + "k_norm", &d.k_norm));
+    }
   }
   return std::shared_ptr<const CudaWeights>(std::move(out));
 }

@@ -23,6 +23,11 @@ struct CudaLayerWeights {
   const float* mlp_norm = nullptr;   ///< fp32 [hidden]
   const void* w_gate_up = nullptr;   ///< T [2 * ffn, hidden]
   const void* w_down = nullptr;      ///< T [hidden, ffn]
+  /// fp32 [(H + 2*KV) * head_dim] q/k/v biases, or null (no biases).
+  const float* bqkv = nullptr;
+  const float* bo = nullptr;      ///< fp32 [hidden] o_proj bias, or null.
+  const float* q_norm = nullptr;  ///< fp32 [head_dim] (Qwen3), or null.
+  const float* k_norm = nullptr;  ///< fp32 [head_dim] (Qwen3), or null.
 };
 
 /// A Llama model's parameters on the device (FasterTransformer's weight
@@ -49,6 +54,10 @@ class CudaWeights {
   const void* lm_head() const { return lm_head_; }
   /// fp32 [hidden].
   const float* final_norm() const { return final_norm_; }
+  /// double [head_dim / 2]: ComputeRopeFrequencies(config()).inv_freq.
+  const double* rope_inv_freq() const { return rope_inv_freq_; }
+  /// ComputeRopeFrequencies(config()).attention_factor.
+  double rope_attention_factor() const { return rope_attention_factor_; }
   const CudaLayerWeights& layer(int l) const { return layers_[l]; }
   /// Device bytes held (a tied lm_head counted once).
   size_t bytes() const { return bytes_; }
@@ -62,6 +71,8 @@ class CudaWeights {
   const void* embed_ = nullptr;
   const void* lm_head_ = nullptr;
   const float* final_norm_ = nullptr;
+  const double* rope_inv_freq_ = nullptr;
+  double rope_attention_factor_ = 1.0;
   std::vector<CudaLayerWeights> layers_;
   size_t bytes_ = 0;
 };

@@ -115,11 +115,13 @@ __global__ void RopeQkvStoreKernel(RopeArgs a) {
   const size_t qkv_dim = static_cast<size_t>(H + 2 * KV) * D;
   const double pos = a.positions[row];
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const double inv_freq = pow(a.theta, -2.0 * i / D);
+    const double inv_freq = a.inv_freq != nullptr
+                                ? a.inv_freq[i]
+                                : pow(a.theta, -2.0 * i / D);
     double s, c;
     sincos(pos * inv_freq, &s, &c);
-    cs_sn[i] = static_cast<float>(c);
-    cs_sn[half + i] = static_cast<float>(s);
+    cs_sn[i] = static_cast<float>(c * a.attention_factor);
+    cs_sn[half + i] = static_cast<float>(s * a.attention_factor);
   }
   __syncthreads();
   float* x = a.qkv + row * qkv_dim;
@@ -157,6 +159,42 @@ __global__ void RopeQkvStoreKernel(RopeArgs a) {
     for (int idx = threadIdx.x; idx < KV * D; idx += blockDim.x) {
       dst[idx] = FromF32<T>(vs[idx]);
     }
+  }
+}
+
+__global__ void AddBiasKernel(float* __restrict__ x, size_t stride, int rows,
+                              int cols, const float* __restrict__ bias) {
+  const size_t total = static_cast<size_t>(rows) * cols;
+  for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+       idx < total; idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t r = idx / cols, c = idx % cols;
+    x[r * stride + c] += bias[c];
+  }
+}
+
+// One block per (row, q-or-k head): RmsNormKernel's math on a head_dim
+// slice, in place. Block (r, h) with h < H is q head h, else k head h - H
+// (k heads follow the q heads in the fused row).
+__global__ void HeadRmsNormKernel(float* __restrict__ qkv, int num_heads,
+                                  int num_kv_heads, int head_dim,
+                                  const float* __restrict__ q_weight,
+                                  const float* __restrict__ k_weight,
+                                  float eps) {
+  __shared__ float scratch[32];
+  const int heads = num_heads + num_kv_heads;
+  const size_t r = blockIdx.x / heads;
+  const int h = blockIdx.x % heads;
+  const size_t qkv_dim = static_cast<size_t>(num_heads + 2 * num_kv_heads) *
+                         head_dim;
+  float* v = qkv + r * qkv_dim + static_cast<size_t>(h) * head_dim;
+  const float* w = h < num_heads ? q_weight : k_weight;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < head_dim; c += blockDim.x) ss += v[c] * v[c];
+  // In place without a race: each thread writes only the elements it read.
+  ss = cuda_detail::BlockSum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / head_dim + eps);
+  for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+    v[c] = v[c] * scale * w[c];
   }
 }
 
@@ -227,6 +265,35 @@ cudaError_t RopeQkvStore(const RopeArgs& args, cudaStream_t stream) {
   SPECSERVE_DISPATCH_DTYPE(args.dtype, T,
                            RopeQkvStoreKernel<T>
                            <<<args.n, 128, smem, stream>>>(args));
+  return cudaGetLastError();
+}
+
+cudaError_t AddBias(float* x, size_t stride, int rows, int cols,
+                    const float* bias, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0 || stride < static_cast<size_t>(cols) ||
+      x == nullptr || bias == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t total = static_cast<size_t>(rows) * cols;
+  AddBiasKernel<<<GridFor(total), kThreads, 0, stream>>>(x, stride, rows,
+                                                         cols, bias);
+  return cudaGetLastError();
+}
+
+cudaError_t HeadRmsNorm(float* qkv, int n, int num_heads, int num_kv_heads,
+                        int head_dim, const float* q_weight,
+                        const float* k_weight, float eps,
+                        cudaStream_t stream) {
+  if (n <= 0 || num_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0 ||
+      qkv == nullptr || q_weight == nullptr || k_weight == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  // A whole number of warps (BlockSum), one element per thread up to 256.
+  const int threads = head_dim >= 256 ? 256 : ((head_dim + 31) / 32) * 32;
+  const unsigned blocks =
+      static_cast<unsigned>(n) * static_cast<unsigned>(num_heads + num_kv_heads);
+  HeadRmsNormKernel<<<blocks, threads, 0, stream>>>(
+      qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps);
   return cudaGetLastError();
 }
 

@@ -68,6 +68,11 @@ struct RopeArgs {
   /// int [n] RoPE position of each row.
   const int* positions = nullptr;
   double theta = 10000.0;
+  /// double [head_dim / 2] inverse frequencies (ComputeRopeFrequencies:
+  /// rope_scaling applied), or null for theta^(-2i / head_dim).
+  const double* inv_freq = nullptr;
+  /// cos and sin are multiplied by this (YaRN's mscale; 1 = plain RoPE).
+  double attention_factor = 1.0;
   /// T [n, H * head_dim] rotated queries, or null to skip.
   void* q_out = nullptr;
   /// T [capacity, KV * head_dim] cache planes of one layer: rotated keys and
@@ -83,10 +88,27 @@ struct RopeArgs {
 };
 
 /// Rotary embedding (HF rotate_half: dimension i pairs with i + head_dim/2,
-/// angle = pos * theta^(-2i/head_dim), angles and their cos/sin in double
-/// as the CPU kernels::ApplyRope) on the q and k heads of `args.qkv`, then
-/// stores q, k and v as T (see RopeArgs).
+/// angle = pos * inv_freq[i] (default theta^(-2i/head_dim)), angles and
+/// their cos/sin in double, times attention_factor, as the CPU
+/// kernels::ApplyRope) on the q and k heads of `args.qkv`, then stores q, k
+/// and v as T (see RopeArgs).
 cudaError_t RopeQkvStore(const RopeArgs& args, cudaStream_t stream);
+
+/// x[r, c] += bias[c] for r < rows, c < cols, fp32. x: [rows, stride]
+/// (stride >= cols); bias: fp32 [cols]. Qwen2's q/k/v biases on the fused
+/// projection output, an o_proj bias on the residual stream.
+cudaError_t AddBias(float* x, size_t stride, int rows, int cols,
+                    const float* bias, cudaStream_t stream);
+
+/// Qwen3's q_norm / k_norm, in place: in each of the `n` rows of `qkv`
+/// (fp32 [n, (H + 2*KV) * head_dim], q heads then k heads then v heads),
+/// every q head becomes RMSNorm(head) * q_weight and every k head
+/// RMSNorm(head) * k_weight (fp32 math as RmsNorm; v untouched).
+/// q_weight, k_weight: fp32 [head_dim].
+cudaError_t HeadRmsNorm(float* qkv, int n, int num_heads, int num_kv_heads,
+                        int head_dim, const float* q_weight,
+                        const float* k_weight, float eps,
+                        cudaStream_t stream);
 
 /// SwiGLU: out[r, i] = silu(gu[r, i]) * gu[r, ffn + i] in fp32.
 /// gu: T [rows, 2 * ffn] (gate columns, then up columns); out: T [rows, ffn].

@@ -169,7 +169,8 @@ CpuModelRunner::CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
                                const KvCacheOptions& o, int num_blocks)
     : weights_(std::move(weights)),
       row_width_(weights_->config.num_key_value_heads *
-                 weights_->config.head_dim) {
+                 weights_->config.head_dim),
+      rope_(ComputeRopeFrequencies(weights_->config)) {
   const ModelConfig& c = weights_->config;
   cache_ = std::make_unique<PagedKvCache>(
       num_blocks, o.block_size, BytesPerToken(c),
@@ -400,9 +401,22 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     const PackedLayer& pw = packed_[l];
     Linear(h.data(), N, hidden, w.wqkv.data(), pw.wqkv.data(), qkv_dim,
            qkv.data(), 0.f);
+    if (!w.bqkv.empty()) {  // Qwen2
+      kernels::AddBias(qkv.data(), qkv_dim, N, qkv_dim, w.bqkv.data());
+    }
+    if (!w.q_norm.empty()) {
+      // Qwen3: RMSNorm of every q and k head over head_dim, before RoPE.
+      for (int t = 0; t < N; ++t) {
+        float* row = &qkv[t * static_cast<size_t>(qkv_dim)];
+        kernels::RmsNorm(row, D, w.q_norm.data(), c.rms_norm_eps, H, D, row,
+                         D);
+        kernels::RmsNorm(row + H * D, D, w.k_norm.data(), c.rms_norm_eps, KV,
+                         D, row + H * D, D);
+      }
+    }
     // RoPE on q heads and k heads (contiguous: q then k in each row).
     kernels::ApplyRope(qkv.data(), qkv_dim, N, H + KV, D, positions.data(),
-                       c.rope_theta);
+                       rope_.inv_freq.data(), rope_.attention_factor);
     float* kc = k_[l].get();
     float* vc = v_[l].get();
     for (int i = 0; i < S; ++i) {
@@ -461,6 +475,9 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     }
     Linear(attn.data(), N, H * D, w.wo.data(), pw.wo.data(), hidden, x.data(),
            1.f);
+    if (!w.bo.empty()) {
+      kernels::AddBias(x.data(), hidden, N, hidden, w.bo.data());
+    }
     kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps, N,
                      hidden, h.data(), hidden);
     Linear(h.data(), N, hidden, w.w_gate_up.data(), pw.w_gate_up.data(),

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "common/engine/model_runner.h"
 #include "common/engine/paged_kv_cache.h"
+#include "common/model/rope.h"
 #include "common/model/weights.h"
 
 namespace specserve {
@@ -118,6 +119,7 @@ class CpuModelRunner : public ModelRunner {
   std::vector<PackedLayer> packed_;
   std::vector<float> packed_lm_head_;
   int row_width_;
+  RopeFrequencies rope_;  // from the config's rope_theta / rope_scaling
   std::unique_ptr<PagedKvCache> cache_;
   std::vector<std::unique_ptr<float[]>> k_;
   std::vector<std::unique_ptr<float[]>> v_;

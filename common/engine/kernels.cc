@@ -80,17 +80,25 @@ void RmsNorm(const float* x, size_t x_stride, const float* w, float eps,
 void ApplyRope(float* x, size_t row_stride, int rows, int num_heads,
                int head_dim, const int* positions, double theta) {
   const int half = head_dim / 2;
-  std::vector<float> cs(half), sn(half);
   std::vector<double> inv_freq(half);
   for (int i = 0; i < half; ++i) {
     inv_freq[i] = std::pow(theta, -2.0 * i / head_dim);
   }
+  ApplyRope(x, row_stride, rows, num_heads, head_dim, positions,
+            inv_freq.data(), 1.0);
+}
+
+void ApplyRope(float* x, size_t row_stride, int rows, int num_heads,
+               int head_dim, const int* positions, const double* inv_freq,
+               double attention_factor) {
+  const int half = head_dim / 2;
+  std::vector<float> cs(half), sn(half);
   for (int r = 0; r < rows; ++r) {
     const double pos = positions[r];
     for (int i = 0; i < half; ++i) {
       const double a = pos * inv_freq[i];
-      cs[i] = static_cast<float>(std::cos(a));
-      sn[i] = static_cast<float>(std::sin(a));
+      cs[i] = static_cast<float>(std::cos(a) * attention_factor);
+      sn[i] = static_cast<float>(std::sin(a) * attention_factor);
     }
     float* row = x + r * row_stride;
     for (int h = 0; h < num_heads; ++h) {
@@ -102,6 +110,13 @@ void ApplyRope(float* x, size_t row_stride, int rows, int num_heads,
         v[i + half] = x2 * cs[i] + x1 * sn[i];
       }
     }
+  }
+}
+
+void AddBias(float* x, size_t stride, int rows, int cols, const float* bias) {
+  for (int r = 0; r < rows; ++r) {
+    float* row = x + r * stride;
+    for (int i = 0; i < cols; ++i) row[i] += bias[i];
   }
 }
 

@@ -23,6 +23,17 @@ void RmsNorm(const float* x, size_t x_stride, const float* w, float eps,
 void ApplyRope(float* x, size_t row_stride, int rows, int num_heads,
                int head_dim, const int* positions, double theta);
 
+/// As above with given frequencies: dimension i rotates by
+/// pos * inv_freq[i] (inv_freq: [head_dim / 2], e.g. from
+/// ComputeRopeFrequencies), and cos / sin are multiplied by
+/// `attention_factor` (YaRN's mscale; 1 leaves the norms unchanged).
+void ApplyRope(float* x, size_t row_stride, int rows, int num_heads,
+               int head_dim, const int* positions, const double* inv_freq,
+               double attention_factor);
+
+/// Adds `bias` [cols] to each of `rows` rows of `x` (row stride `stride`).
+void AddBias(float* x, size_t stride, int rows, int cols, const float* bias);
+
 /// SwiGLU: out[r, i] = silu(gu[r, i]) * gu[r, ffn + i] for gu [rows, 2*ffn]
 /// (gate columns then up columns); out [rows, ffn].
 void SiluMul(const float* gu, int rows, int ffn, float* out);

@@ -57,6 +57,33 @@ TEST(KernelsTest, RopeRotatesHalvesByPositionAngle) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_FLOAT_EQ(z[i], x[i]);
 }
 
+TEST(KernelsTest, RopeWithFrequenciesAndAttentionFactor) {
+  const int heads = 2, D = 8;
+  std::vector<float> x(heads * D);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 0.1f * (i + 1);
+  const double inv_freq[4] = {0.5, 0.25, 0.125, 0.0};
+  const int pos = 3;
+  auto y = x;
+  ApplyRope(y.data(), heads * D, 1, heads, D, &pos, inv_freq, 1.5);
+  for (int h = 0; h < heads; ++h) {
+    for (int i = 0; i < D / 2; ++i) {
+      const double a = pos * inv_freq[i];
+      const double x1 = x[h * D + i], x2 = x[h * D + i + D / 2];
+      EXPECT_NEAR(y[h * D + i], 1.5 * (x1 * std::cos(a) - x2 * std::sin(a)),
+                  1e-5);
+      EXPECT_NEAR(y[h * D + i + D / 2],
+                  1.5 * (x2 * std::cos(a) + x1 * std::sin(a)), 1e-5);
+    }
+  }
+}
+
+TEST(KernelsTest, AddBiasAddsToEveryRowWithinStride) {
+  std::vector<float> x = {1, 2, 3, 9, 4, 5, 6, 9};
+  const float b[3] = {10, 20, 30};
+  AddBias(x.data(), 4, 2, 3, b);
+  EXPECT_EQ(x, (std::vector<float>{11, 22, 33, 9, 14, 25, 36, 9}));
+}
+
 TEST(KernelsTest, SiluMulMatchesNaive) {
   const int ffn = 37;
   auto gu = Random(2 * 2 * ffn, 4, 4.f);

@@ -141,6 +141,139 @@ absl::Status ReadEos(const Json& j, std::vector<int>* out) {
   return absl::OkStatus();
 }
 
+// Reads an optional boolean key; null counts as absent.
+absl::Status ReadBool(const Json& j, const char* key, bool* out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_boolean()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: '", key, "' must be a boolean, got ", it->dump()));
+  }
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
+// Reads the RoPE scaling object under `key`: `rope_scaling`
+// (transformers' modeling_rope_utils: the type under "rope_type" or the
+// legacy "type"), or `rope_parameters` (transformers >= 5, which also holds
+// rope_theta). Required fields per type as HF validates them; values that
+// would divide by zero or are not finite are INVALID_ARGUMENT naming
+// <key>.<field>.
+absl::Status ReadRopeScaling(const Json& j, const char* key,
+                             RopeScaling* out) {
+  auto rs = j.find(key);
+  if (rs == j.end() || rs->is_null()) return absl::OkStatus();
+  if (!rs->is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: '", key, "' must be an object or null, got ",
+        rs->dump()));
+  }
+  RopeScaling r;
+  absl::Status s;
+  for (const char* key : {"type", "rope_type"}) {  // rope_type wins
+    if ((s = ReadString(*rs, key, &r.type)); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.message(), " (in ", key, ")"));
+    }
+  }
+  if (r.type == "default") r.type.clear();
+  if (r.type.empty()) {
+    *out = r;
+    return absl::OkStatus();
+  }
+  if (r.type != "linear" && r.type != "llama3" && r.type != "yarn") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: ", key, " type '", r.type,
+        "' is not supported (only 'linear', 'llama3' and 'yarn')"));
+  }
+  // A number field of rope_scaling; `required` ones must be present.
+  auto num = [&](const char* field, bool required,
+                 double* v) -> absl::Status {
+    auto it = rs->find(field);
+    if (it == rs->end() || it->is_null()) {
+      if (!required) return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: ", key, " type '", r.type,
+                       "' requires '", key, ".", field, "'"));
+    }
+    if (!it->is_number() || !std::isfinite(it->get<double>())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: '", key, ".", field,
+                       "' must be a finite number, got ", it->dump()));
+    }
+    *v = it->get<double>();
+    return absl::OkStatus();
+  };
+  if ((s = num("factor", true, &r.factor)); !s.ok()) return s;
+  if (!(r.factor > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: '", key, ".factor' = ", r.factor,
+        " must be positive"));
+  }
+  double orig = 0.0;
+  if ((s = num("original_max_position_embeddings", r.type == "llama3",
+               &orig));
+      !s.ok()) {
+    return s;
+  }
+  if (orig != 0.0 || r.type == "llama3") {
+    if (!(orig >= 1.0 && orig <= kMaxDim && orig == std::floor(orig))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: '", key, ".original_max_position_embeddings' = ",
+          orig, " must be an integer in [1, ", kMaxDim, "]"));
+    }
+    r.original_max_position_embeddings = static_cast<int>(orig);
+  }
+  if (r.type == "llama3") {
+    if ((s = num("low_freq_factor", true, &r.low_freq_factor)); !s.ok()) {
+      return s;
+    }
+    if ((s = num("high_freq_factor", true, &r.high_freq_factor)); !s.ok()) {
+      return s;
+    }
+    if (!(r.low_freq_factor > 0.0 &&
+          r.high_freq_factor > r.low_freq_factor)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: '", key, ".high_freq_factor' (", r.high_freq_factor,
+          ") must exceed '", key, ".low_freq_factor' (", r.low_freq_factor,
+          ") > 0"));
+    }
+  }
+  if (r.type == "yarn") {
+    if ((s = num("beta_fast", false, &r.beta_fast)); !s.ok()) return s;
+    if ((s = num("beta_slow", false, &r.beta_slow)); !s.ok()) return s;
+    if ((s = num("attention_factor", false, &r.attention_factor)); !s.ok()) {
+      return s;
+    }
+    if ((s = num("mscale", false, &r.mscale)); !s.ok()) return s;
+    if ((s = num("mscale_all_dim", false, &r.mscale_all_dim)); !s.ok()) {
+      return s;
+    }
+    if ((s = ReadBool(*rs, "truncate", &r.truncate)); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.message(), " (in ", key, ")"));
+    }
+    if (!(r.beta_fast > 0.0 && r.beta_slow > 0.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: '", key, ".beta_fast' and '", key,
+                       ".beta_slow' must be positive"));
+    }
+    if (r.attention_factor < 0.0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: '", key, ".attention_factor' must be positive"));
+    }
+    // 0.1 * mscale * ln(factor) + 1 must stay positive: HF's values are 0
+    // (absent) or around 1.
+    if (r.mscale < 0.0 || r.mscale_all_dim < 0.0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: '", key, ".mscale' and '", key,
+                       ".mscale_all_dim' must be non-negative"));
+    }
+  }
+  *out = r;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
   if (!j.is_object()) {
     return absl::InvalidArgumentError(
@@ -149,13 +282,15 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
   ModelConfig c;
   c.eos_token_ids = {2};
 
-  // Architecture: only Llama (rotate_half RoPE, RMSNorm, SwiGLU, no biases).
+  // Architecture: the Llama block, plus Qwen2's q/k/v biases and Qwen3's
+  // q/k norms.
   absl::Status s = ReadString(j, "model_type", &c.model_type);
   if (!s.ok()) return s;
-  if (c.model_type != "llama") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json: model_type '", c.model_type,
-                     "' is not supported (only 'llama')"));
+  if (c.model_type != "llama" && c.model_type != "qwen2" &&
+      c.model_type != "qwen3") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: model_type '", c.model_type,
+        "' is not supported (only 'llama', 'qwen2' and 'qwen3')"));
   }
   if ((s = ReadString(j, "hidden_act", &c.hidden_act)); !s.ok()) return s;
   if (c.hidden_act != "silu") {
@@ -163,28 +298,33 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
         absl::StrCat("config.json: hidden_act '", c.hidden_act,
                      "' is not supported (only 'silu')"));
   }
-  for (const char* key : {"attention_bias", "mlp_bias"}) {
-    auto it = j.find(key);
-    if (it != j.end() && it->is_boolean() && it->get<bool>()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: '", key, "' = true is not supported (no biases)"));
-    }
+  if ((s = ReadBool(j, "attention_bias", &c.attention_bias)); !s.ok()) {
+    return s;
   }
-  auto rs = j.find("rope_scaling");
-  if (rs != j.end() && !rs->is_null()) {
-    std::string type = "?";
-    if (rs->is_object()) {
-      for (const char* key : {"rope_type", "type"}) {
-        auto t = rs->find(key);
-        if (t != rs->end() && t->is_string()) {
-          type = t->get<std::string>();
-          break;
-        }
-      }
-    }
+  if (c.model_type == "qwen2") c.attention_bias = false;  // not a Qwen2 key
+  bool flag = false;
+  if ((s = ReadBool(j, "mlp_bias", &flag)); !s.ok()) return s;
+  if (flag) {
+    return absl::InvalidArgumentError(
+        "config.json: 'mlp_bias' = true is not supported");
+  }
+  // Qwen's sliding-window attention is off unless use_sliding_window is set
+  // (its `sliding_window` size is then unused).
+  flag = false;
+  if ((s = ReadBool(j, "use_sliding_window", &flag)); !s.ok()) return s;
+  if (flag) {
+    return absl::InvalidArgumentError(
+        "config.json: 'use_sliding_window' = true is not supported (full "
+        "causal attention only)");
+  }
+  double partial = 1.0;
+  if ((s = ReadDouble(j, "partial_rotary_factor", &partial)); !s.ok()) {
+    return s;
+  }
+  if (partial != 1.0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: rope_scaling type '", type,
-        "' is not supported (rope_scaling must be null or absent)"));
+        "config.json: 'partial_rotary_factor' = ", partial,
+        " is not supported (only 1)"));
   }
 
   // Shapes.
@@ -266,9 +406,34 @@ absl::StatusOr<ModelConfig> ParseJson(const Json& j) {
   }
   c.rms_norm_eps = static_cast<float>(eps);
   if ((s = ReadDouble(j, "rope_theta", &c.rope_theta)); !s.ok()) return s;
+  // transformers >= 5 saves rope_theta and the scaling together under
+  // rope_parameters; older files use rope_theta + rope_scaling.
+  const char* rope_key = "rope_scaling";
+  auto rp = j.find("rope_parameters");
+  if (rp != j.end() && !rp->is_null()) {
+    auto rs = j.find("rope_scaling");
+    if (rs != j.end() && !rs->is_null()) {
+      return absl::InvalidArgumentError(
+          "config.json: both 'rope_scaling' and 'rope_parameters' are given");
+    }
+    rope_key = "rope_parameters";
+    if (rp->is_object()) {
+      if ((s = ReadDouble(*rp, "rope_theta", &c.rope_theta)); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(s.message(), " (in rope_parameters)"));
+      }
+    }
+  }
   if (!(c.rope_theta > 0.0 && std::isfinite(c.rope_theta))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: rope_theta = ", c.rope_theta, " must be positive"));
+  }
+  if ((s = ReadRopeScaling(j, rope_key, &c.rope_scaling)); !s.ok()) return s;
+  // YaRN's correction range divides by ln(rope_theta).
+  if (c.rope_scaling.type == "yarn" && !(c.rope_theta > 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: rope_theta = ", c.rope_theta,
+        " must exceed 1 for rope_scaling type 'yarn'"));
   }
   auto tie = j.find("tie_word_embeddings");
   if (tie != j.end() && !tie->is_null()) {
@@ -337,7 +502,10 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
 
 std::string ModelConfigToJson(const ModelConfig& c) {
   nlohmann::ordered_json j;
-  j["architectures"] = {"LlamaForCausalLM"};
+  const char* arch = c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                     : c.model_type == "qwen3" ? "Qwen3ForCausalLM"
+                                               : "LlamaForCausalLM";
+  j["architectures"] = {arch};
   j["model_type"] = c.model_type;
   j["hidden_size"] = c.hidden_size;
   j["intermediate_size"] = c.intermediate_size;
@@ -350,10 +518,38 @@ std::string ModelConfigToJson(const ModelConfig& c) {
   // Print the float eps through double so 1e-5f reads back as 1e-5f.
   j["rms_norm_eps"] = std::stod(absl::StrCat(c.rms_norm_eps));
   j["rope_theta"] = c.rope_theta;
-  j["rope_scaling"] = nullptr;
+  const RopeScaling& r = c.rope_scaling;
+  if (r.type.empty()) {
+    j["rope_scaling"] = nullptr;
+  } else {
+    nlohmann::ordered_json rs;
+    rs["rope_type"] = r.type;
+    rs["factor"] = r.factor;
+    if (r.type == "llama3") {
+      rs["low_freq_factor"] = r.low_freq_factor;
+      rs["high_freq_factor"] = r.high_freq_factor;
+    }
+    if (r.original_max_position_embeddings > 0) {
+      rs["original_max_position_embeddings"] =
+          r.original_max_position_embeddings;
+    }
+    if (r.type == "yarn") {
+      rs["beta_fast"] = r.beta_fast;
+      rs["beta_slow"] = r.beta_slow;
+      if (r.attention_factor > 0) rs["attention_factor"] = r.attention_factor;
+      if (r.mscale != 0) rs["mscale"] = r.mscale;
+      if (r.mscale_all_dim != 0) rs["mscale_all_dim"] = r.mscale_all_dim;
+      rs["truncate"] = r.truncate;
+    }
+    j["rope_scaling"] = rs;
+  }
   j["hidden_act"] = c.hidden_act;
-  j["attention_bias"] = false;
-  j["mlp_bias"] = false;
+  if (c.model_type == "qwen2") {
+    j["use_sliding_window"] = false;
+  } else {
+    j["attention_bias"] = c.attention_bias;
+  }
+  if (c.model_type == "llama") j["mlp_bias"] = false;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1) {

@@ -9,8 +9,29 @@
 
 namespace specserve {
 
-/// Llama-architecture hyper-parameters, read from a HuggingFace `config.json`
-/// (keys and library defaults as in docs REFERENCE.md section 4).
+/// `rope_scaling` of a HF config.json (transformers' modeling_rope_utils).
+/// `type` empty means none (null, absent or "default").
+struct RopeScaling {
+  std::string type;  ///< "", "linear", "llama3" or "yarn".
+  double factor = 1.0;  ///< context extension factor (all three types).
+  double low_freq_factor = 1.0;   ///< llama3.
+  double high_freq_factor = 4.0;  ///< llama3.
+  /// llama3 (required) and yarn (optional; 0 = max_position_embeddings).
+  int original_max_position_embeddings = 0;
+  double beta_fast = 32.0;  ///< yarn ramp bounds, in rotations.
+  double beta_slow = 1.0;
+  /// yarn: explicit `attention_factor`; 0 = derived from factor / mscale.
+  double attention_factor = 0.0;
+  double mscale = 0.0;          ///< yarn (DeepSeek style); 0 = absent.
+  double mscale_all_dim = 0.0;  ///< yarn; 0 = absent.
+  bool truncate = true;         ///< yarn: floor/ceil the correction range.
+};
+
+/// Decoder hyper-parameters, read from a HuggingFace `config.json` (keys and
+/// library defaults as in docs REFERENCE.md section 4). Three architectures
+/// share the Llama block (RMSNorm, rotate_half RoPE, GQA, SwiGLU): `llama`,
+/// `qwen2` (q/k/v projections with bias) and `qwen3` (per-head RMSNorm of q
+/// and k before RoPE).
 struct ModelConfig {
   std::string model_type = "llama";
   int hidden_size = 0;               ///< d_model.
@@ -28,6 +49,17 @@ struct ModelConfig {
   std::vector<int> eos_token_ids;    ///< `eos_token_id` (int or list).
   std::string hidden_act = "silu";
   std::string torch_dtype = "float32";
+  RopeScaling rope_scaling;
+  /// HF `attention_bias` for llama / qwen3: q, k, v AND o projections have
+  /// biases. Qwen2 ignores the key (its q/k/v always have biases, o none).
+  bool attention_bias = false;
+
+  /// Whether q_proj / k_proj / v_proj carry biases.
+  bool has_qkv_bias() const { return model_type == "qwen2" || attention_bias; }
+  /// Whether o_proj carries a bias.
+  bool has_o_bias() const { return model_type != "qwen2" && attention_bias; }
+  /// Whether q and k get a per-head RMSNorm over head_dim before RoPE (Qwen3).
+  bool has_qk_norm() const { return model_type == "qwen3"; }
 
   /// Query heads per KV head (GQA group size).
   int gqa_group() const { return num_attention_heads / num_key_value_heads; }
@@ -38,9 +70,13 @@ struct ModelConfig {
 };
 
 /// Parses config.json text. Missing optional keys take the HF defaults;
-/// missing required keys, non-Llama `model_type`, non-SiLU activation,
-/// inconsistent head counts, or an unsupported `rope_scaling` type are
-/// INVALID_ARGUMENT naming the key.
+/// missing required keys, a `model_type` other than llama / qwen2 / qwen3,
+/// non-SiLU activation, inconsistent head counts, a `rope_scaling` type other
+/// than linear / llama3 / yarn (or missing its fields; transformers >= 5's
+/// `rope_parameters`, holding rope_theta too, is read alike), a sliding
+/// window in
+/// use, `mlp_bias`, or `partial_rotary_factor` != 1 are INVALID_ARGUMENT
+/// naming the key.
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);
 
 /// Reads and parses `path` (a config.json). NOT_FOUND if absent. When a
@@ -49,9 +85,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text);
 /// INVALID_ARGUMENT naming it.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path);
 
-/// Serialises `config` as HF config.json text (LlamaForCausalLM, the keys
-/// ParseModelConfig reads; `rope_scaling` null). ParseModelConfig of the
-/// result gives back `config`.
+/// Serialises `config` as HF config.json text (LlamaForCausalLM,
+/// Qwen2ForCausalLM or Qwen3ForCausalLM; the keys ParseModelConfig reads,
+/// `rope_scaling` included). ParseModelConfig of the result gives back
+/// `config`.
 std::string ModelConfigToJson(const ModelConfig& config);
 
 }  // namespace specserve

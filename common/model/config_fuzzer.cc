@@ -7,7 +7,10 @@
 #include <cstdlib>
 #include <string_view>
 
+#include <cmath>
+
 #include "common/model/config.h"
+#include "common/model/rope.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
@@ -20,6 +23,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         c->vocab_size <= 0 || c->max_position_embeddings <= 0 ||
         c->head_dim <= 0) {
       std::abort();  // accepted a config the engine cannot run
+    }
+    // RoPE frequencies finite and non-negative, the factor positive.
+    const specserve::RopeFrequencies rope =
+        specserve::ComputeRopeFrequencies(*c);
+    if (static_cast<int>(rope.inv_freq.size()) != c->head_dim / 2 ||
+        !(rope.attention_factor > 0.0) ||
+        !std::isfinite(rope.attention_factor)) {
+      std::abort();
+    }
+    for (double f : rope.inv_freq) {
+      if (!(f >= 0.0) || !std::isfinite(f)) std::abort();
     }
   }
   return 0;

@@ -21,24 +21,67 @@ namespace {
 
 struct Preset {
   const char* name;
+  const char* model_type;
   int hidden, ffn, layers, heads, kv_heads, head_dim, vocab, context;
   double rope_theta;
   float rms_norm_eps;
   bool tied;
   int bos, eos;
+  // rope_scaling: type ("" = none), factor, llama3 low / high frequency
+  // factors, original_max_position_embeddings.
+  const char* rope_type;
+  double rope_factor, low_freq, high_freq;
+  int rope_original;
+  // Standard deviation of the projections and embeddings. The tiny presets
+  // use 0.2 so attention is peaked and logits spread (std ~1): with 0.02 at
+  // hidden 64 attention is nearly uniform and RoPE, biases and norms would
+  // barely move the logits a reference test compares.
+  float init_std = 0.02f;
+  bool attention_bias = false;
 };
 
-// Shapes from llama2.c (stories15M / stories110M, with the Llama-2 32000
-// vocab) and Meta's published configs for Llama-3.2-1B / Llama-3.1-8B.
+// Real-size presets: shapes from llama2.c (stories15M / stories110M, with the
+// Llama-2 32000 vocab) and the published config.json of Meta's
+// Llama-3.2-1B / 3B and Llama-3.1-8B and of Qwen2.5-0.5B / 7B-Instruct and
+// Qwen3-0.6B / 8B (eos = the instruct models' end-of-turn token).
+// Tiny presets (*-tiny): the same architecture fields at test sizes (vocab
+// 512, 2 layers), one per feature the float64 reference checks; their
+// rope_scaling values are the real ones except yarn (Qwen's documented
+// factor 4 over a short original context so the ramp lies inside head_dim).
 constexpr Preset kPresets[] = {
-    {"llama2-15m", 288, 768, 6, 6, 6, 48, 32000, 2048, 10000.0, 1e-5f, true, 1,
-     2},
-    {"llama2-110m", 768, 2048, 12, 12, 12, 64, 32000, 2048, 10000.0, 1e-5f,
-     true, 1, 2},
-    {"llama-3.2-1b", 2048, 8192, 16, 32, 8, 64, 128256, 131072, 500000.0, 1e-5f,
-     true, 128000, 128001},
-    {"llama-3.1-8b", 4096, 14336, 32, 32, 8, 128, 128256, 131072, 500000.0,
-     1e-5f, false, 128000, 128001},
+    {"llama2-15m", "llama", 288, 768, 6, 6, 6, 48, 32000, 2048, 10000.0, 1e-5f,
+     true, 1, 2, "", 1, 1, 4, 0},
+    {"llama2-110m", "llama", 768, 2048, 12, 12, 12, 64, 32000, 2048, 10000.0,
+     1e-5f, true, 1, 2, "", 1, 1, 4, 0},
+    {"llama-3.2-1b", "llama", 2048, 8192, 16, 32, 8, 64, 128256, 131072,
+     500000.0, 1e-5f, true, 128000, 128001, "llama3", 32, 1, 4, 8192},
+    {"llama-3.2-3b", "llama", 3072, 8192, 28, 24, 8, 128, 128256, 131072,
+     500000.0, 1e-5f, true, 128000, 128001, "llama3", 32, 1, 4, 8192},
+    {"llama-3.1-8b", "llama", 4096, 14336, 32, 32, 8, 128, 128256, 131072,
+     500000.0, 1e-5f, false, 128000, 128001, "llama3", 8, 1, 4, 8192},
+    {"qwen2.5-0.5b", "qwen2", 896, 4864, 24, 14, 2, 64, 151936, 32768,
+     1000000.0, 1e-6f, true, 151643, 151645, "", 1, 1, 4, 0},
+    {"qwen2.5-7b", "qwen2", 3584, 18944, 28, 28, 4, 128, 152064, 32768,
+     1000000.0, 1e-6f, false, 151643, 151645, "", 1, 1, 4, 0},
+    {"qwen3-0.6b", "qwen3", 1024, 3072, 28, 16, 8, 128, 151936, 40960,
+     1000000.0, 1e-6f, true, 151643, 151645, "", 1, 1, 4, 0},
+    {"qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 40960,
+     1000000.0, 1e-6f, false, 151643, 151645, "", 1, 1, 4, 0},
+    {"llama-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 4096, 10000.0, 1e-5f,
+     true, 1, 2, "", 1, 1, 4, 0, 0.2f},
+    {"llama3-tiny", "llama", 64, 128, 2, 4, 2, 32, 512, 131072, 500000.0,
+     1e-5f, false, 1, 2, "llama3", 8, 1, 4, 8192, 0.2f},
+    {"llama-linear-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 8192, 10000.0,
+     1e-5f, true, 1, 2, "linear", 4, 1, 4, 0, 0.2f},
+    {"qwen2-tiny", "qwen2", 64, 128, 2, 4, 2, 16, 512, 32768, 1000000.0, 1e-6f,
+     true, 1, 2, "", 1, 1, 4, 0, 0.2f},
+    {"qwen2-yarn-tiny", "qwen2", 64, 128, 2, 4, 2, 32, 512, 16384, 10000.0,
+     1e-6f, false, 1, 2, "yarn", 4, 1, 4, 4096, 0.2f},
+    {"qwen3-tiny", "qwen3", 64, 128, 2, 4, 2, 32, 512, 40960, 1000000.0, 1e-6f,
+     true, 1, 2, "", 1, 1, 4, 0, 0.2f},
+    // attention_bias: true (q/k/v and o biases), as some Llama derivatives.
+    {"llama-bias-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 4096, 10000.0,
+     1e-5f, true, 1, 2, "", 1, 1, 4, 0, 0.2f, true},
 };
 
 constexpr float kInitStd = 0.02f;
@@ -74,16 +117,27 @@ void FillNormal(uint64_t key, uint64_t start, float std, float* out, size_t n) {
 
 struct SyntheticTensor {
   TensorSpec spec;
-  bool ones;  // RMSNorm weight
+  float mean;  // 1 for norm weights, else 0
+  float std;   // 0 for the model's RMSNorm weights (all ones)
 };
 
-std::vector<SyntheticTensor> TensorsOf(const ModelConfig& c, DType dtype) {
+// Biases and q/k norm weights are spread wider than 0.02 so a reference
+// comparison notices one applied wrongly.
+constexpr float kBiasStd = 0.1f;
+
+std::vector<SyntheticTensor> TensorsOf(const ModelConfig& c, DType dtype,
+                                       float init_std) {
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
   const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
   const int64_t kv = int64_t{c.num_key_value_heads} * c.head_dim;
   std::vector<SyntheticTensor> ts;
   auto add = [&](std::string name, std::vector<int64_t> shape, bool ones) {
-    ts.push_back({{std::move(name), std::move(shape), dtype}, ones});
+    ts.push_back({{std::move(name), std::move(shape), dtype},
+                  ones ? 1.0f : 0.0f, ones ? 0.0f : init_std});
+  };
+  auto add_spread = [&](std::string name, std::vector<int64_t> shape,
+                        float mean) {
+    ts.push_back({{std::move(name), std::move(shape), dtype}, mean, kBiasStd});
   };
   add("model.embed_tokens.weight", {v, h}, false);
   for (int i = 0; i < c.num_hidden_layers; ++i) {
@@ -93,6 +147,16 @@ std::vector<SyntheticTensor> TensorsOf(const ModelConfig& c, DType dtype) {
     add(p + "self_attn.k_proj.weight", {kv, h}, false);
     add(p + "self_attn.v_proj.weight", {kv, h}, false);
     add(p + "self_attn.o_proj.weight", {h, q}, false);
+    if (c.has_qkv_bias()) {
+      add_spread(p + "self_attn.q_proj.bias", {q}, 0.0f);
+      add_spread(p + "self_attn.k_proj.bias", {kv}, 0.0f);
+      add_spread(p + "self_attn.v_proj.bias", {kv}, 0.0f);
+    }
+    if (c.has_o_bias()) add_spread(p + "self_attn.o_proj.bias", {h}, 0.0f);
+    if (c.has_qk_norm()) {
+      add_spread(p + "self_attn.q_norm.weight", {c.head_dim}, 1.0f);
+      add_spread(p + "self_attn.k_norm.weight", {c.head_dim}, 1.0f);
+    }
     add(p + "post_attention_layernorm.weight", {h}, true);
     add(p + "mlp.gate_proj.weight", {f, h}, false);
     add(p + "mlp.up_proj.weight", {f, h}, false);
@@ -144,7 +208,7 @@ const char* TorchDType(DType d) {
 }
 
 absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
-                       uint64_t seed, DType dtype,
+                       uint64_t seed, DType dtype, float init_std,
                        const std::map<std::string, std::string>& metadata) {
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::InvalidArgumentError(
@@ -162,7 +226,7 @@ absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
   if (!s.ok()) return s;
   const std::string final_path = dir + "/model.safetensors";
   const std::string tmp_path = final_path + ".tmp";
-  std::vector<SyntheticTensor> tensors = TensorsOf(c, dtype);
+  std::vector<SyntheticTensor> tensors = TensorsOf(c, dtype, init_std);
   std::vector<TensorSpec> specs;
   specs.reserve(tensors.size());
   for (const SyntheticTensor& t : tensors) specs.push_back(t.spec);
@@ -179,10 +243,11 @@ absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
     for (uint64_t done = 0; done < n;) {
       const size_t m =
           static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
-      if (tensors[t].ones) {
-        std::fill(buf.begin(), buf.begin() + m, 1.0f);
+      if (tensors[t].std == 0.0f) {
+        std::fill(buf.begin(), buf.begin() + m, tensors[t].mean);
       } else {
-        FillNormal(key, done, kInitStd, buf.data(), m);
+        FillNormal(key, done, tensors[t].std, buf.data(), m);
+        for (size_t i = 0; i < m; ++i) buf[i] += tensors[t].mean;
       }
       if ((s = (*w)->Append(absl::MakeConstSpan(buf.data(), m))); !s.ok()) {
         return s;
@@ -210,7 +275,7 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& name) {
   for (const Preset& p : kPresets) {
     if (name != p.name) continue;
     ModelConfig c;
-    c.model_type = "llama";
+    c.model_type = p.model_type;
     c.hidden_size = p.hidden;
     c.intermediate_size = p.ffn;
     c.num_hidden_layers = p.layers;
@@ -226,6 +291,16 @@ absl::StatusOr<ModelConfig> PresetConfig(const std::string& name) {
     c.eos_token_ids = {p.eos};
     c.hidden_act = "silu";
     c.torch_dtype = "float32";
+    c.attention_bias = p.attention_bias;
+    c.rope_scaling.type = p.rope_type;
+    if (!c.rope_scaling.type.empty()) {
+      c.rope_scaling.factor = p.rope_factor;
+      c.rope_scaling.original_max_position_embeddings = p.rope_original;
+    }
+    if (c.rope_scaling.type == "llama3") {
+      c.rope_scaling.low_freq_factor = p.low_freq;
+      c.rope_scaling.high_freq_factor = p.high_freq;
+    }
     return c;
   }
   return absl::NotFoundError(
@@ -237,7 +312,10 @@ int64_t CountParameters(const ModelConfig& c) {
   const int64_t h = c.hidden_size, f = c.intermediate_size, v = c.vocab_size;
   const int64_t q = int64_t{c.num_attention_heads} * c.head_dim;
   const int64_t kv = int64_t{c.num_key_value_heads} * c.head_dim;
-  const int64_t per_layer = 2 * h + (q + 2 * kv) * h + h * q + 3 * f * h;
+  const int64_t per_layer = 2 * h + (q + 2 * kv) * h + h * q + 3 * f * h +
+                            (c.has_qkv_bias() ? q + 2 * kv : 0) +
+                            (c.has_o_bias() ? h : 0) +
+                            (c.has_qk_norm() ? 2 * c.head_dim : 0);
   return v * h * (c.tie_word_embeddings ? 1 : 2) +
          c.num_hidden_layers * per_layer + h;
 }
@@ -245,7 +323,7 @@ int64_t CountParameters(const ModelConfig& c) {
 absl::Status WriteSyntheticCheckpointForConfig(const ModelConfig& config,
                                                const std::string& dir,
                                                uint64_t seed, DType dtype) {
-  return WriteImpl(config, dir, seed, dtype,
+  return WriteImpl(config, dir, seed, dtype, kInitStd,
                    {{"format", "pt"},
                     {"specserve_synthetic", "random weights"},
                     {"seed", absl::StrCat(seed)}});
@@ -262,7 +340,11 @@ absl::Status WriteSyntheticCheckpoint(const std::string& preset,
     return absl::InvalidArgumentError(absl::StrCat(
         "synthetic checkpoint dtype '", dtype, "' is not F32, BF16 or F16"));
   }
-  return WriteImpl(*config, dir, seed, *d,
+  float init_std = kInitStd;
+  for (const Preset& p : kPresets) {
+    if (preset == p.name) init_std = p.init_std;
+  }
+  return WriteImpl(*config, dir, seed, *d, init_std,
                    {{"format", "pt"},
                     {"specserve_synthetic", preset},
                     {"seed", absl::StrCat(seed)}});

@@ -37,8 +37,12 @@ std::string ReadBytes(const std::string& path) {
 }
 
 TEST(PresetTest, NamesAndConfigs) {
-  EXPECT_THAT(PresetNames(), ElementsAre("llama2-15m", "llama2-110m",
-                                         "llama-3.2-1b", "llama-3.1-8b"));
+  EXPECT_THAT(PresetNames(),
+              ElementsAre("llama2-15m", "llama2-110m", "llama-3.2-1b",
+                          "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b",
+                          "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "llama-tiny",
+                          "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
+                          "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"));
   for (const std::string& name : PresetNames()) {
     absl::StatusOr<ModelConfig> c = PresetConfig(name);
     ASSERT_TRUE(c.ok()) << name;
@@ -46,7 +50,8 @@ TEST(PresetTest, NamesAndConfigs) {
     absl::StatusOr<ModelConfig> back = ParseModelConfig(ModelConfigToJson(*c));
     ASSERT_TRUE(back.ok()) << name << ": " << back.status();
     EXPECT_EQ(back->head_dim, c->head_dim) << name;
-    EXPECT_EQ(back->tie_word_embeddings, name != "llama-3.1-8b") << name;
+    EXPECT_EQ(back->model_type, c->model_type) << name;
+    EXPECT_EQ(back->rope_scaling.type, c->rope_scaling.type) << name;
   }
   absl::StatusOr<ModelConfig> c = PresetConfig("llama-3.2-1b");
   ASSERT_TRUE(c.ok());
@@ -59,6 +64,23 @@ TEST(PresetTest, NamesAndConfigs) {
   EXPECT_EQ(c->vocab_size, 128256);
   EXPECT_EQ(c->max_position_embeddings, 131072);
   EXPECT_DOUBLE_EQ(c->rope_theta, 500000.0);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->rope_scaling.type, "llama3");
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 32.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 8192);
+  c = PresetConfig("llama-3.1-8b");
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 8.0);
+  c = PresetConfig("qwen2.5-7b");
+  EXPECT_EQ(c->model_type, "qwen2");
+  EXPECT_TRUE(c->has_qkv_bias());
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->vocab_size, 152064);
+  c = PresetConfig("qwen3-0.6b");
+  EXPECT_TRUE(c->has_qk_norm());
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->hidden_size, 1024);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 1000000.0);
 
   absl::StatusOr<ModelConfig> bad = PresetConfig("gpt-2");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound);
@@ -71,12 +93,47 @@ TEST(PresetTest, NamesAndConfigs) {
 TEST(PresetTest, ParameterCountsMatchTheRealModels) {
   EXPECT_EQ(CountParameters(*PresetConfig("llama-3.2-1b")), 1235814400);
   EXPECT_EQ(CountParameters(*PresetConfig("llama-3.1-8b")), 8030261248);
+  EXPECT_EQ(CountParameters(*PresetConfig("llama-3.2-3b")), 3212749824);
+  EXPECT_EQ(CountParameters(*PresetConfig("qwen2.5-0.5b")), 494032768);
+  EXPECT_EQ(CountParameters(*PresetConfig("qwen2.5-7b")), 7615616512);
+  EXPECT_EQ(CountParameters(*PresetConfig("qwen3-0.6b")), 596049920);
+  EXPECT_EQ(CountParameters(*PresetConfig("qwen3-8b")), 8190735360);
   const int64_t m15 = CountParameters(*PresetConfig("llama2-15m"));
   const int64_t m110 = CountParameters(*PresetConfig("llama2-110m"));
   EXPECT_GT(m15, 15000000);
   EXPECT_LT(m15, 15500000);
   EXPECT_GT(m110, 109000000);
   EXPECT_LT(m110, 111000000);
+}
+
+// Every tiny preset writes a checkpoint the loader reads back with its
+// biases and q/k norms, in F32 and BF16.
+TEST(SyntheticTest, TinyPresetsLoadWithTheirArchitectureTensors) {
+  for (const std::string name :
+       {"llama-tiny", "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
+        "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"}) {
+    for (const std::string dtype : {"F32", "BF16"}) {
+      SCOPED_TRACE(name + " " + dtype);
+      const std::string dir = TmpDir(name + "-" + dtype);
+      ASSERT_TRUE(WriteSyntheticCheckpoint(name, dir, 3, dtype).ok());
+      absl::StatusOr<ModelConfig> c = PresetConfig(name);
+      absl::StatusOr<ModelWeights> w = LoadModelWeights(dir);
+      ASSERT_TRUE(w.ok()) << w.status();
+      EXPECT_EQ(w->bytes(), static_cast<size_t>(CountParameters(*c)) * 4);
+      EXPECT_EQ(w->config.rope_scaling.type, c->rope_scaling.type);
+      for (const LayerWeights& l : w->layers) {
+        EXPECT_EQ(l.bqkv.size(),
+                  c->has_qkv_bias() ? static_cast<size_t>(c->qkv_dim()) : 0u);
+        EXPECT_EQ(l.q_norm.size(), c->has_qk_norm() ? 32u : 0u);
+        EXPECT_EQ(l.k_norm.size(), l.q_norm.size());
+        EXPECT_EQ(l.bo.size(), c->has_o_bias() ? 64u : 0u);
+        // q/k norm weights scatter around 1 (not all ones).
+        if (!l.q_norm.empty()) {
+          EXPECT_NE(l.q_norm, l.k_norm);
+        }
+      }
+    }
+  }
 }
 
 TEST(SyntheticTest, Llama2_15mLoadsWithPresetShapes) {

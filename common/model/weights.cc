@@ -57,7 +57,7 @@ class Reader {
       if (absl::EndsWith(name, "rotary_emb.inv_freq")) continue;
       return absl::InvalidArgumentError(
           absl::StrCat(ckpt_.source(), ": unexpected tensor '", name,
-                       "' (not part of a Llama model with this config.json)"));
+                       "' (not part of a model with this config.json)"));
     }
     return absl::OkStatus();
   }
@@ -73,7 +73,8 @@ size_t ModelWeights::bytes() const {
   size_t n = embed.size() + final_norm.size() + lm_head_weight.size();
   for (const LayerWeights& l : layers) {
     n += l.attn_norm.size() + l.wqkv.size() + l.wo.size() + l.mlp_norm.size() +
-         l.w_gate_up.size() + l.w_down.size();
+         l.w_gate_up.size() + l.w_down.size() + l.bqkv.size() + l.bo.size() +
+         l.q_norm.size() + l.k_norm.size();
   }
   return n * sizeof(float);
 }
@@ -151,6 +152,40 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
     if ((s = r.Read(p + "self_attn.o_proj.weight", {hidden, q_rows}, &l.wo));
         !s.ok()) {
       return s;
+    }
+    if (config->has_qkv_bias()) {  // same [q; k; v] order as wqkv's rows
+      l.bqkv.resize(static_cast<size_t>(q_rows + 2 * kv_rows));
+      if ((s = r.ReadSlice(p + "self_attn.q_proj.bias", {q_rows}, &l.bqkv,
+                           0));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ReadSlice(p + "self_attn.k_proj.bias", {kv_rows}, &l.bqkv,
+                           q_rows));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ReadSlice(p + "self_attn.v_proj.bias", {kv_rows}, &l.bqkv,
+                           q_rows + kv_rows));
+          !s.ok()) {
+        return s;
+      }
+    }
+    if (config->has_o_bias()) {
+      if ((s = r.Read(p + "self_attn.o_proj.bias", {hidden}, &l.bo)); !s.ok()) {
+        return s;
+      }
+    }
+    if (config->has_qk_norm()) {
+      const int64_t d = config->head_dim;
+      if ((s = r.Read(p + "self_attn.q_norm.weight", {d}, &l.q_norm));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.Read(p + "self_attn.k_norm.weight", {d}, &l.k_norm));
+          !s.ok()) {
+        return s;
+      }
     }
     if ((s = r.Read(p + "post_attention_layernorm.weight", {hidden},
                     &l.mlp_norm));

@@ -20,6 +20,13 @@ struct LayerWeights {
   std::vector<float> mlp_norm;   ///< [hidden] post_attention_layernorm.
   std::vector<float> w_gate_up;  ///< [2 * ffn, hidden]: gate rows then up rows.
   std::vector<float> w_down;     ///< [hidden, ffn] down_proj.
+  /// [(H + 2*KV) * head_dim] q, k, v biases; empty unless
+  /// config.has_qkv_bias() (Qwen2).
+  std::vector<float> bqkv;
+  std::vector<float> bo;  ///< [hidden] o_proj bias; empty unless has_o_bias().
+  /// [head_dim] per-head RMSNorm weights of q and k (Qwen3); empty unless
+  /// config.has_qk_norm().
+  std::vector<float> q_norm, k_norm;
 };
 
 /// All parameters of a Llama model, kept apart from the compute that uses
@@ -42,7 +49,10 @@ struct ModelWeights {
 /// Loads config.json and model.safetensors (or the shards listed in
 /// model.safetensors.index.json) from `model_dir`, converting F16/BF16 to
 /// fp32. Tied checkpoints may store either `model.embed_tokens.weight` or
-/// `lm_head.weight`. Every tensor the config implies must be present with
+/// `lm_head.weight`. Per layer, `self_attn.{q,k,v}_proj.bias` are read when
+/// config.has_qkv_bias(), `self_attn.o_proj.bias` when has_o_bias(), and
+/// `self_attn.{q,k}_norm.weight` when has_qk_norm(); a bias or norm the
+/// config does not imply is an unexpected tensor. Every tensor the config implies must be present with
 /// the right shape: errors are INVALID_ARGUMENT / NOT_FOUND naming the file
 /// and tensor.
 absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir);

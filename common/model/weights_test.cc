@@ -343,6 +343,105 @@ TEST(LoadModelWeightsTest, UnexpectedTensorsAreRejected) {
   EXPECT_TRUE(w.ok()) << w.status();
 }
 
+// Qwen2 / Qwen3 / llama-with-attention_bias variants of the tiny model.
+std::string WriteTinyArch(const std::string& name, const std::string& extra,
+                          const std::vector<NamedTensor>& extra_tensors) {
+  const std::string dir = TmpDir(name);
+  std::vector<NamedTensor> ts = TinyTensors(false);
+  ts.insert(ts.end(), extra_tensors.begin(), extra_tensors.end());
+  std::string config = TinyConfig(true);
+  config.replace(config.find("\"model_type\": \"llama\""),
+                 std::string("\"model_type\": \"llama\"").size(), extra);
+  WriteText(dir + "/config.json", config);
+  EXPECT_TRUE(WriteSafetensors(dir + "/model.safetensors", ts, {}).ok());
+  return dir;
+}
+
+std::vector<NamedTensor> QkvBiases(int layers) {
+  std::vector<NamedTensor> ts;
+  for (int i = 0; i < layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    const float id = 100 + 10 * i;
+    ts.push_back(Tensor(p + "q_proj.bias", {2 * kHeadDim}, id + 1));
+    ts.push_back(Tensor(p + "k_proj.bias", {kHeadDim}, id + 2));
+    ts.push_back(Tensor(p + "v_proj.bias", {kHeadDim}, id + 3));
+  }
+  return ts;
+}
+
+TEST(LoadModelWeightsTest, Qwen2QkvBiasesFuseInRowOrder) {
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(
+      WriteTinyArch("qwen2", "\"model_type\": \"qwen2\"", QkvBiases(2)));
+  ASSERT_TRUE(w.ok()) << w.status();
+  for (int i = 0; i < 2; ++i) {
+    const float id = 100 + 10 * i;
+    EXPECT_EQ(w->layers[i].bqkv,
+              Concat(Concat(Values(id + 1, 2 * kHeadDim), Values(id + 2, 4)),
+                     Values(id + 3, 4)));
+    EXPECT_TRUE(w->layers[i].bo.empty());
+    EXPECT_TRUE(w->layers[i].q_norm.empty());
+  }
+  // A missing bias is NOT_FOUND naming it.
+  std::vector<NamedTensor> ts = QkvBiases(2);
+  ts.erase(ts.begin() + 4);  // layer 1 k_proj.bias
+  w = LoadModelWeights(
+      WriteTinyArch("qwen2_missing", "\"model_type\": \"qwen2\"", ts));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(Message(w.status()),
+              HasSubstr("'model.layers.1.self_attn.k_proj.bias'"));
+  // A wrong-shaped one is INVALID_ARGUMENT naming it and both shapes.
+  ts = QkvBiases(2);
+  ts[0] = Tensor(ts[0].name, {kHeadDim}, 9);
+  w = LoadModelWeights(
+      WriteTinyArch("qwen2_shape", "\"model_type\": \"qwen2\"", ts));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(w.status()),
+              AllOf(HasSubstr("'model.layers.0.self_attn.q_proj.bias'"),
+                    HasSubstr("expected [8]")));
+}
+
+TEST(LoadModelWeightsTest, Qwen3QkNormsAndNoBiases) {
+  std::vector<NamedTensor> norms;
+  for (int i = 0; i < 2; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".self_attn.");
+    norms.push_back(Tensor(p + "q_norm.weight", {kHeadDim}, 200 + i));
+    norms.push_back(Tensor(p + "k_norm.weight", {kHeadDim}, 300 + i));
+  }
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(
+      WriteTinyArch("qwen3", "\"model_type\": \"qwen3\"", norms));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->layers[1].q_norm, Values(201, kHeadDim));
+  EXPECT_EQ(w->layers[1].k_norm, Values(301, kHeadDim));
+  EXPECT_TRUE(w->layers[1].bqkv.empty());
+  // q_norm over the whole q row (not per head) is the wrong shape.
+  norms[0] = Tensor(norms[0].name, {2 * kHeadDim}, 9);
+  w = LoadModelWeights(
+      WriteTinyArch("qwen3_shape", "\"model_type\": \"qwen3\"", norms));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(w.status()),
+              HasSubstr("'model.layers.0.self_attn.q_norm.weight'"));
+  // Biases in a Qwen3 checkpoint whose config says none are unexpected.
+  std::vector<NamedTensor> both = QkvBiases(2);
+  norms[0] = Tensor(norms[0].name, {kHeadDim}, 9);
+  both.insert(both.end(), norms.begin(), norms.end());
+  w = LoadModelWeights(
+      WriteTinyArch("qwen3_bias", "\"model_type\": \"qwen3\"", both));
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(w.status()), HasSubstr("_proj.bias"));
+}
+
+TEST(LoadModelWeightsTest, LlamaAttentionBiasReadsOProjBias) {
+  std::vector<NamedTensor> ts = QkvBiases(2);
+  ts.push_back(Tensor("model.layers.0.self_attn.o_proj.bias", {kHidden}, 7));
+  ts.push_back(Tensor("model.layers.1.self_attn.o_proj.bias", {kHidden}, 8));
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(WriteTinyArch(
+      "llama_bias", "\"model_type\": \"llama\", \"attention_bias\": true",
+      ts));
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->layers[1].bo, Values(8, kHidden));
+  EXPECT_EQ(w->layers[0].bqkv.size(), 16u);
+}
+
 TEST(LoadModelWeightsTest, MissingFiles) {
   absl::StatusOr<ModelWeights> w = LoadModelWeights(TmpDir("empty_model"));
   EXPECT_EQ(w.status().code(), absl::StatusCode::kNotFound);
