@@ -264,6 +264,18 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
   return r;
 }
 
+bool VocabulariesMatch(std::string_view want_fingerprint, int want_vocab,
+                       std::string_view have_fingerprint, int have_vocab,
+                       bool want_is_tokenizer) {
+  if (!want_fingerprint.empty() && !have_fingerprint.empty()) {
+    if (want_fingerprint != have_fingerprint) return false;
+    // Same tokenizer: the model's embedding may be padded past it (Qwen
+    // pads 151,665 tokens to 151,936 or 152,064 rows, per model size).
+    return !want_is_tokenizer || have_vocab >= want_vocab;
+  }
+  return have_vocab == want_vocab;
+}
+
 RouterServer::RouterServer(RouterServerOptions options)
     : options_(std::move(options)),
       registry_(std::make_shared<prometheus::Registry>()),
@@ -294,10 +306,10 @@ absl::Status RouterServer::CheckReplica(const std::string& service,
     source = absl::StrCat("the ", service == "target" ? "speculator" : "target",
                           " (", o->model_id(), ")");
   }
-  const bool fp_differs = !want_fp.empty() &&
-                          !info.tokenizer_fingerprint().empty() &&
-                          info.tokenizer_fingerprint() != want_fp;
-  if (!fp_differs && info.vocab_size() == want_vocab) return absl::OkStatus();
+  if (VocabulariesMatch(want_fp, want_vocab, info.tokenizer_fingerprint(),
+                        info.vocab_size(), tokenizer_ != nullptr)) {
+    return absl::OkStatus();
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "tokenizer mismatch: ", service, " replica ", address, " (model ",
       info.model_id(), ") has tokenizer fingerprint ",

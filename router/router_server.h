@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -50,6 +51,17 @@ struct RouterServerOptions {
   RequestDefaults defaults;
   ReplicaPoolOptions pool;  ///< health / DNS periods; `service` is ignored.
 };
+
+/// Whether a replica's vocabulary (tokenizer fingerprint, model
+/// vocab_size) matches what the router expects: the router's own tokenizer
+/// (`want_is_tokenizer`: its fingerprint and token count) or the other
+/// model service. With both fingerprints known they must be equal, and a
+/// model may have more rows than the tokenizer has tokens (padded
+/// embeddings, as Qwen's); two models with the same tokenizer may differ
+/// in padding. Without fingerprints the sizes must be equal.
+bool VocabulariesMatch(std::string_view want_fingerprint, int want_vocab,
+                       std::string_view have_fingerprint, int have_vocab,
+                       bool want_is_tokenizer);
 
 /// Hosts specserve.v1.Router (Generate, GenerateStream, Info), the
 /// standard health service (SERVING while a compatible target replica is

@@ -317,6 +317,23 @@ TEST_F(RouterServerTest, TokenizerMismatchIsFailedPreconditionNamingBoth) {
   }));
 }
 
+// Same-family pairs pass (equal fingerprints, padded model vocabularies as
+// Qwen's), cross-family ones do not.
+TEST(VocabulariesMatchTest, SameFamilyWithPaddingPassesCrossFamilyFails) {
+  // Router tokenizer (151,665 tokens) vs Qwen2.5-0.5B (151,936 rows).
+  EXPECT_TRUE(VocabulariesMatch("aaaa", 151665, "aaaa", 151936, true));
+  // A model smaller than the tokenizer cannot hold its ids.
+  EXPECT_FALSE(VocabulariesMatch("aaaa", 151665, "aaaa", 151000, true));
+  // Speculator 0.5B (151,936) vs target 7B (152,064), same tokenizer.
+  EXPECT_TRUE(VocabulariesMatch("aaaa", 152064, "aaaa", 151936, false));
+  // Llama 3 vs Qwen: different tokenizers.
+  EXPECT_FALSE(VocabulariesMatch("aaaa", 128256, "bbbb", 151936, false));
+  EXPECT_FALSE(VocabulariesMatch("aaaa", 151936, "bbbb", 151936, true));
+  // No fingerprint: sizes must be equal.
+  EXPECT_TRUE(VocabulariesMatch("", 512, "aaaa", 512, false));
+  EXPECT_FALSE(VocabulariesMatch("", 512, "", 2048, false));
+}
+
 TEST_F(RouterServerTest, TargetDownIsUnavailableWithoutHanging) {
   StartRouter([](RouterServerOptions* o) { o->target = Addr(DeadPort()); });
   const absl::Time t0 = absl::Now();
