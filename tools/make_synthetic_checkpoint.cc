@@ -20,7 +20,8 @@
 ABSL_FLAG(std::string, preset, "",
           "model shape: llama2-15m | llama2-110m | llama-3.2-1b | "
           "llama-3.2-3b | llama-3.1-8b | qwen2.5-0.5b | qwen2.5-7b | "
-          "qwen3-0.6b | qwen3-8b, or a test-size *-tiny preset (see "
+          "qwen3-0.6b | qwen3-8b | llama-3-draft-small, or a test-size "
+          "*-tiny preset (see "
           "common/model/synthetic.h)");
 ABSL_FLAG(std::string, out, "", "output directory (created if missing)");
 ABSL_FLAG(uint64_t, seed, 0, "random seed; the same seed gives the same bytes");

@@ -67,6 +67,11 @@ constexpr Preset kPresets[] = {
      1000000.0, 1e-6f, true, 151643, 151645, "", 1, 1, 4, 0},
     {"qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 40960,
      1000000.0, 1e-6f, false, 151643, 151645, "", 1, 1, 4, 0},
+    // A small speculator with Llama 3's full vocabulary and rope_scaling, so
+    // a CPU machine can run a Llama-3-family pair with the real tokenizer
+    // (llama-3.2-1b as the target; 1B + 3B do not fit 24 GiB in fp32).
+    {"llama-3-draft-small", "llama", 256, 768, 2, 4, 2, 64, 128256, 131072,
+     500000.0, 1e-5f, true, 128000, 128001, "llama3", 32, 1, 4, 8192},
     {"llama-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 4096, 10000.0, 1e-5f,
      true, 1, 2, "", 1, 1, 4, 0, 0.2f},
     {"llama3-tiny", "llama", 64, 128, 2, 4, 2, 32, 512, 131072, 500000.0,

@@ -21,7 +21,9 @@ namespace specserve {
 /// TinyStories shapes, Llama-2 vocab), "llama-3.2-1b", "llama-3.2-3b",
 /// "llama-3.1-8b" (Meta's config.json values, llama3 rope_scaling
 /// included), "qwen2.5-0.5b", "qwen2.5-7b" (q/k/v biases), "qwen3-0.6b",
-/// "qwen3-8b" (q/k norms, head_dim 128); the 7B / 8B ones are untied. Test
+/// "qwen3-8b" (q/k norms, head_dim 128); the 7B / 8B ones are untied;
+/// "llama-3-draft-small" (2 layers, hidden 256, Llama 3's vocabulary and
+/// rope_scaling: a speculator for llama-3.2-1b on CPU machines). Test
 /// sizes (vocab 512, 2 layers): "llama-tiny", "llama3-tiny",
 /// "llama-linear-tiny", "qwen2-tiny", "qwen2-yarn-tiny", "qwen3-tiny",
 /// "llama-bias-tiny" (attention_bias: q/k/v and o biases).

@@ -40,7 +40,8 @@ TEST(PresetTest, NamesAndConfigs) {
   EXPECT_THAT(PresetNames(),
               ElementsAre("llama2-15m", "llama2-110m", "llama-3.2-1b",
                           "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b",
-                          "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "llama-tiny",
+                          "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b",
+                          "llama-3-draft-small", "llama-tiny",
                           "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
                           "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"));
   for (const std::string& name : PresetNames()) {
