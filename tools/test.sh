@@ -14,10 +14,12 @@ export SPECSERVE_NODE_MODULES
 bazel test //... "$@"
 # The services' tests and the end-to-end test under ASan + UBSan and under
 # TSan (.bazelrc; sentencepiece through the built-in tokenizer), plus the
-# safetensors header mutation test under ASan.
+# safetensors header mutation test and the built-in sentencepiece tokenizer's
+# tests under ASan.
 SANITIZED=(//speculator_service/... //target_service/... //router/...
            //common/scheduling/... //common/speculation/... //tests:e2e_test)
-bazel test --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test "$@"
+bazel test --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
+  //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test "$@"
 bazel test --config=tsan "${SANITIZED[@]}" "$@"
 # The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
 bazel test --config=fuzz //... "$@"
