@@ -11,6 +11,8 @@
 //  * Lock/Unlock, reader and try variants, LockWhen*: lock and unlock.
 //  * Await* and CondVar::Wait* (entered and left holding the mutex, which
 //    is released while waiting): an unlock before and a lock after.
+//  * Notification: Notify releases, a successful WaitForNotification*
+//    acquires (its flag is an atomic inside the library).
 //  * Condition::Eval: reads and writes ignored. Abseil evaluates a waiter's
 //    condition in whichever thread releases the mutex, at points TSan cannot
 //    see as holding it; the waiter re-reads the state after it relocks.
@@ -23,6 +25,7 @@
 #include <string>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 
 extern "C" {
 void AnnotateIgnoreReadsBegin(const char* file, int line);
@@ -59,21 +62,54 @@ Fn Real(const char* suffix, bool is_const = false) {
   return reinterpret_cast<Fn>(fn);
 }
 
+// How many of the functions below are active on this thread. Only the
+// outermost one annotates: the library's members call each other through
+// the PLT too (e.g. CondVar::WaitWithTimeout -> WaitWithDeadline), which
+// would otherwise be annotated twice.
+thread_local int tls_depth = 0;
+
+class Scope {
+ public:
+  Scope() : outer_(tls_depth++ == 0) {}
+  ~Scope() { --tls_depth; }
+  bool outer() const { return outer_; }
+
+ private:
+  bool outer_;
+};
+
+void PreLock(const Scope& s, void* mu, unsigned flags) {
+  if (s.outer()) __tsan_mutex_pre_lock(mu, flags);
+}
+void PostLock(const Scope& s, void* mu, unsigned flags) {
+  if (s.outer()) __tsan_mutex_post_lock(mu, flags, 0);
+}
+void PreUnlock(const Scope& s, void* mu, unsigned flags) {
+  if (s.outer()) __tsan_mutex_pre_unlock(mu, flags);
+}
+void PostUnlock(const Scope& s, void* mu, unsigned flags) {
+  if (s.outer()) __tsan_mutex_post_unlock(mu, flags);
+}
+
 // RAII: the waiting mutex is released to TSan for the duration of a wait.
 class WaitAnnotation {
  public:
-  WaitAnnotation(void* mu, unsigned flags) : mu_(mu), flags_(flags) {
-    __tsan_mutex_pre_unlock(mu_, flags_);
-    __tsan_mutex_post_unlock(mu_, flags_);
+  explicit WaitAnnotation(void* mu) : mu_(mu) {
+    if (scope_.outer()) {
+      __tsan_mutex_pre_unlock(mu_, 0);
+      __tsan_mutex_post_unlock(mu_, 0);
+    }
   }
   ~WaitAnnotation() {
-    __tsan_mutex_pre_lock(mu_, flags_);
-    __tsan_mutex_post_lock(mu_, flags_, 0);
+    if (scope_.outer()) {
+      __tsan_mutex_pre_lock(mu_, 0);
+      __tsan_mutex_post_lock(mu_, 0, 0);
+    }
   }
 
  private:
+  Scope scope_;
   void* mu_;
-  unsigned flags_;
 };
 
 }  // namespace
@@ -83,91 +119,99 @@ ABSL_NAMESPACE_BEGIN
 
 void Mutex::Lock() {
   static const auto real = Real<void (*)(Mutex*)>("5Mutex4LockEv");
-  __tsan_mutex_pre_lock(this, 0);
+  const Scope scope;
+  PreLock(scope, this, 0);
   real(this);
-  __tsan_mutex_post_lock(this, 0, 0);
+  PostLock(scope, this, 0);
 }
 
 void Mutex::Unlock() {
   static const auto real = Real<void (*)(Mutex*)>("5Mutex6UnlockEv");
-  __tsan_mutex_pre_unlock(this, 0);
+  const Scope scope;
+  PreUnlock(scope, this, 0);
   real(this);
-  __tsan_mutex_post_unlock(this, 0);
+  PostUnlock(scope, this, 0);
 }
 
 void Mutex::ReaderLock() {
   static const auto real = Real<void (*)(Mutex*)>("5Mutex10ReaderLockEv");
-  __tsan_mutex_pre_lock(this, __tsan_mutex_read_lock);
+  const Scope scope;
+  PreLock(scope, this, __tsan_mutex_read_lock);
   real(this);
-  __tsan_mutex_post_lock(this, __tsan_mutex_read_lock, 0);
+  PostLock(scope, this, __tsan_mutex_read_lock);
 }
 
 void Mutex::ReaderUnlock() {
   static const auto real = Real<void (*)(Mutex*)>("5Mutex12ReaderUnlockEv");
-  __tsan_mutex_pre_unlock(this, __tsan_mutex_read_lock);
+  const Scope scope;
+  PreUnlock(scope, this, __tsan_mutex_read_lock);
   real(this);
-  __tsan_mutex_post_unlock(this, __tsan_mutex_read_lock);
+  PostUnlock(scope, this, __tsan_mutex_read_lock);
 }
 
 bool Mutex::TryLock() {
   static const auto real = Real<bool (*)(Mutex*)>("5Mutex7TryLockEv");
-  __tsan_mutex_pre_lock(this, __tsan_mutex_try_lock);
+  const Scope scope;
+  PreLock(scope, this, __tsan_mutex_try_lock);
   const bool locked = real(this);
-  __tsan_mutex_post_lock(
-      this, __tsan_mutex_try_lock | (locked ? 0 : __tsan_mutex_try_lock_failed),
-      0);
+  PostLock(scope, this,
+           __tsan_mutex_try_lock | (locked ? 0 : __tsan_mutex_try_lock_failed));
   return locked;
 }
 
 bool Mutex::ReaderTryLock() {
   static const auto real = Real<bool (*)(Mutex*)>("5Mutex13ReaderTryLockEv");
   const unsigned flags = __tsan_mutex_read_lock | __tsan_mutex_try_lock;
-  __tsan_mutex_pre_lock(this, flags);
+  const Scope scope;
+  PreLock(scope, this, flags);
   const bool locked = real(this);
-  __tsan_mutex_post_lock(
-      this, flags | (locked ? 0 : __tsan_mutex_try_lock_failed), 0);
+  PostLock(scope, this, flags | (locked ? 0 : __tsan_mutex_try_lock_failed));
   return locked;
 }
 
 void Mutex::LockWhen(const Condition& cond) {
   static const auto real =
       Real<void (*)(Mutex*, const Condition&)>("5Mutex8LockWhenERKNS0_9ConditionE");
-  __tsan_mutex_pre_lock(this, 0);
+  const Scope scope;
+  PreLock(scope, this, 0);
   real(this, cond);
-  __tsan_mutex_post_lock(this, 0, 0);
+  PostLock(scope, this, 0);
 }
 
 void Mutex::ReaderLockWhen(const Condition& cond) {
   static const auto real = Real<void (*)(Mutex*, const Condition&)>(
       "5Mutex14ReaderLockWhenERKNS0_9ConditionE");
-  __tsan_mutex_pre_lock(this, __tsan_mutex_read_lock);
+  const Scope scope;
+  PreLock(scope, this, __tsan_mutex_read_lock);
   real(this, cond);
-  __tsan_mutex_post_lock(this, __tsan_mutex_read_lock, 0);
+  PostLock(scope, this, __tsan_mutex_read_lock);
 }
 
 bool Mutex::LockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
   static const auto real =
       Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
           "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  __tsan_mutex_pre_lock(this, 0);
+  const Scope scope;
+  PreLock(scope, this, 0);
   const bool met = real(this, cond, timeout);
-  __tsan_mutex_post_lock(this, 0, 0);
+  PostLock(scope, this, 0);
   return met;
 }
 
 bool Mutex::LockWhenWithDeadline(const Condition& cond, absl::Time deadline) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, absl::Time)>(
       "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  __tsan_mutex_pre_lock(this, 0);
+  const Scope scope;
+  PreLock(scope, this, 0);
   const bool met = real(this, cond, deadline);
-  __tsan_mutex_post_lock(this, 0, 0);
+  PostLock(scope, this, 0);
   return met;
 }
 
 void Mutex::Await(const Condition& cond) {
   static const auto real = Real<void (*)(Mutex*, const Condition&)>(
       "5Mutex5AwaitERKNS0_9ConditionE");
-  WaitAnnotation wait(this, 0);
+  WaitAnnotation wait(this);
   real(this, cond);
 }
 
@@ -175,47 +219,85 @@ bool Mutex::AwaitWithTimeout(const Condition& cond, absl::Duration timeout) {
   static const auto real =
       Real<bool (*)(Mutex*, const Condition&, absl::Duration)>(
           "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
-  WaitAnnotation wait(this, 0);
+  WaitAnnotation wait(this);
   return real(this, cond, timeout);
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& cond, absl::Time deadline) {
   static const auto real = Real<bool (*)(Mutex*, const Condition&, absl::Time)>(
       "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
-  WaitAnnotation wait(this, 0);
+  WaitAnnotation wait(this);
   return real(this, cond, deadline);
 }
 
 void CondVar::Wait(Mutex* mu) {
   static const auto real =
       Real<void (*)(CondVar*, Mutex*)>("7CondVar4WaitEPNS0_5MutexE");
-  WaitAnnotation wait(mu, 0);
+  WaitAnnotation wait(mu);
   real(this, mu);
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, absl::Duration timeout) {
   static const auto real = Real<bool (*)(CondVar*, Mutex*, absl::Duration)>(
       "7CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
-  WaitAnnotation wait(mu, 0);
+  WaitAnnotation wait(mu);
   return real(this, mu, timeout);
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, absl::Time deadline) {
   static const auto real = Real<bool (*)(CondVar*, Mutex*, absl::Time)>(
       "7CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
-  WaitAnnotation wait(mu, 0);
+  WaitAnnotation wait(mu);
   return real(this, mu, deadline);
 }
 
 bool Condition::Eval() const {
   static const auto real =
       Real<bool (*)(const Condition*)>("9Condition4EvalEv", /*is_const=*/true);
+  // The condition is user code: locking inside it is annotated again.
+  const int depth = tls_depth;
+  tls_depth = 0;
   AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
   AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
   const bool result = real(this);
   AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
   AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+  tls_depth = depth;
   return result;
+}
+
+void Notification::Notify() {
+  static const auto real =
+      Real<void (*)(Notification*)>("12Notification6NotifyEv");
+  __tsan_release(this);
+  real(this);
+}
+
+void Notification::WaitForNotification() const {
+  static const auto real = Real<void (*)(const Notification*)>(
+      "12Notification19WaitForNotificationEv", /*is_const=*/true);
+  real(this);
+  __tsan_acquire(const_cast<Notification*>(this));
+}
+
+bool Notification::WaitForNotificationWithTimeout(
+    absl::Duration timeout) const {
+  static const auto real =
+      Real<bool (*)(const Notification*, absl::Duration)>(
+          "12Notification30WaitForNotificationWithTimeoutENS0_8DurationE",
+          /*is_const=*/true);
+  const bool notified = real(this, timeout);
+  if (notified) __tsan_acquire(const_cast<Notification*>(this));
+  return notified;
+}
+
+bool Notification::WaitForNotificationWithDeadline(absl::Time deadline) const {
+  static const auto real = Real<bool (*)(const Notification*, absl::Time)>(
+      "12Notification31WaitForNotificationWithDeadlineENS0_4TimeE",
+      /*is_const=*/true);
+  const bool notified = real(this, deadline);
+  if (notified) __tsan_acquire(const_cast<Notification*>(this));
+  return notified;
 }
 
 ABSL_NAMESPACE_END
