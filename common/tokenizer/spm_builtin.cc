@@ -1,5 +1,7 @@
 #include "common/tokenizer/spm_builtin.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <queue>

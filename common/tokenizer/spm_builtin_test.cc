@@ -1,5 +1,6 @@
 #include "common/tokenizer/spm_builtin.h"
 
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <utility>
