@@ -43,6 +43,10 @@ class DraftStream final
       : stub_(v1::Speculator::NewStub(channel)) {
     ctx_.set_deadline(absl::ToChronoTime(deadline));
     stub_->async()->Draft(&ctx_, this);
+    // Round() starts operations from outside the reactions; without a hold
+    // a cancel between rounds lets gRPC run OnDone and free the call, and
+    // the next StartWrite uses it after free (UBSan, request_runner_test).
+    AddHold();
     StartCall();
   }
 
@@ -71,7 +75,11 @@ class DraftStream final
       return absl::DeadlineExceededError("Draft round timed out");
     }
     if (broken_) {
-      // The final status follows the failed read/write shortly.
+      // No more operations on a broken stream: let OnDone run. The final
+      // status follows the failed read/write shortly.
+      mu_.Unlock();
+      ReleaseHold();
+      mu_.Lock();
       mu_.AwaitWithTimeout(absl::Condition(&done_), absl::Seconds(1));
       return FailureLocked();
     }
@@ -93,6 +101,7 @@ class DraftStream final
     } else {
       ctx_.TryCancel();
     }
+    ReleaseHold();
     absl::MutexLock lock(&mu_);
     if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
       clean = false;
@@ -121,6 +130,14 @@ class DraftStream final
   }
 
  private:
+  // Drops the constructor's hold once no operation will be started any
+  // more (never with mu_ held: OnDone may run inline and takes it).
+  void ReleaseHold() {
+    if (hold_released_) return;
+    hold_released_ = true;
+    RemoveHold();
+  }
+
   absl::Status FailureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (timed_out_) return absl::DeadlineExceededError("Draft timed out");
     if (done_ && !status_.ok()) return FromGrpcStatus(status_);
@@ -138,6 +155,7 @@ class DraftStream final
   bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
+  bool hold_released_ = false;  // Round/Close thread only
 };
 
 // The fallback reason for a failed speculator call ("" = not a fallback:

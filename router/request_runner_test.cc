@@ -499,6 +499,23 @@ TEST_F(RequestRunnerTest, SpeculatorKilledMidGenerationStillCompletes) {
   EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
 }
 
+// Regression (UBSan under --config=asan): a cancel landing between draft
+// rounds let gRPC finish and free the Draft call while the next round was
+// starting a write on it. Repeated so the interleaving is likely.
+TEST_F(RequestRunnerTest, CancelsBetweenDraftRoundsNeverTouchAFinishedCall) {
+  for (int i = 0; i < 8; ++i) {
+    Outcome o = Run(Request(StoryPrompt(2), 400, 1.f, true),
+                    [&](const v1::GenerateTextChunk&, RequestRunner* r) {
+                      r->Cancel();
+                    });
+    EXPECT_TRUE(absl::IsCancelled(o.status)) << o.status;
+    EXPECT_TRUE(Eventually([&] {
+      return speculator_->sessions().num_sessions() == 0 &&
+             target_->active_sessions() == 0;
+    }));
+  }
+}
+
 TEST_F(RequestRunnerTest, CancelFreesBothSessions) {
   Outcome o = Run(Request(StoryPrompt(2), 400, 1.f, true),
                   [&](const v1::GenerateTextChunk&, RequestRunner* r) {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test: the whole Bazel test suite, then the safetensors header
-# mutation test again under AddressSanitizer, then the libFuzzer targets.
+# Runs every test: the whole Bazel test suite, then the services' tests and
+# the end-to-end test under AddressSanitizer + UBSan and ThreadSanitizer,
+# then the libFuzzer targets.
 # Tests that compare against npm reference packages (tokenizers, templates,
 # the OpenAI client) find them through SPECSERVE_NODE_MODULES, installed
 # here first.
@@ -11,6 +12,21 @@ SPECSERVE_NODE_MODULES="$(bash tools/install_npm_deps.sh)"
 export SPECSERVE_NODE_MODULES
 
 bazel test //... "$@"
-bazel test --config=asan //common/model:safetensors_fuzz_test "$@"
+# The services' tests and the end-to-end test under ASan + UBSan, and most of
+# them under TSan (.bazelrc; sentencepiece through the built-in tokenizer),
+# plus the
+# safetensors header mutation test and the built-in sentencepiece tokenizer's
+# tests under ASan.
+SANITIZED=(//speculator_service/... //target_service/... //router/...
+           //common/scheduling/... //common/speculation/... //tests:e2e_test)
+bazel test --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
+  //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test "$@"
+# Under TSan only the targets without in-process gRPC callback servers: the
+# callback API hands reactors and tags between threads inside Debian's
+# uninstrumented libgrpc, which TSan reports as races (README, Tests).
+bazel test --config=tsan //common/scheduling/... //common/speculation/... \
+  //speculator_service:session_manager_test //speculator_service:request_fuzz_test \
+  //target_service:scheduler_test //target_service:request_fuzz_test \
+  //router:replica_pool_test //router:request_fuzz_test "$@"
 # The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
 bazel test --config=fuzz //... "$@"

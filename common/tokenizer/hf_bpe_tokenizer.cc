@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "common/tokenizer/byte_level.h"
+#include "common/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
 namespace specserve {
@@ -29,58 +30,11 @@ absl::string_view Sv(std::string_view s) {
   return absl::string_view(s.data(), s.size());
 }
 
-constexpr char kReplacementChar[] = "\xEF\xBF\xBD";  // U+FFFD
 constexpr int kMaxVocabId = 1 << 24;  // Sanity bound on ids in the file.
 // Word cache bounds: longer words are rare and cheap to skip; the cache is
 // cleared when it reaches kMaxCachedWords (HF bounds its cache likewise).
 constexpr size_t kMaxCachedWordBytes = 256;
 constexpr size_t kMaxCachedWords = 1 << 16;
-
-// Length of the valid UTF-8 sequence starting at s[i] (RFC 3629: no
-// overlongs, surrogates or code points above U+10FFFF), or 0 when the bytes
-// there are not a complete valid sequence.
-size_t ValidUtf8Len(std::string_view s, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = b(i);
-  const size_t left = s.size() - i;
-  if (c < 0x80) return 1;
-  if (c >= 0xC2 && c <= 0xDF) {
-    return left >= 2 && (b(i + 1) & 0xC0) == 0x80 ? 2 : 0;
-  }
-  if (c >= 0xE0 && c <= 0xEF) {
-    if (left < 3) return 0;
-    const unsigned char lo = c == 0xE0 ? 0xA0 : 0x80;
-    const unsigned char hi = c == 0xED ? 0x9F : 0xBF;
-    return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 ? 3
-                                                                         : 0;
-  }
-  if (c >= 0xF0 && c <= 0xF4) {
-    if (left < 4) return 0;
-    const unsigned char lo = c == 0xF0 ? 0x90 : 0x80;
-    const unsigned char hi = c == 0xF4 ? 0x8F : 0xBF;
-    return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 &&
-                   (b(i + 3) & 0xC0) == 0x80
-               ? 4
-               : 0;
-  }
-  return 0;
-}
-
-// Bytes -> text, each byte that does not start a valid sequence becoming
-// U+FFFD (the sentencepiece rule; see the class comment).
-void AppendBytesLossy(std::string_view bytes, std::string* out) {
-  size_t i = 0;
-  while (i < bytes.size()) {
-    const size_t n = ValidUtf8Len(bytes, i);
-    if (n == 0) {
-      out->append(kReplacementChar);
-      ++i;
-    } else {
-      out->append(bytes.substr(i, n));
-      i += n;
-    }
-  }
-}
 
 // Bytes -> text, each maximal subpart of an invalid sequence becoming one
 // U+FFFD (Unicode's "best practice", used by Rust's from_utf8_lossy and the
@@ -186,30 +140,6 @@ size_t WhitespaceRunStart(std::string_view s, size_t begin, size_t end) {
     start = k;
   }
   return start;
-}
-
-// Parses a "<0xXX>" byte piece.
-bool ParseBytePiece(std::string_view piece, unsigned char* byte) {
-  if (piece.size() != 6 || piece.substr(0, 3) != "<0x" || piece[5] != '>') {
-    return false;
-  }
-  int v = 0;
-  for (int k = 3; k < 5; ++k) {
-    const char ch = piece[k];
-    int d;
-    if (ch >= '0' && ch <= '9') {
-      d = ch - '0';
-    } else if (ch >= 'A' && ch <= 'F') {
-      d = ch - 'A' + 10;
-    } else if (ch >= 'a' && ch <= 'f') {
-      d = ch - 'a' + 10;
-    } else {
-      return false;
-    }
-    v = v * 16 + d;
-  }
-  *byte = static_cast<unsigned char>(v);
-  return true;
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {

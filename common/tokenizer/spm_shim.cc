@@ -28,8 +28,9 @@
 //
 // Sanitizers: ASan does not support RTLD_DEEPBIND (it aborts in dlopen), so
 // under ASan we load without it. That is safe only in processes that do not
-// also load libprotobuf (e.g. the tokenizer tests); gRPC binaries must not be
-// run under --config=asan with a sentencepiece model.
+// also load libprotobuf. The sanitizer configs (--config=asan / tsan) do not
+// link this shim at all: they set --define=spm=builtin, and LoadTokenizer
+// reads tokenizer.model with BuiltinSpmTokenizer (spm_builtin.h).
 
 #include "common/tokenizer/spm_shim.h"
 

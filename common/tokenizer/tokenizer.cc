@@ -9,7 +9,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/tokenizer/hf_bpe_tokenizer.h"
+#include "common/tokenizer/spm_builtin.h"
+#if !defined(SPECSERVE_SPM_BUILTIN)
 #include "common/tokenizer/sentencepiece_tokenizer.h"
+#endif
 
 namespace specserve {
 namespace {
@@ -100,8 +103,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(
     const std::string& model_dir) {
   const std::string spm_path = absl::StrCat(model_dir, "/tokenizer.model");
   if (IsRegularFile(spm_path)) {
+#if defined(SPECSERVE_SPM_BUILTIN)
+    // --define=spm=builtin (sanitizer builds): no libsentencepiece.
+    absl::StatusOr<std::unique_ptr<BuiltinSpmTokenizer>> t =
+        BuiltinSpmTokenizer::Load(spm_path);
+#else
     absl::StatusOr<std::unique_ptr<SentencePieceTokenizer>> t =
         SentencePieceTokenizer::Load(spm_path);
+#endif
     if (!t.ok()) return t.status();
     return std::unique_ptr<Tokenizer>(*std::move(t));
   }

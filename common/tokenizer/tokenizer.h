@@ -69,6 +69,10 @@ class Tokenizer {
 /// NOT_FOUND if neither exists; INVALID_ARGUMENT for a malformed file and
 /// UNIMPLEMENTED for an unsupported tokenizer.json kind (e.g. WordPiece),
 /// both naming the file; UNAVAILABLE if libsentencepiece cannot be loaded.
+/// tokenizer.model is read by libsentencepiece (SentencePieceTokenizer), or
+/// under --define=spm=builtin (the sanitizer configs) by
+/// BuiltinSpmTokenizer, which does not load the library and answers
+/// UNIMPLEMENTED for non-BPE models.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(
     const std::string& model_dir);
 
