@@ -218,6 +218,11 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
   for (int phase = 0; phase < 2; ++phase) {
     std::vector<absl::Status> got(kSessions, absl::UnknownError("not run"));
     std::vector<absl::Notification> done(kSessions);
+    // Results are taken in Finish, on the scheduler's thread, as the
+    // services do: an idle session may be preempted there at any time.
+    std::vector<absl::StatusOr<ScoreResult>> scores(
+        kSessions, absl::UnknownError("not run"));
+    std::vector<std::vector<DraftToken>> drafts(kSessions);
     for (int i = 0; i < kSessions; ++i) {
       DraftSession* s = sessions[i].get();
       auto begin = [s, &prompts, &emitted, i, so, phase] {
@@ -227,8 +232,13 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
       ASSERT_TRUE((*sched)
                       ->Submit(std::make_unique<DraftSessionWork>(
                           s, begin,
-                          [&, i](absl::Status st) {
+                          [&, s, i, phase](absl::Status st) {
                             got[i] = st;
+                            if (st.ok() && phase == 0) {
+                              scores[i] = s->TakeScoreResult();
+                            } else if (st.ok()) {
+                              drafts[i] = s->TakeDrafts();
+                            }
                             done[i].Notify();
                           }))
                       .ok());
@@ -237,14 +247,14 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
       ASSERT_TRUE(done[i].WaitForNotificationWithTimeout(absl::Seconds(60)));
       ASSERT_TRUE(got[i].ok()) << i << ": " << got[i];
       if (phase == 0) {
-        const absl::StatusOr<ScoreResult> r = sessions[i]->TakeScoreResult();
+        const absl::StatusOr<ScoreResult>& r = scores[i];
         ASSERT_TRUE(r.ok()) << r.status();
         EXPECT_EQ(r->look_ahead_tokens, want_score[i].look_ahead_tokens) << i;
         EXPECT_EQ(r->selection.kept_indices,
                   want_score[i].selection.kept_indices)
             << i;
       } else {
-        const std::vector<DraftToken> d = sessions[i]->TakeDrafts();
+        const std::vector<DraftToken>& d = drafts[i];
         ASSERT_EQ(d.size(), want_drafts[i].size()) << i;
         for (size_t j = 0; j < d.size(); ++j) {
           EXPECT_EQ(d[j].id, want_drafts[i][j].id) << i << " " << j;
@@ -255,6 +265,8 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
   absl::MutexLock lock(&mu);
   EXPECT_GT(preempted + waited, 0);
   EXPECT_GT(preempted, 0);
+  // The scheduler is idle now: the sessions' counters are safe to read.
+  EXPECT_EQ((*sched)->num_works(), 0);
   int recomputed = 0;
   for (const auto& s : sessions) recomputed += s->num_preemptions();
   EXPECT_EQ(recomputed, preempted);
