@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/tokenizer/byte_level.h"
+#include "common/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
 namespace specserve {
@@ -19,34 +20,6 @@ using Json = nlohmann::json;
 // (GPT-2's encoder.py).
 constexpr char kGpt2Pattern[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-// Length of the valid UTF-8 character at s[i] (RFC 3629), or 0.
-size_t Utf8CharLen(std::string_view s, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
-  const unsigned char c = b(i);
-  const size_t left = s.size() - i;
-  if (c < 0x80) return 1;
-  if (c >= 0xC2 && c <= 0xDF) {
-    return left >= 2 && (b(i + 1) & 0xC0) == 0x80 ? 2 : 0;
-  }
-  if (c >= 0xE0 && c <= 0xEF) {
-    if (left < 3) return 0;
-    const unsigned char lo = c == 0xE0 ? 0xA0 : 0x80;
-    const unsigned char hi = c == 0xED ? 0x9F : 0xBF;
-    return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 ? 3
-                                                                         : 0;
-  }
-  if (c >= 0xF0 && c <= 0xF4) {
-    if (left < 4) return 0;
-    const unsigned char lo = c == 0xF0 ? 0x90 : 0x80;
-    const unsigned char hi = c == 0xF4 ? 0x8F : 0xBF;
-    return b(i + 1) >= lo && b(i + 1) <= hi && (b(i + 2) & 0xC0) == 0x80 &&
-                   (b(i + 3) & 0xC0) == 0x80
-               ? 4
-               : 0;
-  }
-  return 0;
-}
 
 void InitOniguruma() {
   // onig_initialize is not thread-safe: run it once.
@@ -117,7 +90,7 @@ void OnigRegex::FindAll(std::string_view text,
     if (b == e && have_last && last_end == e) {
       // Empty match where the last one ended: step over one character.
       if (pos >= text.size()) break;
-      const size_t n = Utf8CharLen(text, pos);
+      const size_t n = ValidUtf8Len(text, pos);
       pos += n == 0 ? 1 : n;
       continue;
     }
@@ -293,7 +266,7 @@ void PreTokenizer::Split(std::string_view text,
   std::vector<Piece> pieces;
   size_t run = 0;
   for (size_t i = 0; i < text.size();) {
-    const size_t n = Utf8CharLen(text, i);
+    const size_t n = ValidUtf8Len(text, i);
     if (n > 0) {
       i += n;
       continue;
