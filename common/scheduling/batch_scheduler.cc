@@ -5,6 +5,7 @@
 #include <numeric>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/util/clock.h"
 
@@ -159,14 +160,7 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   // memory leave the batch (their plans are made again next step).
   if (!batch.empty()) {
     std::vector<bool> keep(batch.size(), true), fail(batch.size(), false);
-    absl::flat_hash_set<const KvSequence*> busy;
-    for (const Entry& e : *works) {
-      if (e.work != nullptr && e.work->sequence() != nullptr) {
-        busy.insert(e.work->sequence());
-      }
-    }
-    for (const SequenceForward& f : batch) busy.insert(f.kv);
-    ClaimKvBlocks(batch, busy, &keep, &fail, &stats);
+    ClaimKvBlocks(batch, *works, &keep, &fail, &stats);
     size_t kept = 0;
     for (size_t b = 0; b < batch.size(); ++b) {
       if (fail[b]) {
@@ -250,10 +244,11 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   return stats.sequences;
 }
 
-void BatchScheduler::ClaimKvBlocks(
-    const std::vector<SequenceForward>& batch,
-    const absl::flat_hash_set<const KvSequence*>& busy, std::vector<bool>* keep,
-    std::vector<bool>* fail, StepStats* stats) {
+void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
+                                   const std::vector<Entry>& works,
+                                   std::vector<bool>* keep,
+                                   std::vector<bool>* fail,
+                                   StepStats* stats) {
   PagedKvCache& cache = model_->kv_cache();
   const int watermark = static_cast<int>(
       std::ceil(options_.kv_watermark * cache.num_blocks()));
@@ -266,6 +261,16 @@ void BatchScheduler::ClaimKvBlocks(
   }
   // The common case: no memory pressure, nothing to decide.
   if (total + watermark <= cache.num_free_blocks()) return;
+
+  // Under pressure only: the sequences some work in flight runs on (the
+  // rest are idle, PreemptIdle's candidates).
+  absl::flat_hash_set<const KvSequence*> busy;
+  for (const Entry& e : works) {
+    if (e.work != nullptr && e.work->sequence() != nullptr) {
+      busy.insert(e.work->sequence());
+    }
+  }
+  for (const SequenceForward& f : batch) busy.insert(f.kv);
 
   std::vector<size_t> order(batch.size());
   std::iota(order.begin(), order.end(), size_t{0});

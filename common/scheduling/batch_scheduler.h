@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -147,11 +146,10 @@ class BatchScheduler {
   // The memory phase of a step: claims KV blocks for the planned entries
   // (see the class comment) and clears keep[b] for the entries that must
   // wait; works whose need exceeds the whole pool are added to `fail`.
-  // `busy`: the sequences of every work in flight (the rest are idle).
+  // `works`: every work in flight (sequences none of them runs on are idle).
   void ClaimKvBlocks(const std::vector<SequenceForward>& batch,
-                     const absl::flat_hash_set<const KvSequence*>& busy,
-                     std::vector<bool>* keep, std::vector<bool>* fail,
-                     StepStats* stats);
+                     const std::vector<Entry>& works, std::vector<bool>* keep,
+                     std::vector<bool>* fail, StepStats* stats);
 
   ModelRunner* const model_;
   const Options options_;
