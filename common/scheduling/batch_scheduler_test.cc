@@ -177,14 +177,13 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
   auto small = testing_util::MakeCpuRunner(LoadBundled("stories260K-draft"), 1);
   ASSERT_NE(small, nullptr);
   absl::Mutex mu;
-  int preempted = 0, waited = 0;
+  int preempted = 0;
   BatchScheduler::Options o;
   o.max_num_batched_tokens = 64;
   auto sched = BatchScheduler::Create(
       small.get(), o, [&](const BatchScheduler::StepStats& st) {
         absl::MutexLock lock(&mu);
         preempted += st.preempted;
-        waited += st.waiting_for_kv;
       });
   ASSERT_TRUE(sched.ok()) << sched.status();
   std::mt19937 rng(5);
@@ -263,7 +262,6 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
     }
   }
   absl::MutexLock lock(&mu);
-  EXPECT_GT(preempted + waited, 0);
   EXPECT_GT(preempted, 0);
   // The scheduler is idle now: the sessions' counters are safe to read.
   EXPECT_EQ((*sched)->num_works(), 0);
