@@ -130,11 +130,8 @@ class HttpServerTest : public ServicesTest {
     info.set_max_context(100000);
     info.set_tokenizer_fingerprint(tokenizer_->Fingerprint());
     slow_ = std::make_unique<SlowTarget>(info);
-    grpc::ServerBuilder b;
     int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(slow_.get());
-    slow_server_ = b.BuildAndStart();
+    slow_server_ = Serve(slow_.get(), &port);
     return Addr(port);
   }
 

@@ -355,12 +355,8 @@ class HangingSpeculator final : public v1::Speculator::Service {
 
 TEST_F(RequestRunnerTest, SpeculatorPastItsDeadlineFallsBack) {
   HangingSpeculator hanging;
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           &port);
-  builder.RegisterService(&hanging);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = Serve(&hanging, &port);
   Connect(Addr(port), Addr(target_->port()));
   backends_.speculator_deadline = absl::Milliseconds(100);
   const std::string text = StoryPrompt(2);
@@ -427,15 +423,6 @@ class SlowSpeculator final : public v1::Speculator::Service {
   int opened_ ABSL_GUARDED_BY(mu_) = 0;
   int released_ ABSL_GUARDED_BY(mu_) = 0;
 };
-
-// Serves `service` on 127.0.0.1:0; writes the port.
-std::unique_ptr<grpc::Server> Serve(grpc::Service* service, int* port) {
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
-                           port);
-  builder.RegisterService(service);
-  return builder.BuildAndStart();
-}
 
 TEST_F(RequestRunnerTest, LateScoreAnswerAfterFallbackIsReleased) {
   SlowSpeculator slow(absl::Milliseconds(600), absl::ZeroDuration());

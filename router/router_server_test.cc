@@ -126,11 +126,8 @@ class RouterServerTest : public ServicesTest {
     info.set_max_context(512);
     info.set_tokenizer_fingerprint(tokenizer_->Fingerprint());
     hanging_ = std::make_unique<HangingTarget>(info);
-    grpc::ServerBuilder b;
     int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    b.RegisterService(hanging_.get());
-    hanging_server_ = b.BuildAndStart();
+    hanging_server_ = Serve(hanging_.get(), &port);
     return Addr(port);
   }
 

@@ -23,6 +23,7 @@
 #include "common/service/service_test_util.h"
 #include "common/speculation/test_util.h"
 #include "common/tokenizer/tokenizer.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "speculator_service/speculator_server.h"
 #include "target_service/target_server.h"
@@ -84,6 +85,16 @@ inline std::unique_ptr<TargetServer> StartTarget() {
 }
 
 inline std::string Addr(int port) { return absl::StrCat("127.0.0.1:", port); }
+
+/// Serves `service` (a fake speculator or target) on 127.0.0.1:0 and writes
+/// the port it got.
+inline std::unique_ptr<grpc::Server> Serve(grpc::Service* service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           port);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
 
 /// A loopback port nothing listens on (bound, then closed).
 inline int DeadPort() {
