@@ -127,33 +127,6 @@ std::string Fmt(double x, int prec = 3) {
   return absl::StrFormat("%.*f", prec, x);
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream ss;
-  ss << f.rdbuf();
-  std::string s = ss.str();
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) {
-    s.pop_back();
-  }
-  return s;
-}
-
-// All *.txt under `dirs`, sorted by path within each directory.
-std::vector<std::string> PromptFiles(const std::vector<std::string>& dirs) {
-  std::vector<std::string> all;
-  for (const std::string& d : dirs) {
-    std::vector<std::string> files;
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(d, ec)) {
-      if (e.path().extension() == ".txt") files.push_back(e.path().string());
-    }
-    std::sort(files.begin(), files.end());
-    all.insert(all.end(), files.begin(), files.end());
-  }
-  return all;
-}
-
 absl::Status LoadPair(Pair* p, const std::vector<std::string>& files, int gen) {
   auto sw = LoadBenchModel(p->scorer);
   if (!sw.ok()) return sw.status();
@@ -174,7 +147,7 @@ absl::Status LoadPair(Pair* p, const std::vector<std::string>& files, int gen) {
       std::min(p->target_m->config().max_position_embeddings - gen,
                p->scorer_m->config().max_position_embeddings - 8);
   for (const std::string& f : files) {
-    auto text = ReadFile(f);
+    auto text = ReadPromptFile(f);
     if (!text.ok()) return text.status();
     auto ids = (*tok)->Encode(*text, /*add_bos=*/true);
     if (!ids.ok()) return ids.status();

@@ -461,23 +461,19 @@ absl::Status PairEval::Fidelity(const std::string& dir,
   constexpr int kGen = 32;
   const int ctx = std::min(target_->config().max_position_embeddings - kGen,
                            scorer_->config().max_position_embeddings - 8);
-  std::vector<std::string> files;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    if (e.path().extension() == ".txt") files.push_back(e.path().string());
+  const std::vector<std::string> files = PromptFiles({dir});
+  if (files.empty()) {
+    return absl::NotFoundError(absl::StrCat("no *.txt prompts in ", dir));
   }
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir));
-  std::sort(files.begin(), files.end());
   struct Acc {
     double top1 = 0, match = 0, kept = 0;
     int n = 0;
   };
   std::vector<Acc> fixed(ratios.size()), by_mass(masses.size());
   for (const std::string& f : files) {
-    std::ifstream in(f);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    auto ids = tok_->Encode(ss.str(), true);
+    auto text = ReadPromptFile(f);
+    if (!text.ok()) return text.status();
+    auto ids = tok_->Encode(*text, true);
     if (!ids.ok()) return ids.status();
     if (static_cast<int>(ids->size()) > ctx) ids->resize(ctx);
     const int n = static_cast<int>(ids->size());

@@ -1,7 +1,11 @@
 #include "bench/eval_util.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <numeric>
 #include <random>
 
@@ -125,6 +129,32 @@ MeanStd ComputeMeanStd(absl::Span<const double> xs) {
   for (double x : xs) ss += (x - r.mean) * (x - r.mean);
   r.std = std::sqrt(ss / (xs.size() - 1));
   return r;
+}
+
+absl::StatusOr<std::string> ReadPromptFile(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  std::string s = ss.str();
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) {
+    s.pop_back();
+  }
+  return s;
+}
+
+std::vector<std::string> PromptFiles(const std::vector<std::string>& dirs) {
+  std::vector<std::string> all;
+  for (const std::string& d : dirs) {
+    std::vector<std::string> files;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(d, ec)) {
+      if (e.path().extension() == ".txt") files.push_back(e.path().string());
+    }
+    std::sort(files.begin(), files.end());
+    all.insert(all.end(), files.begin(), files.end());
+  }
+  return all;
 }
 
 }  // namespace bench

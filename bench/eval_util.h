@@ -6,6 +6,7 @@
 // positions, and the metrics that compare it with the full-prompt run.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -55,6 +56,14 @@ double KlDivergence(absl::Span<const float> p_logits,
 /// max(a.size(), b.size()) positions (a missing token is a mismatch);
 /// 1 when both are empty.
 double MatchRate(absl::Span<const int> a, absl::Span<const int> b);
+
+/// The text of a prompt file with trailing whitespace removed. NOT_FOUND
+/// if it cannot be read.
+absl::StatusOr<std::string> ReadPromptFile(const std::string& path);
+
+/// All *.txt files under `dirs`, sorted by path within each directory
+/// (a missing directory contributes none).
+std::vector<std::string> PromptFiles(const std::vector<std::string>& dirs);
 
 /// Mean and sample standard deviation (n-1; 0 for fewer than two values).
 struct MeanStd {
