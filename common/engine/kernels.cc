@@ -222,116 +222,238 @@ inline void StorePanelRow(const float* acc, int valid, float beta, float* y) {
   }
 }
 
-#define SPECSERVE_AVX512 __attribute__((target("avx512f")))
+// Rows of one PanelGemm pass: the panel is walked in blocks of kKBlock k's
+// (16 KB of weights, L1-resident) and every group of rows runs over a block
+// before the next block is touched, so each weight comes from memory once
+// per call whatever the row count; the groups' re-reads hit L1. Accumulators
+// live in a [rows][32] scratch between blocks (a few loads and stores per
+// 128 k's). Each row's sums are still in ascending k, so results equal the
+// unblocked kernel's bit for bit and do not depend on the other rows.
+//
+// The next block (or the next panel, which follows in memory) is
+// prefetched while this one is computed, spread over the block's groups:
+// one group alone requests both lines of each k ahead; with two or more,
+// the first two request one half each, one line per k. Requests then leave
+// at the pace of the arithmetic (memory and compute overlap); issuing the
+// whole block from the first group stalls it on full fill buffers while
+// memory idles during the others.
+constexpr int kKBlock = 128;
+// Rows per pass: bounds the accumulator scratch (32 KB).
+constexpr int kMaxPassRows = 256;
+// Floats per 64-byte cache line.
+constexpr int kLineFloats = 16;
 
-// R rows of x against one panel: per k, the panel's 32 weights (2 zmm)
-// times each row's x[k] broadcast; 2R accumulators.
-template <int R>
-SPECSERVE_AVX512 void PanelRowsZ(const float* x, int in, const float* panel,
-                                 float* y, int y_stride, int valid,
-                                 float beta) {
-  __m512 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = _mm512_setzero_ps();
-    acc[r][1] = _mm512_setzero_ps();
-  }
-  for (int k = 0; k < in; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(panel + size_t(k) * kPanelWidth);
-    const __m512 w1 = _mm512_loadu_ps(panel + size_t(k) * kPanelWidth + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[size_t(r) * in + k]);
-      acc[r][0] = _mm512_fmadd_ps(w0, xb, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, xb, acc[r][1]);
-    }
-  }
-  alignas(64) float out[kPanelWidth];
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(out, acc[r][0]);
-    _mm512_store_ps(out + 16, acc[r][1]);
-    StorePanelRow(out, valid, beta, y + size_t(r) * y_stride);
+// Runs Rows<R, kPrefetchLines>::Run for a runtime prefetch mode (0, 1 or 2
+// lines of the next block per k).
+template <template <int, int> class Rows, int R>
+inline void RunGroup(int prefetch_lines, const float* x, int in,
+                     const float* panel, int k0, int k1, float* acc,
+                     bool first, const float* prefetch) {
+  switch (prefetch_lines) {
+    case 2:
+      Rows<R, 2>::Run(x, in, panel, k0, k1, acc, first, prefetch);
+      break;
+    case 1:
+      Rows<R, 1>::Run(x, in, panel, k0, k1, acc, first, prefetch);
+      break;
+    default:
+      Rows<R, 0>::Run(x, in, panel, k0, k1, acc, first, prefetch);
+      break;
   }
 }
+
+// One k-block [k0, k1) of a panel for rows [0, n): groups of kGroup rows
+// (Rows<R, P>::Run accumulates R rows into acc [R][32]), then the
+// remainder in groups of 4, 3, 2 or 1; each group is given its share of
+// the next block's prefetch.
+template <int kGroup, template <int, int> class Rows>
+inline void PanelBlock(const float* x, int n, int in, const float* panel,
+                       int k0, int k1, float* acc) {
+  // The groups as (first row, rows).
+  int starts[kMaxPassRows], sizes[kMaxPassRows];
+  int groups = 0, r = 0;
+  for (; r + kGroup <= n; r += kGroup) {
+    starts[groups] = r;
+    sizes[groups++] = kGroup;
+  }
+  for (int g : {4, 3, 2, 1}) {
+    if (g < kGroup && n - r >= g) {
+      starts[groups] = r;
+      sizes[groups++] = g;
+      r += g;
+    }
+  }
+  const bool first = k0 == 0;
+  const float* next = panel + size_t(k1) * kPanelWidth;
+  for (int g = 0; g < groups; ++g) {
+    const int lines = groups == 1 ? 2 : (g < 2 ? 1 : 0);
+    const float* pf = next + size_t(g % 2) * kKBlock * kLineFloats;
+    const float* xg = x + size_t(starts[g]) * in;
+    float* ag = acc + size_t(starts[g]) * kPanelWidth;
+    switch (sizes[g]) {
+      case 8:
+        if constexpr (kGroup >= 8) {
+          RunGroup<Rows, 8>(lines, xg, in, panel, k0, k1, ag, first, pf);
+        }
+        break;
+      case 4:
+        if constexpr (kGroup >= 4) {
+          RunGroup<Rows, 4>(lines, xg, in, panel, k0, k1, ag, first, pf);
+        }
+        break;
+      case 3:
+        if constexpr (kGroup >= 3) {
+          RunGroup<Rows, 3>(lines, xg, in, panel, k0, k1, ag, first, pf);
+        }
+        break;
+      case 2:
+        RunGroup<Rows, 2>(lines, xg, in, panel, k0, k1, ag, first, pf);
+        break;
+      default:
+        RunGroup<Rows, 1>(lines, xg, in, panel, k0, k1, ag, first, pf);
+        break;
+    }
+  }
+}
+
+// Runs one PanelGemm pass of n <= kMaxPassRows rows over panels
+// [panel_begin, panel_end).
+template <int kGroup, template <int, int> class Rows>
+inline void PanelPass(const float* x, int n, int in, const float* packed,
+                      int panel_begin, int panel_end, float* y, int y_stride,
+                      int out, float beta) {
+  alignas(64) float acc[kMaxPassRows * kPanelWidth];
+  if (in == 0) std::fill(acc, acc + size_t(n) * kPanelWidth, 0.f);
+  for (int p = panel_begin; p < panel_end; ++p) {
+    const float* panel = packed + size_t(p) * in * kPanelWidth;
+    for (int k0 = 0; k0 < in; k0 += kKBlock) {
+      PanelBlock<kGroup, Rows>(x, n, in, panel, k0, std::min(in, k0 + kKBlock),
+                               acc);
+    }
+    const int o = p * kPanelWidth;
+    const int valid = std::min(kPanelWidth, out - o);
+    for (int r = 0; r < n; ++r) {
+      StorePanelRow(acc + size_t(r) * kPanelWidth, valid, beta,
+                    y + size_t(r) * y_stride + o);
+    }
+  }
+}
+
+// Splits n rows into passes of at most kMaxPassRows.
+template <int kGroup, template <int, int> class Rows>
+inline void PanelGemmImpl(const float* x, int n, int in, const float* packed,
+                          int panel_begin, int panel_end, float* y,
+                          int y_stride, int out, float beta) {
+  for (int r = 0; r < n; r += kMaxPassRows) {
+    PanelPass<kGroup, Rows>(x + size_t(r) * in, std::min(kMaxPassRows, n - r),
+                            in, packed, panel_begin, panel_end,
+                            y + size_t(r) * y_stride, y_stride, out, beta);
+  }
+}
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f")))
+
+// AVX-512: R rows of x against one k-block of a panel: per k, the panel's
+// 32 weights (2 zmm) times each row's x[k] broadcast; 2R accumulators
+// (R <= 8: 16 zmm). Requests kPrefetchLines lines from `prefetch` on per k.
+template <int R, int kPrefetchLines>
+struct RowsZ {
+  SPECSERVE_AVX512 static void Run(const float* x, int in, const float* panel,
+                                   int k0, int k1, float* acc, bool first,
+                                   const float* prefetch) {
+    __m512 a[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = first ? _mm512_setzero_ps()
+                      : _mm512_load_ps(acc + r * kPanelWidth);
+      a[r][1] = first ? _mm512_setzero_ps()
+                      : _mm512_load_ps(acc + r * kPanelWidth + 16);
+    }
+    for (int k = k0; k < k1; ++k) {
+      const float* wk = panel + size_t(k) * kPanelWidth;
+      if (kPrefetchLines > 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T0);
+      }
+      if (kPrefetchLines > 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + kLineFloats),
+                     _MM_HINT_T0);
+      }
+      prefetch += kPrefetchLines * kLineFloats;
+      const __m512 w0 = _mm512_loadu_ps(wk);
+      const __m512 w1 = _mm512_loadu_ps(wk + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[size_t(r) * in + k]);
+        a[r][0] = _mm512_fmadd_ps(w0, xb, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(w1, xb, a[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(acc + r * kPanelWidth, a[r][0]);
+      _mm512_store_ps(acc + r * kPanelWidth + 16, a[r][1]);
+    }
+  }
+};
 
 SPECSERVE_AVX512 void PanelGemmAvx512(const float* x, int n, int in,
                                       const float* packed, int panel_begin,
                                       int panel_end, float* y, int y_stride,
                                       int out, float beta) {
-  for (int p = panel_begin; p < panel_end; ++p) {
-    const float* panel = packed + size_t(p) * in * kPanelWidth;
-    const int o = p * kPanelWidth;
-    const int valid = std::min(kPanelWidth, out - o);
-    int r = 0;
-    for (; r + 8 <= n; r += 8) {
-      PanelRowsZ<8>(x + size_t(r) * in, in, panel, y + size_t(r) * y_stride + o,
-                    y_stride, valid, beta);
-    }
-    const float* xr = x + size_t(r) * in;
-    float* yr = y + size_t(r) * y_stride + o;
-    if (n - r >= 4) {
-      PanelRowsZ<4>(xr, in, panel, yr, y_stride, valid, beta);
-      r += 4;
-      xr += size_t(4) * in;
-      yr += size_t(4) * y_stride;
-    }
-    switch (n - r) {
-      case 3: PanelRowsZ<3>(xr, in, panel, yr, y_stride, valid, beta); break;
-      case 2: PanelRowsZ<2>(xr, in, panel, yr, y_stride, valid, beta); break;
-      case 1: PanelRowsZ<1>(xr, in, panel, yr, y_stride, valid, beta); break;
-      default: break;
-    }
-  }
+  PanelGemmImpl<8, RowsZ>(x, n, in, packed, panel_begin, panel_end, y,
+                          y_stride, out, beta);
 }
 
 #undef SPECSERVE_AVX512
 
-// AVX2: a panel row is 4 ymm; 2 rows at a time (8 accumulators).
-template <int R>
-void PanelRows8(const float* x, int in, const float* panel, float* y,
-                int y_stride, int valid, float beta) {
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  }
-  for (int k = 0; k < in; ++k) {
-    const float* wk = panel + size_t(k) * kPanelWidth;
-    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-    const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+// AVX2: a panel row is 4 ymm; 2 rows at a time (8 accumulators). Requests
+// kPrefetchLines lines from `prefetch` on per k.
+template <int R, int kPrefetchLines>
+struct RowsY {
+  static void Run(const float* x, int in, const float* panel, int k0, int k1,
+                  float* acc, bool first, const float* prefetch) {
+    __m256 a[R][4];
     for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[size_t(r) * in + k]);
-      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
-      acc[r][2] = _mm256_fmadd_ps(w2, xb, acc[r][2]);
-      acc[r][3] = _mm256_fmadd_ps(w3, xb, acc[r][3]);
+      for (int c = 0; c < 4; ++c) {
+        a[r][c] = first ? _mm256_setzero_ps()
+                        : _mm256_load_ps(acc + r * kPanelWidth + 8 * c);
+      }
+    }
+    for (int k = k0; k < k1; ++k) {
+      const float* wk = panel + size_t(k) * kPanelWidth;
+      if (kPrefetchLines > 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T0);
+      }
+      if (kPrefetchLines > 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + kLineFloats),
+                     _MM_HINT_T0);
+      }
+      prefetch += kPrefetchLines * kLineFloats;
+      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+      const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_set1_ps(x[size_t(r) * in + k]);
+        a[r][0] = _mm256_fmadd_ps(w0, xb, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(w1, xb, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(w2, xb, a[r][2]);
+        a[r][3] = _mm256_fmadd_ps(w3, xb, a[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 4; ++c) {
+        _mm256_store_ps(acc + r * kPanelWidth + 8 * c, a[r][c]);
+      }
     }
   }
-  alignas(32) float out[kPanelWidth];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < 4; ++c) _mm256_store_ps(out + 8 * c, acc[r][c]);
-    StorePanelRow(out, valid, beta, y + size_t(r) * y_stride);
-  }
-}
+};
 
 }  // namespace
 
 void PanelGemmAvx2(const float* x, int n, int in, const float* packed,
                    int panel_begin, int panel_end, float* y, int y_stride,
                    int out, float beta) {
-  for (int p = panel_begin; p < panel_end; ++p) {
-    const float* panel = packed + size_t(p) * in * kPanelWidth;
-    const int o = p * kPanelWidth;
-    const int valid = std::min(kPanelWidth, out - o);
-    int r = 0;
-    for (; r + 2 <= n; r += 2) {
-      PanelRows8<2>(x + size_t(r) * in, in, panel, y + size_t(r) * y_stride + o,
-                    y_stride, valid, beta);
-    }
-    if (r < n) {
-      PanelRows8<1>(x + size_t(r) * in, in, panel, y + size_t(r) * y_stride + o,
-                    y_stride, valid, beta);
-    }
-  }
+  PanelGemmImpl<2, RowsY>(x, n, in, packed, panel_begin, panel_end, y,
+                          y_stride, out, beta);
 }
 
 void PanelGemm(const float* x, int n, int in, const float* packed,

@@ -69,9 +69,12 @@ void PackPanels(const float* w, int out, int in, float* packed);
 /// [n, in] and the outputs of panels [panel_begin, panel_end) of `packed`
 /// (PackPanels of w [out, in]); y [n, y_stride]. Outer-product form: per
 /// k, a panel's 32 weights times each row's x[k] broadcast, 8 rows at a
-/// time on AVX-512 (16 zmm accumulators), so each weight is read once for
-/// 8 rows and the stream is sequential. For decode / verify batches of a
-/// few to 64 rows. Row i's result does not depend on the other rows.
+/// time on AVX-512 (16 zmm accumulators). The panel is walked in 128-k
+/// blocks that every row group passes over while the block is in L1, so
+/// each weight is read from memory once per call for all n rows, and the
+/// next block is prefetched at the pace of the arithmetic. For decode /
+/// verify batches of a few to 64 rows. Row i's result does not depend on
+/// the other rows (bit for bit).
 void PanelGemm(const float* x, int n, int in, const float* packed,
                int panel_begin, int panel_end, float* y, int y_stride, int out,
                float beta);
