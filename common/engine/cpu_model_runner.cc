@@ -458,7 +458,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
         for (int d = b; d < e; ++d) {
           const int i = direct[d];
           const int n = row0[i + 1] - row0[i];
-          scores.resize(first[i] + n);
+          scores.resize(static_cast<size_t>(H) * (first[i] + n));
           kernels::AttentionRows(
               &qkv[row0[i] * static_cast<size_t>(qkv_dim)], qkv_dim, n,
               first[i], H, KV, D, kc, vc, rw, batch[i].kv->block_table().data(),

@@ -480,78 +480,106 @@ inline __m256 Sum8x8(const __m256 (&a)[8]) {
                        _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// scores[j] = scale * dot(q, key_j) for j < nk, 8 keys at a time (one
-// accumulator each, reduced together) instead of one horizontal sum per key.
+// Key-major passes over a sequence's cached keys and values: for a chunk
+// of 8 tokens, every head's work on those tokens, then the next chunk. A
+// token's K (or V) row holds all KV heads side by side, and a block's rows
+// are contiguous, so the cache streams sequentially through memory (the
+// hardware prefetcher follows it) instead of in one strided pass per head.
+// Each (head, token) result is computed exactly as a per-head pass would
+// (same operations in the same order), so results do not change.
+
+// scores[h * stride + j] = (q_h . key_j[kv head of h]) * scale for heads
+// h < H and tokens j < nk; q_h = qi + h * D.
 template <typename SlotFn>
-void Scores(const float* qh, const float* kh, size_t kv_stride, int D, int nk,
-            float scale, const SlotFn& slot, float* scores) {
+void ScoresAllHeads(const float* qi, const float* k, size_t kv_stride, int H,
+                    int group, int D, int nk, float scale, const SlotFn& slot,
+                    float* scores, size_t stride) {
   const int dv = D & ~7;
   int j = 0;
   for (; j + 8 <= nk; j += 8) {
     const float* kj[8];
-    __m256 acc[8];
-    for (int t = 0; t < 8; ++t) {
-      kj[t] = kh + slot(j + t) * kv_stride;
-      acc[t] = _mm256_setzero_ps();
-    }
-    for (int d = 0; d < dv; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(qh + d);
+    for (int t = 0; t < 8; ++t) kj[t] = k + slot(j + t) * kv_stride;
+    for (int h = 0; h < H; ++h) {
+      const float* qh = qi + size_t(h) * D;
+      const size_t off = size_t(h / group) * D;
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      for (int d = 0; d < dv; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + d);
 #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj[t] + d), acc[t]);
+        for (int t = 0; t < 8; ++t) {
+          acc[t] =
+              _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj[t] + off + d), acc[t]);
+        }
       }
-    }
-    _mm256_storeu_ps(scores + j,
-                     _mm256_mul_ps(Sum8x8(acc), _mm256_set1_ps(scale)));
-    if (dv < D) {
-      for (int t = 0; t < 8; ++t) {
-        float tail = 0.f;
-        for (int d = dv; d < D; ++d) tail += qh[d] * kj[t][d];
-        scores[j + t] += tail * scale;
+      float* sh = scores + size_t(h) * stride;
+      _mm256_storeu_ps(sh + j,
+                       _mm256_mul_ps(Sum8x8(acc), _mm256_set1_ps(scale)));
+      if (dv < D) {
+        for (int t = 0; t < 8; ++t) {
+          float tail = 0.f;
+          for (int d = dv; d < D; ++d) tail += qh[d] * kj[t][off + d];
+          sh[j + t] += tail * scale;
+        }
       }
     }
   }
   for (; j < nk; ++j) {
-    const float* kj = kh + slot(j) * kv_stride;
-    __m256 acc = _mm256_setzero_ps();
-    for (int d = 0; d < dv; d += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kj + d),
-                            acc);
+    const float* kj = k + slot(j) * kv_stride;
+    for (int h = 0; h < H; ++h) {
+      const float* qh = qi + size_t(h) * D;
+      const float* kh = kj + size_t(h / group) * D;
+      __m256 acc = _mm256_setzero_ps();
+      for (int d = 0; d < dv; d += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d),
+                              _mm256_loadu_ps(kh + d), acc);
+      }
+      float sum = HorizontalSum(acc);
+      for (int d = dv; d < D; ++d) sum += qh[d] * kh[d];
+      scores[size_t(h) * stride + j] = sum * scale;
     }
-    float sum = HorizontalSum(acc);
-    for (int d = dv; d < D; ++d) sum += qh[d] * kj[d];
-    scores[j] = sum * scale;
   }
 }
 
-// out[0, D) = sum_j p[j] * value_j, 64 output floats at a time held in
-// registers across all keys.
+// out[h * D + d] = sum_j p[h * stride + j] * value_j[kv head of h][d] for
+// heads h < H and tokens j < nk. Per chunk of 8 tokens and per head, the
+// head's 64-float pieces of `out` stay in registers across the chunk.
 template <typename SlotFn>
-void WeightedValues(const float* p, const float* vh, size_t kv_stride, int D,
-                    int nk, const SlotFn& slot, float* out) {
-  for (int d0 = 0; d0 < D; d0 += 64) {
-    const int width = std::min(64, D - d0);
-    const int nv = width / 8;
-    __m256 acc[8];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-    float tail[8] = {0.f};
-    for (int j = 0; j < nk; ++j) {
-      const float* vj = vh + slot(j) * kv_stride + d0;
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      if (nv == 8) {
+void WeightedValuesAllHeads(const float* p, size_t stride, const float* v,
+                            size_t kv_stride, int H, int group, int D, int nk,
+                            const SlotFn& slot, float* out) {
+  std::fill(out, out + size_t(H) * D, 0.f);
+  for (int j = 0; j < nk; j += 8) {
+    const int count = std::min(8, nk - j);
+    const float* vj[8];
+    for (int t = 0; t < count; ++t) vj[t] = v + slot(j + t) * kv_stride;
+    for (int h = 0; h < H; ++h) {
+      const float* ph = p + size_t(h) * stride + j;
+      const size_t off = size_t(h / group) * D;
+      float* oh = out + size_t(h) * D;
+      for (int d0 = 0; d0 < D; d0 += 64) {
+        const int width = std::min(64, D - d0);
+        const int nv = width / 8;
+        __m256 acc[8];
+        for (int c = 0; c < nv; ++c) acc[c] = _mm256_loadu_ps(oh + d0 + 8 * c);
+        for (int t = 0; t < count; ++t) {
+          const float* vt = vj[t] + off + d0;
+          const __m256 pt = _mm256_set1_ps(ph[t]);
+          if (nv == 8) {
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-          acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+            for (int c = 0; c < 8; ++c) {
+              acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+            }
+          } else {
+            for (int c = 0; c < nv; ++c) {
+              acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+            }
+            for (int d = 8 * nv; d < width; ++d) oh[d0 + d] += ph[t] * vt[d];
+          }
         }
-      } else {
-        for (int c = 0; c < nv; ++c) {
-          acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
-        }
-        for (int d = 8 * nv; d < width; ++d) tail[d - 8 * nv] += p[j] * vj[d];
+        for (int c = 0; c < nv; ++c) _mm256_storeu_ps(oh + d0 + 8 * c, acc[c]);
       }
     }
-    for (int c = 0; c < nv; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
-    for (int d = 8 * nv; d < width; ++d) out[d0 + d] = tail[d - 8 * nv];
   }
 }
 
@@ -564,19 +592,20 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    float* scores, float* out, size_t out_stride) {
   const int group = num_heads / num_kv_heads;
   const int D = head_dim;
+  const size_t stride = size_t(first) + rows;  // per head in `scores`
   auto slot = [&](int j) {
     return size_t(block_table[j / block_size]) * block_size + j % block_size;
   };
   for (int i = 0; i < rows; ++i) {
     const int nk = first + i + 1;  // causal over cache order
+    const float* qi = q + size_t(i) * q_stride;
+    ScoresAllHeads(qi, k, kv_stride, num_heads, group, D, nk, scale, slot,
+                   scores, stride);
     for (int h = 0; h < num_heads; ++h) {
-      const float* qh = q + size_t(i) * q_stride + size_t(h) * D;
-      Scores(qh, k + size_t(h / group) * D, kv_stride, D, nk, scale, slot,
-             scores);
-      SoftmaxPrefix(scores, nk, nk);
-      WeightedValues(scores, v + size_t(h / group) * D, kv_stride, D, nk, slot,
-                     out + size_t(i) * out_stride + size_t(h) * D);
+      SoftmaxPrefix(scores + size_t(h) * stride, nk, nk);
     }
+    WeightedValuesAllHeads(scores, stride, v, kv_stride, num_heads, group, D,
+                           nk, slot, out + size_t(i) * out_stride);
   }
 }
 

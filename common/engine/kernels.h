@@ -91,9 +91,11 @@ void PanelGemmAvx2(const float* x, int n, int in, const float* packed,
 /// rows hold num_kv_heads * head_dim floats (row stride kv_stride), logical
 /// slot j at physical row block_table[j / block_size] * block_size +
 /// j % block_size (PagedAttention's layout). Row i attends to slots
-/// [0, first + i] with softmax(q.k * scale). scores: scratch of
-/// first + rows floats. out: [rows] rows of num_heads * head_dim (stride
-/// out_stride). num_heads must be a multiple of num_kv_heads.
+/// [0, first + i] with softmax(q.k * scale). The cache is read key-major
+/// (8 tokens at a time, all heads), so it streams sequentially. scores:
+/// scratch of num_heads * (first + rows) floats. out: [rows] rows of
+/// num_heads * head_dim (stride out_stride). num_heads must be a multiple
+/// of num_kv_heads.
 void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    int num_heads, int num_kv_heads, int head_dim,
                    const float* k, const float* v, size_t kv_stride,

@@ -203,7 +203,7 @@ TEST(KernelsTest, AttentionRowsMatchesNaive) {
       std::copy_n(&vp[phys * kvs], kvs, &v[size_t(j) * kvs]);
     }
     const float scale = 1.f / std::sqrt(float(D));
-    std::vector<float> scores(total), out(size_t(rows) * H * D);
+    std::vector<float> scores(size_t(H) * total), out(size_t(rows) * H * D);
     AttentionRows(q.data(), qs, rows, first, H, KV, D, kp.data(), vp.data(),
                   kvs, table.data(), bs, scale, scores.data(), out.data(),
                   H * D);
