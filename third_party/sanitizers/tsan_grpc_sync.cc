@@ -344,5 +344,46 @@ void ServerCallbackCall::ScheduleOnDone(bool inline_ondone) {
   real(this, inline_ondone);
 }
 
+namespace {
+
+// Stands in for a reactor in CallOnCancel: runs its OnCancel, then releases
+// the call's reference count as the decrement that follows would (see
+// CallOnCancel). Used once, for OnCancel and InternalInlineable only.
+class CancelReactor final : public ServerReactor {
+ public:
+  CancelReactor(ServerReactor* reactor, std::atomic_int* count)
+      : reactor_(reactor), count_(count) {}
+
+  void OnCancel() override {
+    reactor_->OnCancel();
+    __tsan_release(count_);
+    delete this;
+  }
+  void OnDone() override {
+    std::fprintf(stderr, "tsan_grpc_sync: OnDone on a CancelReactor\n");
+    std::abort();
+  }
+  bool InternalInlineable() override { return reactor_->InternalInlineable(); }
+
+ private:
+  ServerReactor* const reactor_;
+  std::atomic_int* const count_;
+};
+
+}  // namespace
+
+// libgrpc++ runs a (non-inlineable) reactor's OnCancel on an executor
+// thread and then decrements callbacks_outstanding_ itself, invisibly to
+// TSan; unless that decrement is the last, nothing orders OnCancel before
+// OnDone (which typically deletes the reactor). A stand-in reactor adds
+// the release right after OnCancel returns, on the thread that ran it.
+void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
+  static const auto real =
+      RealC<void (*)(ServerCallbackCall*, ServerReactor*)>(
+          "_ZN4grpc8internal18ServerCallbackCall12CallOnCancelEPNS0_"
+          "13ServerReactorE");
+  real(this, new CancelReactor(reactor, &callbacks_outstanding_));
+}
+
 }  // namespace internal
 }  // namespace grpc
