@@ -25,12 +25,17 @@
 //    libgrpc++ passes is wrapped so that the new call's tag is released
 //    where it is allocated and acquired (trampoline) where core hands the
 //    call to its handler on another thread.
+//  * Reference counts libgrpc++ keeps with atomics inside the library: a
+//    server call's callbacks (OnCancel before OnDone) and the server's
+//    outstanding calls (all before Shutdown returns); see namespace grpc
+//    below.
 //
-// The interposed C entry points are found by the dynamic linker because the
+// The interposed functions are found by the dynamic linker because the
 // executable defines them (libgrpc++ calls them through the PLT); the real
 // ones are found with dlsym(RTLD_NEXT). The trampolines' bookkeeping runs
 // with TSan's synchronization ignored, so it adds no happens-before edges
-// of its own.
+// of its own. tsan_grpc_sync_test checks both that a correct hand-off is
+// not reported and that a racy one still is.
 
 #include <dlfcn.h>
 #include <grpc/grpc.h>
