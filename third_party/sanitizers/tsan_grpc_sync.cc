@@ -377,9 +377,13 @@ class CancelReactor final : public ServerReactor {
 
 }  // namespace
 
+// OnCancel runs once on_cancel_conditions_remaining_ reaches zero: after
+// the handler set up the reactor (a decrement in our inline code) and once
+// the call is cancelled (a decrement inside libgrpc++'s CompletionOp, which
+// TSan does not see): acquire the count's address, as for OnDone. Then
 // libgrpc++ runs a (non-inlineable) reactor's OnCancel on an executor
-// thread and then decrements callbacks_outstanding_ itself, invisibly to
-// TSan; unless that decrement is the last, nothing orders OnCancel before
+// thread and decrements callbacks_outstanding_ itself, again invisibly;
+// unless that decrement is the last, nothing would order OnCancel before
 // OnDone (which typically deletes the reactor). A stand-in reactor adds
 // the release right after OnCancel returns, on the thread that ran it.
 void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
@@ -387,6 +391,7 @@ void ServerCallbackCall::CallOnCancel(ServerReactor* reactor) {
       RealC<void (*)(ServerCallbackCall*, ServerReactor*)>(
           "_ZN4grpc8internal18ServerCallbackCall12CallOnCancelEPNS0_"
           "13ServerReactorE");
+  __tsan_acquire(&on_cancel_conditions_remaining_);
   real(this, new CancelReactor(reactor, &callbacks_outstanding_));
 }
 
