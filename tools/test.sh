@@ -12,21 +12,18 @@ SPECSERVE_NODE_MODULES="$(bash tools/install_npm_deps.sh)"
 export SPECSERVE_NODE_MODULES
 
 bazel test //... "$@"
-# The services' tests and the end-to-end test under ASan + UBSan, and most of
-# them under TSan (.bazelrc; sentencepiece through the built-in tokenizer),
-# plus the
-# safetensors header mutation test and the built-in sentencepiece tokenizer's
-# tests under ASan.
+# The services' tests and the end-to-end test under ASan + UBSan and under
+# TSan (.bazelrc; sentencepiece through the built-in tokenizer), plus the
+# safetensors header mutation test and the built-in sentencepiece
+# tokenizer's tests under ASan.
 SANITIZED=(//speculator_service/... //target_service/... //router/...
            //common/scheduling/... //common/speculation/... //tests:e2e_test)
 bazel test --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
   //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test "$@"
-# Under TSan only the targets without in-process gRPC callback servers: the
-# callback API hands reactors and tags between threads inside Debian's
-# uninstrumented libgrpc, which TSan reports as races (README, Tests).
-bazel test --config=tsan //common/scheduling/... //common/speculation/... \
-  //speculator_service:session_manager_test //speculator_service:request_fuzz_test \
-  //target_service:scheduler_test //target_service:request_fuzz_test \
-  //router:replica_pool_test //router:request_fuzz_test "$@"
+# Under TSan gRPC core's hand-offs between its threads are modeled as
+# happens-before edges (third_party/sanitizers/tsan_grpc_sync.cc), checked
+# from both sides by tsan_grpc_sync_test.
+bazel test --config=tsan "${SANITIZED[@]}" \
+  //third_party/sanitizers:tsan_grpc_sync_test "$@"
 # The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
 bazel test --config=fuzz //... "$@"
