@@ -3,9 +3,11 @@
 against the real binaries (router -> speculator, target on loopback) at
 several concurrency levels. Each of C clients sends requests back to back;
 reported per level: output tokens/s and requests/s (all clients), TTFT and
-TPOT p50 / p99 (from each response's stats), failed requests, and the mean
+TPOT p50 / p99 (from each response's stats), failed requests, the mean
 batch each service's scheduler formed (sessions per batched forward, from
-their Prometheus histograms).
+their Prometheus histograms) and the target's mean batched forward per
+decode / verify round (specserve_target_round_seconds): TPOT minus that is
+what the serving path adds per token.
 
     bazel run -c opt //bench:serving_bench -- [--pairs bundled,synthetic]
         [--concurrency 1,4,16,64,256] [--requests_per_client 2]
@@ -103,8 +105,9 @@ def main():
                          "--spec_decode_disable_by_batch_size=8")
     a = ap.parse_args()
     print("| pair | mode | clients | output tok/s | req/s | TTFT p50 / p99 s | "
-          "TPOT p50 / p99 ms | failed | target batch | speculator batch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "TPOT p50 / p99 ms | failed | target batch | speculator batch | "
+          "target forward ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for pair in a.pairs.split(","):
         if pair == "bundled":
             spec_m, tgt_m, tok = ("models/stories260K-draft",
@@ -130,21 +133,24 @@ def main():
                     per = max(a.requests_per_client, -(-a.min_requests // c))
                     tb = hist(st.target, "specserve_target_batch_sequences")
                     sb = hist(st.speculator, "specserve_speculator_batch_sequences")
+                    fb = hist(st.target, "specserve_target_round_seconds")
                     r = run_level(stub, prompts, c, per, mode, a.max_new_tokens)
+                    fa = hist(st.target, "specserve_target_round_seconds")
                     ta = hist(st.target, "specserve_target_batch_sequences")
                     sa = hist(st.speculator, "specserve_speculator_batch_sequences")
                     tbatch = (ta[0] - tb[0]) / max(1.0, ta[1] - tb[1])
                     sbatch = (sa[0] - sb[0]) / max(1.0, sa[1] - sb[1])
+                    fwd_ms = (fa[0] - fb[0]) / max(1.0, fa[1] - fb[1]) * 1e3
                     failed = sum(r["failures"].values())
                     print("| %s | %s | %d | %.1f | %.2f | %.3f / %.3f | "
-                          "%.2f / %.2f | %d%s | %.1f | %.1f |" % (
+                          "%.2f / %.2f | %d%s | %.1f | %.1f | %.2f |" % (
                               pair, mode, c, r["tokens"] / r["wall"],
                               r["requests"] / r["wall"],
                               pct(r["ttft"], 50), pct(r["ttft"], 99),
                               pct(r["tpot"], 50) * 1e3,
                               pct(r["tpot"], 99) * 1e3, failed,
                               (" " + str(r["failures"])) if failed else "",
-                              tbatch, sbatch))
+                              tbatch, sbatch, fwd_ms))
                     sys.stdout.flush()
     return 0
 
