@@ -215,8 +215,21 @@ void PackPanels(const float* w, int out, int in, float* packed) {
 namespace {
 
 // Stores one row's kPanelWidth accumulated outputs (only the `valid` first
-// ones: the last panel may be padding) as y = acc + beta * y.
+// ones: the last panel may be padding) as y = acc + beta * y; beta 0 never
+// reads y. Vectorised for whole panels: at 16 rows the scalar loop cost
+// ~3% of a decode step.
 inline void StorePanelRow(const float* acc, int valid, float beta, float* y) {
+  if (valid == kPanelWidth) {
+    const __m256 b = _mm256_set1_ps(beta);
+    for (int j = 0; j < kPanelWidth; j += 8) {
+      __m256 v = _mm256_loadu_ps(acc + j);
+      if (beta != 0.f) {
+        v = _mm256_add_ps(v, _mm256_mul_ps(b, _mm256_loadu_ps(y + j)));
+      }
+      _mm256_storeu_ps(y + j, v);
+    }
+    return;
+  }
   for (int j = 0; j < valid; ++j) {
     y[j] = acc[j] + (beta == 0.f ? 0.f : beta * y[j]);
   }
