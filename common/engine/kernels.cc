@@ -258,6 +258,17 @@ constexpr int kMaxPassRows = 256;
 // Floats per 64-byte cache line.
 constexpr int kLineFloats = 16;
 
+// Prefetches kLines cache lines from `p` on into L2; returns the address
+// after them.
+template <int kLines>
+inline const float* PrefetchLines(const float* p) {
+  for (int i = 0; i < kLines; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + i * kLineFloats),
+                 _MM_HINT_T1);
+  }
+  return p + kLines * kLineFloats;
+}
+
 // Runs Rows<R, kPrefetchLines>::Run for a runtime prefetch mode (0, 1 or 2
 // lines of the next block per k).
 template <template <int, int> class Rows, int R>
@@ -386,14 +397,7 @@ struct RowsZ {
     }
     for (int k = k0; k < k1; ++k) {
       const float* wk = panel + size_t(k) * kPanelWidth;
-      if (kPrefetchLines > 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
-      }
-      if (kPrefetchLines > 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + kLineFloats),
-                     _MM_HINT_T1);
-      }
-      prefetch += kPrefetchLines * kLineFloats;
+      prefetch = PrefetchLines<kPrefetchLines>(prefetch);
       const __m512 w0 = _mm512_loadu_ps(wk);
       const __m512 w1 = _mm512_loadu_ps(wk + 16);
 #pragma GCC unroll 8
@@ -436,14 +440,7 @@ struct RowsY {
     }
     for (int k = k0; k < k1; ++k) {
       const float* wk = panel + size_t(k) * kPanelWidth;
-      if (kPrefetchLines > 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
-      }
-      if (kPrefetchLines > 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + kLineFloats),
-                     _MM_HINT_T1);
-      }
-      prefetch += kPrefetchLines * kLineFloats;
+      prefetch = PrefetchLines<kPrefetchLines>(prefetch);
       const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
       const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
       for (int r = 0; r < R; ++r) {
