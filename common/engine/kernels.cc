@@ -249,9 +249,9 @@ inline void StorePanelRow(const float* acc, int valid, float beta, float* y) {
 // the first two request one half each, one line per k. Requests then leave
 // at the pace of the arithmetic (memory and compute overlap); issuing the
 // whole block from the first group stalls it on full fill buffers while
-// memory idles during the others. The prefetches go to L2 (T1): the block
-// is read from there into L1 by its first group (~5% faster at 16 rows than
-// prefetching into L1, which the block would share with the rows of x).
+// memory idles during the others. The prefetches go to L2 (T1), from where
+// the block's first group reads it into L1: ~5% faster at 16 rows than
+// prefetching into L1 in a kernel-only benchmark.
 constexpr int kKBlock = 128;
 // Rows per pass: bounds the accumulator scratch (32 KB).
 constexpr int kMaxPassRows = 256;
