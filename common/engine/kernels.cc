@@ -219,14 +219,13 @@ namespace {
 // reads y. Vectorised for whole panels: at 16 rows the scalar loop cost
 // ~3% of a decode step.
 inline void StorePanelRow(const float* acc, int valid, float beta, float* y) {
-  if (valid == kPanelWidth) {
+  if (valid == kPanelWidth) {  // the same arithmetic as the loop below
     const __m256 b = _mm256_set1_ps(beta);
     for (int j = 0; j < kPanelWidth; j += 8) {
-      __m256 v = _mm256_loadu_ps(acc + j);
-      if (beta != 0.f) {
-        v = _mm256_add_ps(v, _mm256_mul_ps(b, _mm256_loadu_ps(y + j)));
-      }
-      _mm256_storeu_ps(y + j, v);
+      const __m256 old = beta == 0.f
+                             ? _mm256_setzero_ps()
+                             : _mm256_mul_ps(b, _mm256_loadu_ps(y + j));
+      _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(acc + j), old));
     }
     return;
   }
@@ -288,27 +287,38 @@ inline void RunGroup(int prefetch_lines, const float* x, int in,
   }
 }
 
-// One k-block [k0, k1) of a panel for rows [0, n): groups of kGroup rows
-// (Rows<R, P>::Run accumulates R rows into acc [R][32]), then the
-// remainder in groups of 4, 3, 2 or 1; each group is given its share of
-// the next block's prefetch.
-template <int kGroup, template <int, int> class Rows>
-inline void PanelBlock(const float* x, int n, int in, const float* panel,
-                       int k0, int k1, float* acc) {
-  // The groups as (first row, rows).
-  int starts[kMaxPassRows], sizes[kMaxPassRows];
-  int groups = 0, r = 0;
-  for (; r + kGroup <= n; r += kGroup) {
-    starts[groups] = r;
-    sizes[groups++] = kGroup;
-  }
-  for (int g : {4, 3, 2, 1}) {
-    if (g < kGroup && n - r >= g) {
-      starts[groups] = r;
-      sizes[groups++] = g;
-      r += g;
+// How a pass splits its rows: groups of kGroup rows, then the remainder in
+// groups of 4, 3, 2 or 1 (as (first row, rows)). Made once per pass; every
+// k-block of every panel runs the same groups.
+struct RowGroups {
+  RowGroups(int n, int group) {
+    int r = 0;
+    for (; r + group <= n; r += group) Add(r, group);
+    for (int g : {4, 3, 2, 1}) {
+      if (g < group && n - r >= g) {
+        Add(r, g);
+        r += g;
+      }
     }
   }
+  void Add(int start, int rows) {
+    starts[count] = start;
+    sizes[count++] = rows;
+  }
+  // Groups have >= 2 rows but the last few.
+  int starts[kMaxPassRows / 2 + 4], sizes[kMaxPassRows / 2 + 4];
+  int count = 0;
+};
+
+// One k-block [k0, k1) of a panel for the rows of `row_groups` (Rows<R,
+// P>::Run accumulates R rows into acc [R][32]); each group is given its
+// share of the next block's prefetch.
+template <int kGroup, template <int, int> class Rows>
+inline void PanelBlock(const float* x, const RowGroups& row_groups, int in,
+                       const float* panel, int k0, int k1, float* acc) {
+  const int groups = row_groups.count;
+  const int* starts = row_groups.starts;
+  const int* sizes = row_groups.sizes;
   const bool first = k0 == 0;
   const float* next = panel + size_t(k1) * kPanelWidth;
   for (int g = 0; g < groups; ++g) {
@@ -350,11 +360,12 @@ inline void PanelPass(const float* x, int n, int in, const float* packed,
                       int out, float beta) {
   alignas(64) float acc[kMaxPassRows * kPanelWidth];
   if (in == 0) std::fill(acc, acc + size_t(n) * kPanelWidth, 0.f);
+  const RowGroups groups(n, kGroup);
   for (int p = panel_begin; p < panel_end; ++p) {
     const float* panel = packed + size_t(p) * in * kPanelWidth;
     for (int k0 = 0; k0 < in; k0 += kKBlock) {
-      PanelBlock<kGroup, Rows>(x, n, in, panel, k0, std::min(in, k0 + kKBlock),
-                               acc);
+      PanelBlock<kGroup, Rows>(x, groups, in, panel, k0,
+                               std::min(in, k0 + kKBlock), acc);
     }
     const int o = p * kPanelWidth;
     const int valid = std::min(kPanelWidth, out - o);

@@ -130,7 +130,8 @@ class PanelGemmTest : public ::testing::TestWithParam<bool> {
 
 TEST_P(PanelGemmTest, MatchesNaive) {
   const PanelFn gemm = Kernel();
-  for (int n : {1, 2, 3, 4, 5, 9, 12, 16, 37, 64}) {
+  // 300 rows: two passes (kernels.cc's kMaxPassRows is 256).
+  for (int n : {1, 2, 3, 4, 5, 9, 12, 16, 37, 64, 300}) {
     for (int in : {5, 64, 77, 300}) {
       for (int out : {13, 32, 70}) {  // a partial, one whole, 3 panels
         auto x = Random(size_t(n) * in, 7), w = Random(size_t(out) * in, 8);
