@@ -454,7 +454,10 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     if (!direct.empty()) {
       const float scale = 1.f / std::sqrt(static_cast<float>(D));
       auto attend = [&](int b, int e) {
-        std::vector<float> scores;
+        // Per thread, kept across layers and steps: num_heads * context
+        // floats (256 KB at 32 heads x 2K tokens) would otherwise be a heap
+        // allocation, at that size an mmap, per layer.
+        thread_local std::vector<float> scores;
         for (int d = b; d < e; ++d) {
           const int i = direct[d];
           const int n = row0[i + 1] - row0[i];
