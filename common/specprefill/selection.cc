@@ -63,11 +63,13 @@ absl::StatusOr<Selection> SelectTokens(absl::Span<const float> importance,
   Selection sel;
   sel.next_position = n;
   const int cs = opts.chunk_size;
-  const int num_chunks = (n + cs - 1) / cs;
+  // ceil(n / cs) without n + cs - 1, which overflows for a chunk_size near
+  // INT_MAX (a valid request: one chunk).
+  const int num_chunks = n / cs + (n % cs != 0 ? 1 : 0);
   sel.chunk_scores.resize(num_chunks);
   for (int c = 0; c < num_chunks; ++c) {
     const int begin = c * cs;
-    const int end = std::min(n, begin + cs);
+    const int end = begin + std::min(cs, n - begin);
     double sum = 0.0;
     for (int i = begin; i < end; ++i) sum += importance[i];
     sel.chunk_scores[c] = static_cast<float>(sum / (end - begin));

@@ -244,6 +244,22 @@ TEST(SelectTokensTest, ChunkSizeOneIsTokenLevelTopK) {
   EXPECT_EQ(sel->kept_chunks, top);
 }
 
+TEST(SelectTokensTest, ChunkSizeBeyondThePromptIsOneChunk) {
+  // Regression (libFuzzer, speculator request_fuzz_test): a chunk_size near
+  // INT_MAX overflowed ceil(n / chunk_size) as n + chunk_size - 1.
+  const std::vector<float> importance = {0.1f, 0.9f, 0.3f, 0.2f, 0.5f,
+                                         0.4f, 0.7f, 0.6f, 0.8f};
+  SelectionOptions opts;
+  opts.chunk_size = std::numeric_limits<int>::max() - 4;
+  opts.keep_ratio = 0.5f;
+  absl::StatusOr<Selection> sel = SelectTokens(importance, opts);
+  ASSERT_TRUE(sel.ok()) << sel.status();
+  ASSERT_EQ(sel->chunk_scores.size(), 1u);
+  EXPECT_NEAR(sel->chunk_scores[0], 0.5f, 1e-6);
+  EXPECT_EQ(sel->kept_chunks, std::vector<int>({0}));
+  EXPECT_EQ(sel->kept_indices.size(), importance.size());
+}
+
 TEST(SelectTokensTest, TiesPreferEarlierChunks) {
   const std::vector<float> importance(8, 0.5f);
   SelectionOptions opts;
