@@ -289,14 +289,20 @@ void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
       (*keep)[b] = false;
       continue;
     }
+    // The watermark is headroom for the running requests; a sequence that
+    // needs (nearly) the whole pool gets less, down to none, so that it
+    // starts once every block is free instead of never (a preempted
+    // request near its full length recomputing in one chunk).
+    const int headroom =
+        std::min(watermark, cache.num_blocks() - held - need[b]);
     // Sequences idle for a while go first when memory is short: nothing
     // runs on them. (Briefly idle ones, e.g. target streams waiting for the
     // client's next drafts, would be back within milliseconds and pay a
     // full recomputation.)
-    if (!blocked && available - claimed - need[b] < watermark) {
+    if (!blocked && available - claimed - need[b] < headroom) {
       stats->preempted += static_cast<int>(
           cache
-              .PreemptIdle(claimed + need[b] + watermark, busy,
+              .PreemptIdle(claimed + need[b] + headroom, busy,
                            MonotonicNowNs() -
                                absl::ToInt64Nanoseconds(
                                    options_.idle_preempt_after))
@@ -304,7 +310,7 @@ void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
       available = cache.num_available_blocks();
     }
     if (held == 0) {
-      if (blocked || available - claimed - need[b] < watermark) {
+      if (blocked || available - claimed - need[b] < headroom) {
         blocked = true;
         (*keep)[b] = false;
         ++stats->waiting_for_kv;

@@ -70,8 +70,9 @@ class BatchedWork {
 /// (PagedKvCache::PreemptNewest), and waits if that is not enough; a
 /// sequence that holds none (a new or preempted request) never preempts a
 /// running one: it starts when the free blocks cover it plus the
-/// watermark, and newer block-less ones wait behind it (first come, first
-/// served). Either kind, when short, first preempts IDLE sequences (no
+/// watermark (or, if it needs more than the pool less the watermark, when
+/// they cover it), and newer block-less ones wait behind it (first come,
+/// first served). Either kind, when short, first preempts IDLE sequences (no
 /// work in flight and unused for Options::idle_preempt_after: kept
 /// speculator sessions between requests, abandoned streams;
 /// PagedKvCache::PreemptIdle, least recently used first), which would
@@ -93,6 +94,8 @@ class BatchScheduler {
     /// Fraction of the KV pool kept free when a work whose sequence holds
     /// no blocks (a new or preempted request) starts: vLLM's watermark,
     /// so that admitting a request does not immediately force preemptions.
+    /// A work that needs more than the pool less the watermark waits for
+    /// the blocks it needs only (else it would never start).
     double kv_watermark = 0.01;
     /// A sequence no work has used for this long (a kept speculator
     /// session between requests, an abandoned stream) may be preempted

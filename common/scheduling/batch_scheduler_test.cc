@@ -298,6 +298,47 @@ TEST_F(BatchSchedulerTest, ImpossibleAndFailingWorkEndWithErrors) {
   EXPECT_FALSE(BatchScheduler::Create(nullptr, {}).ok());
 }
 
+// A work whose sequence holds no blocks and whose first forward needs the
+// whole pool (a preempted request near its full length recomputing in one
+// chunk) starts once every block is free: the watermark keeps headroom for
+// running requests, it must not make a request that fits the pool wait
+// forever. Regression: it waited for pool + watermark blocks, a hang.
+TEST_F(BatchSchedulerTest, AWorkNeedingTheWholePoolStartsWhenItIsFree) {
+  auto small = testing_util::MakeCpuRunner(LoadBundled("stories260K-draft"), 1);
+  ASSERT_NE(small, nullptr);
+  const PagedKvCache& cache = small->kv_cache();
+  BatchScheduler::Options o;
+  o.max_num_batched_tokens = 4096;  // the whole prompt in one forward
+  o.kv_watermark = 0.05;
+  auto sched = BatchScheduler::Create(small.get(), o);
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  ScoreOptions so;
+  so.look_ahead = 4;
+  so.selection.chunk_size = 4;
+  std::mt19937 rng(11);
+  // Prompt and look-ahead fill every block of the pool, the last one only
+  // partly.
+  const int tokens = cache.num_blocks() * cache.block_size() - 1;
+  const std::vector<int> prompt = Prompt(tokens - so.look_ahead, &rng);
+  auto s = DraftSession::Create(small.get(), tokens, SamplingParams{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  DraftSession* ds = s->get();
+  absl::Status got = absl::UnknownError("not run");
+  absl::Notification done;
+  ASSERT_TRUE((*sched)
+                  ->Submit(std::make_unique<DraftSessionWork>(
+                      ds, [ds, &prompt, so] { return ds->BeginScore(prompt, so); },
+                      [&](absl::Status st) {
+                        got = st;
+                        done.Notify();
+                      }))
+                  .ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)))
+      << "a work that fits the pool never started";
+  EXPECT_TRUE(got.ok()) << got;
+  EXPECT_EQ(ds->kv_tokens(), tokens);
+}
+
 // Works still in flight when the scheduler goes away end with CANCELLED
 // and leave their caches as they were.
 TEST_F(BatchSchedulerTest, ShutdownCancelsWorkInFlight) {
