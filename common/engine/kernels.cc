@@ -358,6 +358,7 @@ template <int kGroup, template <int, int> class Rows>
 inline void PanelPass(const float* x, int n, int in, const float* packed,
                       int panel_begin, int panel_end, float* y, int y_stride,
                       int out, float beta) {
+  static_assert(kGroup >= 2, "RowGroups has room for kMaxPassRows / 2 + 4");
   alignas(64) float acc[kMaxPassRows * kPanelWidth];
   if (in == 0) std::fill(acc, acc + size_t(n) * kPanelWidth, 0.f);
   const RowGroups groups(n, kGroup);

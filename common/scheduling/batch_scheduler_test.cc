@@ -317,7 +317,8 @@ TEST_F(BatchSchedulerTest, AWorkNeedingTheWholePoolStartsWhenItIsFree) {
   so.selection.chunk_size = 4;
   std::mt19937 rng(11);
   // Prompt and look-ahead fill every block of the pool, the last one only
-  // partly.
+  // partly; the prompt alone (the first forward) already needs every block.
+  ASSERT_GT(cache.block_size(), so.look_ahead + 1);
   const int tokens = cache.num_blocks() * cache.block_size() - 1;
   const std::vector<int> prompt = Prompt(tokens - so.look_ahead, &rng);
   auto s = DraftSession::Create(small.get(), tokens, SamplingParams{});
