@@ -9,8 +9,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
 #include "common/chat/chat_template.h"
 #include "httplib.h"
+#include "router/api_key.h"
 #include "router/request_runner.h"
 #include "router/router_server.h"
 
@@ -35,6 +38,30 @@ std::string Dump(const json& j) {
 void SendError(httplib::Response& res, const absl::Status& status) {
   res.status = openai::HttpStatus(status);
   res.set_content(Dump(openai::ErrorBody(status)), kJson);
+}
+
+// A body of more than `cap` bytes (HTTP 413 with this message).
+absl::Status TooLarge(size_t cap) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the request body is larger than ", cap, " bytes (--http_max_body_bytes)"));
+}
+
+// POST bodies must say they are JSON: a browser page may post text/plain,
+// application/x-www-form-urlencoded or multipart/form-data to another
+// origin without a CORS preflight, but not application/json, so an
+// unauthenticated router on a developer's machine cannot be driven from
+// any page its user visits. Parameters (charset) are allowed; the media
+// type is case-insensitive (RFC 9110, section 8.3.1).
+absl::Status CheckContentType(const httplib::Request& req) {
+  const std::string type = req.get_header_value("Content-Type");
+  absl::string_view media(type);
+  media = media.substr(0, media.find(';'));
+  media = absl::StripAsciiWhitespace(media);
+  if (absl::EqualsIgnoreCase(media, kJson)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the request body must be JSON with 'Content-Type: application/json'",
+      type.empty() ? " (none was sent)"
+                   : absl::StrCat(" (got '", type, "')")));
 }
 
 // The id clients pass as `model`: the target's model id.
@@ -65,16 +92,6 @@ absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir) {
   return f;
 }
 
-bool ConstantTimeEquals(absl::string_view got, absl::string_view want) {
-  unsigned diff = got.size() == want.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const unsigned char g =
-        i < got.size() ? static_cast<unsigned char>(got[i]) : 0;
-    diff |= g ^ static_cast<unsigned char>(want[i]);
-  }
-  return diff == 0;
-}
-
 // A streaming request: the runner works on its own thread and queues SSE
 // events; the connection thread writes them (httplib's content provider).
 struct HttpServer::Stream {
@@ -92,24 +109,47 @@ struct HttpServer::Stream {
 
 class HttpHandlers {
  public:
-  // POST bodies are read here rather than by httplib, which would cap an
-  // application/x-www-form-urlencoded one (curl -d's default type) at 8 KiB;
-  // the body is JSON whatever the Content-Type says. The size cap
-  // (max_body_bytes -> 413) still applies.
+  // POST bodies are read here rather than by httplib: httplib caps a body
+  // with a Content-Length (413 before reading it) but not a chunked one, so
+  // the cap (max_body_bytes -> 413) is applied to every chunk as it comes.
   static void Post(HttpServer* s, openai::Endpoint endpoint,
                    const httplib::Request& req, httplib::Response& res,
                    const httplib::ContentReader& reader) {
+    const absl::Status type = CheckContentType(req);
     if (req.is_multipart_form_data()) {
-      return SendError(res, absl::InvalidArgumentError(
-                                "the request body must be JSON, not "
-                                "multipart/form-data"));
+      // httplib would read it only through its multipart parser.
+      res.set_header("Connection", "close");
+      SendError(res, type);
+      res.status = 415;
+      return;
     }
+    const size_t cap = s->options_.max_body_bytes;
     std::string body;
-    if (!reader([&body](const char* data, size_t n) {
-          body.append(data, n);
+    size_t read = 0;
+    bool too_large = false;
+    // A body of the wrong type is still read (and dropped), up to the cap,
+    // so the connection stays in step for the answer.
+    if (!reader([&](const char* data, size_t n) {
+          if (n > cap - read) {
+            too_large = true;
+            return false;
+          }
+          read += n;
+          if (type.ok()) body.append(data, n);
           return true;
         })) {
-      return;  // httplib set the status (413, 400)
+      if (too_large) {
+        std::string().swap(body);
+        res.set_header("Connection", "close");  // the rest stays unread
+        SendError(res, TooLarge(cap));
+        res.status = 413;
+      }
+      return;  // otherwise httplib set the status (413, 400)
+    }
+    if (!type.ok()) {
+      SendError(res, type);
+      res.status = 415;
+      return;
     }
     Generate(s, endpoint, body, res);
   }
@@ -305,14 +345,11 @@ absl::Status HttpServer::Start(int port) {
     if (options_.api_key.empty() || !absl::StartsWith(req.path, "/v1/")) {
       return httplib::Server::HandlerResponse::Unhandled;
     }
-    const std::string auth = req.get_header_value("Authorization");
-    constexpr absl::string_view kBearer = "Bearer ";
-    if (!absl::StartsWith(auth, kBearer) ||
-        !ConstantTimeEquals(absl::string_view(auth).substr(kBearer.size()),
-                            options_.api_key)) {
-      SendError(res, absl::UnauthenticatedError(
-                         "missing or invalid API key: send the header "
-                         "'Authorization: Bearer <key>'"));
+    if (absl::Status st =
+            CheckApiKey(req.get_header_value("Authorization"),
+                        options_.api_key, "the header 'Authorization");
+        !st.ok()) {
+      SendError(res, st);
       return httplib::Server::HandlerResponse::Handled;
     }
     return httplib::Server::HandlerResponse::Unhandled;
@@ -349,7 +386,8 @@ absl::Status HttpServer::Start(int port) {
     res.set_content(Dump({{"status", ok ? "ok" : "unavailable"}}), kJson);
   });
   // 404 (no route), 413 (body too large) and the like: OpenAI's shape.
-  srv.set_error_handler([](const httplib::Request& req,
+  srv.set_error_handler([max_body = options_.max_body_bytes](
+                            const httplib::Request& req,
                            httplib::Response& res) {
     if (!res.body.empty()) return;
     absl::Status st;
@@ -357,9 +395,15 @@ absl::Status HttpServer::Start(int port) {
       st = absl::NotFoundError(
           absl::StrCat("no route ", req.method, " ", req.path));
     } else if (res.status == 413) {
-      st = absl::InvalidArgumentError("the request body is too large");
+      st = TooLarge(max_body);
+    } else if (res.status >= 400 && res.status < 500) {
+      // httplib's own refusals: a malformed request line, headers or
+      // chunked encoding (400), a URI or header too long (414, 431), a
+      // method without a route (405).
+      st = absl::InvalidArgumentError(
+          absl::StrCat("malformed HTTP request (HTTP ", res.status, ")"));
     } else {
-      st = absl::UnknownError(absl::StrCat("HTTP ", res.status));
+      st = absl::InternalError(absl::StrCat("HTTP ", res.status));
     }
     const int code = res.status;
     SendError(res, st);

@@ -133,9 +133,6 @@ class RouterWithHttp {
 /// for a template that does not parse. "" = the default template.
 absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir);
 
-/// `got` == `want`, in time that depends on their lengths only.
-bool ConstantTimeEquals(absl::string_view got, absl::string_view want);
-
 }  // namespace specserve
 
 #endif  // SPECSERVE_ROUTER_HTTP_SERVER_H_

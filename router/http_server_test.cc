@@ -6,6 +6,12 @@
 
 #include "router/http_server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
@@ -544,21 +550,21 @@ TEST_F(HttpServerTest, BadRequests) {
   const std::string big = json{{"prompt", std::string(10 << 20, 'a')}}.dump();
   ExpectError(Post("/v1/completions", big), 413, "");
   ExpectError(client_->Post("/v1/completions", big, "text/plain"), 413, "");
-  // The body is JSON whatever the Content-Type (curl -d sends a form type,
-  // which httplib alone would cap at 8 KiB).
-  const std::string long_prompt =
-      json{{"prompt", std::string(20000, 'a')}, {"max_tokens", 1}}.dump();
-  auto form = client_->Post("/v1/completions", long_prompt,
-                            "application/x-www-form-urlencoded");
-  ASSERT_TRUE(form);
-  EXPECT_EQ(form->status, 400) << form->body;  // past the 512-token context
-  EXPECT_TRUE(absl::StrContains(form->body, "context")) << form->body;
-  auto no_type = client_->Post("/v1/completions",
-                               R"({"prompt": "Once", "max_tokens": 2})", "");
-  ASSERT_TRUE(no_type);
-  EXPECT_EQ(no_type->status, 200) << no_type->body;
+  // The body must say it is JSON: a browser page may post a form or text
+  // to another origin without a CORS preflight, but not JSON.
+  const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
+  ExpectError(client_->Post("/v1/completions", body,
+                            "application/x-www-form-urlencoded"),
+              415, "");
+  ExpectError(client_->Post("/v1/completions", body, "text/plain"), 415, "");
+  ExpectError(client_->Post("/v1/completions", body, ""), 415, "");
   httplib::MultipartFormDataItems items = {{"prompt", "Once", "", ""}};
-  ExpectError(client_->Post("/v1/completions", items), 400, "");
+  ExpectError(client_->Post("/v1/completions", items), 415, "");
+  // Parameters and case do not matter.
+  auto typed = client_->Post("/v1/completions", body,
+                             "Application/JSON; charset=utf-8");
+  ASSERT_TRUE(typed);
+  EXPECT_EQ(typed->status, 200) << typed->body;
   // The server still serves afterwards.
   auto ok = Post("/v1/chat/completions",
                  R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 4})");
@@ -584,6 +590,11 @@ TEST_F(HttpServerTest, ApiKey) {
                  {{"Authorization", "Bearer s3cret-key"}});
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200) << ok->body;
+  // The scheme is case-insensitive (RFC 9110 section 11.1).
+  auto lower = Post("/v1/completions", body,
+                    {{"Authorization", "bearer s3cret-key"}});
+  ASSERT_TRUE(lower);
+  EXPECT_EQ(lower->status, 200) << lower->body;
   auto health = client_->Get("/health");  // probes need no key
   ASSERT_TRUE(health);
   EXPECT_NE(health->status, 401);
@@ -607,14 +618,101 @@ TEST_F(HttpServerTest, StartErrorsAndRouterWithHttp) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(ConstantTimeEqualsTest, ComparesWholeStrings) {
-  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
-  EXPECT_TRUE(ConstantTimeEquals("", ""));
-  EXPECT_FALSE(ConstantTimeEquals("abd", "abc"));
-  EXPECT_FALSE(ConstantTimeEquals("ab", "abc"));
-  EXPECT_FALSE(ConstantTimeEquals("abcd", "abc"));
-  EXPECT_FALSE(ConstantTimeEquals("", "abc"));
-  EXPECT_FALSE(ConstantTimeEquals(std::string("ab\0", 3), "ab"));
+// Sends `head` then a chunked body of `total` bytes in 64 KiB chunks over a
+// raw socket, stopping early once the server answers or stops reading.
+// Returns what the server sent back ("" if nothing) and, in `sent`, the
+// body bytes written.
+std::string PostChunked(int port, const std::string& head, size_t total,
+                        size_t* sent) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  *sent = 0;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  auto send_all = [fd](const std::string& s) {
+    size_t off = 0;
+    while (off < s.size()) {
+      const ssize_t n = send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      off += static_cast<size_t>(n);
+    }
+    return true;
+  };
+  bool ok = send_all(head);
+  const std::string payload(64 << 10, 'a');
+  const std::string chunk =
+      absl::StrCat(absl::Hex(payload.size()), "\r\n", payload, "\r\n");
+  while (ok && *sent < total) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 0) > 0) break;  // an answer (or a close) came early
+    ok = send_all(chunk);
+    if (ok) *sent += payload.size();
+  }
+  if (ok && *sent >= total) send_all("0\r\n\r\n");
+  std::string got;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) got.append(buf, n);
+  close(fd);
+  return got;
+}
+
+// A chunked body is capped as it arrives (httplib caps only a declared
+// Content-Length): a 16 MiB chunked prompt is refused with 413 long before
+// it is all sent (it was read whole, parsed and answered 200 or 400).
+TEST_F(HttpServerTest, ChunkedBodyOverTheCapIs413) {
+  HttpServerOptions o;
+  o.max_body_bytes = 1 << 20;
+  Start(o);
+  const std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+      "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+      "9\r\n{\"prompt\"\r\n3\r\n:\"a\r\n";
+  size_t sent = 0;
+  const absl::Time start = absl::Now();
+  const std::string got = PostChunked(http_->port(), head, 16 << 20, &sent);
+  EXPECT_LT(sent, size_t{16} << 20) << "the server read the whole body";
+  if (!got.empty()) {
+    EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 413")) << got.substr(0, 200);
+    EXPECT_TRUE(absl::StrContains(got, "invalid_request_error")) << got;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // A chunked body under the cap is served.
+  httplib::Client c("127.0.0.1", http_->port());
+  const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
+  auto res = c.Post(
+      "/v1/completions",
+      [&body](size_t offset, httplib::DataSink& sink) {
+        if (offset == 0) sink.write(body.data(), body.size());
+        sink.done();
+        return true;
+      },
+      "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+}
+
+// httplib's own refusals (a malformed request) have OpenAI's error shape as
+// client errors, not {"type": "server_error", "code": "UNKNOWN"}.
+TEST_F(HttpServerTest, MalformedRequestsAreClientErrors) {
+  Start();
+  size_t sent = 0;
+  const std::string got = PostChunked(
+      http_->port(), "GARBAGE\r\n\r\n", 0, &sent);
+  ASSERT_TRUE(absl::StartsWith(got, "HTTP/1.1 400")) << got;
+  const std::string body = got.substr(got.find("\r\n\r\n") + 4);
+  const json j = json::parse(body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << got;
+  EXPECT_EQ(j["error"]["type"], "invalid_request_error") << got;
+  EXPECT_EQ(j["error"]["code"], "INVALID_ARGUMENT") << got;
 }
 
 TEST_F(HttpServerTest, TargetDownIs503) {

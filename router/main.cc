@@ -54,7 +54,9 @@ ABSL_FLAG(int, http_port, 0,
           "/v1/chat/completions, /v1/models, /health); 0 = off");
 ABSL_FLAG(std::string, api_key, "",
           "when set (or env SPECSERVE_API_KEY), the HTTP API's /v1/* needs "
-          "'Authorization: Bearer <key>'");
+          "the header 'Authorization: Bearer <key>' and the gRPC API "
+          "(Generate, GenerateStream, Info) the metadata 'authorization: "
+          "Bearer <key>'; health checks stay open");
 ABSL_FLAG(bool, backend_tls, false,
           "TLS to the speculator and target (implied by any --backend_tls_* "
           "file); without --backend_tls_ca_file gRPC's default roots verify "
@@ -120,6 +122,18 @@ int Run() {
   o.pool.server_name = security->server_name;
   o.speculator = absl::GetFlag(FLAGS_speculator);
   o.target = absl::GetFlag(FLAGS_target);
+  o.api_key = absl::GetFlag(FLAGS_api_key);
+  if (const char* env = std::getenv("SPECSERVE_API_KEY");
+      o.api_key.empty() && env != nullptr) {
+    o.api_key = env;
+  }
+  if (o.api_key.empty()) {
+    std::fprintf(stderr,
+                 "router: no --api_key: the gRPC%s API answers anyone who "
+                 "can reach %s\n",
+                 absl::GetFlag(FLAGS_http_port) != 0 ? " and HTTP" : "",
+                 o.host.c_str());
+  }
   const std::string tok = absl::GetFlag(FLAGS_tokenizer);
   o.tokenizer_dir = tok.empty() ? "" : ResolveUserPath(tok);
   o.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
@@ -154,11 +168,7 @@ int Run() {
   }
   HttpServerOptions http;
   http.host = o.host;
-  http.api_key = absl::GetFlag(FLAGS_api_key);
-  if (const char* env = std::getenv("SPECSERVE_API_KEY");
-      http.api_key.empty() && env != nullptr) {
-    http.api_key = env;
-  }
+  http.api_key = o.api_key;
   auto front = RouterWithHttp::Create(server->get(), http,
                                       absl::GetFlag(FLAGS_http_port));
   if (!front.ok()) {
@@ -166,7 +176,7 @@ int Run() {
     return 2;
   }
   return ServeUntilStopSignal("router", **front, absl::GetFlag(FLAGS_port),
-                              absl::GetFlag(FLAGS_metrics_port),
+                              o.host, absl::GetFlag(FLAGS_metrics_port),
                               (*server)->registry(), stop,
                               absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
 }

@@ -105,8 +105,16 @@ void RouterMetrics::CountRequest(const std::string& status) {
   requests_.Add({{"status", status}}).Increment();
 }
 
+std::string RouterMetrics::FallbackLabel(const std::string& reason) {
+  const std::string head = reason.substr(0, reason.find(':'));
+  for (const char* r : kFallbackReasons) {
+    if (head == r) return head;
+  }
+  return "other";
+}
+
 void RouterMetrics::CountFallback(const std::string& reason) {
-  fallbacks_.Add({{"reason", reason}}).Increment();
+  fallbacks_.Add({{"reason", FallbackLabel(reason)}}).Increment();
 }
 
 void RouterMetrics::SetInFlight(int n) { in_flight_.Set(n); }

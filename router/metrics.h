@@ -23,7 +23,21 @@ class RouterMetrics {
 
   /// One finished request with its canonical status name ("OK", ...).
   void CountRequest(const std::string& status);
-  /// One request served with a degraded plan (fallback reason string).
+  /// The values of fallbacks_total's `reason` label: a fixed set, so the
+  /// series stay few whatever the speculator answers.
+  static constexpr const char* kFallbackReasons[] = {
+      "speculator_unavailable",   // down or unreachable
+      "speculator_deadline",      // Score past --speculator_deadline_ms
+      "speculator_busy",          // RESOURCE_EXHAUSTED: at its limits
+      "speculator_error",         // any other error status
+      "speculator_bad_response",  // an answer that fails validation
+      "speculator_failed_mid_generation",  // Draft stream broke later
+  };
+  /// The label for a response's fallback_reason: its part before ':' when
+  /// that is one of kFallbackReasons, else "other".
+  static std::string FallbackLabel(const std::string& reason);
+  /// One request served with a degraded plan (`reason` as in the response's
+  /// stats; counted under FallbackLabel(reason)).
   void CountFallback(const std::string& reason);
   /// Requests admitted and not yet finished.
   void SetInFlight(int n);

@@ -158,14 +158,17 @@ class DraftStream final
   bool hold_released_ = false;  // Round/Close thread only
 };
 
-// The fallback reason for a failed speculator call ("" = not a fallback:
-// the request itself is over).
+// The fallback reason for a failed speculator call: one of
+// RouterMetrics::kFallbackReasons, then the status code when that says more.
 std::string FallbackReason(const absl::Status& s) {
   switch (s.code()) {
     case absl::StatusCode::kUnavailable:
       return "speculator_unavailable";
     case absl::StatusCode::kDeadlineExceeded:
       return "speculator_deadline";
+    case absl::StatusCode::kResourceExhausted:
+      // At its session or queue limit: load, not a fault.
+      return "speculator_busy";
     default:
       return absl::StrCat("speculator_error: ",
                           absl::StatusCodeToString(s.code()));
@@ -545,7 +548,7 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
     valid = kept[i] >= 0 && kept[i] < n && (i == 0 || kept[i] > kept[i - 1]);
   }
   if (!valid) {
-    plan->fallback = "speculator_error: bad kept_indices";
+    plan->fallback = "speculator_bad_response: kept_indices";
     return absl::OkStatus();
   }
   if (opts.spec_prefill) {

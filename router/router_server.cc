@@ -12,10 +12,25 @@
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "protos/router.grpc.pb.h"
+#include "router/api_key.h"
 #include "router/metrics.h"
 
 namespace specserve {
 namespace {
+
+// The API key from the call's "authorization" metadata, checked as HTTP
+// checks its header (router/api_key.h); OK when no key is configured.
+grpc::Status Authorize(const grpc::CallbackServerContext* ctx,
+                       const std::string& key) {
+  if (key.empty()) return grpc::Status::OK;
+  const auto& md = ctx->client_metadata();
+  const auto it = md.find("authorization");
+  const absl::string_view got =
+      it == md.end() ? absl::string_view()
+                     : absl::string_view(it->second.data(), it->second.size());
+  return ToGrpcStatus(
+      CheckApiKey(got, key, "the metadata 'authorization"));
+}
 
 grpc::Status Exhausted(int limit) {
   return grpc::Status(
@@ -56,6 +71,11 @@ class RouterServer::Service final : public v1::Router::CallbackService {
                  const v1::GenerateTextRequest* req,
                  v1::GenerateTextResponse* resp)
         : call_(server, ctx), req_(req), resp_(resp) {
+      if (grpc::Status a = Authorize(ctx, server->options_.api_key); !a.ok()) {
+        Finish(a);
+        Unref();  // no worker
+        return;
+      }
       if (!server->Admit()) {
         Finish(Exhausted(server->options_.max_concurrent_requests));
         Unref();  // no worker
@@ -91,6 +111,11 @@ class RouterServer::Service final : public v1::Router::CallbackService {
     StreamReactor(RouterServer* server, grpc::CallbackServerContext* ctx,
                   const v1::GenerateTextRequest* req)
         : call_(server, ctx), req_(req) {
+      if (grpc::Status a = Authorize(ctx, server->options_.api_key); !a.ok()) {
+        Finish(a);
+        Unref();
+        return;
+      }
       if (!server->Admit()) {
         Finish(Exhausted(server->options_.max_concurrent_requests));
         Unref();
@@ -183,6 +208,11 @@ class RouterServer::Service final : public v1::Router::CallbackService {
   grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx,
                                  const v1::InfoRequest* /*req*/,
                                  v1::RouterInfo* resp) override {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    if (grpc::Status a = Authorize(ctx, server_->options_.api_key); !a.ok()) {
+      reactor->Finish(a);
+      return reactor;
+    }
     if (auto i = server_->target_->model_info()) *resp->mutable_target() = *i;
     if (auto i = server_->speculator_->model_info()) {
       *resp->mutable_speculator() = *i;
@@ -193,7 +223,6 @@ class RouterServer::Service final : public v1::Router::CallbackService {
     for (const auto& e : server_->speculator_->endpoints()) {
       resp->add_speculator_endpoints(e);
     }
-    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }

@@ -31,6 +31,11 @@ struct RouterServerOptions {
   /// Transport security of the public port (common/service/tls.h); null =
   /// plaintext. The channels to the services take `pool.credentials`.
   std::shared_ptr<grpc::ServerCredentials> credentials;
+  /// --api_key / SPECSERVE_API_KEY: when non-empty, Generate,
+  /// GenerateStream and Info need the metadata "authorization: Bearer
+  /// <key>" (else UNAUTHENTICATED), as the HTTP API needs its header. The
+  /// health service and reflection stay open (probes).
+  std::string api_key;
   /// --speculator: comma-separated host:port / dns:///name:port; "" = no
   /// speculator (plain target serving, no fallback counted).
   std::string speculator;

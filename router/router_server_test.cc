@@ -561,7 +561,7 @@ TEST_F(RouterServerTest, MetricsCountRequestsTokensAndDrafts) {
   EXPECT_EQ(MetricValue(m, "specserve_router_in_flight_requests"), 0);
 
   int port = 0;
-  auto exposer = StartMetricsExposer(0, router_->registry(), &port);
+  auto exposer = StartMetricsExposer("127.0.0.1", 0, router_->registry(), &port);
   ASSERT_TRUE(exposer.ok()) << exposer.status();
   const std::string http = HttpGet(port, "/metrics");
   EXPECT_NE(http.find("200 OK"), std::string::npos) << http.substr(0, 200);

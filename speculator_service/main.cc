@@ -36,7 +36,9 @@ ABSL_FLAG(int, engine_threads, 1, "OpenBLAS / importance threads per forward");
 ABSL_FLAG(int, max_queue, 1024,
           "Score / Draft operations queued or running before "
           "RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, max_sessions, 64, "live sessions before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_sessions, 0,
+          "live sessions before RESOURCE_EXHAUSTED; 0 = one per KV cache "
+          "block of the pool, within [64, 4096]");
 ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
           "bytes of the paged KV cache pool shared by all sessions; when "
           "blocks run out the newest sessions are preempted and recomputed "
@@ -104,6 +106,7 @@ int Run() {
   }
   return ServeUntilStopSignal("speculator_service", **server,
                               absl::GetFlag(FLAGS_port),
+                              absl::GetFlag(FLAGS_host),
                               absl::GetFlag(FLAGS_metrics_port),
                               (*server)->registry_ptr(), stop, absl::Seconds(5));
 }

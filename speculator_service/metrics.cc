@@ -180,9 +180,11 @@ void SpeculatorMetrics::ObserveDraft(int tokens, int64_t ns) {
   draft_seconds_.Observe(Seconds(ns));
 }
 
-void SpeculatorMetrics::SetSessions(int sessions, size_t kv_bytes) {
+void SpeculatorMetrics::SetSessions(int sessions, size_t kv_bytes,
+                                    double kv_usage) {
   active_sessions_.Set(sessions);
   kv_bytes_.Set(static_cast<double>(kv_bytes));
+  kv_usage_.Set(kv_usage);
 }
 
 }  // namespace specserve

@@ -29,8 +29,9 @@ class SpeculatorMetrics {
                     int64_t look_ahead_ns, int64_t score_ns, int64_t total_ns);
   /// One Draft round that proposed `tokens` drafts in `ns` nanoseconds.
   void ObserveDraft(int tokens, int64_t ns);
-  /// Live sessions and the bytes of the KV blocks sequences hold.
-  void SetSessions(int sessions, size_t kv_bytes);
+  /// Live sessions, the bytes of the KV blocks sequences hold and the
+  /// fraction of the pool they hold, [0, 1] (kv_cache_usage_perc).
+  void SetSessions(int sessions, size_t kv_bytes, double kv_usage);
   /// One step of the batching scheduler: operations and rows in its
   /// forward (a step without a forward observes no batch), operations in
   /// flight that waited, sessions preempted for KV blocks, KV cache block

@@ -1,5 +1,6 @@
 #include "speculator_service/speculator_server.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <utility>
@@ -383,6 +384,10 @@ SpeculatorServer::SpeculatorServer(const SpeculatorServerOptions& options)
       registry_(std::make_shared<prometheus::Registry>()),
       metrics_(std::make_unique<SpeculatorMetrics>(*registry_)) {}
 
+int AutoMaxSessions(int kv_blocks) {
+  return std::clamp(kv_blocks, 64, 4096);
+}
+
 absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
     const SpeculatorServerOptions& options) {
   const auto bad = [](const std::string& m) {
@@ -393,7 +398,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
     return bad("max_num_batched_tokens must be >= 0");
   }
   if (options.max_queue < 1) return bad("max_queue must be >= 1");
-  if (options.max_sessions < 1) return bad("max_sessions must be >= 1");
+  if (options.max_sessions < 0) return bad("max_sessions must be >= 0");
   if (!(options.session_ttl_s > 0)) return bad("session_ttl_s must be > 0");
   // The defaults must be valid themselves.
   auto probe = ResolveScoreOptions({}, options.defaults, 1 << 20, "default_");
@@ -422,7 +427,10 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   s->info_ = MakeModelInfo(id, s->model_->config(), s->tokenizer_.get());
 
   SessionManagerOptions so;
-  so.max_sessions = options.max_sessions;
+  so.max_sessions = options.max_sessions > 0
+                        ? options.max_sessions
+                        : AutoMaxSessions(s->model_->kv_cache().num_blocks());
+  s->options_.max_sessions = so.max_sessions;
   so.ttl = absl::Seconds(options.session_ttl_s);
   SpeculatorMetrics* metrics = s->metrics_.get();
   PagedKvCache* kv = &s->model_->kv_cache();
@@ -430,7 +438,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   s->sessions_ = std::make_unique<SessionManager>(
       so, options.clock, [server, metrics, kv] {
         metrics->SetSessions(server->sessions_->num_sessions(),
-                             kv->bytes_held());
+                             kv->bytes_held(), kv->usage());
       });
   BatchScheduler::Options bo;
   bo.max_num_batched_tokens = DefaultMaxNumBatchedTokens(

@@ -33,7 +33,12 @@ struct SpeculatorServerOptions {
   int engine_threads = 1;  ///< importance-reduction threads per Score.
   /// Score / Draft operations queued or running before RESOURCE_EXHAUSTED.
   int max_queue = 1024;
-  int max_sessions = 64;
+  /// Live sessions before Score is RESOURCE_EXHAUSTED; 0 = sized by the
+  /// KV pool (AutoMaxSessions). A session idle between its requests keeps
+  /// its blocks only until the pool is short (the scheduler preempts idle
+  /// sessions first), so the count is bounded by what the pool can serve,
+  /// not by what sessions would hold at their largest.
+  int max_sessions = 0;
   /// KV cache of all sessions: the size of the model runner's paged pool.
   /// Sessions take blocks as they grow; when the pool runs out the
   /// scheduler preempts the newest (they recompute later).
@@ -45,6 +50,12 @@ struct SpeculatorServerOptions {
   ScoreDefaults defaults;       ///< for unset SpecPrefillOptions fields.
   SessionManager::Clock clock;  ///< "now" for session TTLs; null = real.
 };
+
+/// The session limit --max_sessions 0 means: one session per KV block of
+/// the pool (each live sequence holds at least one), at least 64 and at
+/// most 4096, so a router's 512 concurrent requests all get a session
+/// wherever the pool has 512 blocks.
+int AutoMaxSessions(int kv_blocks);
 
 class SpeculatorServiceImpl;
 class SpeculatorMetrics;

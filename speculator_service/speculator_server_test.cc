@@ -498,6 +498,8 @@ TEST_F(SpeculatorServerTest, UnknownAndExpiredSessionsAreNotFound) {
   now_s_ = now_s_ + 9;
   EXPECT_TRUE(draft_status(id).ok());
   EXPECT_EQ(MetricValue(Metrics(), "specserve_speculator_active_sessions"), 1);
+  EXPECT_GT(
+      MetricValue(Metrics(), "specserve_speculator_kv_cache_usage_perc"), 0);
   now_s_ = now_s_ + 11;
   grpc::Status s = draft_status(id);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
@@ -505,6 +507,33 @@ TEST_F(SpeculatorServerTest, UnknownAndExpiredSessionsAreNotFound) {
   EXPECT_EQ(server_->sessions().num_sessions(), 0);
   EXPECT_EQ(MetricValue(Metrics(), "specserve_speculator_active_sessions"), 0);
   EXPECT_EQ(MetricValue(Metrics(), "specserve_speculator_kv_bytes"), 0);
+  // The usage gauge too (it used to keep the last step's value).
+  EXPECT_EQ(
+      MetricValue(Metrics(), "specserve_speculator_kv_cache_usage_perc"), 0);
+  EXPECT_EQ(
+      MetricValue(Metrics(), "specserve_speculator_num_requests_waiting"), 0);
+}
+
+TEST(AutoMaxSessionsTest, OnePerKvBlockWithinBounds) {
+  EXPECT_EQ(AutoMaxSessions(10), 64);
+  EXPECT_EQ(AutoMaxSessions(700), 700);
+  EXPECT_EQ(AutoMaxSessions(1 << 20), 4096);
+}
+
+// By default the session limit comes from the KV pool, not a fixed 64: a
+// router's many concurrent requests each get a session (with 64, the 65th
+// Score was RESOURCE_EXHAUSTED and its request lost speculation).
+TEST_F(SpeculatorServerTest, DefaultSessionLimitIsSizedByTheKvPool) {
+  server_.reset();
+  StartServer([](SpeculatorServerOptions* o) { o->max_sessions = 0; });
+  ASSERT_NE(server_, nullptr);
+  const int limit = server_->sessions().options().max_sessions;
+  EXPECT_GE(limit, 100);
+  for (int i = 0; i < 100; ++i) {
+    v1::ScoreResponse r;
+    EXPECT_FALSE(OpenSession({1, 5 + i % 50}, 1, &r).empty()) << i;
+  }
+  EXPECT_EQ(server_->sessions().num_sessions(), 100);
 }
 
 TEST_F(SpeculatorServerTest, CapacityLimitsAreResourceExhausted) {
@@ -708,7 +737,7 @@ TEST_F(SpeculatorServerTest, MetricsCountTokensAndLatencies) {
             2);
   // The same registry over HTTP, as Prometheus scrapes it.
   int port = 0;
-  auto exposer = StartMetricsExposer(0, server_->registry_ptr(), &port);
+  auto exposer = StartMetricsExposer("127.0.0.1", 0, server_->registry_ptr(), &port);
   ASSERT_TRUE(exposer.ok()) << exposer.status();
   const std::string http = HttpGet(port, "/metrics");
   EXPECT_NE(http.find("200 OK"), std::string::npos) << http.substr(0, 200);

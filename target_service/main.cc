@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   }
   return specserve::ServeUntilStopSignal(
       "target_service", **server, absl::GetFlag(FLAGS_port),
-      absl::GetFlag(FLAGS_metrics_port), (*server)->registry(), stop,
+      absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_metrics_port),
+      (*server)->registry(), stop,
       absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s)));
 }

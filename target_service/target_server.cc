@@ -175,6 +175,12 @@ struct TargetServer::Metrics {
   void SetWaiting() {
     waiting.Set(static_cast<double>(queued.load() + waiting_for_kv.load()));
   }
+  // The KV gauges from the live cache (thread-safe): after every step and
+  // whenever a stream ends, so they fall back to idle values with traffic.
+  void SetKv(const PagedKvCache& kv) {
+    kv_cache_usage.Set(kv.usage());
+    kv_cache_bytes.Set(static_cast<double>(kv.bytes_held()));
+  }
 };
 
 // One Generate stream. At any moment exactly one of these is outstanding:
@@ -578,8 +584,7 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
         m->preemptions.Increment(st.preempted);
         m->waiting_for_kv.store(st.waiting_for_kv);
         m->SetWaiting();
-        m->kv_cache_usage.Set(kv->usage());
-        m->kv_cache_bytes.Set(static_cast<double>(kv->bytes_held()));
+        m->SetKv(*kv);
         // Only the loop thread runs this: the deltas need no lock.
         const int64_t q = kv->prefix_cache_queries();
         const int64_t h = kv->prefix_cache_hits();
@@ -718,8 +723,7 @@ void TargetServer::Release() {
       waiting_.pop_front();
     }
     metrics_->active_sessions.Set(active_);
-    metrics_->kv_cache_bytes.Set(
-        static_cast<double>(model_->kv_cache().bytes_held()));
+    metrics_->SetKv(model_->kv_cache());
     UpdateWaitingGauge();
   }
   // The caller may hold its own stream's lock: admitted streams start on

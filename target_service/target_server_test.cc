@@ -818,11 +818,15 @@ TEST_F(TargetServerTest, ClientCancelFreesTheSession) {
     EXPECT_EQ(server_->active_sessions(), 1);
     EXPECT_EQ(Metric(*server_, "specserve_target_active_sessions"), 1);
     EXPECT_GT(Metric(*server_, "specserve_target_kv_cache_bytes"), 0);
+    EXPECT_GT(Metric(*server_, "specserve_target_kv_cache_usage_perc"), 0);
     ctx->TryCancel();
     EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
     ASSERT_TRUE(WaitFor([&] { return server_->active_sessions() == 0; }));
+    // Every gauge is back at its idle value with no step after the end.
     EXPECT_EQ(Metric(*server_, "specserve_target_active_sessions"), 0);
     EXPECT_EQ(Metric(*server_, "specserve_target_kv_cache_bytes"), 0);
+    EXPECT_EQ(Metric(*server_, "specserve_target_kv_cache_usage_perc"), 0);
+    EXPECT_EQ(Metric(*server_, "specserve_target_num_requests_waiting"), 0);
   }
   {  // Cancelled with rounds possibly in flight.
     auto ctx = NewContext();
@@ -906,7 +910,7 @@ TEST_F(TargetServerTest, MetricsAreServedOverHttp) {
   ASSERT_TRUE(
       RunStream(stub_.get(), MakePrefill(kPrompt, 3), NoDrafts()).status.ok());
   int port = 0;
-  auto exposer = StartMetricsExposer(0, server_->registry(), &port);
+  auto exposer = StartMetricsExposer("127.0.0.1", 0, server_->registry(), &port);
   ASSERT_TRUE(exposer.ok()) << exposer.status();
   ASSERT_GT(port, 0);
   const std::string body = HttpGet(port, "/metrics");

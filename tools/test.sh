@@ -11,19 +11,39 @@ cd "$(dirname "$0")/.."
 SPECSERVE_NODE_MODULES="$(bash tools/install_npm_deps.sh)"
 export SPECSERVE_NODE_MODULES
 
-bazel test //... "$@"
+# Every step's output also goes to one log; at the end (pass or fail) the
+# steps' wall times and the slowest test targets are printed from it, so a
+# test creeping towards its timeout shows before it fails.
+LOG=$(mktemp -t specserve-test.XXXXXX)
+STEPS=()
+report() {
+  echo "=== step wall times"
+  printf '%s\n' "${STEPS[@]}"
+  echo "=== slowest test targets (all steps; sharded: the slowest shard)"
+  tools/slowest_tests.sh "$LOG" 15
+  rm -f "$LOG"
+}
+trap report EXIT
+step() {
+  local name=$1 start=$SECONDS
+  shift
+  bazel test "$@" 2>&1 | tee -a "$LOG"
+  STEPS+=("$name: $((SECONDS - start)) s")
+}
+
+step plain //... "$@"
 # The services' tests and the end-to-end test under ASan + UBSan and under
 # TSan (.bazelrc; sentencepiece through the built-in tokenizer), plus the
 # safetensors header mutation test and the built-in sentencepiece
 # tokenizer's tests under ASan.
 SANITIZED=(//speculator_service/... //target_service/... //router/...
            //common/scheduling/... //common/speculation/... //tests:e2e_test)
-bazel test --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
+step asan --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
   //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test "$@"
 # Under TSan gRPC core's hand-offs between its threads are modeled as
 # happens-before edges (third_party/sanitizers/tsan_grpc_sync.cc), checked
 # from both sides by tsan_grpc_sync_test.
-bazel test --config=tsan "${SANITIZED[@]}" \
+step tsan --config=tsan "${SANITIZED[@]}" \
   //third_party/sanitizers:tsan_grpc_sync_test "$@"
 # The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
-bazel test --config=fuzz //... "$@"
+step fuzz --config=fuzz //... "$@"

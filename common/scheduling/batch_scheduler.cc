@@ -237,10 +237,10 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
     if (!gone[i]) keep.push_back(std::move((*works)[i]));
   }
   works->swap(keep);
-  if (on_step_ &&
-      (stats.sequences > 0 || stats.preempted > 0 || stats.waiting > 0)) {
-    on_step_(stats);
-  }
+  const bool busy =
+      stats.sequences > 0 || stats.preempted > 0 || stats.waiting > 0;
+  if (on_step_ && (busy || reported_busy_)) on_step_(stats);
+  reported_busy_ = busy;
   return stats.sequences;
 }
 

@@ -116,6 +116,9 @@ class BatchScheduler {
     int preempted = 0;
     int64_t forward_ns = 0;  ///< the batched forward's time
   };
+  /// Called on the loop thread after every step that forwarded,
+  /// preempted or left a work waiting, and once after the first step that
+  /// did none of these (all zeros), so gauges fed from it return to idle.
   using StepObserver = std::function<void(const StepStats&)>;
 
   /// INVALID_ARGUMENT for a null model or max_num_batched_tokens < 1.
@@ -157,6 +160,7 @@ class BatchScheduler {
   ModelRunner* const model_;
   const Options options_;
   const StepObserver on_step_;
+  bool reported_busy_ = false;  // the last report was not all zeros (loop)
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<BatchedWork>> incoming_ ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;

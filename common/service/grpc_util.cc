@@ -26,16 +26,19 @@ void EnableHealthAndReflection() {
 }
 
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
-    int port, std::shared_ptr<prometheus::Registry> registry,
-    int* bound_port) {
+    const std::string& host, int port,
+    std::shared_ptr<prometheus::Registry> registry, int* bound_port) {
+  // civetweb's listening_ports syntax: "127.0.0.1:9090", "[::1]:9090";
+  // port 0 binds an ephemeral port.
+  const bool v6 = host.find(':') != std::string::npos && host.front() != '[';
+  const std::string address =
+      v6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
   std::unique_ptr<prometheus::Exposer> exposer;
   try {
-    // civetweb: "0" binds an ephemeral port.
-    exposer = std::make_unique<prometheus::Exposer>(
-        absl::StrCat("0.0.0.0:", port));
+    exposer = std::make_unique<prometheus::Exposer>(address);
   } catch (const std::exception& e) {
     return absl::UnavailableError(
-        absl::StrCat("cannot serve metrics on port ", port, ": ", e.what()));
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
   }
   exposer->RegisterCollectable(registry);
   const auto ports = exposer->GetListeningPorts();

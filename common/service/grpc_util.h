@@ -30,12 +30,15 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 /// every server built afterwards. Call once before building servers.
 void EnableHealthAndReflection();
 
-/// Serves `registry` at http://0.0.0.0:<port>/metrics (prometheus-cpp).
-/// Port 0 picks a free port; returns the exposer (keep it alive) and
-/// writes the bound port. UNAVAILABLE if the port cannot be bound.
+/// Serves `registry` at http://<host>:<port>/metrics (prometheus-cpp), on
+/// the service's own listen address (--host), so a service bound to
+/// loopback does not publish its metrics on every interface. An IPv6
+/// host may be given bare ("::1") or bracketed. Port 0 picks a free port;
+/// returns the exposer (keep it alive) and writes the bound port.
+/// UNAVAILABLE if the address cannot be bound.
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
-    int port, std::shared_ptr<prometheus::Registry> registry,
-    int* bound_port);
+    const std::string& host, int port,
+    std::shared_ptr<prometheus::Registry> registry, int* bound_port);
 
 /// Fills ModelInfo from a model config and (optional) tokenizer.
 v1::ModelInfo MakeModelInfo(const std::string& model_id,

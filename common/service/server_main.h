@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -24,14 +25,15 @@ namespace specserve {
 sigset_t BlockStopSignals();
 
 /// Starts `server` on `port`, serves `registry` at /metrics on
-/// `metrics_port` (0 = any free port), prints "listening on <port>,
+/// `host`:`metrics_port` (the server's listen address; port 0 = any free
+/// port), prints "listening on <port>,
 /// metrics on <port>" to stderr, waits for SIGINT/SIGTERM and shuts the
 /// server down with `grace`. `Server` provides `absl::Status Start(int)`,
 /// `int port()` and `void Shutdown(absl::Duration)`. Returns main()'s exit
 /// code: 0 after a clean shutdown, 1 if the server or exposer cannot start.
 template <typename Server>
 int ServeUntilStopSignal(const char* name, Server& server, int port,
-                         int metrics_port,
+                         const std::string& host, int metrics_port,
                          std::shared_ptr<prometheus::Registry> registry,
                          const sigset_t& stop, absl::Duration grace) {
   if (absl::Status s = server.Start(port); !s.ok()) {
@@ -40,7 +42,8 @@ int ServeUntilStopSignal(const char* name, Server& server, int port,
   }
   int bound_metrics_port = 0;
   auto exposer =
-      StartMetricsExposer(metrics_port, std::move(registry), &bound_metrics_port);
+      StartMetricsExposer(host, metrics_port, std::move(registry),
+                          &bound_metrics_port);
   if (!exposer.ok()) {
     std::fprintf(stderr, "%s: %s\n", name, exposer.status().ToString().c_str());
     server.Shutdown(absl::ZeroDuration());

@@ -5,8 +5,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <thread>
 
+#include "common/service/grpc_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
@@ -31,6 +35,44 @@ TEST(BlockStopSignalsTest, SignalTakenByAnEarlierThreadReachesSigwait) {
   EXPECT_EQ(sigtimedwait(&stop, &info, &timeout), SIGTERM);
   done = true;
   early.join();
+}
+
+// The local address of the listening TCP socket on `port`, as
+// /proc/net/tcp writes it (hex, network order: "0100007F" = 127.0.0.1), or
+// "" if none.
+std::string ListeningAddress(int port) {
+  std::ifstream in("/proc/net/tcp");
+  std::string line;
+  std::getline(in, line);  // header
+  while (std::getline(in, line)) {
+    char local[64] = {0};
+    unsigned p = 0, state = 0;
+    if (std::sscanf(line.c_str(), " %*d: %63[0-9A-Fa-f]:%X %*[0-9A-Fa-f]:%*X %X",
+                    local, &p, &state) == 3 &&
+        static_cast<int>(p) == port && state == 0x0A /* LISTEN */) {
+      return local;
+    }
+  }
+  return "";
+}
+
+// The metrics port binds the service's --host, not every interface: a
+// service on loopback does not publish /metrics on the network.
+TEST(StartMetricsExposerTest, BindsTheGivenHost) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  int port = 0;
+  auto loopback = StartMetricsExposer("127.0.0.1", 0, registry, &port);
+  ASSERT_TRUE(loopback.ok()) << loopback.status();
+  ASSERT_GT(port, 0);
+  EXPECT_EQ(ListeningAddress(port), "0100007F");
+  int any_port = 0;
+  auto any = StartMetricsExposer("0.0.0.0", 0, registry, &any_port);
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_EQ(ListeningAddress(any_port), "00000000");
+  EXPECT_EQ(StartMetricsExposer("127.0.0.1", port, registry, nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kUnavailable);  // taken
 }
 
 }  // namespace
