@@ -251,21 +251,27 @@ void ReplicaPool::Refresh(bool resolve) {
     const grpc_connectivity_state conn = snap.channel->GetState(false);
     if (snap.verified && conn == GRPC_CHANNEL_READY) continue;
     const State next = Check(snap);
-    if (!snap.checked || next.healthy != snap.healthy ||
-        next.mismatch != snap.mismatch) {
+    // Compared with the state as it is now, not the snapshot: a request's
+    // ReportFailure may have logged the same transition meanwhile.
+    bool changed;
+    {
+      absl::MutexLock lock(&mu_);
+      changed = !ptr->checked || next.healthy != ptr->healthy ||
+                next.mismatch != ptr->mismatch;
+      *ptr = next;
+    }
+    if (changed) {
       std::string why(next.mismatch.message());
       if (why.empty() && !next.last_error.empty()) {
         why = absl::StrCat(" (", next.last_error, ")");
       }
-      std::fprintf(stderr, "router: %s replica %s is %s%s\n",
-                   options_.service.c_str(), snap.address.c_str(),
-                   next.healthy    ? "healthy"
-                   : next.verified ? "INCOMPATIBLE: "
-                                   : "unreachable",
-                   why.c_str());
+      Log(absl::StrCat("router: ", options_.service, " replica ",
+                       snap.address, " is ",
+                       next.healthy    ? "healthy"
+                       : next.verified ? "INCOMPATIBLE: "
+                                       : "unreachable",
+                       why));
     }
-    absl::MutexLock lock(&mu_);
-    *ptr = next;
   }
 }
 
@@ -310,9 +316,30 @@ absl::StatusOr<Replica> ReplicaPool::Pick() {
 }
 
 void ReplicaPool::ReportFailure(const std::string& address) {
-  absl::MutexLock lock(&mu_);
-  for (const auto& s : replicas_) {
-    if (s->address == address) s->verified = s->healthy = false;
+  bool went_down = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& s : replicas_) {
+      if (s->address != address) continue;
+      went_down |= s->healthy;
+      s->verified = s->healthy = false;
+      s->checked = true;  // the next check logs only a change from here
+    }
+  }
+  // A request found it down before a health check did: this is the
+  // transition, so it is logged here (the check that follows sees an
+  // unhealthy replica staying unhealthy and stays quiet).
+  if (went_down) {
+    Log(absl::StrCat("router: ", options_.service, " replica ", address,
+                     " is unreachable (a call to it failed)"));
+  }
+}
+
+void ReplicaPool::Log(const std::string& line) const {
+  if (options_.log) {
+    options_.log(line);
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
   }
 }
 

@@ -53,6 +53,10 @@ struct ReplicaPoolOptions {
   /// Name replica certificates must carry instead of the dialled address
   /// (gRPC's SSL target-name override); "" = the address's host.
   std::string server_name;
+  /// Where health transitions are logged, one line each way per change
+  /// ("router: target replica ADDR is unreachable (...)", "... is
+  /// healthy"); null = stderr.
+  std::function<void(const std::string&)> log;
 };
 
 /// One replica handed to a request: its address and channel. The channel
@@ -119,6 +123,7 @@ class ReplicaPool {
   bool empty() const { return entries_.empty(); }
 
  private:
+  void Log(const std::string& line) const;
   struct State {
     std::string address;
     std::shared_ptr<grpc::Channel> channel;

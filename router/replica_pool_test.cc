@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "router/request_runner.h"
 #include "router/test_env.h"
@@ -66,6 +69,43 @@ class ReplicaPoolTest : public ::testing::Test {
     return p.ok() ? *std::move(p) : nullptr;
   }
 };
+
+// A replica going down is logged once, whether a health check or a failed
+// request notices first, as its coming up is (the router used to log only
+// "healthy").
+TEST_F(ReplicaPoolTest, LogsEachHealthTransitionOnce) {
+  for (bool reported : {false, true}) {
+    auto t = StartTarget();
+    ASSERT_NE(t, nullptr);
+    const std::string addr = Addr(t->port());
+    absl::Mutex mu;
+    std::vector<std::string> lines;
+    ReplicaPoolOptions o;
+    o.service = "target";
+    o.health_period = absl::Milliseconds(50);
+    o.log = [&](const std::string& line) {
+      absl::MutexLock lock(&mu);
+      lines.push_back(line);
+    };
+    auto pool = ReplicaPool::Create(addr, "--target", o, TargetInfoFn(), nullptr);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    (*pool)->Start();
+    ASSERT_EQ((*pool)->num_healthy(), 1);
+    t->Shutdown(absl::ZeroDuration());
+    t.reset();
+    if (reported) (*pool)->ReportFailure(addr);  // a request saw it first
+    ASSERT_TRUE(Eventually([&] { return (*pool)->num_healthy() == 0; }));
+    absl::SleepFor(absl::Milliseconds(400));  // several more checks
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(lines.size(), 2u) << absl::StrJoin(lines, "\n");
+    EXPECT_EQ(lines[0], absl::StrCat("router: target replica ", addr,
+                                     " is healthy"));
+    EXPECT_TRUE(absl::StartsWith(
+        lines[1],
+        absl::StrCat("router: target replica ", addr, " is unreachable")))
+        << lines[1];
+  }
+}
 
 TEST_F(ReplicaPoolTest, RoundRobinsOverHealthyReplicasAndSkipsDeadOnes) {
   auto a = StartTarget(), b = StartTarget();

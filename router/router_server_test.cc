@@ -240,6 +240,45 @@ TEST_F(RouterServerTest, InfoHealthAndReflection) {
   }));
 }
 
+// --api_key guards the gRPC door as it guards HTTP's: the metadata
+// "authorization: Bearer <key>" (scheme in any case); health stays open.
+TEST_F(RouterServerTest, ApiKeyGuardsTheGrpcApi) {
+  StartRouter([](RouterServerOptions* o) { o->api_key = "s3cret"; });
+  v1::GenerateTextRequest req;
+  req.set_text("Once upon a time");
+  req.mutable_sampling()->set_max_new_tokens(2);
+  v1::GenerateTextResponse resp;
+  {
+    auto ctx = Context();
+    const grpc::Status st = stub_->Generate(ctx.get(), req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_NE(st.error_message().find("authorization"), std::string::npos)
+        << st.error_message();
+  }
+  {
+    auto ctx = Context();
+    ctx->AddMetadata("authorization", "Bearer wrong");
+    auto reader = stub_->GenerateStream(ctx.get(), req);
+    v1::GenerateTextChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    auto ctx = Context();
+    v1::RouterInfo info;
+    EXPECT_EQ(stub_->Info(ctx.get(), v1::InfoRequest(), &info).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  for (const char* auth : {"Bearer s3cret", "bearer s3cret"}) {
+    auto ctx = Context();
+    ctx->AddMetadata("authorization", auth);
+    const grpc::Status st = stub_->Generate(ctx.get(), req, &resp);
+    EXPECT_TRUE(st.ok()) << auth << ": " << st.error_message();
+  }
+  EXPECT_EQ(*RawCall(channel_, "/grpc.health.v1.Health/Check", ""),
+            std::string("\x08\x01", 2));
+}
+
 TEST_F(RouterServerTest, BadRequestsAreInvalidArgumentNamingTheField) {
   StartRouter();
   struct Case {
