@@ -14,6 +14,7 @@
 #include "protos/speculator.grpc.pb.h"
 #include "protos/target.grpc.pb.h"
 #include "router/metrics.h"
+#include "router/prompt_limits.h"
 #include "router/replica_pool.h"
 #include "speculator_service/request_options.h"
 
@@ -283,7 +284,7 @@ absl::Status TargetError(const grpc::Status& g, const Replica& replica,
 // checked against the target's vocabulary and context (0 = unknown).
 absl::StatusOr<std::vector<int>> PromptIds(
     const v1::GenerateTextRequest& request, const Tokenizer* tokenizer,
-    int vocab, int max_context) {
+    int max_bytes_per_token, int vocab, int max_context) {
   std::vector<int> prompt;
   if (request.has_token_ids()) {
     const auto& ids = request.token_ids().ids();
@@ -305,6 +306,17 @@ absl::StatusOr<std::vector<int>> PromptIds(
     if (tokenizer == nullptr) {
       return absl::InvalidArgumentError(
           "text prompts need the router's --tokenizer; send token_ids");
+    }
+    // Bounded before tokenizing: the work (and memory) of tokenizing grows
+    // with the text, and a text this long cannot fit anyway.
+    const int64_t max_bytes = MaxPromptBytes(max_context, max_bytes_per_token);
+    if (max_bytes > 0 &&
+        static_cast<int64_t>(request.text().size()) > max_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt: ", request.text().size(),
+          " bytes of text cannot fit the target's max context of ",
+          max_context, " tokens (at most ", max_bytes,
+          " bytes with this tokenizer); refused before tokenizing"));
     }
     auto ids = tokenizer->Encode(request.text(), /*add_bos=*/true);
     if (!ids.ok()) return ids.status();
@@ -346,12 +358,27 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
   o.has_seed = s.has_seed();
   o.sampling.set_seed(s.seed());
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
+  if (s.stop_size() > kMaxStopStrings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.stop has ", s.stop_size(),
+                     " strings; at most ", kMaxStopStrings, " are allowed"));
+  }
   for (int i = 0; i < s.stop_size(); ++i) {
     if (s.stop(i).empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("sampling.stop[", i, "] is empty"));
     }
+    if (s.stop(i).size() > kMaxStopStringBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling.stop[", i, "] has ", s.stop(i).size(),
+          " bytes; at most ", kMaxStopStringBytes, " are allowed"));
+    }
     o.stop.push_back(s.stop(i));
+  }
+  if (s.stop_token_ids_size() > kMaxStopTokenIds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.stop_token_ids has ", s.stop_token_ids_size(),
+        " ids; at most ", kMaxStopTokenIds, " are allowed"));
   }
   for (int i = 0; i < s.stop_token_ids_size(); ++i) {
     if (s.stop_token_ids(i) < 0) {
@@ -597,7 +624,8 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   const int vocab =
       info ? info->vocab_size() : (b.tokenizer ? b.tokenizer->vocab_size() : 0);
   auto prompt_or =
-      PromptIds(request, b.tokenizer, vocab, info ? info->max_context() : 0);
+      PromptIds(request, b.tokenizer, b.max_bytes_per_token, vocab,
+                info ? info->max_context() : 0);
   if (!prompt_or.ok()) return prompt_or.status();
   const std::vector<int>& prompt = *prompt_or;
   const int n = static_cast<int>(prompt.size());

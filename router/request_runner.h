@@ -116,6 +116,9 @@ struct RouterBackends {
   /// The router's tokenizer (--tokenizer); null = token-id prompts only and
   /// no text in responses.
   const Tokenizer* tokenizer = nullptr;
+  /// MaxBytesPerToken(*tokenizer), computed once; 0 = no byte bound on
+  /// text prompts before tokenizing (MaxPromptBytes).
+  int max_bytes_per_token = 0;
   ReplicaPool* target = nullptr;      ///< required.
   ReplicaPool* speculator = nullptr;  ///< null or empty: no speculation.
   RouterMetrics* metrics = nullptr;   ///< optional.

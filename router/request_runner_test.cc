@@ -14,6 +14,7 @@
 #include "prometheus/text_serializer.h"
 #include "protos/speculator.grpc.pb.h"
 #include "router/metrics.h"
+#include "router/prompt_limits.h"
 #include "router/test_env.h"
 
 namespace specserve {
@@ -611,6 +612,24 @@ TEST(ResolveOptionsTest, RejectsBadFieldsNamingThem) {
        "sampling.stop[0]"},
       {[](auto* r) { r->mutable_sampling()->add_stop_token_ids(-3); },
        "sampling.stop_token_ids[0]"},
+      // Bounded: 200,000 stop strings used to be accepted.
+      {[](auto* r) {
+         for (int i = 0; i <= kMaxStopStrings; ++i) {
+           r->mutable_sampling()->add_stop(std::to_string(i));
+         }
+       },
+       "sampling.stop has 17"},
+      {[](auto* r) {
+         r->mutable_sampling()->add_stop(
+             std::string(kMaxStopStringBytes + 1, 'x'));
+       },
+       "sampling.stop[0] has 257"},
+      {[](auto* r) {
+         for (int i = 0; i <= kMaxStopTokenIds; ++i) {
+           r->mutable_sampling()->add_stop_token_ids(i);
+         }
+       },
+       "sampling.stop_token_ids has 65"},
       {[](auto* r) { r->mutable_speculative_prefill()->set_keep_ratio(0); },
        "speculative_prefill.keep_ratio"},
       {[](auto* r) { r->mutable_speculative_prefill()->set_keep_ratio(1.1f); },
@@ -665,6 +684,22 @@ TEST_F(RequestRunnerTest, RejectsBadPrompts) {
   o = Run(req);
   EXPECT_TRUE(absl::IsInvalidArgument(o.status));
   EXPECT_NE(o.status.message().find("max context"), std::string::npos);
+  // A text that cannot fit the context is refused before it is tokenized
+  // (an 8 MB prompt took 45 s of tokenizing to be refused).
+  backends_.max_bytes_per_token = MaxBytesPerToken(*tokenizer_);
+  req.set_text(std::string(8 << 20, 'a'));
+  o = Run(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(o.status));
+  EXPECT_NE(o.status.message().find("refused before tokenizing"),
+            std::string::npos)
+      << o.status;
+  // One that fits the bytes but not the tokens is still refused after.
+  req.set_text(StoryPrompt(12) + StoryPrompt(12) + StoryPrompt(12) +
+               StoryPrompt(12));
+  o = Run(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(o.status));
+  EXPECT_NE(o.status.message().find("max context"), std::string::npos)
+      << o.status;
   req.set_text("hello");
   req.mutable_sampling()->add_stop_token_ids(600);
   EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));

@@ -14,6 +14,7 @@
 #include "protos/router.grpc.pb.h"
 #include "router/api_key.h"
 #include "router/metrics.h"
+#include "router/prompt_limits.h"
 
 namespace specserve {
 namespace {
@@ -279,6 +280,9 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Create(
     return absl::InvalidArgumentError("--target must list a target replica");
   }
   r->backends_.tokenizer = r->tokenizer_.get();
+  if (r->tokenizer_ != nullptr) {
+    r->backends_.max_bytes_per_token = MaxBytesPerToken(*r->tokenizer_);
+  }
   r->backends_.target = r->target_.get();
   r->backends_.speculator = r->speculator_.get();
   r->backends_.metrics = r->metrics_.get();
