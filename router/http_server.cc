@@ -336,9 +336,11 @@ absl::Status HttpServer::Start(int port) {
   // httplib's default is SO_REUSEPORT, which lets a second server bind a
   // port in use and split its connections; SO_REUSEADDR only allows the
   // restart of one whose old connections linger in TIME_WAIT.
-  srv.set_socket_options([](int sock) {
+  int listen_fd = -1;
+  srv.set_socket_options([&listen_fd](int sock) {
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    listen_fd = sock;
   });
   srv.set_pre_routing_handler([this](const httplib::Request& req,
                                      httplib::Response& res) {
@@ -416,6 +418,10 @@ absl::Status HttpServer::Start(int port) {
     return absl::UnavailableError(absl::StrCat(
         "cannot listen for HTTP on ", options_.host, ":", port));
   }
+  // Debian's httplib listens with a backlog of 5: a burst of new
+  // connections (many clients starting at once) overflowed it and some
+  // were reset. listen() again on the bound socket only resizes the queue.
+  if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
   port_ = bound;
   listener_ = std::thread([this] {
     server_->listen_after_bind();
