@@ -11,11 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
-#include "common/chat/chat_template.h"
 #include "httplib.h"
 #include "router/api_key.h"
+#include "router/chat_format.h"
 #include "router/request_runner.h"
 #include "router/router_server.h"
+#include "router/output_processor.h"
 
 namespace specserve {
 
@@ -71,26 +72,6 @@ std::string ModelName(RouterServer& router) {
 }
 
 }  // namespace
-
-absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir) {
-  absl::StatusOr<chat::ChatTemplate> t =
-      model_dir.empty() ? absl::NotFoundError("no tokenizer directory")
-                        : chat::LoadChatTemplate(model_dir);
-  std::shared_ptr<const chat::ChatTemplate> tmpl;
-  if (t.ok()) {
-    tmpl = std::make_shared<const chat::ChatTemplate>(*std::move(t));
-  } else if (absl::IsNotFound(t.status())) {
-    tmpl = std::make_shared<const chat::ChatTemplate>(
-        chat::ChatTemplate::Default());
-  } else {
-    return t.status();
-  }
-  openai::ChatFormat f;
-  f.bos_token = tmpl->bos_token();
-  f.add_bos = tmpl->is_default();
-  f.render = [tmpl](const json& context) { return tmpl->Render(context); };
-  return f;
-}
 
 // A streaming request: the runner works on its own thread and queues SSE
 // events; the connection thread writes them (httplib's content provider).

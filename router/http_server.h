@@ -1,7 +1,7 @@
 #ifndef SPECSERVE_ROUTER_HTTP_SERVER_H_
 #define SPECSERVE_ROUTER_HTTP_SERVER_H_
 
-// The router's OpenAI-compatible HTTP API (issue 15), served with
+// The router's OpenAI-compatible HTTP API, served with
 // cpp-httplib next to the gRPC API and on the same request path: every
 // request is admitted by RouterServer::Admit and run by a RequestRunner over
 // the router's backends, so limits, metrics, deadlines and cancellation are
@@ -125,13 +125,6 @@ class RouterWithHttp {
   const std::unique_ptr<HttpServer> http_;  // null: HTTP off
   const int http_port_;
 };
-
-/// The chat format of a model directory: its tokenizer_config.json
-/// chat_template (common/chat) when present, else
-/// chat::kDefaultChatTemplate ("<role>: <content>\n" per message, then
-/// "assistant:"; BOS added as an id). LoadChatTemplate's INVALID_ARGUMENT
-/// for a template that does not parse. "" = the default template.
-absl::StatusOr<openai::ChatFormat> ChatFormatFor(const std::string& model_dir);
 
 }  // namespace specserve
 

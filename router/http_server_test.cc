@@ -30,6 +30,8 @@
 #include "protos/target.grpc.pb.h"
 #include "router/router_server.h"
 #include "router/test_env.h"
+#include "router/target_client.h"
+#include "router/speculator_client.h"
 
 namespace specserve {
 namespace {
@@ -226,7 +228,7 @@ TEST_F(HttpServerTest, CompletionMatchesGrpc) {
   const v1::GenerateTextResponse want = Grpc(g);
   EXPECT_EQ(j["choices"][0]["text"], want.text());
   EXPECT_EQ(j["choices"][0]["finish_reason"],
-            openai::FinishReason(want.finish_reason()));
+            openai::OpenAiFinishReason(want.finish_reason()));
   EXPECT_EQ(j["usage"]["prompt_tokens"], want.usage().prompt_tokens());
   EXPECT_EQ(j["usage"]["completion_tokens"], want.usage().completion_tokens());
   EXPECT_EQ(j["usage"]["total_tokens"],

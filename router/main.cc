@@ -18,9 +18,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/time/time.h"
-#include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
+#include "common/service/spec_prefill_flags.h"
 #include "common/service/tls.h"
 #include "common/service/tls_flags.h"
 #include "common/util/paths.h"
@@ -77,17 +77,6 @@ ABSL_FLAG(int, default_top_k, 0, "top_k when unset (0 = off)");
 ABSL_FLAG(double, default_top_p, 1, "top_p when unset");
 ABSL_FLAG(bool, default_spec_prefill, true,
           "Speculative Prefill on when the request does not say");
-ABSL_FLAG(double, default_keep_ratio, 0.3, "keep ratio when unset");
-ABSL_FLAG(double, default_keep_mass, 0,
-          "keep-by-importance-mass fraction when unset, [0, 1]; 0 = off "
-          "(keep_ratio alone); with it keep_ratio is the ceiling");
-ABSL_FLAG(int, default_chunk_size, 32, "selection chunk size when unset");
-ABSL_FLAG(int, default_pool_kernel_size, 13, "pooling kernel when unset");
-ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");
-ABSL_FLAG(int, default_keep_first, 1, "forced keeps at the start when unset");
-ABSL_FLAG(int, default_keep_last, 1, "forced keeps at the end when unset");
-ABSL_FLAG(int, default_min_prompt_tokens, 0,
-          "prompts shorter than this are not pruned, when unset");
 ABSL_FLAG(bool, default_spec_decode, true,
           "speculative decoding on when the request does not say");
 ABSL_FLAG(int, default_num_draft_tokens, 4, "drafts per round when unset");
@@ -149,14 +138,7 @@ int Run() {
   d.top_k = absl::GetFlag(FLAGS_default_top_k);
   d.top_p = static_cast<float>(absl::GetFlag(FLAGS_default_top_p));
   d.spec_prefill = absl::GetFlag(FLAGS_default_spec_prefill);
-  d.keep_ratio = static_cast<float>(absl::GetFlag(FLAGS_default_keep_ratio));
-  d.keep_mass = static_cast<float>(absl::GetFlag(FLAGS_default_keep_mass));
-  d.chunk_size = absl::GetFlag(FLAGS_default_chunk_size);
-  d.pool_kernel_size = absl::GetFlag(FLAGS_default_pool_kernel_size);
-  d.look_ahead = absl::GetFlag(FLAGS_default_look_ahead);
-  d.keep_first = absl::GetFlag(FLAGS_default_keep_first);
-  d.keep_last = absl::GetFlag(FLAGS_default_keep_last);
-  d.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
+  d.prefill = SpecPrefillDefaultsFromFlags();
   d.spec_decode = absl::GetFlag(FLAGS_default_spec_decode);
   d.num_draft_tokens = absl::GetFlag(FLAGS_default_num_draft_tokens);
 
@@ -185,7 +167,6 @@ int Run() {
 }  // namespace specserve
 
 int main(int argc, char** argv) {
-  specserve::MaybeReexecForAvx512(argv);
   absl::ParseCommandLine(argc, argv);
   return specserve::Run();
 }

@@ -526,7 +526,7 @@ nlohmann::json ErrorBody(const absl::Status& status) {
             {"code", absl::StatusCodeToString(status.code())}}}};
 }
 
-std::string FinishReason(absl::string_view router_reason) {
+std::string OpenAiFinishReason(absl::string_view router_reason) {
   if (router_reason == "length" || router_reason == "context_limit") {
     return "length";
   }
@@ -569,7 +569,7 @@ json ResponseBuilder::Response(const v1::GenerateTextResponse& r) const {
   const bool chat = endpoint_ == Endpoint::kChat;
   json choice = {{"index", 0},
                  {"logprobs", nullptr},
-                 {"finish_reason", FinishReason(r.finish_reason())}};
+                 {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
   } else {
@@ -630,7 +630,7 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
   if (last) {
     json c = Chunk();
     c["choices"] = json::array(
-        {choice(chunk.text(), FinishReason(chunk.finish_reason()))});
+        {choice(chunk.text(), OpenAiFinishReason(chunk.finish_reason()))});
     c["specserve"] = Stats(chunk.usage(), chunk.stats());
     emit(c);
     if (include_usage_) {

@@ -111,7 +111,7 @@ nlohmann::json ErrorBody(const absl::Status& status);
 
 /// OpenAI finish_reason of the router's: "stop" (eos, stop_token, stop) or
 /// "length" (length, context_limit).
-std::string FinishReason(absl::string_view router_reason);
+std::string OpenAiFinishReason(absl::string_view router_reason);
 
 /// Builds the responses of one request (one per request; not
 /// thread-safe). `id` e.g. "cmpl-..."; `created` in Unix seconds.

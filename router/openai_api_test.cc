@@ -293,11 +293,11 @@ TEST(StatusMappingTest, HttpStatusesAndErrorShape) {
       "code": "INVALID_ARGUMENT"}})"));
   EXPECT_TRUE(ErrorBody(absl::UnavailableError("down"))["error"]["param"]
                   .is_null());
-  EXPECT_EQ(FinishReason("eos"), "stop");
-  EXPECT_EQ(FinishReason("stop_token"), "stop");
-  EXPECT_EQ(FinishReason("stop"), "stop");
-  EXPECT_EQ(FinishReason("length"), "length");
-  EXPECT_EQ(FinishReason("context_limit"), "length");
+  EXPECT_EQ(OpenAiFinishReason("eos"), "stop");
+  EXPECT_EQ(OpenAiFinishReason("stop_token"), "stop");
+  EXPECT_EQ(OpenAiFinishReason("stop"), "stop");
+  EXPECT_EQ(OpenAiFinishReason("length"), "length");
+  EXPECT_EQ(OpenAiFinishReason("context_limit"), "length");
 }
 
 std::vector<json> Events(const std::string& sse) {

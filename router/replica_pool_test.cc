@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "router/request_runner.h"
 #include "router/test_env.h"
+#include "router/target_client.h"
 
 namespace specserve {
 namespace {

@@ -16,6 +16,9 @@
 #include "router/metrics.h"
 #include "router/prompt_limits.h"
 #include "router/test_env.h"
+#include "router/output_processor.h"
+#include "router/speculator_client.h"
+#include "router/target_client.h"
 
 namespace specserve {
 namespace {
@@ -551,32 +554,10 @@ TEST_F(RequestRunnerTest, StopStringsCutTheText) {
   }));
 }
 
-TEST(StopStringFilterTest, HoldsBackPossibleStartsAndCutsAtTheFirstMatch) {
-  StopStringFilter f({"abc", "", "xy"});
-  EXPECT_EQ(f.Append("12a"), "12");  // "a" may start "abc"
-  EXPECT_EQ(f.Append("b"), "");
-  EXPECT_EQ(f.Append("d"), "abd");
-  EXPECT_EQ(f.Append("x"), "");
-  EXPECT_EQ(f.Append("zab"), "xz");
-  EXPECT_EQ(f.Append("cxy tail"), "");  // "abc" completes first
-  EXPECT_TRUE(f.matched());
-  EXPECT_EQ(f.Append("more"), "");
-  EXPECT_EQ(f.Flush(), "");
-
-  StopStringFilter g({"xy", "abc"});
-  EXPECT_EQ(g.Append("--ab"), "--");
-  EXPECT_EQ(g.Flush(), "ab");  // end of stream: held text is real text
-  EXPECT_FALSE(g.matched());
-  StopStringFilter h({"é!"});
-  EXPECT_EQ(h.Append("caf\xc3\xa9"), "caf");
-  EXPECT_EQ(h.Append("!"), "");
-  EXPECT_TRUE(h.matched());
-}
-
 TEST(ResolveOptionsTest, AppliesDefaults) {
   RequestDefaults d;
   d.max_new_tokens = 7;
-  d.keep_ratio = 0.5f;
+  d.prefill.keep_ratio = 0.5f;
   d.num_draft_tokens = 3;
   d.spec_decode = false;
   auto r = ResolveOptions(v1::GenerateTextRequest(), d);

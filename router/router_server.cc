@@ -15,6 +15,9 @@
 #include "router/api_key.h"
 #include "router/metrics.h"
 #include "router/prompt_limits.h"
+#include "router/output_processor.h"
+#include "router/speculator_client.h"
+#include "router/target_client.h"
 
 namespace specserve {
 namespace {

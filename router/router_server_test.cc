@@ -21,6 +21,8 @@
 #include "protos/speculator.grpc.pb.h"
 #include "protos/target.grpc.pb.h"
 #include "router/test_env.h"
+#include "router/target_client.h"
+#include "router/speculator_client.h"
 
 namespace specserve {
 namespace {

@@ -15,9 +15,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "common/engine/cpu_model_runner.h"
-#include "common/service/runner_flags.h"
 #include "common/service/grpc_util.h"
+#include "common/service/runner_flags.h"
 #include "common/service/server_main.h"
+#include "common/service/spec_prefill_flags.h"
 #include "common/service/tls_flags.h"
 #include "common/util/paths.h"
 #include "speculator_service/speculator_server.h"
@@ -46,16 +47,6 @@ ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
           "RESOURCE_EXHAUSTED)");
 ABSL_FLAG(double, session_ttl_s, 300,
           "idle seconds before a session is reaped");
-ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");
-ABSL_FLAG(double, default_keep_ratio, 0.3, "keep ratio when unset");
-ABSL_FLAG(double, default_keep_mass, 0,
-          "keep-by-importance-mass fraction when unset, [0, 1]; 0 = off");
-ABSL_FLAG(int, default_chunk_size, 32, "selection chunk size when unset");
-ABSL_FLAG(int, default_pool_kernel_size, 13, "pooling kernel when unset");
-ABSL_FLAG(int, default_keep_first, 1, "forced keeps at the start when unset");
-ABSL_FLAG(int, default_keep_last, 1, "forced keeps at the end when unset");
-ABSL_FLAG(int, default_min_prompt_tokens, 0,
-          "prompts shorter than this are not pruned, when unset");
 
 namespace specserve {
 namespace {
@@ -86,16 +77,7 @@ int Run() {
       std::max<int64_t>(0, absl::GetFlag(FLAGS_kv_budget_bytes)));
   o.session_ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
   o.runner = RunnerOptionsFromFlags();
-  o.defaults.look_ahead = absl::GetFlag(FLAGS_default_look_ahead);
-  o.defaults.keep_ratio =
-      static_cast<float>(absl::GetFlag(FLAGS_default_keep_ratio));
-  o.defaults.keep_mass =
-      static_cast<float>(absl::GetFlag(FLAGS_default_keep_mass));
-  o.defaults.chunk_size = absl::GetFlag(FLAGS_default_chunk_size);
-  o.defaults.pool_kernel_size = absl::GetFlag(FLAGS_default_pool_kernel_size);
-  o.defaults.keep_first = absl::GetFlag(FLAGS_default_keep_first);
-  o.defaults.keep_last = absl::GetFlag(FLAGS_default_keep_last);
-  o.defaults.min_prompt_tokens = absl::GetFlag(FLAGS_default_min_prompt_tokens);
+  o.defaults = SpecPrefillDefaultsFromFlags();
 
   SetEngineThreads(o.engine_threads);
   EnableHealthAndReflection();

@@ -12,7 +12,7 @@
 
 #include "common/specprefill/selection.h"
 #include "protos/speculator.pb.h"
-#include "speculator_service/request_options.h"
+#include "common/service/wire_options.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   specserve::v1::ScoreRequest req;
@@ -22,7 +22,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   config.max_position_embeddings = 512;
   config.num_hidden_layers = 2;
   const auto opts = specserve::ResolveScoreOptions(
-      req.options(), specserve::ScoreDefaults{}, config.num_hidden_layers,
+      req.options(), specserve::SpecPrefillDefaults{}, config.num_hidden_layers,
       "options.");
   if (!opts.ok()) {
     if (!absl::IsInvalidArgument(opts.status())) std::abort();

@@ -13,7 +13,7 @@
 #include "prometheus/registry.h"
 #include "protos/common.pb.h"
 #include "common/engine/model_runner_factory.h"
-#include "speculator_service/request_options.h"
+#include "common/service/wire_options.h"
 #include "speculator_service/session_manager.h"
 
 namespace specserve {
@@ -47,7 +47,7 @@ struct SpeculatorServerOptions {
   /// kv_cache.pool_bytes is set from kv_budget_bytes.
   RunnerOptions runner;
   double session_ttl_s = 300;   ///< idle seconds before a session is reaped.
-  ScoreDefaults defaults;       ///< for unset SpecPrefillOptions fields.
+  SpecPrefillDefaults defaults;       ///< for unset SpecPrefillOptions fields.
   SessionManager::Clock clock;  ///< "now" for session TTLs; null = real.
 };
 

@@ -27,7 +27,7 @@
 #include "common/util/parse.h"
 #include "common/util/paths.h"
 #include "nlohmann/json.hpp"
-#include "speculator_service/request_options.h"
+#include "common/service/wire_options.h"
 
 ABSL_FLAG(std::string, model, "", "speculator model directory (HF layout)");
 ABSL_FLAG(std::string, prompt, "", "prompt text (tokenized with BOS)");
@@ -65,7 +65,7 @@ int Run() {
   wire.set_keep_last(absl::GetFlag(FLAGS_keep_last));
   wire.set_min_prompt_tokens(absl::GetFlag(FLAGS_min_prompt_tokens));
   // Every field is set, so the defaults are unused; flags are named as typed.
-  auto opts = ResolveScoreOptions(wire, ScoreDefaults{},
+  auto opts = ResolveScoreOptions(wire, SpecPrefillDefaults{},
                                   std::numeric_limits<int>::max(), "--");
   if (!opts.ok()) return ReportCliError(opts.status());
   opts->num_threads = absl::GetFlag(FLAGS_threads);

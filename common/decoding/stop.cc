@@ -106,4 +106,44 @@ void StopChecker::Finish(FinishReason reason) {
   if (reason_ == FinishReason::kNone) reason_ = reason;
 }
 
+StopStringFilter::StopStringFilter(std::vector<std::string> stops) {
+  for (auto& s : stops) {
+    if (!s.empty()) stops_.push_back(std::move(s));
+  }
+}
+
+std::string StopStringFilter::Append(absl::string_view text) {
+  if (matched_) return "";
+  held_.append(text.data(), text.size());
+  // Text before held_ never hides a match start (it would have been held),
+  // so the earliest match in held_ is the first one in the whole output.
+  size_t first = std::string::npos;
+  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  if (first != std::string::npos) {
+    matched_ = true;
+    std::string out = held_.substr(0, first);
+    held_.clear();
+    return out;
+  }
+  // Hold the longest suffix that is a proper prefix of a stop string.
+  size_t hold = 0;
+  for (const std::string& s : stops_) {
+    for (size_t k = std::min(s.size() - 1, held_.size()); k > hold; --k) {
+      if (held_.compare(held_.size() - k, k, s, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+    }
+  }
+  std::string out = held_.substr(0, held_.size() - hold);
+  held_.erase(0, held_.size() - hold);
+  return out;
+}
+
+std::string StopStringFilter::Flush() {
+  std::string out;
+  out.swap(held_);
+  return out;
+}
+
 }  // namespace specserve

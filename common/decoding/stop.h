@@ -1,10 +1,12 @@
 #ifndef SPECSERVE_COMMON_DECODING_STOP_H_
 #define SPECSERVE_COMMON_DECODING_STOP_H_
 
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace specserve {
@@ -82,6 +84,28 @@ class StopChecker {
   int start_position_;
   int num_emitted_ = 0;
   FinishReason reason_ = FinishReason::kNone;
+};
+
+/// Streams decoded text through stop strings (OpenAI `stop`), the text
+/// half of a request's stop conditions (StopChecker is the token half): text that
+/// could be the start of a stop string is held back until it cannot be;
+/// at the first complete match the text is cut before it (the stop string
+/// is not included) and everything after is dropped. Not thread-safe.
+class StopStringFilter {
+ public:
+  /// Empty strings in `stops` are ignored.
+  explicit StopStringFilter(std::vector<std::string> stops);
+  /// Adds `text`; returns the text that is now safe to emit. After a match
+  /// (matched() turns true) returns the text before it and ignores input.
+  std::string Append(absl::string_view text);
+  /// End of stream: the held-back text (nothing after a match).
+  std::string Flush();
+  bool matched() const { return matched_; }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+  bool matched_ = false;
 };
 
 }  // namespace specserve

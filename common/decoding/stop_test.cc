@@ -140,5 +140,27 @@ TEST(ValidateStopConditionsTest, NamesTheField) {
   }
 }
 
+TEST(StopStringFilterTest, HoldsBackPossibleStartsAndCutsAtTheFirstMatch) {
+  StopStringFilter f({"abc", "", "xy"});
+  EXPECT_EQ(f.Append("12a"), "12");  // "a" may start "abc"
+  EXPECT_EQ(f.Append("b"), "");
+  EXPECT_EQ(f.Append("d"), "abd");
+  EXPECT_EQ(f.Append("x"), "");
+  EXPECT_EQ(f.Append("zab"), "xz");
+  EXPECT_EQ(f.Append("cxy tail"), "");  // "abc" completes first
+  EXPECT_TRUE(f.matched());
+  EXPECT_EQ(f.Append("more"), "");
+  EXPECT_EQ(f.Flush(), "");
+
+  StopStringFilter g({"xy", "abc"});
+  EXPECT_EQ(g.Append("--ab"), "--");
+  EXPECT_EQ(g.Flush(), "ab");  // end of stream: held text is real text
+  EXPECT_FALSE(g.matched());
+  StopStringFilter h({"é!"});
+  EXPECT_EQ(h.Append("caf\xc3\xa9"), "caf");
+  EXPECT_EQ(h.Append("!"), "");
+  EXPECT_TRUE(h.matched());
+}
+
 }  // namespace
 }  // namespace specserve

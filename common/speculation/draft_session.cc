@@ -23,18 +23,6 @@ absl::Status CheckIds(absl::Span<const int> ids, int vocab,
 
 }  // namespace
 
-absl::Status ValidateScoreOptions(const ScoreOptions& options,
-                                  int num_layers) {
-  if (options.look_ahead < 0 || options.look_ahead > 64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "look_ahead must be in [0, 64], got ", options.look_ahead));
-  }
-  if (auto s = ValidateScoringOptions(options.scoring, num_layers); !s.ok()) {
-    return s;
-  }
-  return ValidateSelectionOptions(options.selection);
-}
-
 DraftSession::DraftSession(ModelRunner* model,
                            std::unique_ptr<KvSequence> cache,
                            const SamplingParams& sampling)

@@ -11,22 +11,10 @@
 #include "common/decoding/verification.h"
 #include "common/engine/model_runner.h"
 #include "common/specprefill/importance.h"
+#include "common/specprefill/score_options.h"
 #include "common/specprefill/selection.h"
 
 namespace specserve {
-
-/// Everything one Speculative Prefill scoring call needs (docs REFERENCE.md
-/// section 1; official defaults: look-ahead 8, pool 13, chunk 32).
-struct ScoreOptions {
-  int look_ahead = 8;  ///< greedy look-ahead tokens, [0, 64].
-  int num_threads = 1;  ///< threads for the importance reduction.
-  ScoringOptions scoring;
-  SelectionOptions selection;
-};
-
-/// INVALID_ARGUMENT naming the field for out-of-range options.
-absl::Status ValidateScoreOptions(const ScoreOptions& options,
-                                  int num_layers);
 
 /// What scoring found for one prompt.
 struct ScoreResult {

@@ -1,4 +1,4 @@
-#include "speculator_service/request_options.h"
+#include "common/service/wire_options.h"
 
 #include "absl/strings/str_cat.h"
 
@@ -14,7 +14,7 @@ absl::Status Bad(const std::string& prefix, const char* field,
 }  // namespace
 
 absl::StatusOr<ScoreOptions> ResolveScoreOptions(
-    const v1::SpecPrefillOptions& opts, const ScoreDefaults& defaults,
+    const v1::SpecPrefillOptions& opts, const SpecPrefillDefaults& defaults,
     int num_layers, const std::string& prefix) {
   ScoreOptions out;
   out.look_ahead =
@@ -100,12 +100,17 @@ absl::Status ValidatePrompt(absl::Span<const int> token_ids, int look_ahead,
   return absl::OkStatus();
 }
 
-absl::StatusOr<SamplingParams> ResolveSampling(const v1::SamplingParams& p) {
+SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   SamplingParams out;
   out.temperature = p.temperature();
   out.top_k = p.top_k();
   out.top_p = p.top_p() == 0.f ? 1.f : p.top_p();
   out.seed = p.seed();
+  return out;
+}
+
+absl::StatusOr<SamplingParams> ResolveSampling(const v1::SamplingParams& p) {
+  const SamplingParams out = ToSamplingParams(p);
   if (absl::Status s = ValidateSamplingParams(out); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.", s.message()));
   }

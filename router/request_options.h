@@ -1,0 +1,81 @@
+#ifndef SPECSERVE_ROUTER_REQUEST_OPTIONS_H_
+#define SPECSERVE_ROUTER_REQUEST_OPTIONS_H_
+
+// A router request's options, resolved once at the edge: the router's
+// --default_* flags fill the unset fields of GenerateTextRequest
+// (protos/router.proto), everything is validated (INVALID_ARGUMENT naming
+// the field), and the prompt becomes token ids checked against the
+// target's vocabulary and context. The gRPC and HTTP APIs both come
+// through here (the HTTP API maps OpenAI JSON to GenerateTextRequest
+// first, router/openai_api.h).
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/service/wire_options.h"
+#include "protos/router.pb.h"
+#include "protos/speculator.pb.h"
+
+namespace specserve {
+
+class Tokenizer;
+
+/// What an unset request field means: one --default_* flag each. Defaults
+/// of Speculative Prefill follow the official code (keep 0.3, chunk 32,
+/// pool 13, look-ahead 8; docs/ARCHITECTURE.md) plus forced BOS / last
+/// token keeps.
+struct RequestDefaults {
+  int max_new_tokens = 256;
+  float temperature = 0.f;  ///< 0 = greedy.
+  int top_k = 0;            ///< 0 = off.
+  float top_p = 1.f;        ///< (0, 1].
+  bool spec_prefill = true;
+  SpecPrefillDefaults prefill;  ///< the Speculative Prefill options.
+  bool spec_decode = true;
+  int num_draft_tokens = 4;
+};
+/// A request's options with every default applied and every value valid.
+/// The prompt is not part of it (it needs the tokenizer and the target).
+struct ResolvedOptions {
+  int max_new_tokens = 0;
+  v1::SamplingParams sampling;  ///< top_p in (0, 1]; seed as sent (or 0).
+  bool has_seed = false;
+  std::vector<std::string> stop;    ///< non-empty stop strings.
+  std::vector<int> stop_token_ids;  ///< >= 0 (vocabulary checked later).
+  bool ignore_eos = false;
+  bool spec_prefill = false;
+  v1::SpecPrefillOptions prefill;  ///< every field set (keep_ratio etc.).
+  bool spec_decode = false;
+  int num_draft_tokens = 0;  ///< k in [1, 64].
+};
+
+/// Applies `defaults` to the unset fields of `request` and validates the
+/// result once, at the edge. INVALID_ARGUMENT naming the field
+/// ("sampling.top_p must be in (0, 1], got 0"): max_new_tokens < 1,
+/// temperature negative or not finite, top_k < 0, top_p outside (0, 1],
+/// an empty stop string, a negative stop token id, keep_ratio outside
+/// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or <
+/// 1, look_ahead outside [0, 64], keep_first / keep_last / min_prompt_tokens <
+/// 0, num_draft_tokens outside [1, 64].
+absl::StatusOr<ResolvedOptions> ResolveOptions(
+    const v1::GenerateTextRequest& request, const RequestDefaults& defaults);
+
+/// INVALID_ARGUMENT if `defaults` themselves are invalid (the message
+/// names the --default_ flag's field).
+absl::Status ValidateDefaults(const RequestDefaults& defaults);
+
+/// The prompt of `request`: text through `tokenizer` (BOS prepended) or ids
+/// as given, checked against the target's vocabulary and context (0 =
+/// unknown). A text longer than MaxPromptBytes(max_context,
+/// max_bytes_per_token) is refused before it is tokenized. INVALID_ARGUMENT
+/// naming the field: no prompt, empty text or ids, ids outside [0, vocab),
+/// text without a tokenizer, a prompt that leaves no room to generate.
+absl::StatusOr<std::vector<int>> ResolvePrompt(
+    const v1::GenerateTextRequest& request, const Tokenizer* tokenizer,
+    int max_bytes_per_token, int vocab, int max_context);
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_ROUTER_REQUEST_OPTIONS_H_
