@@ -1,4 +1,4 @@
-// Evaluation of Speculative Prefill (issue 6): fidelity of the pruned target
+// Evaluation of Speculative Prefill: fidelity of the pruned target
 // against the full-prompt target and against baseline pruning methods,
 // ablations of the scoring knobs, and in-process speed (TTFT vs keep ratio
 // and prompt length; decode tokens/s with and without speculative decoding).
@@ -10,7 +10,7 @@
 // bench/eval_prompts/). Writes <out_dir>/eval_results.json and
 // <out_dir>/eval_results.md; bench/plot_eval.py renders the PNGs.
 //
-// Protocol (docs REFERENCE.md section 1): the scorer prefills the full
+// Protocol (docs/ARCHITECTURE.md, Speculative Prefill): the scorer prefills the full
 // prompt, looks ahead and scores it; the target prefills only the kept
 // tokens at their ORIGINAL positions and decodes at n, n+1, ... Every method
 // keeps BOS and the last token, and the baselines keep exactly as many
@@ -62,7 +62,7 @@ ABSL_FLAG(bool, fidelity, true,
 ABSL_FLAG(bool, speed, true, "run the speed section (section 3)");
 ABSL_FLAG(bool, synthetic, true,
           "include the synthetic llama2-15m -> llama2-110m speed runs");
-// HOOK for issue 6 section 3 "in-process vs through the three services":
+// HOOK for "in-process vs through the three services":
 // the router is a separate component; when it lands, this flag should send
 // the TTFT prompts through it and report the gRPC-hop overhead next to the
 // in-process numbers. Not implemented: setting it is an error.
@@ -1031,7 +1031,7 @@ int Run(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_router).empty()) {
     std::fprintf(stderr,
                  "--router: the through-the-services comparison is not "
-                 "implemented yet (hook for the router, issue 6 section 3)\n");
+                 "implemented yet (hook for the router)\n");
     return 2;
   }
   const double start = Now();

@@ -36,7 +36,7 @@ struct PrunedRun {
   std::vector<int> continuation;   ///< greedy tokens, EOS not special.
 };
 
-/// Prefills prompt[kept[i]] at RoPE position kept[i] (docs REFERENCE.md
+/// Prefills prompt[kept[i]] at RoPE position kept[i] (docs/ARCHITECTURE.md,
 /// section 1 step 7), returns the last row's logits and `gen` greedy tokens
 /// decoded at positions n, n+1, ... (n = prompt.size(), the ORIGINAL
 /// length), continuing past EOS so every run yields `gen` tokens.

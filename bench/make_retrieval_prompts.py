@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates the long-range retrieval prompts of issue 16 (TinyStories
+"""Generates the long-range retrieval prompts (TinyStories
 style, for the bundled models' 512-token context) with a fixed seed.
 
 Each prompt introduces a fact early (a name, an object, a colour, a place

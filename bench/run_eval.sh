@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates bench/results/: eval_results.json, eval_results.md and the PNG
-# plots (issue 6: fidelity vs baselines, ablations, in-process speed).
+# plots (fidelity vs baselines, ablations, in-process speed).
 # About 2.5 minutes on the 2-core dev machine. Plotting needs gnuplot
 # (Debian: apt-get install gnuplot-nox); the CI smoke test does not.
 #   bench/run_eval.sh [extra eval_fidelity flags, e.g. --synthetic=false]

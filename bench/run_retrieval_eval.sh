@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates bench/results/retrieval_results.{json,md} and the plot
-# (issue 16): long-range retrieval accuracy of Speculative Prefill vs
+# Regenerates bench/results/retrieval_results.{json,md} and the plot:
+# long-range retrieval accuracy of Speculative Prefill vs
 # keep-recent, sink+recent and random drop, and keep-by-mass vs fixed keep
 # ratios. The prompts come from bench/make_retrieval_prompts.py with fixed
 # seeds (one file per target tokenizer and distance band, in /tmp); the

@@ -10,7 +10,7 @@
 //          [--prefill_gflops=240] [--reps=3]
 // --prefill_gflops is the throughput assumed for the prefill estimate; the
 // default is llama.cpp's useful f32 prefill rate on the 2-core dev machine
-// (docs REFERENCE.md section 5). Pass the engine's measured rate instead.
+// (measured on the anchor machine). Pass the engine's measured rate instead.
 
 #include <algorithm>
 #include <chrono>

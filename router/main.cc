@@ -1,6 +1,6 @@
 // The router binary: the public specserve.v1.Router API in front of the
-// speculator and target services (issue 5), with /metrics over HTTP and,
-// with --http_port, the OpenAI-compatible HTTP API (issue 15).
+// speculator and target services, with /metrics over HTTP and,
+// with --http_port, the OpenAI-compatible HTTP API.
 //   bazel run //router:router -- --speculator 127.0.0.1:50061
 //       --target 127.0.0.1:50052 --tokenizer models/stories260K
 //       --port 50051 --metrics_port 9151

@@ -1,19 +1,13 @@
 #include "router/metrics.h"
 
+#include "common/service/metrics_util.h"
+
 namespace specserve {
 namespace {
 
 using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;
-using prometheus::Histogram;
-
-// x2 buckets from `start` up to `end` seconds.
-Histogram::BucketBoundaries Exponential(double start, double end) {
-  Histogram::BucketBoundaries b;
-  for (double s = start; s < end; s *= 2) b.push_back(s);
-  return b;
-}
 
 }  // namespace
 
@@ -37,17 +31,17 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                 .Name("specserve_router_ttft_seconds")
                 .Help("Request receipt to the first generated token")
                 .Register(r)
-                .Add({}, Exponential(1e-4, 60))),
+                .Add({}, ExponentialBuckets(1e-4, 2, 20))),
       tpot_(BuildHistogram()
                 .Name("specserve_router_time_per_output_token_seconds")
                 .Help("(end-to-end - TTFT) / (completion tokens - 1)")
                 .Register(r)
-                .Add({}, Exponential(1e-5, 10))),
+                .Add({}, ExponentialBuckets(1e-5, 2, 20))),
       e2e_(BuildHistogram()
                .Name("specserve_router_e2e_latency_seconds")
                .Help("Request receipt to the last token")
                .Register(r)
-               .Add({}, Exponential(1e-3, 600))),
+               .Add({}, ExponentialBuckets(1e-3, 2, 20))),
       prompt_tokens_(BuildCounter()
                          .Name("specserve_router_prompt_tokens_total")
                          .Help("Prompt tokens of completed requests")
@@ -68,9 +62,7 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                       .Name("specserve_router_keep_ratio")
                       .Help("Kept / prompt tokens per completed request")
                       .Register(r)
-                      .Add({}, Histogram::BucketBoundaries{0.05, 0.1, 0.2, 0.3,
-                                                           0.4, 0.5, 0.6, 0.7,
-                                                           0.8, 0.9, 1.0})),
+                      .Add({}, RatioBuckets())),
       num_drafts_(BuildCounter()
                       .Name("specserve_router_spec_decode_num_drafts_total")
                       .Help("Verify rounds that carried drafts")

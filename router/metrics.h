@@ -13,7 +13,7 @@ namespace specserve {
 
 /// The router's Prometheus metrics, prefix `specserve_router_` (base units,
 /// counters end in _total, latencies as histograms; the speculative decoding
-/// counters are named like vLLM V1's: docs REFERENCE.md section 3).
+/// counters are named like vLLM V1's: docs/ARCHITECTURE.md, Conventions).
 /// Acceptance rate = accepted / draft_tokens; mean acceptance length =
 /// 1 + accepted / num_drafts. All updates are thread-safe.
 class RouterMetrics {

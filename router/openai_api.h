@@ -1,7 +1,7 @@
 #ifndef SPECSERVE_ROUTER_OPENAI_API_H_
 #define SPECSERVE_ROUTER_OPENAI_API_H_
 
-// The OpenAI HTTP API's JSON <-> the router's request type (issue 15):
+// The OpenAI HTTP API's JSON <-> the router's request type:
 // request bodies of POST /v1/completions and /v1/chat/completions become a
 // v1::GenerateTextRequest (the gRPC API's), and the runner's chunks become
 // OpenAI responses, stream chunks (Server-Sent Events) and errors. No I/O

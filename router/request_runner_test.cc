@@ -380,7 +380,7 @@ TEST_F(RequestRunnerTest, SpeculatorPastItsDeadlineFallsBack) {
 // the call's deadline later than the caller), opening a session each time,
 // and takes `release_delay` to get to a ReleaseSession, which it applies
 // only if the caller is still waiting (a frozen process drops cancelled
-// calls). Issue 17: both leaked sessions until their TTL.
+// calls). Before, both leaked sessions until their TTL.
 class SlowSpeculator final : public v1::Speculator::Service {
  public:
   SlowSpeculator(absl::Duration score_delay, absl::Duration release_delay)

@@ -1,5 +1,7 @@
 #include "speculator_service/metrics.h"
 
+#include "common/service/metrics_util.h"
+
 namespace specserve {
 namespace {
 
@@ -11,20 +13,7 @@ using prometheus::Histogram;
 // 50 us .. ~13 s, x2 per bucket: covers tiny-model decode steps through
 // long-prompt prefills of larger speculators.
 Histogram::BucketBoundaries LatencyBuckets() {
-  Histogram::BucketBoundaries b;
-  for (double s = 50e-6; s < 15; s *= 2) b.push_back(s);
-  return b;
-}
-
-// 1, 2, 4, ..., 2^(n-1).
-Histogram::BucketBoundaries PowersOfTwo(int n) {
-  Histogram::BucketBoundaries b;
-  for (int i = 0; i < n; ++i) b.push_back(static_cast<double>(1 << i));
-  return b;
-}
-
-Histogram::BucketBoundaries RatioBuckets() {
-  return {0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0};
+  return ExponentialBuckets(50e-6, 2, 19);
 }
 
 prometheus::Family<Histogram>& ScoreFamily(prometheus::Registry& r) {
@@ -104,13 +93,13 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
                            .Help("Score / Draft operations per batched "
                                  "forward of the scheduler")
                            .Register(r)
-                           .Add({}, PowersOfTwo(10))),
+                           .Add({}, ExponentialBuckets(1, 2, 10))),
       batch_tokens_(BuildHistogram()
                         .Name("specserve_speculator_batch_tokens")
                         .Help("Rows (tokens) per batched forward, at most "
                               "--max_num_batched_tokens")
                         .Register(r)
-                        .Add({}, PowersOfTwo(16))),
+                        .Add({}, ExponentialBuckets(1, 2, 16))),
       waiting_(BuildGauge()
                    .Name("specserve_speculator_num_requests_waiting")
                    .Help("Operations in flight that got no rows in the "

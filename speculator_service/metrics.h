@@ -13,7 +13,7 @@
 namespace specserve {
 
 /// The speculator's Prometheus metrics (prometheus-cpp; base units,
-/// counters end in _total, latencies as histograms: REFERENCE.md section 3).
+/// counters end in _total, latencies as histograms: docs/ARCHITECTURE.md, Conventions).
 /// All updates are thread-safe.
 class SpeculatorMetrics {
  public:

@@ -614,7 +614,7 @@ TEST_F(SpeculatorServerTest, CancelledStreamFreesTheSessionAndBusyIsRefused) {
   EXPECT_EQ(late->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
-// Issue 17 (faults under load): a Score whose client went away while it
+// Faults under load: a Score whose client went away while it
 // ran keeps no session. Before, it kept its session until the TTL (nobody
 // knows its id), which a frozen speculator's backlog turned into
 // max_sessions RESOURCE_EXHAUSTED. Small batches make the Score run long

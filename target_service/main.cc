@@ -28,7 +28,10 @@ ABSL_FLAG(std::string, model_id, "", "Info.model_id; default: model dir name");
 ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listening address");
 ABSL_FLAG(int, port, 50052, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9092, "Prometheus /metrics port (0 = any)");
-ABSL_FLAG(int, threads, 0, "OpenBLAS threads per forward (0 = default)");
+ABSL_FLAG(int, engine_threads, 0,
+          "OpenBLAS / engine threads per forward (0 = library default); the "
+          "speculator's flag of the same name");
+ABSL_FLAG(int, threads, 0, "deprecated: --engine_threads");
 ABSL_FLAG(int, max_num_batched_tokens, 0,
           "rows (tokens) per batched forward: decode/verify rows of all "
           "streams first, then prefill chunks; >= max_drafts + 1; 0 = 2048 "
@@ -64,7 +67,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.credentials = *std::move(credentials);
-  options.threads = absl::GetFlag(FLAGS_threads);
+  options.engine_threads = absl::GetFlag(FLAGS_engine_threads);
+  if (absl::GetFlag(FLAGS_threads) != 0) {
+    std::fprintf(stderr, "target_service: --threads is deprecated, use "
+                         "--engine_threads\n");
+    if (options.engine_threads == 0) {
+      options.engine_threads = absl::GetFlag(FLAGS_threads);
+    }
+  }
   options.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.max_waiting_requests = absl::GetFlag(FLAGS_max_waiting_requests);

@@ -2,6 +2,8 @@
 
 #include <numeric>
 
+#include "common/service/wire_options.h"
+
 namespace specserve {
 
 TargetRequest ToTargetRequest(const v1::Prefill& p,
@@ -15,10 +17,7 @@ TargetRequest ToTargetRequest(const v1::Prefill& p,
     r.position_ids.assign(p.position_ids().begin(), p.position_ids().end());
   }
   r.next_position = p.next_position() == 0 ? -1 : p.next_position();
-  r.sampling.temperature = p.sampling().temperature();
-  r.sampling.top_k = p.sampling().top_k();
-  r.sampling.top_p = p.sampling().top_p() == 0.f ? 1.f : p.sampling().top_p();
-  r.sampling.seed = p.sampling().seed();
+  r.sampling = ToSamplingParams(p.sampling());
   r.stop.max_new_tokens = p.stop().max_new_tokens() == 0
                               ? default_max_new_tokens
                               : p.stop().max_new_tokens();

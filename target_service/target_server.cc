@@ -9,24 +9,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/model/weights.h"
 #include "common/service/grpc_util.h"
+#include "common/service/metrics_util.h"
 #include "common/speculation/target_session.h"
 #include "target_service/request_convert.h"
 
 namespace specserve {
 
-namespace {
-
-prometheus::Histogram::BucketBoundaries ExponentialBuckets(double start,
-                                                           double factor,
-                                                           int count) {
-  prometheus::Histogram::BucketBoundaries b;
-  for (double v = start; count-- > 0; v *= factor) b.push_back(v);
-  return b;
-}
-
-}  // namespace
-
-// The specserve_target_* metrics (docs REFERENCE.md section 3; vLLM's
+// The specserve_target_* metrics (docs/ARCHITECTURE.md, Conventions; vLLM's
 // spec_decode counters).
 struct TargetServer::Metrics {
   explicit Metrics(prometheus::Registry& r)
@@ -560,7 +549,7 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
     options.model_id = dir.substr(dir.find_last_of('/') + 1);
   }
-  SetEngineThreads(options.threads);
+  SetEngineThreads(options.engine_threads);
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = static_cast<size_t>(options.kv_budget_bytes);
   auto runner = CreateModelRunner(

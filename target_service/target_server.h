@@ -12,7 +12,7 @@
 //
 // Every request message gets exactly one response: the drafts verified and
 // accepted that round and the tokens emitted (Leviathan et al. 2023; docs
-// REFERENCE.md section 2). Once a response carries a finish_reason the
+// docs/ARCHITECTURE.md). Once a response carries a finish_reason the
 // session's KV cache is freed at once; the server then waits for the
 // client's half-close and finishes the stream with OK (a further message
 // -> FAILED_PRECONDITION). Other endings:
@@ -70,7 +70,8 @@ struct TargetServerOptions {
   /// Transport security of the listening port (common/service/tls.h);
   /// null = plaintext.
   std::shared_ptr<grpc::ServerCredentials> credentials;
-  int threads = 0;           ///< OpenBLAS threads; 0 = library default.
+  /// OpenBLAS / engine threads per forward; 0 = library default.
+  int engine_threads = 0;
   int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
   /// Streams that wait for admission (max_sessions or the KV budget)
   /// before RESOURCE_EXHAUSTED, first come first served (>= 0).

@@ -1,4 +1,4 @@
-"""End-to-end tests of the real binaries over loopback (issue 5, section 6):
+"""End-to-end tests of the real binaries over loopback:
 speculator + target + router processes, driven through the Python client.
 """
 

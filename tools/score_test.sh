@@ -31,7 +31,7 @@ assert worst < 1e-4, worst
 PY
 
 # --prompt: sorted unique indices with the first and last token, count per
-# the ceil rule (REFERENCE.md section 1 step 6), no importance by default.
+# the ceil rule (docs/ARCHITECTURE.md, Speculative Prefill step 6), no importance by default.
 "$SCORE" --model "$MODEL" --prompt "Once upon a time, there was a little girl \
 named Lily. She loved to play outside in the sunshine. One day, she saw a big \
 red ball in the park." --keep_ratio 0.3 --chunk_size 4 --pool_kernel_size 13 \

@@ -2,8 +2,8 @@
 #define SPECSERVE_COMMON_CUDA_CUDA_IMPORTANCE_H_
 
 // Speculative Prefill token-importance scoring on the device (Liu, Chen,
-// Zhang, ICML 2025, arXiv 2502.02789, section 3.2; docs REFERENCE.md section
-// 1 steps 3-5): the device twin of ImportanceAccumulator
+// Zhang, ICML 2025, arXiv 2502.02789, section 3.2; docs/ARCHITECTURE.md,
+// Speculative Prefill steps 3-5): the device twin of ImportanceAccumulator
 // (common/specprefill/importance.h), which is its reference. Per layer:
 // q.k / sqrt(head_dim) of every scoring row against the PROMPT keys, softmax
 // over the prompt (fp32), avg_pool1d(count_include_pad), max (or sum) over

@@ -186,7 +186,7 @@ cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
 
 // ---------------------------------------------------------------------------
 // Speculative Prefill token importance (arXiv 2502.02789 section 3.2; docs
-// REFERENCE.md section 1 steps 3-5), the device side of CudaImportance. The
+// docs/ARCHITECTURE.md, Speculative Prefill steps 3-5), the device side of CudaImportance. The
 // CPU reference is specserve::ImportanceAccumulator.
 // ---------------------------------------------------------------------------
 

@@ -74,7 +74,7 @@ struct SequenceForward {
   QueryCapture* capture = nullptr;
 };
 
-/// Speculative Prefill importance of one prompt (REFERENCE.md section 1,
+/// Speculative Prefill importance of one prompt (docs/ARCHITECTURE.md, Speculative Prefill,
 /// steps 3-5).
 struct ImportanceResult {
   std::vector<float> importance;                       ///< [prompt_len]

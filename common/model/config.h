@@ -28,7 +28,7 @@ struct RopeScaling {
 };
 
 /// Decoder hyper-parameters, read from a HuggingFace `config.json` (keys and
-/// library defaults as in docs REFERENCE.md section 4). Three architectures
+/// library defaults as in HuggingFace transformers). Three architectures
 /// share the Llama block (RMSNorm, rotate_half RoPE, GQA, SwiGLU): `llama`,
 /// `qwen2` (q/k/v projections with bias) and `qwen3` (per-head RMSNorm of q
 /// and k before RoPE).

@@ -2,7 +2,7 @@
 #define SPECSERVE_COMMON_MODEL_SAFETENSORS_H_
 
 // Reading and writing the safetensors format (huggingface/safetensors,
-// docs REFERENCE.md section 4): an 8-byte little-endian header length N, N
+// docs/ARCHITECTURE.md, Conventions): an 8-byte little-endian header length N, N
 // bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]},
 // "__metadata__": {string: string}}, then the raw little-endian data buffer
 // (offsets are relative to its start).

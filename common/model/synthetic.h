@@ -4,7 +4,7 @@
 // Synthetic random-weight checkpoints with the shapes of real Llama models,
 // for speed measurements at realistic sizes (speed does not depend on weight
 // values; real larger checkpoints cannot be downloaded here). See
-// models/README.md and docs REFERENCE.md section 5.
+// models/README.md.
 
 #include <cstdint>
 #include <string>

@@ -2,7 +2,7 @@
 #define SPECSERVE_COMMON_SPECPREFILL_IMPORTANCE_H_
 
 // Token-importance scoring of Speculative Prefill (Liu, Chen, Zhang, ICML
-// 2025, arXiv 2502.02789, section 3.2; docs REFERENCE.md section 1 steps 3-5,
+// 2025, arXiv 2502.02789, section 3.2; docs/ARCHITECTURE.md, Speculative Prefill steps 3-5,
 // which follow the official code): every scoring row (the last prompt token
 // plus the look-ahead tokens) attends to the PROMPT keys only; the attention
 // probabilities are smoothed along the prompt, maxed over layers x heads and

@@ -2,7 +2,7 @@
 #define SPECSERVE_COMMON_SPECPREFILL_SELECTION_H_
 
 // Token selection of Speculative Prefill (Liu, Chen, Zhang, ICML 2025,
-// arXiv 2502.02789, sections 3.2.3 and 3.2.4; docs REFERENCE.md section 1
+// arXiv 2502.02789, sections 3.2.3 and 3.2.4; docs/ARCHITECTURE.md, Speculative Prefill
 // steps 6-7): keep the top chunks of the prompt by mean importance, and give
 // every kept token its ORIGINAL position.
 
@@ -42,7 +42,7 @@ struct Selection {
   /// Prompt indices to feed the target, sorted ascending, unique.
   std::vector<int> kept_indices;
   /// RoPE positions of the kept tokens: their original indices
-  /// (== kept_indices; REFERENCE.md section 1 step 7).
+  /// (== kept_indices; docs/ARCHITECTURE.md, step 7).
   std::vector<int> position_ids;
   /// Position of the first decoded token: the ORIGINAL prompt length n,
   /// not kept_indices.size().

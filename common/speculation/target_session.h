@@ -21,7 +21,7 @@ struct TargetRequest {
   std::vector<int> token_ids;     ///< [n] kept prompt tokens.
   std::vector<int> position_ids;  ///< [n] strictly increasing, original.
   /// Original prompt length: generated token i sits at next_position + i,
-  /// never at n + i (docs REFERENCE.md section 1, step 7). -1 = last
+  /// never at n + i (docs/ARCHITECTURE.md, Speculative Prefill step 7). -1 = last
   /// position + 1.
   int next_position = -1;
   SamplingParams sampling;
@@ -46,7 +46,7 @@ struct RoundResult {
 /// The target's per-request state: prefill of the kept tokens at their
 /// original positions, then rounds that verify drafts in ONE forward over
 /// [last emitted token, x_1..x_k] (Leviathan et al. 2023; greedy or lossless
-/// rejection sampling, docs REFERENCE.md section 2) and roll the KV cache
+/// rejection sampling, docs/ARCHITECTURE.md) and roll the KV cache
 /// back to the accepted length. k = 0 is a plain decode step; the first
 /// round verifies its drafts in the prefill forward.
 class TargetSession {

@@ -12,8 +12,8 @@
 
 namespace specserve {
 
-/// Text <-> token ids for one model vocabulary (docs REFERENCE.md section 4:
-/// `tokenizer.model` sentencepiece or `tokenizer.json` HF tokenizers).
+/// Text <-> token ids for one model vocabulary
+/// (`tokenizer.model` sentencepiece or `tokenizer.json` HF tokenizers).
 /// Implementations are immutable after loading and safe for concurrent use.
 class Tokenizer {
  public:
