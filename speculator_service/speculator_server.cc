@@ -13,7 +13,7 @@
 #include "common/speculation/draft_session.h"
 #include "common/tokenizer/tokenizer.h"
 #include "protos/speculator.grpc.pb.h"
-#include "common/speculation/draft_session_work.h"
+#include "common/speculation/session_work.h"
 #include "common/util/clock.h"
 #include "speculator_service/metrics.h"
 
@@ -187,7 +187,7 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
                            r->prefill_ns, r->look_ahead_ns, r->score_ns, total);
     Finish(reactor, "Score", absl::OkStatus());
   };
-  if (!TrySubmit(std::make_unique<DraftSessionWork>(session, std::move(begin),
+  if (!TrySubmit(std::make_unique<SessionWork>(session, std::move(begin),
                                                std::move(finish)))) {
     if (*lease) sessions_->Release(lease->id());
     lease->Reset();
@@ -234,7 +234,7 @@ class DraftReactor final
       if (!s.ok()) return FinishOnce(s);
       OnDrafts(session->TakeDrafts());
     };
-    if (!impl_->TrySubmit(std::make_unique<DraftSessionWork>(
+    if (!impl_->TrySubmit(std::make_unique<SessionWork>(
             session, std::move(begin), std::move(finish)))) {
       FinishOnce(SpeculatorServiceImpl::Overloaded());
     }

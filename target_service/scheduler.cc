@@ -1,54 +1,10 @@
 #include "target_service/scheduler.h"
 
-#include <optional>
 #include <utility>
 
+#include "common/speculation/session_work.h"
+
 namespace specserve {
-namespace {
-
-// One round of one session as scheduler work.
-class RoundWork : public BatchedWork {
- public:
-  RoundWork(TargetSession* session, std::vector<DraftToken> drafts,
-            TargetScheduler::Done done)
-      : session_(session), drafts_(std::move(drafts)), done_(std::move(done)) {}
-
-  absl::Status Begin() override { return session_->BeginRound(drafts_); }
-  int pending_rows() const override { return session_->pending_rows(); }
-  int min_forward_rows() const override {
-    return session_->min_forward_rows();
-  }
-  bool prefilling() const override { return session_->prefilling(); }
-  absl::Status PlanForward(int max_rows, SequenceForward* entry) override {
-    return session_->PlanForward(max_rows, entry);
-  }
-  absl::Status CompleteForward(const ForwardOutput& out) override {
-    absl::StatusOr<std::optional<RoundResult>> r =
-        session_->CompleteForward(out);
-    if (!r.ok()) return r.status();
-    if (r->has_value()) result_ = **std::move(r);
-    return absl::OkStatus();
-  }
-  void Abort() override { session_->AbortRound(); }
-  const KvSequence* sequence() const override {
-    return session_->kv_sequence();
-  }
-  void Finish(absl::Status status) override {
-    if (status.ok()) {
-      done_(std::move(result_));
-    } else {
-      done_(std::move(status));
-    }
-  }
-
- private:
-  TargetSession* const session_;
-  const std::vector<DraftToken> drafts_;
-  TargetScheduler::Done done_;
-  RoundResult result_;
-};
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<TargetScheduler>> TargetScheduler::Create(
     ModelRunner* model, Options options,
@@ -63,8 +19,19 @@ absl::StatusOr<std::unique_ptr<TargetScheduler>> TargetScheduler::Create(
 absl::Status TargetScheduler::Submit(TargetSession* session,
                                      std::vector<DraftToken> drafts,
                                      Done done) {
-  return scheduler_->Submit(
-      std::make_unique<RoundWork>(session, std::move(drafts), std::move(done)));
+  // The drafts live in the begin callback until the round begins.
+  auto begin = [session, drafts = std::move(drafts)] {
+    return session->BeginRound(drafts);
+  };
+  auto finish = [session, done = std::move(done)](absl::Status status) {
+    if (status.ok()) {
+      done(session->TakeRoundResult());
+    } else {
+      done(std::move(status));
+    }
+  };
+  return scheduler_->Submit(std::make_unique<SessionWork>(
+      session, std::move(begin), std::move(finish)));
 }
 
 }  // namespace specserve

@@ -6,7 +6,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "common/speculation/draft_session.h"
-#include "common/speculation/draft_session_work.h"
+#include "common/speculation/session_work.h"
 #include "common/speculation/test_util.h"
 #include "gtest/gtest.h"
 
@@ -107,7 +107,7 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
   for (int i = 0; i < kSessions; ++i) {
     DraftSession* s = sessions[i].get();
     ASSERT_TRUE((*sched)
-                    ->Submit(std::make_unique<DraftSessionWork>(
+                    ->Submit(std::make_unique<SessionWork>(
                         s, [s, &prompts, i, so, &all_scores_in] {
                           if (i == 0) all_scores_in.WaitForNotification();
                           return s->BeginScore(prompts[i], so);
@@ -136,7 +136,7 @@ TEST_F(BatchSchedulerTest, BatchedScoreAndDraftEqualSequential) {
   for (int i = 0; i < kSessions; ++i) {
     DraftSession* s = sessions[i].get();
     ASSERT_TRUE((*sched)
-                    ->Submit(std::make_unique<DraftSessionWork>(
+                    ->Submit(std::make_unique<SessionWork>(
                         s,
                         [s, &emitted, i, &all_drafts_in] {
                           if (i == 0) all_drafts_in.WaitForNotification();
@@ -229,7 +229,7 @@ TEST_F(BatchSchedulerTest, PreemptedSessionsRecomputeAndMatchSequential) {
                           : s->BeginDraft(emitted, 6);
       };
       ASSERT_TRUE((*sched)
-                      ->Submit(std::make_unique<DraftSessionWork>(
+                      ->Submit(std::make_unique<SessionWork>(
                           s, begin,
                           [&, s, i, phase](absl::Status st) {
                             got[i] = st;
@@ -286,7 +286,7 @@ TEST_F(BatchSchedulerTest, ImpossibleAndFailingWorkEndWithErrors) {
   DraftSession* ds = s->get();
   absl::Notification n2;
   ASSERT_TRUE((*sched)
-                  ->Submit(std::make_unique<DraftSessionWork>(
+                  ->Submit(std::make_unique<SessionWork>(
                       ds, [ds] { return ds->BeginDraft({5}, 2); },
                       [&](absl::Status st) {
                         got = st;
@@ -327,7 +327,7 @@ TEST_F(BatchSchedulerTest, AWorkNeedingTheWholePoolStartsWhenItIsFree) {
   absl::Status got = absl::UnknownError("not run");
   absl::Notification done;
   ASSERT_TRUE((*sched)
-                  ->Submit(std::make_unique<DraftSessionWork>(
+                  ->Submit(std::make_unique<SessionWork>(
                       ds, [ds, &prompt, so] { return ds->BeginScore(prompt, so); },
                       [&](absl::Status st) {
                         got = st;
@@ -360,7 +360,7 @@ TEST_F(BatchSchedulerTest, ShutdownCancelsWorkInFlight) {
       sessions.push_back(*std::move(s));
       const std::vector<int> p = Prompt(200, &rng);
       ASSERT_TRUE((*sched)
-                      ->Submit(std::make_unique<DraftSessionWork>(
+                      ->Submit(std::make_unique<SessionWork>(
                           ds, [ds, p, so] { return ds->BeginScore(p, so); },
                           [&, i](absl::Status st) {
                             got[i] = st;

@@ -121,7 +121,7 @@ absl::Status DraftSession::RunOp() {
   while (pending_rows() > 0) {
     SequenceForward entry;
     if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
-      AbortOp();
+      Abort();
       return s;
     }
     // The span form keeps entry.capture (a Score's query rows).
@@ -129,7 +129,7 @@ absl::Status DraftSession::RunOp() {
     if (absl::Status s =
             model_->Forward(absl::MakeConstSpan(&entry, 1), &outs);
         !s.ok()) {
-      AbortOp();
+      Abort();
       return s;
     }
     if (absl::Status s = CompleteForward(outs[0]); !s.ok()) return s;
@@ -354,7 +354,7 @@ absl::Status DraftSession::FinishScore() {
   return absl::OkStatus();
 }
 
-void DraftSession::AbortOp() {
+void DraftSession::Abort() {
   if (op_ == Op::kNone) return;
   cache_->Truncate(op_start_).IgnoreError();
   cached_.resize(op_start_);

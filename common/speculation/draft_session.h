@@ -13,6 +13,7 @@
 #include "common/specprefill/importance.h"
 #include "common/specprefill/score_options.h"
 #include "common/specprefill/selection.h"
+#include "common/speculation/session.h"
 
 namespace specserve {
 
@@ -35,7 +36,7 @@ struct ScoreResult {
 ///
 /// Positions are the speculator's own, contiguous: token i at position i.
 /// Not thread-safe; a session is used by one request at a time.
-class DraftSession {
+class DraftSession : public Session {
  public:
   /// `capacity`: KV cache tokens (<= the model's max context).
   /// INVALID_ARGUMENT for bad sampling params or capacity.
@@ -77,21 +78,15 @@ class DraftSession {
   /// back to the agreed prefix now. With the context full it needs no
   /// forward (pending_rows() == 0, no drafts).
   absl::Status BeginDraft(absl::Span<const int> emitted, int k);
-  /// Rows the operation still has to forward (an upper bound while the
-  /// look-ahead may stop early at EOS); 0 = done or none begun.
-  int pending_rows() const;
-  /// Whether the next forward feeds prompt tokens (a prefill chunk) rather
-  /// than decode-like rows.
-  bool prefilling() const;
-  /// Plans the next forward over at most `max_rows` (>= 1) rows. `entry`
-  /// points into this session until CompleteForward / AbortOp.
-  absl::Status PlanForward(int max_rows, SequenceForward* entry);
-  /// Consumes the planned forward's output; the last one of a Score runs
-  /// the importance reduction and the selection (their errors end it).
-  absl::Status CompleteForward(const ForwardOutput& out);
-  /// Ends an operation whose forward failed: the cache goes back to where
-  /// the operation's forwards began.
-  void AbortOp();
+  // Session: rows are single tokens, so any forward may take just one
+  // (min_forward_rows() == 1). The last forward of a Score runs the
+  // importance reduction and the selection (their errors end it).
+  int pending_rows() const override;
+  int min_forward_rows() const override { return 1; }
+  bool prefilling() const override;
+  absl::Status PlanForward(int max_rows, SequenceForward* entry) override;
+  absl::Status CompleteForward(const ForwardOutput& out) override;
+  void Abort() override;
   /// The finished Score's result (FAILED_PRECONDITION if none).
   absl::StatusOr<ScoreResult> TakeScoreResult();
   /// The finished Draft's proposals.
@@ -103,10 +98,9 @@ class DraftSession {
   /// look-ahead and captured queries; a Draft re-feeds every committed
   /// token and proposes again); an idle session re-feeds at its next
   /// Draft. Prompt blocks may come back from the prefix cache.
-  void Preempt();
-  /// Times this session was preempted.
-  int num_preemptions() const { return num_preemptions_; }
-  ~DraftSession();
+  void Preempt() override;
+  int num_preemptions() const override { return num_preemptions_; }
+  ~DraftSession() override;
 
   /// Prompt tokens of the last Score the prefix cache supplied.
   int cached_prompt_tokens() const { return cached_prompt_tokens_; }
@@ -117,7 +111,7 @@ class DraftSession {
   /// Tokens in the KV cache.
   int kv_tokens() const { return cache_->size(); }
   /// The session's sequence in the model's paged KV cache.
-  const KvSequence* kv_sequence() const { return cache_.get(); }
+  const KvSequence* kv_sequence() const override { return cache_.get(); }
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
 
  private:

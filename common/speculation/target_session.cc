@@ -91,18 +91,17 @@ absl::StatusOr<RoundResult> TargetSession::Step(
   while (true) {
     SequenceForward entry;
     if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
-      AbortRound();
+      Abort();
       return s;
     }
     ForwardOutput out;
     if (absl::Status s = model_->Forward(entry.input, entry.kv, &out);
         !s.ok()) {
-      AbortRound();
+      Abort();
       return s;
     }
-    absl::StatusOr<std::optional<RoundResult>> r = CompleteForward(out);
-    if (!r.ok()) return r.status();
-    if (r->has_value()) return **std::move(r);
+    if (absl::Status s = CompleteForward(out); !s.ok()) return s;
+    if (round_complete()) return TakeRoundResult();
   }
 }
 
@@ -133,6 +132,7 @@ absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts) {
   k = std::max(k, 0);
   drafts_.assign(drafts.begin(), drafts.begin() + k);
   in_round_ = true;
+  result_.reset();
   final_planned_ = false;
   round_start_ = cache_->size();
   round_ns_ = 0;
@@ -243,19 +243,18 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
-    const ForwardOutput& out) {
+absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   if (!in_round_) {
     return absl::FailedPreconditionError("no round in progress");
   }
   const ModelConfig& c = model_->config();
   if (!final_planned_) {
     round_ns_ += MonotonicNowNs() - planned_at_;
-    return std::optional<RoundResult>();
+    return absl::OkStatus();
   }
   const int k = static_cast<int>(drafts_.size());
   if (out.logits.size() != static_cast<size_t>(k + 1) * c.vocab_size) {
-    AbortRound();
+    Abort();
     return absl::InternalError(absl::StrCat(
         "forward returned ", out.logits.size(), " logits, expected ",
         static_cast<size_t>(k + 1) * c.vocab_size));
@@ -263,14 +262,14 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
   auto verdict =
       VerifyDrafts(drafts_, out.logits, c.vocab_size, request_.sampling, &rng_);
   if (!verdict.ok()) {
-    AbortRound();
+    Abort();
     return verdict.status();
   }
   // Keep the context (prompt, or up to the last emitted token) and the
   // accepted drafts.
   if (auto s = cache_->Truncate(context_size() + verdict->num_accepted);
       !s.ok()) {
-    AbortRound();
+    Abort();
     return s;
   }
   if (!prefilled_) {
@@ -290,10 +289,20 @@ absl::StatusOr<std::optional<RoundResult>> TargetSession::CompleteForward(
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
   round.forward_ns = round_ns_ + (MonotonicNowNs() - planned_at_);
-  return std::optional<RoundResult>(std::move(round));
+  result_ = std::move(round);
+  return absl::OkStatus();
 }
 
-void TargetSession::AbortRound() {
+absl::StatusOr<RoundResult> TargetSession::TakeRoundResult() {
+  if (!result_.has_value()) {
+    return absl::FailedPreconditionError("no completed round");
+  }
+  RoundResult r = *std::move(result_);
+  result_.reset();
+  return r;
+}
+
+void TargetSession::Abort() {
   if (!in_round_) return;
   cache_->Truncate(std::min(round_start_, cache_->size())).IgnoreError();
   if (cache_->size() == 0) attach_pending_ = true;

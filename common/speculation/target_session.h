@@ -12,6 +12,7 @@
 #include "common/decoding/stop.h"
 #include "common/decoding/verification.h"
 #include "common/engine/model_runner.h"
+#include "common/speculation/session.h"
 
 namespace specserve {
 
@@ -49,7 +50,7 @@ struct RoundResult {
 /// rejection sampling, docs/ARCHITECTURE.md) and roll the KV cache
 /// back to the accepted length. k = 0 is a plain decode step; the first
 /// round verifies its drafts in the prefill forward.
-class TargetSession {
+class TargetSession : public Session {
  public:
   /// Validates the request: INVALID_ARGUMENT naming the field for an empty
   /// prompt, length mismatch, ids outside the vocabulary, positions not
@@ -79,15 +80,15 @@ class TargetSession {
   /// Rows the round still needs to forward: the context tokens (prompt +
   /// emitted tokens) not in the KV cache, then the drafts; the last
   /// context token and the drafts go in the round's final forward.
-  int pending_rows() const;
+  int pending_rows() const override;
   /// Fewest rows the round's next forward may have: 1 while more than one
   /// context token is left to compute, else the final rows (1 + drafts).
-  int min_forward_rows() const;
+  int min_forward_rows() const override;
   /// Whether the round's remaining rows include more than the last context
   /// token (a prompt, or a recomputation after a preemption: chunkable,
   /// scheduled after decode-like rows), as opposed to one decode or
   /// verify forward.
-  bool prefilling() const;
+  bool prefilling() const override;
   /// Fills `entry` with the round's next forward over at most `max_rows`
   /// rows (>= 1): a prefill chunk without logits, or the round's final
   /// rows (the prompt's tail or the last token, then the drafts) with
@@ -95,17 +96,21 @@ class TargetSession {
   /// needs max_rows >= its rows (else only prompt tokens, leaving the last
   /// one, are planned; with one prompt token left and drafts that do not
   /// fit, FAILED_PRECONDITION). `entry` points into this session: valid
-  /// until CompleteForward / AbortRound.
-  absl::Status PlanForward(int max_rows, SequenceForward* entry);
+  /// until CompleteForward / Abort.
+  absl::Status PlanForward(int max_rows, SequenceForward* entry) override;
   /// Consumes the output of the forward PlanForward planned: for a prefill
-  /// chunk advances the prompt and returns no result; for the final rows
-  /// verifies the drafts, rolls the KV cache back to the accepted length
-  /// and returns the round's result (the round ends).
-  absl::StatusOr<std::optional<RoundResult>> CompleteForward(
-      const ForwardOutput& out);
+  /// chunk advances the prompt; for the final rows verifies the drafts,
+  /// rolls the KV cache back to the accepted length and completes the
+  /// round (round_complete(); TakeRoundResult() hands the result out).
+  absl::Status CompleteForward(const ForwardOutput& out) override;
+  /// Whether the last CompleteForward completed a round whose result is
+  /// not yet taken.
+  bool round_complete() const { return result_.has_value(); }
+  /// The completed round's result (FAILED_PRECONDITION if none).
+  absl::StatusOr<RoundResult> TakeRoundResult();
   /// Ends a round whose forward failed: rolls the KV cache back to where
   /// the round started (nothing of it is kept).
-  void AbortRound();
+  void Abort() override;
 
   /// Preemption by recomputation (vLLM's default under KV pressure; run
   /// by PagedKvCache::PreemptNewest from the scheduler, between forwards):
@@ -114,10 +119,9 @@ class TargetSession {
   /// chunked like a prompt, before the round's final rows; the prompt's
   /// full blocks may come back from the prefix cache. Tokens and
   /// verification results do not change.
-  void Preempt();
-  /// Times this session was preempted.
-  int num_preemptions() const { return num_preemptions_; }
-  ~TargetSession();
+  void Preempt() override;
+  int num_preemptions() const override { return num_preemptions_; }
+  ~TargetSession() override;
 
   bool finished() const { return stop_.finished(); }
   FinishReason finish_reason() const { return stop_.reason(); }
@@ -130,7 +134,7 @@ class TargetSession {
   /// Tokens in the KV cache.
   int kv_tokens() const { return cache_->size(); }
   /// The session's sequence in the model's paged KV cache.
-  const KvSequence* kv_sequence() const { return cache_.get(); }
+  const KvSequence* kv_sequence() const override { return cache_.get(); }
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
   /// Tokens the KV cache may need: kept + max_new_tokens + max_drafts.
   static int CapacityFor(const ModelConfig& config, const TargetRequest& r);
@@ -171,6 +175,7 @@ class TargetSession {
   int64_t planned_at_ = 0;
   bool final_planned_ = false;
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
+  std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
 
 }  // namespace specserve

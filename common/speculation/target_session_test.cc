@@ -142,9 +142,10 @@ TEST_F(TargetSessionTest, ChunkedBatchedRoundsEqualStep) {
     ASSERT_TRUE(target_->Forward(batch, &outs).ok());
     ++forwards;
     for (size_t b = 0; b < batch.size(); ++b) {
-      auto r = sessions[who[b]]->CompleteForward(outs[b]);
-      ASSERT_TRUE(r.ok()) << r.status();
-      if (r->has_value()) {
+      const absl::Status r = sessions[who[b]]->CompleteForward(outs[b]);
+      ASSERT_TRUE(r.ok()) << r;
+      if (sessions[who[b]]->round_complete()) {
+        ASSERT_TRUE(sessions[who[b]]->TakeRoundResult().ok());
         ++round[who[b]];
       } else {
         ++chunked;
@@ -232,7 +233,7 @@ TEST_F(TargetSessionTest, RoundStepsRejectMisuseAndAbortRollsBack) {
   EXPECT_EQ((*s)->min_forward_rows(), 4);
   EXPECT_EQ((*s)->PlanForward(3, &e).code(),
             absl::StatusCode::kFailedPrecondition);
-  (*s)->AbortRound();
+  (*s)->Abort();
   EXPECT_EQ((*s)->kv_tokens(), 0);
   EXPECT_FALSE((*s)->in_round());
   auto r = (*s)->Step(d);
