@@ -13,7 +13,7 @@
 #include "common/speculation/draft_session.h"
 #include "common/tokenizer/tokenizer.h"
 #include "protos/speculator.grpc.pb.h"
-#include "common/speculation/session_work.h"
+#include "common/scheduling/session_work.h"
 #include "common/util/clock.h"
 #include "speculator_service/metrics.h"
 

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "common/speculation/session_work.h"
+#include "common/scheduling/session_work.h"
 
 namespace specserve {
 

@@ -64,18 +64,6 @@ std::unique_ptr<KvSequence> PagedKvCache::NewSequence(int max_tokens) {
   return std::unique_ptr<KvSequence>(new KvSequence(this, max_tokens));
 }
 
-uint64_t PagedKvCache::Register(KvSequence* seq) {
-  absl::MutexLock lock(&seq_mu_);
-  const uint64_t id = next_id_++;
-  live_.emplace(id, seq);
-  return id;
-}
-
-void PagedKvCache::Unregister(uint64_t id) {
-  absl::MutexLock lock(&seq_mu_);
-  live_.erase(id);
-}
-
 int PagedKvCache::num_available_blocks() const {
   int evictable = 0;
   {
@@ -83,46 +71,6 @@ int PagedKvCache::num_available_blocks() const {
     if (prefix_ != nullptr) evictable = prefix_->num_evictable();
   }
   return pool_.num_free() + evictable;
-}
-
-std::vector<const KvSequence*> PagedKvCache::PreemptNewest(
-    int want_available, uint64_t after_id) {
-  std::vector<const KvSequence*> preempted;
-  absl::MutexLock lock(&seq_mu_);
-  for (auto it = live_.rbegin();
-       it != live_.rend() && it->first > after_id &&
-       num_available_blocks() < want_available;
-       ++it) {
-    KvSequence* seq = it->second;
-    if (!seq->preempter_ || seq->blocks_.empty()) continue;
-    seq->preempter_();
-    preempted.push_back(seq);
-  }
-  return preempted;
-}
-
-std::vector<const KvSequence*> PagedKvCache::PreemptIdle(
-    int want_available, const absl::flat_hash_set<const KvSequence*>& busy,
-    int64_t idle_since_ns) {
-  std::vector<const KvSequence*> preempted;
-  absl::MutexLock lock(&seq_mu_);
-  if (num_available_blocks() >= want_available) return preempted;
-  std::vector<std::pair<int64_t, KvSequence*>> idle;
-  for (const auto& [id, seq] : live_) {
-    const int64_t used = seq->last_used_ns_.load(std::memory_order_relaxed);
-    if (seq->preempter_ && !seq->blocks_.empty() && !busy.contains(seq) &&
-        used < idle_since_ns) {
-      idle.emplace_back(used, seq);
-    }
-  }
-  std::sort(idle.begin(), idle.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  for (const auto& [used, seq] : idle) {
-    if (num_available_blocks() >= want_available) break;
-    seq->preempter_();
-    preempted.push_back(seq);
-  }
-  return preempted;
 }
 
 double PagedKvCache::usage() const {
@@ -133,18 +81,10 @@ double PagedKvCache::usage() const {
 KvSequence::KvSequence(PagedKvCache* cache, int max_tokens)
     : cache_(cache),
       max_tokens_(max_tokens),
-      id_(cache->Register(this)),
+      id_(cache->next_id_.fetch_add(1, std::memory_order_relaxed)),
       last_used_ns_(MonotonicNowNs()) {}
 
-KvSequence::~KvSequence() {
-  cache_->Unregister(id_);
-  ReleaseBlocksFrom(0);
-}
-
-void KvSequence::SetPreempter(std::function<void()> preempter) {
-  absl::MutexLock lock(&cache_->seq_mu_);
-  preempter_ = std::move(preempter);
-}
+KvSequence::~KvSequence() { ReleaseBlocksFrom(0); }
 
 bool KvSequence::SharesPartialBlock(int n) const {
   // The next write lands in a partially filled block shared with another

@@ -59,26 +59,6 @@ class PagedKvCache {
   /// sequence uses (the prefix cache gives those up on demand).
   int num_available_blocks() const;
 
-  /// Preemption by recomputation (vLLM's default when the KV cache runs
-  /// out; Kwon et al. SOSP 2023, section 4.5): preempts live sequences
-  /// created after `after_id` that have a preempter and hold blocks,
-  /// newest first, until num_available_blocks() >= `want_available` or
-  /// none is left. Each preempter runs here, on the caller's thread, and
-  /// must free its sequence's blocks (KvSequence::Clear) without creating,
-  /// destroying or re-registering sequences. Returns the sequences
-  /// preempted, newest first.
-  std::vector<const KvSequence*> PreemptNewest(int want_available,
-                                               uint64_t after_id);
-  /// The same for idle sequences: preempts live sequences NOT in `busy`
-  /// (of any age) that have a preempter, hold blocks and were last
-  /// reserved into before `idle_since_ns` (MonotonicNowNs clock), least
-  /// recently used first, until num_available_blocks() >= `want_available`
-  /// or none is left. An idle sequence loses nothing but the recomputation
-  /// of its context when it is next used.
-  std::vector<const KvSequence*> PreemptIdle(
-      int want_available, const absl::flat_hash_set<const KvSequence*>& busy,
-      int64_t idle_since_ns);
-
   int block_size() const { return block_size_; }
   int num_blocks() const { return pool_.num_blocks(); }
   int num_free_blocks() const { return pool_.num_free(); }
@@ -120,19 +100,11 @@ class PagedKvCache {
   // when the pool is short. RESOURCE_EXHAUSTED as BlockPool::Allocate.
   absl::StatusOr<std::vector<int>> Allocate(int n);
 
-  // Lists a new sequence under the next id; drops it when destroyed.
-  uint64_t Register(KvSequence* seq);
-  void Unregister(uint64_t id);
-
   BlockPool pool_;
   const int block_size_;
   const size_t bytes_per_token_;
   BlockCopier copier_;
-  // Live sequences by id, and their preempters. Separate from mu_: a
-  // preempter frees blocks, which may not take mu_ recursively.
-  mutable absl::Mutex seq_mu_;
-  std::map<uint64_t, KvSequence*> live_ ABSL_GUARDED_BY(seq_mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(seq_mu_) = 1;
+  std::atomic<uint64_t> next_id_{1};  // KvSequence ids, creation order
   mutable absl::Mutex mu_;  // the prefix cache and its counters
   std::unique_ptr<PrefixCache> prefix_ ABSL_GUARDED_BY(mu_);
   int64_t queries_ ABSL_GUARDED_BY(mu_) = 0;
@@ -204,13 +176,11 @@ class KvSequence {
   /// partial block). Costs no KV memory until one side appends.
   std::unique_ptr<KvSequence> Fork() const;
 
-  /// What PagedKvCache::PreemptNewest runs to take this sequence's blocks
-  /// back (it must Clear() the sequence and make its owner recompute the
-  /// tokens later); an empty function (the default) makes the sequence
-  /// never preempted. Setting it waits for a preemption in progress, so
-  /// an owner that clears it first in its destructor is never preempted
-  /// half-destroyed.
-  void SetPreempter(std::function<void()> preempter);
+  /// MonotonicNowNs of the last Reserve (creation until then): how long
+  /// the sequence has been idle, for the scheduler's preemption policy.
+  int64_t last_used_ns() const {
+    return last_used_ns_.load(std::memory_order_relaxed);
+  }
 
   /// Position id of each cached token, [size()].
   const std::vector<int>& positions() const { return positions_; }
@@ -235,7 +205,6 @@ class KvSequence {
   PagedKvCache* cache_;
   int max_tokens_;
   uint64_t id_ = 0;
-  std::function<void()> preempter_;  // guarded by cache_->seq_mu_
   // MonotonicNowNs of the last Reserve (creation until then).
   std::atomic<int64_t> last_used_ns_;
   int size_ = 0;

@@ -238,45 +238,22 @@ TEST(PagedKvCacheTest, PrefixCachingSharesWholeBlocksByTokensAndPositions) {
 namespace specserve {
 namespace {
 
-// Preemption by recomputation: newest first, only sequences newer than the
-// caller that have a preempter and hold blocks, until enough are free;
 // BlocksToReserve counts new blocks and the copy-on-write of a shared
 // partial block.
-TEST(PagedKvCacheTest, PreemptNewestFreesNewestSequencesFirst) {
+TEST(PagedKvCacheTest, BlocksToReserveCountsNewAndCopiedBlocks) {
   PagedKvCache cache(8, 4, /*bytes_per_token=*/10, nullptr);
   std::vector<std::unique_ptr<KvSequence>> seqs;
-  std::vector<int> preempted;
   for (int i = 0; i < 4; ++i) {
     seqs.push_back(cache.NewSequence(32));
     ASSERT_TRUE(seqs.back()->Reserve(8).ok());  // 2 blocks each: pool full
-    KvSequence* s = seqs.back().get();
-    s->SetPreempter([s, i, &preempted] {
-      preempted.push_back(i);
-      s->Clear();
-    });
   }
   EXPECT_EQ(cache.num_free_blocks(), 0);
   EXPECT_EQ(seqs[0]->BlocksToReserve(1), 1);
   EXPECT_EQ(seqs[0]->BlocksToReserve(0), 0);
   EXPECT_EQ(seqs[0]->Reserve(1).status().code(),
             absl::StatusCode::kResourceExhausted);
-
-  // The oldest asks for 3 blocks: the two newest go, newest first.
-  auto victims = cache.PreemptNewest(3, seqs[0]->id());
-  ASSERT_EQ(victims.size(), 2u);
-  EXPECT_EQ(victims[0], seqs[3].get());
-  EXPECT_EQ(victims[1], seqs[2].get());
-  EXPECT_EQ(preempted, std::vector<int>({3, 2}));
-  EXPECT_EQ(cache.num_available_blocks(), 4);
-  EXPECT_EQ(seqs[3]->size(), 0);
-  EXPECT_TRUE(seqs[0]->Reserve(9).ok());  // 3 more blocks
-
-  // Nothing newer than the newest: no victims, even when short.
-  EXPECT_TRUE(cache.PreemptNewest(8, seqs[3]->id()).empty());
-  // A sequence without a preempter is never preempted.
-  seqs[1]->SetPreempter(nullptr);
-  EXPECT_TRUE(cache.PreemptNewest(8, seqs[0]->id()).empty());
-  EXPECT_EQ(seqs[1]->size(), 8);
+  seqs[3].reset();
+  seqs[2].reset();
 
   // Copy-on-write: a fork sharing a partial last block needs a copy of it.
   auto fork = seqs[1]->Fork();
@@ -289,38 +266,3 @@ TEST(PagedKvCacheTest, PreemptNewestFreesNewestSequencesFirst) {
 }  // namespace
 }  // namespace specserve
 
-namespace specserve {
-namespace {
-
-// Idle sequences (not in `busy`, unused since the given time) are
-// preempted least recently used first, of any age; busy ones, recently
-// used ones and ones without a preempter never.
-TEST(PagedKvCacheTest, PreemptIdleTakesLeastRecentlyUsedIdleSequences) {
-  PagedKvCache cache(6, 4, /*bytes_per_token=*/10, nullptr);
-  std::vector<std::unique_ptr<KvSequence>> seqs;
-  const int64_t before = MonotonicNowNs();
-  for (int i = 0; i < 3; ++i) {
-    seqs.push_back(cache.NewSequence(32));
-    ASSERT_TRUE(seqs.back()->Reserve(8).ok());
-    KvSequence* s = seqs.back().get();
-    s->SetPreempter([s] { s->Clear(); });
-  }
-  absl::flat_hash_set<const KvSequence*> busy = {seqs[2].get()};
-  // Used after `before`: not idle long enough.
-  EXPECT_TRUE(cache.PreemptIdle(2, busy, before).empty());
-  ASSERT_TRUE(seqs[0]->Truncate(8).ok());
-  ASSERT_TRUE(seqs[1]->Reserve(0).ok());  // seqs[1] used last
-  const int64_t now = MonotonicNowNs() + 1;
-  auto v = cache.PreemptIdle(2, busy, now);
-  ASSERT_EQ(v.size(), 1u);
-  EXPECT_EQ(v[0], seqs[0].get());  // least recently used
-  EXPECT_EQ(seqs[2]->size(), 8);
-  v = cache.PreemptIdle(6, busy, now);
-  ASSERT_EQ(v.size(), 1u);
-  EXPECT_EQ(v[0], seqs[1].get());
-  EXPECT_EQ(cache.num_available_blocks(), 4);
-  EXPECT_TRUE(cache.PreemptIdle(6, busy, now).empty());
-}
-
-}  // namespace
-}  // namespace specserve

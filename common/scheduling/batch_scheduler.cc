@@ -40,6 +40,8 @@ BatchScheduler::~BatchScheduler() {
 }
 
 absl::Status BatchScheduler::Submit(std::unique_ptr<BatchedWork> work) {
+  // Preemptible from now on, until the session stops preemption.
+  registry_.Track(work->session());
   absl::MutexLock lock(&mu_);
   if (stop_) return absl::UnavailableError("the scheduler is shutting down");
   incoming_.push_back(std::move(work));
@@ -301,8 +303,8 @@ void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
     // full recomputation.)
     if (!blocked && available - claimed - need[b] < headroom) {
       stats->preempted += static_cast<int>(
-          cache
-              .PreemptIdle(claimed + need[b] + headroom, busy,
+          registry_
+              .PreemptIdle(cache, claimed + need[b] + headroom, busy,
                            MonotonicNowNs() -
                                absl::ToInt64Nanoseconds(
                                    options_.idle_preempt_after))
@@ -318,7 +320,7 @@ void BatchScheduler::ClaimKvBlocks(const std::vector<SequenceForward>& batch,
       }
     } else if (available - claimed < need[b]) {
       const std::vector<const KvSequence*> victims =
-          cache.PreemptNewest(claimed + need[b], kv.id());
+          registry_.PreemptNewest(cache, claimed + need[b], kv.id());
       stats->preempted += static_cast<int>(victims.size());
       for (const KvSequence* v : victims) {
         for (size_t c = 0; c < batch.size(); ++c) {

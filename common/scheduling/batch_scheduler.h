@@ -14,6 +14,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/engine/model_runner.h"
+#include "common/scheduling/session.h"
+#include "common/scheduling/session_registry.h"
 
 namespace specserve {
 
@@ -52,6 +54,10 @@ class BatchedWork {
   /// target stream between rounds): the scheduler may preempt it when a
   /// waiting work finds no free blocks.
   virtual const KvSequence* sequence() const { return nullptr; }
+  /// The session the work runs on, or nullptr: submitting the work puts
+  /// the session in the scheduler's SessionRegistry (preemptible, also
+  /// while idle, until it stops preemption).
+  virtual Session* session() const { return nullptr; }
 };
 
 /// Continuous batching over one ModelRunner: iteration-level scheduling
@@ -67,7 +73,7 @@ class BatchedWork {
 /// the forward, the step's works claim the KV blocks their rows need,
 /// oldest sequence (KvSequence::id) first. A sequence that holds blocks
 /// and needs more preempts newer sequences, newest first
-/// (PagedKvCache::PreemptNewest), and waits if that is not enough; a
+/// (SessionRegistry::PreemptNewest), and waits if that is not enough; a
 /// sequence that holds none (a new or preempted request) never preempts a
 /// running one: it starts when the free blocks cover it plus the
 /// watermark (or, if it needs more than the pool less the watermark, when
@@ -75,7 +81,7 @@ class BatchedWork {
 /// first served). Either kind, when short, first preempts IDLE sequences (no
 /// work in flight and unused for Options::idle_preempt_after: kept
 /// speculator sessions between requests, abandoned streams;
-/// PagedKvCache::PreemptIdle, least recently used first), which would
+/// SessionRegistry::PreemptIdle, least recently used first), which would
 /// otherwise hold the pool until their requests end. So a
 /// temporary lack of blocks delays requests instead of failing them; a
 /// work that could not fit in the whole pool fails RESOURCE_EXHAUSTED.
@@ -159,6 +165,7 @@ class BatchScheduler {
 
   ModelRunner* const model_;
   const Options options_;
+  SessionRegistry registry_;  // the sessions works were submitted for
   const StepObserver on_step_;
   bool reported_busy_ = false;  // the last report was not all zeros (loop)
   mutable absl::Mutex mu_;

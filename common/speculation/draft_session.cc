@@ -30,12 +30,11 @@ DraftSession::DraftSession(ModelRunner* model,
       cache_(std::move(cache)),
       sampling_(sampling),
       rng_(sampling.seed) {
-  cache_->SetPreempter([this] { Preempt(); });
 }
 
 DraftSession::~DraftSession() {
   // Before any member goes: waits for a preemption in progress.
-  cache_->SetPreempter(nullptr);
+  StopPreemption();
 }
 
 int DraftSession::AttachCachedPrefix(absl::Span<const int> tokens) {

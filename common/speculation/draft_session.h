@@ -13,7 +13,7 @@
 #include "common/specprefill/importance.h"
 #include "common/specprefill/score_options.h"
 #include "common/specprefill/selection.h"
-#include "common/speculation/session.h"
+#include "common/scheduling/session.h"
 
 namespace specserve {
 
@@ -92,8 +92,8 @@ class DraftSession : public Session {
   /// The finished Draft's proposals.
   std::vector<DraftToken> TakeDrafts();
 
-  /// Preemption by recomputation (run by PagedKvCache::PreemptNewest from
-  /// the scheduler, between forwards): frees every KV block. An operation
+  /// Preemption by recomputation (run by the scheduler's SessionRegistry,
+  /// between forwards): frees every KV block. An operation
   /// in progress starts over on the empty cache (a Score forgets its
   /// look-ahead and captured queries; a Draft re-feeds every committed
   /// token and proposes again); an idle session re-feeds at its next

@@ -22,12 +22,11 @@ TargetSession::TargetSession(ModelRunner* model, TargetRequest request,
       cache_(std::move(cache)),
       stop_(request_.stop, request_.next_position),
       rng_(request_.sampling.seed) {
-  cache_->SetPreempter([this] { Preempt(); });
 }
 
 TargetSession::~TargetSession() {
   // Before any member goes: waits for a preemption in progress.
-  cache_->SetPreempter(nullptr);
+  StopPreemption();
 }
 
 absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(

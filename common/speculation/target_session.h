@@ -12,7 +12,7 @@
 #include "common/decoding/stop.h"
 #include "common/decoding/verification.h"
 #include "common/engine/model_runner.h"
-#include "common/speculation/session.h"
+#include "common/scheduling/session.h"
 
 namespace specserve {
 
@@ -113,7 +113,7 @@ class TargetSession : public Session {
   void Abort() override;
 
   /// Preemption by recomputation (vLLM's default under KV pressure; run
-  /// by PagedKvCache::PreemptNewest from the scheduler, between forwards):
+  /// by the scheduler's SessionRegistry, between forwards):
   /// frees every KV block. The context (kept prompt tokens at their
   /// original positions, then the emitted tokens) is forwarded again,
   /// chunked like a prompt, before the round's final rows; the prompt's

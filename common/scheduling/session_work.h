@@ -1,12 +1,12 @@
-#ifndef SPECSERVE_COMMON_SPECULATION_SESSION_WORK_H_
-#define SPECSERVE_COMMON_SPECULATION_SESSION_WORK_H_
+#ifndef SPECSERVE_COMMON_SCHEDULING_SESSION_WORK_H_
+#define SPECSERVE_COMMON_SCHEDULING_SESSION_WORK_H_
 
 #include <functional>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "common/scheduling/batch_scheduler.h"
-#include "common/speculation/session.h"
+#include "common/scheduling/session.h"
 
 namespace specserve {
 
@@ -41,6 +41,7 @@ class SessionWork : public BatchedWork {
   const KvSequence* sequence() const override {
     return session_->kv_sequence();
   }
+  Session* session() const override { return session_; }
 
  private:
   Session* const session_;
@@ -50,4 +51,4 @@ class SessionWork : public BatchedWork {
 
 }  // namespace specserve
 
-#endif  // SPECSERVE_COMMON_SPECULATION_SESSION_WORK_H_
+#endif  // SPECSERVE_COMMON_SCHEDULING_SESSION_WORK_H_

@@ -1,12 +1,16 @@
-#ifndef SPECSERVE_COMMON_SPECULATION_SESSION_H_
-#define SPECSERVE_COMMON_SPECULATION_SESSION_H_
+#ifndef SPECSERVE_COMMON_SCHEDULING_SESSION_H_
+#define SPECSERVE_COMMON_SCHEDULING_SESSION_H_
 
-// The step protocol of a model service's per-request session, as the
-// continuous-batching loop drives it (docs/ARCHITECTURE.md, Scheduling):
-// an operation is begun by the service (a Score or Draft of a
-// DraftSession, a round of a TargetSession), then forwarded in steps that
-// the scheduler packs with other sessions' rows, and ends when no rows are
-// pending. SessionWork (session_work.h) makes any Session a BatchedWork.
+// The scheduler's view of a request (vLLM's Request): the step protocol of
+// a model service's per-request session, as the continuous-batching loop
+// drives it (docs/ARCHITECTURE.md, Scheduling). An operation is begun by
+// the service (a Score or Draft of a DraftSession, a round of a
+// TargetSession), then forwarded in steps that the scheduler packs with
+// other sessions' rows, and ends when no rows are pending. SessionWork
+// (session_work.h) makes any Session a BatchedWork; SessionRegistry
+// (session_registry.h) is how the scheduler finds sessions to preempt.
+
+#include <memory>
 
 #include "absl/status/status.h"
 #include "common/engine/model_runner.h"
@@ -14,11 +18,14 @@
 
 namespace specserve {
 
+struct SessionRegistryState;
+
 /// One request's state in a model service. Not thread-safe: the scheduler
 /// thread drives it while an operation is in flight, its owner otherwise.
 class Session {
  public:
-  virtual ~Session() = default;
+  /// Stops preemption (StopPreemption) if the derived class did not.
+  virtual ~Session();
 
   /// Rows the begun operation still has to forward (an upper bound where
   /// it may end early, e.g. a look-ahead at EOS); 0 = done or none begun.
@@ -50,8 +57,21 @@ class Session {
   virtual int num_preemptions() const = 0;
   /// The session's sequence in the model's paged KV cache.
   virtual const KvSequence* kv_sequence() const = 0;
+
+ protected:
+  /// The first thing a derived class's destructor must do: waits for a
+  /// preemption of this session in progress on the scheduler's thread and
+  /// takes the session off the registry, so it is never preempted half
+  /// destroyed. Idempotent.
+  void StopPreemption();
+
+ private:
+  friend class SessionRegistry;
+  // The registry that tracks this session (SessionRegistry::Track); null
+  // when untracked. Shared: the session may outlive the registry.
+  std::shared_ptr<SessionRegistryState> registry_;
 };
 
 }  // namespace specserve
 
-#endif  // SPECSERVE_COMMON_SPECULATION_SESSION_H_
+#endif  // SPECSERVE_COMMON_SCHEDULING_SESSION_H_
