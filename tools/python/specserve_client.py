@@ -83,11 +83,11 @@ def make_channel(address, tls=False, ca_file=None, cert_file=None,
                          "--tls_key_file; only %s is set" % (
                              "--tls_cert_file" if cert_file else
                              "--tls_key_file"))
+    ca = _read_pem("--tls_ca_file", ca_file) if ca_file else None
+    key = _read_pem("--tls_key_file", key_file) if key_file else None
+    chain = _read_pem("--tls_cert_file", cert_file) if cert_file else None
     creds = grpc.ssl_channel_credentials(
-        root_certificates=_read_pem("--tls_ca_file", ca_file) if ca_file else None,
-        private_key=_read_pem("--tls_key_file", key_file) if key_file else None,
-        certificate_chain=(_read_pem("--tls_cert_file", cert_file)
-                           if cert_file else None))
+        root_certificates=ca, private_key=key, certificate_chain=chain)
     options = ([("grpc.ssl_target_name_override", server_name)]
                if server_name else [])
     return grpc.secure_channel(address, creds, options=options)
