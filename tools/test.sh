@@ -24,6 +24,7 @@ bazel test --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test 
 # happens-before edges (third_party/sanitizers/tsan_grpc_sync.cc), checked
 # from both sides by tsan_grpc_sync_test.
 bazel test --config=tsan "${SANITIZED[@]}" \
-  //third_party/sanitizers:tsan_grpc_sync_test "$@"
+  //third_party/sanitizers:tsan_grpc_sync_test //tests:tls_test \
+  //tests:faults_test //tests:openai_client_test "$@"
 # The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
 bazel test --config=fuzz //... "$@"
