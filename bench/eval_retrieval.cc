@@ -7,6 +7,13 @@
 //   bench/run_retrieval_eval.sh                         # full run + plot
 //   bazel-bin/bench/eval_retrieval --limit 20 --out_dir /tmp/x  # quick run
 //
+// Outputs: retrieval_results.{json,md} in --out_dir and the counted prompts
+// in --counted_out; by default both under $TMPDIR/specserve_retrieval (or
+// /tmp/specserve_retrieval), never in the source tree. The committed
+// bench/results and bench/data come from bench/run_retrieval_eval.sh, which
+// names them explicitly. Run from the repository root (models/ and
+// bench/eval_prompts are read relative to it).
+//
 // Protocol: the target greedily continues the full prompt; a prompt counts
 // only if that continuation states the fact (starts with the answer word).
 // Every method then prunes the prompt (BOS and the last token always kept),
@@ -20,11 +27,13 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -37,6 +46,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "bench/eval_util.h"
@@ -46,16 +56,42 @@
 #include "common/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 
+namespace specserve {
+namespace bench {
+namespace {
+
+// Where the outputs go by default: $TMPDIR/specserve_retrieval (or
+// /tmp/specserve_retrieval), never the source tree.
+std::string ScratchRoot() {
+  const char* tmp = std::getenv("TMPDIR");
+  return absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp",
+                      "/specserve_retrieval");
+}
+
+// --counted_out's default: under ScratchRoot(), created when used.
+std::string DefaultCountedOut() {
+  return ScratchRoot() + "/counted/{target}_{band}.jsonl";
+}
+
+// --out_dir's default: under ScratchRoot().
+std::string DefaultOutDir() { return ScratchRoot() + "/results"; }
+
+}  // namespace
+}  // namespace bench
+}  // namespace specserve
+
 ABSL_FLAG(std::string, prompts, "/tmp/specserve_retrieval/{target}_{band}.jsonl",
           "retrieval prompts (bench/make_retrieval_prompts.py, written by "
           "bench/run_retrieval_eval.sh); {target} and {band} are replaced "
           "(filler lengths differ with the tokenizer)");
 ABSL_FLAG(std::string, bands, "short,medium,long",
           "distance bands: one prompt file each");
-ABSL_FLAG(std::string, counted_out,
-          "bench/data/retrieval_counted_{target}_{band}.jsonl",
-          "where the counted prompts (full prefill states the fact) go; '' = "
-          "nowhere");
+ABSL_FLAG(std::string, counted_out, specserve::bench::DefaultCountedOut(),
+          "where the counted prompts (full prefill states the fact) go; "
+          "{target} and {band} are replaced; '' = nowhere. The default is "
+          "under $TMPDIR (or /tmp), created if missing; a path given here "
+          "must name an existing folder (bench/run_retrieval_eval.sh passes "
+          "bench/data/retrieval_counted_{target}_{band}.jsonl)");
 ABSL_FLAG(std::string, fidelity_prompts, "bench/eval_prompts",
           "directory of TinyStories continuation prompts for the keep_mass "
           "fidelity comparison ('' = skip)");
@@ -69,8 +105,10 @@ ABSL_FLAG(std::string, masses, "0.5,0.7,0.8,0.9,0.95",
 ABSL_FLAG(int, limit, 0, "use only the first N prompts (0 = all)");
 ABSL_FLAG(int, show, 0,
           "print the first N full-prompt continuations (to check prompts)");
-ABSL_FLAG(std::string, out_dir, "bench/results",
-          "where retrieval_results.json and retrieval_results.md go");
+ABSL_FLAG(std::string, out_dir, specserve::bench::DefaultOutDir(),
+          "where retrieval_results.json and retrieval_results.md go (created "
+          "if missing); the default is under $TMPDIR (or /tmp), "
+          "bench/run_retrieval_eval.sh passes bench/results");
 
 namespace specserve {
 namespace bench {
@@ -192,13 +230,59 @@ absl::StatusOr<std::vector<int>> Select(absl::Span<const float> imp,
   return sel->kept_indices;
 }
 
-std::vector<double> ParseList(const std::string& s) {
+// Parses --ratios / --masses ("0.1,0.2"): every entry a number in (0, 1].
+absl::StatusOr<std::vector<double>> ParseList(absl::string_view flag,
+                                              const std::string& s) {
   std::vector<double> out;
   for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
     double v;
-    if (absl::SimpleAtod(p, &v)) out.push_back(v);
+    if (!absl::SimpleAtod(p, &v) || !(v > 0 && v <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, ": \"", p, "\" is not a number in (0, 1]"));
+    }
+    out.push_back(v);
   }
   return out;
+}
+
+// Replaces {target} and {band} in a --prompts / --counted_out template.
+std::string Expand(const std::string& path, const std::string& target,
+                   absl::string_view band) {
+  return absl::StrReplaceAll(path, {{"{target}", target}, {"{band}", band}});
+}
+
+// Makes sure the counted prompts can go to `path` before any work: its
+// folder must exist (INVALID_ARGUMENT naming both otherwise); the default
+// one, under $TMPDIR, is created. "" = nowhere, always fine.
+absl::Status PrepareCountedOut(const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  const std::filesystem::path dir =
+      std::filesystem::path(path).parent_path();
+  if (dir.empty()) return absl::OkStatus();  // The working directory.
+  std::error_code ec;
+  if (absl::GetFlag(FLAGS_counted_out) == DefaultCountedOut()) {
+    std::filesystem::create_directories(dir, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--counted_out ", path, ": cannot create ", dir.string(), ": ",
+          ec.message()));
+    }
+  }
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--counted_out ", path, ": folder ", dir.string(),
+                     " does not exist"));
+  }
+  return absl::OkStatus();
+}
+
+// Writes `text` to `path`; INTERNAL naming the path if that fails.
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  f.close();
+  if (!f) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
 }
 
 std::string Pct(const json& cell) {
@@ -256,7 +340,13 @@ absl::Status PairEval::Retrieval(const std::vector<Prompt>& prompts,
                                  const std::string& counted_path,
                                  json* out) {
   std::ofstream counted_file;
-  if (!counted_path.empty()) counted_file.open(counted_path);
+  if (!counted_path.empty()) {
+    counted_file.open(counted_path);
+    if (!counted_file) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--counted_out: cannot write ", counted_path));
+    }
+  }
   const int ctx = std::min(target_->config().max_position_embeddings,
                            scorer_->config().max_position_embeddings - 8);
   // [method][ratio index] and [method][kind][ratio index].
@@ -408,6 +498,13 @@ absl::Status PairEval::Retrieval(const std::vector<Prompt>& prompts,
     }
   }
 
+  if (counted_file.is_open()) {
+    counted_file.close();
+    if (!counted_file) {
+      return absl::InternalError(absl::StrCat("cannot write ", counted_path));
+    }
+  }
+
   json& o = *out;
   o["prompts"] = prompts.size();
   o["too_long"] = too_long;
@@ -556,6 +653,13 @@ std::string Markdown(const json& results) {
         absl::StrFormat("%.0f", ret["fact_to_cue_tokens"]["min"].get<double>()),
         ").\n\n");
     const json& ratios = ret["ratios"];
+    const json& methods = ret["methods"];
+    if (ret["counted"].get<int>() == 0 || methods.empty() || ratios.empty()) {
+      absl::StrAppend(&md,
+                      "No prompt was counted in this band, so there are no "
+                      "accuracies to compare.\n");
+      continue;
+    }
     absl::StrAppend(&md, "| method |");
     for (const auto& x : ratios) {
       absl::StrAppend(&md, " keep ", absl::StrFormat("%.1f", x.get<double>()),
@@ -564,7 +668,7 @@ std::string Markdown(const json& results) {
     absl::StrAppend(&md, "\n|---|");
     for (size_t i = 0; i < ratios.size(); ++i) absl::StrAppend(&md, "---|");
     absl::StrAppend(&md, "\n");
-    for (const auto& [m, v] : ret["methods"].items()) {
+    for (const auto& [m, v] : methods.items()) {
       absl::StrAppend(&md, "| ", m, " |");
       for (const auto& c : v["by_ratio"]) {
         absl::StrAppend(&md, " ", Pct(c), " (kept ",
@@ -581,21 +685,22 @@ std::string Markdown(const json& results) {
     absl::StrAppend(&md, "\nBy fact kind at keep ",
                     absl::StrFormat("%.1f", ratios[rk].get<double>()),
                     ":\n\n| method |");
-    std::vector<std::string> kinds;
-    for (const auto& [k, _] :
-         ret["methods"]["specprefill_c8_la8"]["by_kind"].items()) {
-      kinds.push_back(k);
-      absl::StrAppend(&md, " ", k, " |");
+    // Every kind any method saw (each counted prompt goes through every
+    // method, so all of them see the same kinds).
+    std::set<std::string> kinds;
+    for (const auto& [m, v] : methods.items()) {
+      for (const auto& [k, _] : v["by_kind"].items()) kinds.insert(k);
     }
+    for (const std::string& k : kinds) absl::StrAppend(&md, " ", k, " |");
     absl::StrAppend(&md, "\n|---|");
     for (size_t i = 0; i < kinds.size(); ++i) absl::StrAppend(&md, "---|");
     absl::StrAppend(&md, "\n");
     for (const char* m : {"specprefill_c8_la8", "specprefill_c32_la8",
                           "recent_c8", "sink_recent_c8", "random_c8"}) {
-      if (!ret["methods"].contains(m)) continue;
+      if (!methods.contains(m)) continue;
       absl::StrAppend(&md, "| ", m, " |");
       for (const auto& k : kinds) {
-        const json& by_kind = ret["methods"][m]["by_kind"];
+        const json& by_kind = methods[m]["by_kind"];
         if (!by_kind.contains(k)) {
           absl::StrAppend(&md, " - |");
           continue;
@@ -667,14 +772,16 @@ std::string Markdown(const json& results) {
 }
 
 absl::Status Main() {
-  const std::vector<double> ratios = ParseList(absl::GetFlag(FLAGS_ratios));
-  const std::vector<double> masses = ParseList(absl::GetFlag(FLAGS_masses));
-  json results;
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  results["date"] = date;
-  results["pairs"] = json::object();
+  const auto ratios_or = ParseList("ratios", absl::GetFlag(FLAGS_ratios));
+  if (!ratios_or.ok()) return ratios_or.status();
+  const auto masses_or = ParseList("masses", absl::GetFlag(FLAGS_masses));
+  if (!masses_or.ok()) return masses_or.status();
+  const std::vector<double>& ratios = *ratios_or;
+  const std::vector<double>& masses = *masses_or;
+  if (ratios.empty()) return absl::InvalidArgumentError("--ratios is empty");
+  const std::vector<std::string> bands =
+      absl::StrSplit(absl::GetFlag(FLAGS_bands), ',', absl::SkipEmpty());
+  std::vector<std::pair<std::string, std::string>> pairs;
   for (absl::string_view spec :
        absl::StrSplit(absl::GetFlag(FLAGS_pairs), ',', absl::SkipEmpty())) {
     const std::vector<std::string> parts = absl::StrSplit(spec, ':');
@@ -682,41 +789,44 @@ absl::Status Main() {
       return absl::InvalidArgumentError(
           absl::StrCat("--pairs entry \"", spec, "\" is not scorer:target"));
     }
-    PairEval pe(parts[0], parts[1]);
+    pairs.emplace_back(parts[0], parts[1]);
+    // Where the counted prompts go must be writable before hours of work.
+    for (const std::string& band : bands) {
+      if (auto s = PrepareCountedOut(
+              Expand(absl::GetFlag(FLAGS_counted_out), parts[1], band));
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  json results;
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  results["date"] = date;
+  results["pairs"] = json::object();
+  for (const auto& [scorer, target] : pairs) {
+    const std::string spec = absl::StrCat(scorer, ":", target);
+    PairEval pe(scorer, target);
     if (auto s = pe.Load(); !s.ok()) return s;
     const double t0 = Now();
     json r;
     r["retrieval"] = json::object();
-    for (absl::string_view band :
-         absl::StrSplit(absl::GetFlag(FLAGS_bands), ',', absl::SkipEmpty())) {
-      std::string path = absl::GetFlag(FLAGS_prompts);
-      for (auto [key, value] : {std::pair<std::string, std::string>{
-                                    "{target}", parts[1]},
-                                {"{band}", std::string(band)}}) {
-        if (const size_t at = path.find(key); at != std::string::npos) {
-          path.replace(at, key.size(), value);
-        }
-      }
-      auto prompts = ReadPrompts(path, absl::GetFlag(FLAGS_limit));
+    for (const std::string& band : bands) {
+      auto prompts =
+          ReadPrompts(Expand(absl::GetFlag(FLAGS_prompts), target, band),
+                      absl::GetFlag(FLAGS_limit));
       if (!prompts.ok()) return prompts.status();
-      std::string counted_path = absl::GetFlag(FLAGS_counted_out);
-      for (auto [key, value] : {std::pair<std::string, std::string>{
-                                    "{target}", parts[1]},
-                                {"{band}", std::string(band)}}) {
-        if (const size_t at = counted_path.find(key);
-            at != std::string::npos) {
-          counted_path.replace(at, key.size(), value);
-        }
-      }
-      json& out = r["retrieval"][std::string(band)];
+      const std::string counted_path =
+          Expand(absl::GetFlag(FLAGS_counted_out), target, band);
+      json& out = r["retrieval"][band];
       if (auto s = pe.Retrieval(*prompts, ratios, masses, counted_path, &out);
           !s.ok()) {
         return s;
       }
       std::fprintf(stderr, "%s -> %s, %s: %d of %zu counted\n",
-                   parts[0].c_str(), parts[1].c_str(),
-                   std::string(band).c_str(), out["counted"].get<int>(),
-                   prompts->size());
+                   scorer.c_str(), target.c_str(), band.c_str(),
+                   out["counted"].get<int>(), prompts->size());
     }
     r["fidelity"] = json::object();
     if (!absl::GetFlag(FLAGS_fidelity_prompts).empty()) {
@@ -727,15 +837,27 @@ absl::Status Main() {
       }
     }
     r["seconds"] = Now() - t0;
-    std::fprintf(stderr, "%s -> %s: %.0f s\n", parts[0].c_str(),
-                 parts[1].c_str(), r["seconds"].get<double>());
-    results["pairs"][std::string(spec)] = r;
+    std::fprintf(stderr, "%s -> %s: %.0f s\n", scorer.c_str(),
+                 target.c_str(), r["seconds"].get<double>());
+    results["pairs"][spec] = r;
   }
   const std::string dir = absl::GetFlag(FLAGS_out_dir);
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir + "/retrieval_results.json") << results.dump(1) << "\n";
-  std::ofstream(dir + "/retrieval_results.md") << Markdown(results);
-  std::printf("%s", Markdown(results).c_str());
+  if (dir.empty()) return absl::InvalidArgumentError("--out_dir is empty");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--out_dir ", dir, ": ", ec.message()));
+  }
+  const std::string md = Markdown(results);
+  if (auto s = WriteText(dir + "/retrieval_results.json",
+                         results.dump(1) + "\n");
+      !s.ok()) {
+    return s;
+  }
+  if (auto s = WriteText(dir + "/retrieval_results.md", md); !s.ok()) return s;
+  std::printf("%s", md.c_str());
+  std::fprintf(stderr, "results in %s\n", dir.c_str());
   return absl::OkStatus();
 }
 

@@ -26,7 +26,9 @@ gen tinystories-656K short 2000 25 35 164
 gen tinystories-656K medium 3000 100 125 165
 gen tinystories-656K long 6000 220 260 166
 bazel build -c opt //bench:eval_retrieval
-bazel-bin/bench/eval_retrieval --out_dir "$OUT" "$@"
+bazel-bin/bench/eval_retrieval --prompts "$GEN/{target}_{band}.jsonl" \
+  --counted_out "bench/data/retrieval_counted_{target}_{band}.jsonl" \
+  --out_dir "$OUT" "$@"
 if command -v gnuplot > /dev/null; then
   /usr/bin/python3 bench/plot_retrieval.py "$OUT/retrieval_results.json" "$OUT"
 else

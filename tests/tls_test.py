@@ -1,9 +1,12 @@
 """TLS and mutual TLS between the real binaries over loopback (issue 17,
 section 2): certificates made at test time by tests/make_test_certs.sh (the
 openssl CLI); the speculator and target require client certificates from
-the router, and the router's public port requires one from its clients.
+the router, and the router's public port requires one from its clients,
+among them the two command-line clients, //tools:client and
+tools/python/specserve_client.py, with their --tls_* flags (issue 28).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -48,6 +51,34 @@ ROUTER_BACKEND_MTLS = ["--backend_tls_ca_file", cert("ca.pem"),
 PROMPT = ("Sue loved her garden. She had red flowers, white flowers and a little "
           "green plant that did not have any flowers yet. Every morning she gave "
           "the plants water. One day, a big brown rabbit came into the garden.")
+
+
+CLIENT_MTLS = ["--tls_ca_file", cert("ca.pem"),
+               "--tls_cert_file", cert("client.pem"),
+               "--tls_key_file", cert("client.key")]
+
+
+def run_cli(argv, timeout=90):
+    """Runs a command-line client; its stubs and temp files go under TMP."""
+    env = dict(os.environ, TMPDIR=TMP)
+    return subprocess.run(argv, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def cpp_client(router, flags, stream=False):
+    """//tools:client --json against `router` with `flags`."""
+    return run_cli([find_binary("tools/client"), "--router", router,
+                    "--prompt", PROMPT, "--max_new_tokens", "8",
+                    "--temperature", "0", "--json", "--deadline_ms", "30000"] +
+                   (["--stream"] if stream else []) + list(flags))
+
+
+def python_client(router, flags):
+    """tools/python/specserve_client.py against `router` with `flags`."""
+    return run_cli(["/usr/bin/python3", "tools/python/specserve_client.py",
+                    "--router", router, "--prompt", PROMPT,
+                    "--max_new_tokens", "8", "--temperature", "0",
+                    "--timeout", "30"] + list(flags))
 
 
 def request(**kw):
@@ -115,6 +146,68 @@ class TlsStackTest(unittest.TestCase):
 
     def test_plaintext_client_is_refused(self):
         with grpc.insecure_channel(self.stack.router.address) as ch:
+            with self.assertRaises(grpc.RpcError) as ctx:
+                pb_grpc.RouterStub(ch).Generate(request(), timeout=20)
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.UNAVAILABLE)
+
+    def test_cpp_client_over_mutual_tls(self):
+        for stream in (False, True):
+            with self.subTest(stream=stream):
+                out = cpp_client(self.stack.router.address, CLIENT_MTLS, stream)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                j = json.loads(out.stdout)
+                self.assertGreater(j["usage"]["completion_tokens"], 0, j)
+                self.assertTrue(j["text"], j)
+                self.assertEqual(j["stats"]["fallback_reason"], "", j)
+
+    def test_cpp_client_server_name_override(self):
+        # Certificates name "specserve-internal" (and 127.0.0.1, dialled).
+        out = cpp_client(self.stack.router.address, CLIENT_MTLS + [
+            "--tls_server_name", "specserve-internal"])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertGreater(json.loads(out.stdout)["usage"]["completion_tokens"],
+                           0)
+        out = cpp_client(self.stack.router.address, CLIENT_MTLS + [
+            "--tls_server_name", "someone-else"])
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn("error: 14 ", out.stderr)  # UNAVAILABLE
+
+    def test_cpp_client_refused_without_certificate_or_in_plaintext(self):
+        for flags in (["--tls_ca_file", cert("ca.pem")],  # no client cert
+                      ["--tls_ca_file", cert("other_ca.pem"),
+                       "--tls_cert_file", cert("client.pem"),
+                       "--tls_key_file", cert("client.key")],  # wrong CA
+                      []):  # plaintext
+            with self.subTest(flags=flags):
+                out = cpp_client(self.stack.router.address, flags)
+                self.assertEqual(out.returncode, 1, out.stderr)
+                self.assertIn("error: 14 ", out.stderr)  # UNAVAILABLE
+                self.assertEqual(out.stdout, "")
+
+    def test_python_client_over_mutual_tls(self):
+        out = python_client(self.stack.router.address, CLIENT_MTLS)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertTrue(out.stdout.strip(), out.stderr)
+        self.assertIn("[finish ", out.stderr)
+        self.assertNotIn("fallback", out.stderr)
+        # Without a client certificate the router refuses it.
+        out = python_client(self.stack.router.address,
+                            ["--tls_ca_file", cert("ca.pem")])
+        self.assertEqual(out.returncode, 1, out.stderr)
+        self.assertIn("error: UNAVAILABLE", out.stderr)
+
+    def test_python_make_channel(self):
+        # The library call behind the CLI flags, with the name override.
+        with specserve_client.make_channel(
+                self.stack.router.address, ca_file=cert("ca.pem"),
+                cert_file=cert("client.pem"), key_file=cert("client.key"),
+                server_name="specserve-internal") as ch:
+            resp = pb_grpc.RouterStub(ch).Generate(request(), timeout=60)
+        self.assertGreater(resp.usage.completion_tokens, 0)
+        with specserve_client.make_channel(
+                self.stack.router.address, ca_file=cert("ca.pem"),
+                cert_file=cert("client.pem"), key_file=cert("client.key"),
+                server_name="someone-else") as ch:
             with self.assertRaises(grpc.RpcError) as ctx:
                 pb_grpc.RouterStub(ch).Generate(request(), timeout=20)
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.UNAVAILABLE)
@@ -245,6 +338,32 @@ class TlsFlagErrorsTest(unittest.TestCase):
                 self.assertIn("--tls_cert_file", out.stderr)
                 self.assertIn(missing, out.stderr)
                 self.assertIn("NOT_FOUND", out.stderr)
+
+    def test_cpp_client_flag_errors_name_flag_and_path(self):
+        missing = os.path.join(TMP, "no-such-ca.pem")
+        out = cpp_client("127.0.0.1:1", ["--tls_ca_file", missing])
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("--tls_ca_file", out.stderr)
+        self.assertIn(missing, out.stderr)
+        self.assertIn("NOT_FOUND", out.stderr)
+        out = cpp_client("127.0.0.1:1", ["--tls_cert_file", "/dev/null"])
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("--tls_key_file", out.stderr)
+        self.assertIn("INVALID_ARGUMENT", out.stderr)
+        out = cpp_client("127.0.0.1:1", ["--tls_server_name", "x"])
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("TLS is off", out.stderr)
+
+    def test_python_client_flag_errors(self):
+        out = python_client("127.0.0.1:1", ["--tls_cert_file", "/dev/null"])
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn("--tls_key_file", out.stderr)
+        missing = os.path.join(TMP, "no-such-ca.pem")
+        out = python_client("127.0.0.1:1", ["--tls_ca_file", missing])
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn(missing, out.stderr)
+        with self.assertRaises(ValueError):
+            specserve_client.make_channel("127.0.0.1:1", server_name="x")
 
     def test_router_client_certificate_without_key_is_rejected(self):
         out = self.run_binary("router/router", [

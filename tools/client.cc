@@ -3,9 +3,17 @@
 //   bazel run //tools:client -- --router localhost:50050
 //     --prompt "Once upon a time" --max_new_tokens 64 [--stream] [--json]
 //
+// Plaintext by default; --tls (gRPC's default roots) or --tls_ca_file
+// speaks TLS to a router serving it, --tls_cert_file / --tls_key_file add
+// the client certificate mutual TLS asks for, and --tls_server_name checks
+// the router's certificate for another name than the dialled host (the
+// router's --backend_tls_* flags, for its own channels, work the same way).
+//
 // Unset request options take the router's defaults. Exit status: 0 on
-// success, 2 for INVALID_ARGUMENT, 1 for any other error (the gRPC status
-// is printed on stderr).
+// success, 2 for INVALID_ARGUMENT (from the router or a bad flag, e.g. a
+// certificate without its key) and NOT_FOUND flags (a missing file), 1 for
+// any other error (the gRPC status is printed on stderr; a failed TLS
+// handshake is UNAVAILABLE).
 
 #include <cstdio>
 #include <memory>
@@ -13,7 +21,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_split.h"
+#include "common/service/tls.h"
+#include "common/util/cli.h"
 #include "common/util/parse.h"
+#include "common/util/paths.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "protos/router.grpc.pb.h"
@@ -37,6 +48,18 @@ ABSL_FLAG(bool, no_spec_decode, false, "turn speculative decoding off");
 ABSL_FLAG(bool, stream, false, "use GenerateStream and print text as it comes");
 ABSL_FLAG(bool, json, false, "print one JSON object (the final response)");
 ABSL_FLAG(int, deadline_ms, 60000, "request deadline");
+ABSL_FLAG(bool, tls, false,
+          "TLS to the router (implied by any --tls_* file); without "
+          "--tls_ca_file gRPC's default roots verify it");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM CA bundle that verifies the router's certificate");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain this client presents (mutual TLS)");
+ABSL_FLAG(std::string, tls_key_file, "",
+          "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name the router's certificate must carry instead of the dialled "
+          "host; empty = the host");
 
 namespace specserve {
 namespace {
@@ -135,15 +158,34 @@ void PrintSummary(const nlohmann::json& j) {
                std::string(s["fallback_reason"]).c_str());
 }
 
+// The channel to --router: plaintext, or TLS from the --tls* flags
+// (common/service/tls.h); INVALID_ARGUMENT / NOT_FOUND naming the flag and
+// path for an incomplete set or an unreadable file.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeRouterChannel() {
+  ClientTlsOptions tls;
+  tls.enabled = absl::GetFlag(FLAGS_tls);
+  tls.ca_file = ResolveUserPath(absl::GetFlag(FLAGS_tls_ca_file));
+  tls.cert_file = ResolveUserPath(absl::GetFlag(FLAGS_tls_cert_file));
+  tls.key_file = ResolveUserPath(absl::GetFlag(FLAGS_tls_key_file));
+  tls.server_name = absl::GetFlag(FLAGS_tls_server_name);
+  tls.flag_prefix = "tls";
+  absl::StatusOr<ChannelSecurity> security = MakeChannelSecurity(tls);
+  if (!security.ok()) return security.status();
+  grpc::ChannelArguments args;
+  security->Apply(&args);
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_router),
+                                   security->credentials, args);
+}
+
 int Run() {
   auto req = BuildRequest();
   if (!req.ok()) {
     std::fprintf(stderr, "error: %s\n", req.status().ToString().c_str());
     return 2;
   }
-  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_router),
-                                     grpc::InsecureChannelCredentials());
-  auto stub = v1::Router::NewStub(channel);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeRouterChannel();
+  if (!channel.ok()) return ReportCliError(channel.status());
+  auto stub = v1::Router::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(absl::GetFlag(FLAGS_deadline_ms)));

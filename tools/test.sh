@@ -39,11 +39,13 @@ step plain //... "$@"
 SANITIZED=(//speculator_service/... //target_service/... //router/...
            //common/scheduling/... //common/speculation/... //tests:e2e_test)
 step asan --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
-  //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test "$@"
+  //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test \
+  //tests:tls_test //tests:faults_test //tests:openai_client_test "$@"
 # Under TSan gRPC core's hand-offs between its threads are modeled as
 # happens-before edges (third_party/sanitizers/tsan_grpc_sync.cc), checked
 # from both sides by tsan_grpc_sync_test.
 step tsan --config=tsan "${SANITIZED[@]}" \
-  //third_party/sanitizers:tsan_grpc_sync_test "$@"
+  //third_party/sanitizers:tsan_grpc_sync_test //tests:tls_test \
+  //tests:faults_test //tests:openai_client_test "$@"
 # The fuzz targets under libFuzzer (clang-14, ASan + UBSan), 20 s each.
 step fuzz --config=fuzz //... "$@"

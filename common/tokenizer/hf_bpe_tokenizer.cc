@@ -3,9 +3,11 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <queue>
 #include <sstream>
 #include <utility>
@@ -228,7 +230,25 @@ absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> HfBpeTokenizer::Load(
     config = *std::move(c);
     break;
   }
-  return Parse(*text, config, json_path);
+  absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> tok =
+      Parse(*text, config, json_path);
+  if (tok.ok() && (*tok)->byte_fallback() &&
+      (*tok)->byte_piece_count() < 256) {
+    const int n = (*tok)->byte_piece_count();
+    std::fprintf(
+        stderr,
+        "warning: %s: model.byte_fallback is set but the vocabulary has %s "
+        "of the 256 <0xNN> byte pieces: characters outside it %s\n",
+        json_path.c_str(), n == 0 ? "none" : absl::StrCat("only ", n).c_str(),
+        (*tok)->model_unk_id_ >= 0 ? "become <unk>" : "are dropped");
+  }
+  return tok;
+}
+
+int HfBpeTokenizer::byte_piece_count() const {
+  return static_cast<int>(
+      std::count_if(std::begin(byte_ids_), std::end(byte_ids_),
+                    [](int id) { return id >= 0; }));
 }
 
 absl::Status HfBpeTokenizer::Invalid(std::string_view what) const {

@@ -81,7 +81,8 @@ class HfBpeTokenizer : public Tokenizer {
  public:
   /// Reads `json_path` and, when present next to it, tokenizer_config.json
   /// and special_tokens_map.json. NOT_FOUND if `json_path` is missing;
-  /// otherwise as Parse.
+  /// otherwise as Parse. Warns on stderr when `model.byte_fallback` is set
+  /// but byte pieces are missing (see byte_piece_count()).
   static absl::StatusOr<std::unique_ptr<HfBpeTokenizer>> Load(
       const std::string& json_path);
 
@@ -105,6 +106,15 @@ class HfBpeTokenizer : public Tokenizer {
   int pad_id() const override { return pad_id_; }
   std::string Fingerprint() const override { return fingerprint_; }
   std::string kind() const override { return "hf-bpe"; }
+
+  /// Whether the model sets `byte_fallback`.
+  bool byte_fallback() const { return byte_fallback_; }
+  /// How many of the 256 "<0x00>".."<0xFF>" byte pieces the vocabulary
+  /// has. With byte_fallback() and fewer than 256 the fallback is partial
+  /// or absent: a character outside the vocabulary whose bytes lack pieces
+  /// becomes unk_id() (or is dropped without an unk token). The bundled
+  /// tinystories-656K tokenizer is such a case (0 byte pieces).
+  int byte_piece_count() const;
 
  private:
   struct AddedToken {

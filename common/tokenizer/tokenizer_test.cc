@@ -805,6 +805,44 @@ TEST(HfBpeTokenizerTest, UnknownCharactersUseBytesOrFusedUnk) {
   EXPECT_EQ(*(*tok)->Decode(*(*tok)->Encode("axyb", false)), "ab");
 }
 
+TEST(HfBpeTokenizerTest, WarnsAtLoadWhenByteFallbackHasNoBytePieces) {
+  // tinystories-656K sets byte_fallback but has no <0xNN> pieces, so
+  // non-ASCII text becomes <unk>: Load says so.
+  for (const char* model : kHfModels) {
+    const std::string path = absl::StrCat(model, "/tokenizer.json");
+    ::testing::internal::CaptureStderr();
+    auto tok = HfBpeTokenizer::Load(path);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    EXPECT_TRUE((*tok)->byte_fallback()) << model;
+    EXPECT_EQ((*tok)->byte_piece_count(), 0) << model;
+    EXPECT_THAT(err, HasSubstr("warning: " + path)) << err;
+    EXPECT_THAT(err, HasSubstr("byte_fallback")) << err;
+    EXPECT_THAT(err, HasSubstr("become <unk>")) << err;
+    EXPECT_THAT(*(*tok)->Encode("caf\xC3\xA9", false),
+                ::testing::Contains((*tok)->unk_id()))
+        << model;
+  }
+  // All 256 byte pieces: byte fallback works and Load is silent.
+  const std::string dir = MakeTempDir("with_byte_pieces");
+  WriteFile(dir + "/tokenizer.json", TinyJson("", "", true));
+  ::testing::internal::CaptureStderr();
+  auto tok = HfBpeTokenizer::Load(dir + "/tokenizer.json");
+  std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_TRUE((*tok)->byte_fallback());
+  EXPECT_EQ((*tok)->byte_piece_count(), 256);
+  EXPECT_EQ(err, "");
+  // Byte pieces without byte_fallback: nothing to warn about either.
+  WriteFile(dir + "/tokenizer.json", TinyJson("", "", false));
+  ::testing::internal::CaptureStderr();
+  tok = HfBpeTokenizer::Load(dir + "/tokenizer.json");
+  err = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_FALSE((*tok)->byte_fallback());
+  EXPECT_EQ(err, "");
+}
+
 TEST(HfBpeTokenizerTest, SplitsOnAddedTokens) {
   auto tok = HfBpeTokenizer::Parse(TinyJson("", ""), "", "tiny");
   ASSERT_TRUE(tok.ok()) << tok.status();

@@ -7,6 +7,12 @@ into a cache directory, so nothing generated is checked in.
 
     /usr/bin/python3 tools/python/specserve_client.py --router localhost:50050 \
         --prompt "Once upon a time" --max_new_tokens 48 [--stream]
+
+Plaintext by default. Against a router serving TLS (its --tls_cert_file),
+pass --tls_ca_file (or --tls for the default roots); for mutual TLS also
+--tls_cert_file and --tls_key_file; --tls_server_name checks the router's
+certificate for another name than the dialled host. The same flags as
+//tools:client; make_channel() does the same for library use.
 """
 
 import argparse
@@ -45,6 +51,46 @@ def load_stubs(out_dir=None):
         sys.path.insert(0, out_dir)
     return (importlib.import_module("protos.router_pb2"),
             importlib.import_module("protos.router_pb2_grpc"))
+
+
+def _read_pem(flag, path):
+    with open(path, "rb") as f:
+        data = f.read()
+    if b"-----BEGIN " not in data:
+        raise ValueError("%s %s: not a PEM file" % (flag, path))
+    return data
+
+
+def make_channel(address, tls=False, ca_file=None, cert_file=None,
+                 key_file=None, server_name=None):
+    """Opens a gRPC channel to the router at `address` ("host:port").
+
+    Plaintext unless `tls` or any file is given; then TLS verified by the
+    PEM CA bundle `ca_file` (gRPC's default roots without one), presenting
+    `cert_file` and `key_file` (both or neither) for mutual TLS, and
+    checking the certificate for `server_name` instead of the host when
+    set. Raises ValueError for an incomplete set or a file that is not PEM
+    and OSError (FileNotFoundError, ...) for a file that cannot be read.
+    """
+    import grpc
+    if not (tls or ca_file or cert_file or key_file):
+        if server_name:
+            raise ValueError("--tls_server_name is set but TLS is off (set "
+                             "--tls or --tls_ca_file)")
+        return grpc.insecure_channel(address)
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("mutual TLS needs both --tls_cert_file and "
+                         "--tls_key_file; only %s is set" % (
+                             "--tls_cert_file" if cert_file else
+                             "--tls_key_file"))
+    ca = _read_pem("--tls_ca_file", ca_file) if ca_file else None
+    key = _read_pem("--tls_key_file", key_file) if key_file else None
+    chain = _read_pem("--tls_cert_file", cert_file) if cert_file else None
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=chain)
+    options = ([("grpc.ssl_target_name_override", server_name)]
+               if server_name else [])
+    return grpc.secure_channel(address, creds, options=options)
 
 
 def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
@@ -87,11 +133,31 @@ def main():
     ap.add_argument("--num_draft_tokens", type=int)
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--tls", action="store_true",
+                    help="TLS to the router (implied by any --tls_* file); "
+                         "without --tls_ca_file gRPC's default roots verify it")
+    ap.add_argument("--tls_ca_file",
+                    help="PEM CA bundle that verifies the router's certificate")
+    ap.add_argument("--tls_cert_file",
+                    help="PEM certificate chain this client presents "
+                         "(mutual TLS)")
+    ap.add_argument("--tls_key_file", help="PEM private key of --tls_cert_file")
+    ap.add_argument("--tls_server_name",
+                    help="name the router's certificate must carry instead "
+                         "of the dialled host")
     a = ap.parse_args()
 
     import grpc
+    try:
+        channel = make_channel(a.router, tls=a.tls, ca_file=a.tls_ca_file,
+                               cert_file=a.tls_cert_file,
+                               key_file=a.tls_key_file,
+                               server_name=a.tls_server_name)
+    except (ValueError, OSError) as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
     pb, pb_grpc = load_stubs()
-    stub = pb_grpc.RouterStub(grpc.insecure_channel(a.router))
+    stub = pb_grpc.RouterStub(channel)
     req = build_request(pb, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, seed=a.seed,
                         keep_ratio=a.keep_ratio,
