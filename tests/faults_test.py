@@ -1,4 +1,4 @@
-"""Faults under load (issue 17, section 4): the real binaries on loopback
+"""Faults under load: the real binaries on loopback
 with 64 streams in flight while the speculator is killed (kill -9) and
 restarted, then frozen (SIGSTOP) for 10 s and resumed, then the target is
 killed and restarted.
