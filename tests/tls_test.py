@@ -1,8 +1,9 @@
 """TLS and mutual TLS between the real binaries over loopback: certificates
 made at test time by tests/make_test_certs.sh (the openssl CLI); the
-speculator and target require client certificates from the router, and the router's public port requires one from its clients,
-among them the two command-line clients, //tools:client and
-tools/python/specserve_client.py, with their --tls_* flags (issue 28).
+speculator and target require client certificates from the router, and
+the router's public port requires one from its clients, among them the
+two command-line clients, //tools:client and
+tools/python/specserve_client.py, with their --tls_* flags.
 """
 
 import json
