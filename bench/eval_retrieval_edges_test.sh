@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Edge cases of //bench:eval_retrieval (issue 28):
+# Edge cases of //bench:eval_retrieval:
 #   1. a band where no prompt counts still writes its results (it crashed
 #      reading a method entry that was not there);
 #   2. a --counted_out whose folder does not exist is an error, before any
