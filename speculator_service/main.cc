@@ -3,36 +3,23 @@
 //   bazel run //speculator_service:speculator_service -- --model
 //       models/stories260K-draft --port 50061 --metrics_port 9161
 // Prints "listening on <port>, metrics on <port>" to stderr when ready and
-// shuts down cleanly on SIGINT / SIGTERM. Exit status 2 for bad flags.
+// shuts down cleanly on SIGINT / SIGTERM. Exit status 2 for bad flags. The
+// flags shared with the target are common/service/model_service_flags.h.
 
-#include <pthread.h>
-
-#include <algorithm>
 #include <csignal>
 #include <cstdio>
-#include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
-#include "common/service/runner_flags.h"
+#include "common/service/model_service_flags.h"
 #include "common/service/server_main.h"
 #include "common/service/spec_prefill_flags.h"
-#include "common/service/tls_flags.h"
-#include "common/util/paths.h"
 #include "speculator_service/speculator_server.h"
 
-ABSL_FLAG(std::string, model, "", "speculator checkpoint directory");
-ABSL_FLAG(std::string, model_id, "",
-          "model id reported by Info (default: the directory name)");
-ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
 ABSL_FLAG(int, port, 50061, "gRPC port (0 = any free port)");
 ABSL_FLAG(int, metrics_port, 9161, "Prometheus /metrics port (0 = any)");
-ABSL_FLAG(int, max_num_batched_tokens, 0,
-          "rows (tokens) per batched forward: draft and look-ahead rows of "
-          "all sessions first, then prompt chunks; 0 = 2048 on CUDA, 512 on "
-          "CPU");
 ABSL_FLAG(int, engine_threads, 1, "OpenBLAS / importance threads per forward");
 ABSL_FLAG(int, max_queue, 1024,
           "Score / Draft operations queued or running before "
@@ -40,11 +27,6 @@ ABSL_FLAG(int, max_queue, 1024,
 ABSL_FLAG(int, max_sessions, 0,
           "live sessions before RESOURCE_EXHAUSTED; 0 = one per KV cache "
           "block of the pool, within [64, 4096]");
-ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
-          "bytes of the paged KV cache pool shared by all sessions; when "
-          "blocks run out the newest sessions are preempted and recomputed "
-          "later (a prompt + look-ahead beyond the pool is "
-          "RESOURCE_EXHAUSTED)");
 ABSL_FLAG(double, session_ttl_s, 300,
           "idle seconds before a session is reaped");
 
@@ -52,31 +34,25 @@ namespace specserve {
 namespace {
 
 int Run() {
-  SpeculatorServerOptions o;
-  if (absl::GetFlag(FLAGS_model).empty()) {
-    std::fprintf(stderr, "error: --model is required\n");
-    return 2;
-  }
-  o.model_dir = ResolveUserPath(absl::GetFlag(FLAGS_model));
-  o.model_id = absl::GetFlag(FLAGS_model_id);
-  o.host = absl::GetFlag(FLAGS_host);
   // Before the credentials: their check starts gRPC's threads.
   const sigset_t stop = BlockStopSignals();
-  auto credentials = ServerCredentialsFromFlags();
-  if (!credentials.ok()) {
-    std::fprintf(stderr, "error: %s\n",
-                 credentials.status().ToString().c_str());
+  auto flags = ModelServiceFlagsFromFlags();
+  if (!flags.ok()) {
+    std::fprintf(stderr, "error: %s\n", flags.status().ToString().c_str());
     return 2;
   }
-  o.credentials = *std::move(credentials);
-  o.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  SpeculatorServerOptions o;
+  o.model_dir = flags->model_dir;
+  o.model_id = flags->model_id;
+  o.host = flags->host;
+  o.credentials = flags->credentials;
+  o.max_num_batched_tokens = flags->max_num_batched_tokens;
+  o.kv_budget_bytes = flags->kv_budget_bytes;
+  o.runner = flags->runner;
   o.engine_threads = absl::GetFlag(FLAGS_engine_threads);
   o.max_queue = absl::GetFlag(FLAGS_max_queue);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  o.kv_budget_bytes = static_cast<size_t>(
-      std::max<int64_t>(0, absl::GetFlag(FLAGS_kv_budget_bytes)));
   o.session_ttl_s = absl::GetFlag(FLAGS_session_ttl_s);
-  o.runner = RunnerOptionsFromFlags();
   o.defaults = SpecPrefillDefaultsFromFlags();
 
   SetEngineThreads(o.engine_threads);
@@ -87,10 +63,10 @@ int Run() {
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   return ServeUntilStopSignal("speculator_service", **server,
-                              absl::GetFlag(FLAGS_port),
-                              absl::GetFlag(FLAGS_host),
+                              absl::GetFlag(FLAGS_port), flags->host,
                               absl::GetFlag(FLAGS_metrics_port),
-                              (*server)->registry_ptr(), stop, absl::Seconds(5));
+                              (*server)->registry_ptr(), stop,
+                              flags->shutdown_grace);
 }
 
 }  // namespace
