@@ -86,22 +86,6 @@ DraftToken DraftSession::Propose(const float* logits) {
   return d;
 }
 
-absl::Status DraftSession::Prefill(absl::Span<const int> prompt) {
-  if (started_) {
-    return absl::FailedPreconditionError("session already has a prompt");
-  }
-  if (prompt.empty()) return absl::InvalidArgumentError("token_ids is empty");
-  if (auto s = CheckIds(prompt, model_->config().vocab_size, "token_ids");
-      !s.ok()) {
-    return s;
-  }
-  committed_.assign(prompt.begin(), prompt.end());
-  started_ = true;
-  // The prompt is forwarded lazily by the first Draft(), all but its last
-  // token so that call has logits to propose from.
-  return absl::OkStatus();
-}
-
 absl::StatusOr<ScoreResult> DraftSession::Score(absl::Span<const int> prompt,
                                                 const ScoreOptions& options) {
   if (absl::Status s = BeginScore(prompt, options); !s.ok()) return s;

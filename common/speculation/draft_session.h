@@ -51,10 +51,6 @@ class DraftSession : public Session {
   absl::StatusOr<ScoreResult> Score(absl::Span<const int> prompt,
                                     const ScoreOptions& options);
 
-  /// Starts a session without scoring (prefill of `prompt` only): for
-  /// requests with speculative prefill off but drafting on.
-  absl::Status Prefill(absl::Span<const int> prompt);
-
   /// Appends the tokens the target emitted since the last call (accepted
   /// drafts, then the correction or bonus), rolls back the rejected drafts
   /// and proposes up to `k` new draft tokens (fewer near the context

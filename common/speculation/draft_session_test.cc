@@ -187,7 +187,9 @@ TEST_F(DraftSessionTest, SampledDraftsCarryNormalisedQAndAreSeeded) {
   std::vector<int> first;
   for (int rep = 0; rep < 2; ++rep) {
     auto session = NewSession(sp);
-    ASSERT_TRUE(session->Prefill(prompt).ok());
+    ScoreOptions no_look_ahead;  // drafting only: the prompt, scored
+    no_look_ahead.look_ahead = 0;
+    ASSERT_TRUE(session->Score(prompt, no_look_ahead).ok());
     auto drafts = session->Draft({}, 8);
     ASSERT_TRUE(drafts.ok()) << drafts.status();
     std::vector<int> ids;
@@ -245,7 +247,11 @@ TEST_F(DraftSessionTest, ProposesFewerDraftsAtTheContextLimit) {
   auto s = DraftSession::Create(model_.get(), 12, SamplingParams{});
   ASSERT_TRUE(s.ok());
   auto& session = *s;
-  ASSERT_TRUE(session->Prefill({1, 403, 407, 261, 378, 432, 383, 286, 261, 376})
+  ScoreOptions no_look_ahead;
+  no_look_ahead.look_ahead = 0;
+  ASSERT_TRUE(session
+                  ->Score({1, 403, 407, 261, 378, 432, 383, 286, 261, 376},
+                          no_look_ahead)
                   .ok());
   auto d = session->Draft({}, 8);
   ASSERT_TRUE(d.ok());
