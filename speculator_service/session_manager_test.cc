@@ -130,7 +130,9 @@ TEST_F(SessionManagerTest, LeasedSessionsAreNeverReapedAndReleaseWaits) {
   observed = &m;
   // A session that has forwarded its prompt holds KV blocks.
   std::unique_ptr<DraftSession> fed = NewSession();
-  ASSERT_TRUE(fed->Prefill({1, 5, 9}).ok());
+  ScoreOptions no_look_ahead;
+  no_look_ahead.look_ahead = 0;
+  ASSERT_TRUE(fed->Score({1, 5, 9}, no_look_ahead).ok());
   ASSERT_TRUE(fed->Draft({}, 1).ok());
   auto lease = m.Add(std::move(fed));
   ASSERT_TRUE(lease.ok());

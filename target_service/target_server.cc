@@ -602,6 +602,19 @@ TargetServer::TargetServer(TargetServerOptions options,
       metrics_(std::move(metrics)),
       scheduler_(std::move(scheduler)),
       admission_(std::make_unique<Executor>(1)),
+      admission_queue_(std::make_unique<AdmissionQueue>(
+          AdmissionQueue::Options{options_.max_sessions,
+                                  options_.max_waiting_requests,
+                                  "max_sessions", "max_waiting_requests"},
+          // The releasing stream may hold its own lock: admitted streams
+          // start on the admission thread instead.
+          [this](std::function<void()> f) { admission_->Submit(std::move(f)); },
+          [this](int running, int waiting) {
+            metrics_->active_sessions.Set(running);
+            metrics_->queued.store(waiting);
+            metrics_->SetWaiting();
+            metrics_->SetKv(model_->kv_cache());
+          })),
       service_(std::make_unique<Service>(
           this, MakeModelInfo(options_.model_id, model_->config(),
                               tokenizer_.get()))) {}
@@ -643,22 +656,19 @@ void TargetServer::Shutdown(absl::Duration grace) {
 }
 
 int TargetServer::active_sessions() const {
-  absl::MutexLock lock(&mu_);
-  return active_;
+  return admission_queue_->running();
 }
 
 int64_t TargetServer::kv_used_bytes() const {
   return static_cast<int64_t>(model_->kv_cache().bytes_held());
 }
 
-void TargetServer::UpdateWaitingGauge() {
-  metrics_->queued.store(static_cast<int>(waiting_.size()));
-  metrics_->SetWaiting();
+int TargetServer::waiting_requests() const {
+  return admission_queue_->waiting();
 }
 
 absl::StatusOr<uint64_t> TargetServer::AdmitOrWait(
     int64_t max_bytes, std::function<void()> on_admit) {
-  absl::MutexLock lock(&mu_);
   const int64_t pool =
       static_cast<int64_t>(model_->kv_cache().bytes_capacity());
   if (max_bytes > pool) {
@@ -666,58 +676,13 @@ absl::StatusOr<uint64_t> TargetServer::AdmitOrWait(
         "kv_budget_bytes exceeded: the request's KV cache may grow to ",
         max_bytes, " bytes, the whole pool holds ", pool));
   }
-  // First come, first served: nobody overtakes a waiting request.
-  if (waiting_.empty() && active_ < options_.max_sessions) {
-    ++active_;
-    metrics_->active_sessions.Set(active_);
-    return uint64_t{0};
-  }
-  if (static_cast<int>(waiting_.size()) >= options_.max_waiting_requests) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_sessions reached: ", active_, " streams are active, and ",
-        waiting_.size(), " requests wait (max_waiting_requests ",
-        options_.max_waiting_requests, ")"));
-  }
-  const uint64_t ticket = next_ticket_++;
-  waiting_.push_back(Waiter{ticket, std::move(on_admit)});
-  UpdateWaitingGauge();
-  return ticket;
+  return admission_queue_->AdmitOrWait(std::move(on_admit));
 }
 
 bool TargetServer::CancelWaiting(uint64_t ticket) {
-  absl::MutexLock lock(&mu_);
-  for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
-    if (it->ticket == ticket) {
-      waiting_.erase(it);
-      UpdateWaitingGauge();
-      return true;
-    }
-  }
-  return false;
+  return admission_queue_->CancelWaiting(ticket);
 }
 
-int TargetServer::waiting_requests() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int>(waiting_.size());
-}
-
-void TargetServer::Release() {
-  std::vector<std::function<void()>> admitted;
-  {
-    absl::MutexLock lock(&mu_);
-    --active_;
-    while (!waiting_.empty() && active_ < options_.max_sessions) {
-      ++active_;
-      admitted.push_back(std::move(waiting_.front().on_admit));
-      waiting_.pop_front();
-    }
-    metrics_->active_sessions.Set(active_);
-    metrics_->SetKv(model_->kv_cache());
-    UpdateWaitingGauge();
-  }
-  // The caller may hold its own stream's lock: admitted streams start on
-  // the admission thread instead.
-  for (auto& f : admitted) admission_->Submit(std::move(f));
-}
+void TargetServer::Release() { admission_queue_->Release(); }
 
 }  // namespace specserve

@@ -39,7 +39,6 @@
 // threads.
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -49,6 +48,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/engine/model_runner_factory.h"
+#include "common/scheduling/admission_queue.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "prometheus/counter.h"
@@ -148,14 +148,6 @@ class TargetServer {
   bool CancelWaiting(uint64_t ticket);
   /// Ends an admitted session and admits waiting ones.
   void Release();
-  /// Sets the waiting gauge: queued streams + rounds waiting for KV.
-  void UpdateWaitingGauge() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  struct Waiter {
-    uint64_t ticket;
-    std::function<void()> on_admit;
-  };
-
   const TargetServerOptions options_;
   std::unique_ptr<ModelRunner> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
@@ -164,14 +156,14 @@ class TargetServer {
   // Declared before server_ so that they outlive the streams' last rounds.
   std::unique_ptr<TargetScheduler> scheduler_;
   std::unique_ptr<Executor> admission_;  // runs admitted streams' rounds
+  // max_sessions streams run, max_waiting_requests wait (first come,
+  // first served).
+  std::unique_ptr<AdmissionQueue> admission_queue_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 
   mutable absl::Mutex mu_;
-  int active_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<Waiter> waiting_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };
 

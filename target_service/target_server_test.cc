@@ -207,7 +207,9 @@ class TargetServerTest : public ::testing::Test {
   std::unique_ptr<DraftSession> NewDraftSession(const SamplingParams& p) {
     auto ds = DraftSession::Create(draft_.get(), 512, p);
     EXPECT_TRUE(ds.ok()) << ds.status();
-    EXPECT_TRUE((*ds)->Prefill(kPrompt).ok());
+    ScoreOptions drafting_only;  // the prompt scored, no look-ahead
+    drafting_only.look_ahead = 0;
+    EXPECT_TRUE((*ds)->Score(kPrompt, drafting_only).ok());
     return *std::move(ds);
   }
 
