@@ -41,7 +41,10 @@ SessionManager::SessionManager(SessionManagerOptions options, Clock clock,
                                Observer observer)
     : options_(options),
       clock_(clock ? std::move(clock) : Clock([] { return absl::Now(); })),
-      observer_(std::move(observer)) {}
+      observer_(std::move(observer)),
+      admission_(AdmissionQueue::Options{options_.max_sessions,
+                                         /*max_waiting=*/0, "max_sessions",
+                                         ""}) {}
 
 SessionManager::~SessionManager() = default;
 
@@ -69,7 +72,7 @@ std::unique_ptr<DraftSession> SessionManager::EraseLocked(
   sessions_.erase(it);
   e->released = true;
   if (e->leased) return nullptr;  // the lease frees and uncharges it
-  --count_;
+  admission_.Release();
   return std::move(e->session);
 }
 
@@ -87,11 +90,14 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Add(
   Notice notice(observer_);
   std::vector<std::unique_ptr<DraftSession>> dead;  // freed after unlock
   absl::MutexLock lock(&mu_);
-  if (count_ >= options_.max_sessions) SweepLocked(clock_(), &dead);
+  // Full: expired sessions make room first.
+  if (admission_.running() >= options_.max_sessions) {
+    SweepLocked(clock_(), &dead);
+  }
   if (!dead.empty()) notice.Arm();
-  if (count_ >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_sessions (", options_.max_sessions, ") sessions are live"));
+  if (absl::StatusOr<uint64_t> admitted = admission_.AdmitOrWait(nullptr);
+      !admitted.ok()) {
+    return admitted.status();
   }
   std::string id;
   do {
@@ -103,7 +109,6 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Add(
   e->last_used = clock_();
   e->leased = true;
   sessions_[id] = e;
-  ++count_;
   notice.Arm();
   return Lease(this, id, std::move(e));
 }
@@ -158,16 +163,13 @@ void SessionManager::Return(Entry* e) {
   e->leased = false;
   e->last_used = clock_();
   if (e->released) {
-    --count_;
+    admission_.Release();
     dead = std::move(e->session);
     notice.Arm();
   }
 }
 
-int SessionManager::num_sessions() const {
-  absl::MutexLock lock(&mu_);
-  return count_;
-}
+int SessionManager::num_sessions() const { return admission_.running(); }
 
 
 }  // namespace specserve

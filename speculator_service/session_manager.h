@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/scheduling/admission_queue.h"
 #include "common/speculation/draft_session.h"
 
 namespace specserve {
@@ -23,7 +24,8 @@ struct SessionManagerOptions {
 };
 
 /// Owns the speculator's DraftSessions by id (random 128-bit hex), at most
-/// max_sessions; overload is RESOURCE_EXHAUSTED, never a queue
+/// max_sessions (an AdmissionQueue without waiting room); overload is
+/// RESOURCE_EXHAUSTED, never a queue
 /// (Envoy-style). KV memory is not charged here: sessions take blocks of
 /// the model's paged cache as they grow, and the scheduler preempts the
 /// newest ones when it runs out (DraftSession::Preempt).
@@ -118,7 +120,9 @@ class SessionManager {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> sessions_
       ABSL_GUARDED_BY(mu_);
-  int count_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sessions holding memory count against max_sessions here (admitted in
+  // Add, released when freed); no waiting room: past it Add fails.
+  AdmissionQueue admission_;
   absl::BitGen gen_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -59,11 +59,11 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
                                  const v1::InfoRequest* req,
                                  v1::ModelInfo* resp) override;
 
-  /// Queues `work` on the model's scheduler unless max_queue operations
-  /// are already queued or running (then `work` is dropped unfinished).
-  bool TrySubmit(std::unique_ptr<BatchedWork> work) {
-    if (scheduler_->num_works() >= options_.max_queue) return false;
-    return scheduler_->Submit(std::move(work)).ok();
+  /// Queues `work` on the model's scheduler: RESOURCE_EXHAUSTED when
+  /// max_queue operations are already queued or running, UNAVAILABLE once
+  /// shutting down (then `work` is dropped unfinished).
+  absl::Status Submit(std::unique_ptr<BatchedWork> work) {
+    return scheduler_->Submit(std::move(work));
   }
   /// Counts the call and finishes it.
   void Finish(grpc::ServerUnaryReactor* reactor, const char* method,
@@ -76,10 +76,6 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
                                   const char* method, const absl::Status& s) {
     Finish(reactor, method, s);
     return reactor;
-  }
-  static absl::Status Overloaded() {
-    return absl::ResourceExhaustedError(
-        "speculator overloaded: max_queue operations are queued or running");
   }
 
   const SpeculatorServerOptions& options_;
@@ -187,11 +183,12 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
                            r->prefill_ns, r->look_ahead_ns, r->score_ns, total);
     Finish(reactor, "Score", absl::OkStatus());
   };
-  if (!TrySubmit(std::make_unique<SessionWork>(session, std::move(begin),
-                                               std::move(finish)))) {
+  if (absl::Status s = Submit(std::make_unique<SessionWork>(
+          session, std::move(begin), std::move(finish)));
+      !s.ok()) {
     if (*lease) sessions_->Release(lease->id());
     lease->Reset();
-    Finish(reactor, "Score", Overloaded());
+    Finish(reactor, "Score", s);
   }
   return reactor;
 }
@@ -234,9 +231,10 @@ class DraftReactor final
       if (!s.ok()) return FinishOnce(s);
       OnDrafts(session->TakeDrafts());
     };
-    if (!impl_->TrySubmit(std::make_unique<SessionWork>(
-            session, std::move(begin), std::move(finish)))) {
-      FinishOnce(SpeculatorServiceImpl::Overloaded());
+    if (absl::Status s = impl_->Submit(std::make_unique<SessionWork>(
+            session, std::move(begin), std::move(finish)));
+        !s.ok()) {
+      FinishOnce(s);
     }
   }
 
@@ -441,6 +439,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
                              kv->bytes_held(), kv->usage());
       });
   BatchScheduler::Options bo;
+  bo.max_works = options.max_queue;
   bo.max_num_batched_tokens = DefaultMaxNumBatchedTokens(
       *s->model_, options.max_num_batched_tokens);
   auto scheduler = BatchScheduler::Create(

@@ -44,6 +44,11 @@ absl::Status BatchScheduler::Submit(std::unique_ptr<BatchedWork> work) {
   registry_.Track(work->session());
   absl::MutexLock lock(&mu_);
   if (stop_) return absl::UnavailableError("the scheduler is shutting down");
+  if (options_.max_works > 0 && in_flight_ >= options_.max_works) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "overloaded: ", in_flight_,
+        " operations are queued or running (max_queue)"));
+  }
   incoming_.push_back(std::move(work));
   ++in_flight_;
   return absl::OkStatus();

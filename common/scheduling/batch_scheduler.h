@@ -108,6 +108,9 @@ class BatchScheduler {
     /// when a work is short of KV blocks; more briefly idle ones (a
     /// stream between two rounds) are not.
     absl::Duration idle_preempt_after = absl::Milliseconds(200);
+    /// Works queued or running at most (the speculator's --max_queue);
+    /// Submit past it is RESOURCE_EXHAUSTED. 0 = no limit.
+    int max_works = 0;
   };
   /// What one step did (the serving loop's metrics).
   struct StepStats {
@@ -136,8 +139,9 @@ class BatchScheduler {
   BatchScheduler(const BatchScheduler&) = delete;
   BatchScheduler& operator=(const BatchScheduler&) = delete;
 
-  /// Queues `work`. UNAVAILABLE once shutting down (then the work is
-  /// destroyed without Finish).
+  /// Queues `work`. UNAVAILABLE once shutting down, RESOURCE_EXHAUSTED with
+  /// Options::max_works works in flight (then the work is destroyed
+  /// without Finish).
   absl::Status Submit(std::unique_ptr<BatchedWork> work);
   /// Works queued or in flight.
   int num_works() const;

@@ -1,6 +1,7 @@
 #include "common/scheduling/batch_scheduler.h"
 
 #include <memory>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -342,6 +343,60 @@ TEST_F(BatchSchedulerTest, AWorkNeedingTheWholePoolStartsWhenItIsFree) {
 
 // Works still in flight when the scheduler goes away end with CANCELLED
 // and leave their caches as they were.
+// A work that holds the loop in Begin until released, then needs no
+// forward.
+class BlockingWork : public BatchedWork {
+ public:
+  BlockingWork(absl::Notification* begun, absl::Notification* release)
+      : begun_(begun), release_(release) {}
+  absl::Status Begin() override {
+    begun_->Notify();
+    release_->WaitForNotification();
+    return absl::OkStatus();
+  }
+  int pending_rows() const override { return 0; }
+  int min_forward_rows() const override { return 1; }
+  bool prefilling() const override { return false; }
+  absl::Status PlanForward(int, SequenceForward*) override {
+    return absl::InternalError("no rows");
+  }
+  absl::Status CompleteForward(const ForwardOutput&) override {
+    return absl::InternalError("no rows");
+  }
+  void Abort() override {}
+  void Finish(absl::Status) override {}
+
+ private:
+  absl::Notification* begun_;
+  absl::Notification* release_;
+};
+
+// max_works (the speculator's --max_queue) refuses work past the limit of
+// works queued or running, and accepts again once they end.
+TEST_F(BatchSchedulerTest, MaxWorksRefusesPastTheLimit) {
+  BatchScheduler::Options o;
+  o.max_works = 1;
+  auto sched = BatchScheduler::Create(model_.get(), o);
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  absl::Notification begun, release, begun2, release2;
+  ASSERT_TRUE(
+      (*sched)->Submit(std::make_unique<BlockingWork>(&begun, &release)).ok());
+  begun.WaitForNotification();
+  const absl::Status full =
+      (*sched)->Submit(std::make_unique<BlockingWork>(&begun2, &release2));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("max_queue"), std::string::npos) << full;
+  release.Notify();
+  for (int i = 0; i < 5000 && (*sched)->num_works() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ((*sched)->num_works(), 0);
+  release2.Notify();
+  EXPECT_TRUE(
+      (*sched)->Submit(std::make_unique<BlockingWork>(&begun2, &release2))
+          .ok());
+}
+
 TEST_F(BatchSchedulerTest, ShutdownCancelsWorkInFlight) {
   std::mt19937 rng(8);
   std::vector<std::unique_ptr<DraftSession>> sessions;
