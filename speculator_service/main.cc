@@ -36,19 +36,13 @@ namespace {
 int Run() {
   // Before the credentials: their check starts gRPC's threads.
   const sigset_t stop = BlockStopSignals();
-  auto flags = ModelServiceFlagsFromFlags();
+  auto flags = ModelServiceOptionsFromFlags();
   if (!flags.ok()) {
     std::fprintf(stderr, "error: %s\n", flags.status().ToString().c_str());
     return 2;
   }
   SpeculatorServerOptions o;
-  o.model_dir = flags->model_dir;
-  o.model_id = flags->model_id;
-  o.host = flags->host;
-  o.credentials = flags->credentials;
-  o.max_num_batched_tokens = flags->max_num_batched_tokens;
-  o.kv_budget_bytes = flags->kv_budget_bytes;
-  o.runner = flags->runner;
+  static_cast<ModelServiceOptions&>(o) = *flags;
   o.engine_threads = absl::GetFlag(FLAGS_engine_threads);
   o.max_queue = absl::GetFlag(FLAGS_max_queue);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
@@ -63,10 +57,10 @@ int Run() {
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   return ServeUntilStopSignal("speculator_service", **server,
-                              absl::GetFlag(FLAGS_port), flags->host,
+                              absl::GetFlag(FLAGS_port), o.host,
                               absl::GetFlag(FLAGS_metrics_port),
                               (*server)->registry_ptr(), stop,
-                              flags->shutdown_grace);
+                              o.shutdown_grace);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "prometheus/registry.h"
 #include "protos/common.pb.h"
+#include "common/service/model_service_options.h"
 #include "common/engine/model_runner_factory.h"
 #include "common/service/wire_options.h"
 #include "speculator_service/session_manager.h"
@@ -19,17 +20,7 @@
 namespace specserve {
 
 /// Every knob of the speculator service (main.cc maps flags 1:1 onto it).
-struct SpeculatorServerOptions {
-  std::string model_dir;         ///< HF Llama checkpoint (+ tokenizer).
-  std::string model_id;          ///< reported by Info; "" = dir basename.
-  std::string host = "0.0.0.0";  ///< listen address.
-  /// Transport security of the listening port (common/service/tls.h);
-  /// null = plaintext.
-  std::shared_ptr<grpc::ServerCredentials> credentials;
-  /// Rows (tokens) per batched forward of the model's scheduler: draft
-  /// and look-ahead rows of all sessions first, then prompt chunks; 0 = by
-  /// backend (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).
-  int max_num_batched_tokens = 0;
+struct SpeculatorServerOptions : ModelServiceOptions {
   int engine_threads = 1;  ///< importance-reduction threads per Score.
   /// Score / Draft operations queued or running before RESOURCE_EXHAUSTED.
   int max_queue = 1024;
@@ -39,13 +30,6 @@ struct SpeculatorServerOptions {
   /// sessions first), so the count is bounded by what the pool can serve,
   /// not by what sessions would hold at their largest.
   int max_sessions = 0;
-  /// KV cache of all sessions: the size of the model runner's paged pool.
-  /// Sessions take blocks as they grow; when the pool runs out the
-  /// scheduler preempts the newest (they recompute later).
-  size_t kv_budget_bytes = size_t{2} << 30;
-  /// Backend (--device), KV block size and CUDA dtype; its
-  /// kv_cache.pool_bytes is set from kv_budget_bytes.
-  RunnerOptions runner;
   double session_ttl_s = 300;   ///< idle seconds before a session is reaped.
   SpecPrefillDefaults defaults;       ///< for unset SpecPrefillOptions fields.
   SessionManager::Clock clock;  ///< "now" for session TTLs; null = real.

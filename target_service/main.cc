@@ -36,7 +36,7 @@ namespace {
 
 int Run() {
   const sigset_t stop = BlockStopSignals();
-  auto flags = ModelServiceFlagsFromFlags();
+  auto flags = ModelServiceOptionsFromFlags();
   if (!flags.ok()) {
     std::fprintf(stderr, "target_service: %s\n",
                  flags.status().ToString().c_str());
@@ -44,13 +44,7 @@ int Run() {
   }
   EnableHealthAndReflection();
   TargetServerOptions options;
-  options.model_dir = flags->model_dir;
-  options.model_id = flags->model_id;
-  options.host = flags->host;
-  options.credentials = flags->credentials;
-  options.max_num_batched_tokens = flags->max_num_batched_tokens;
-  options.kv_budget_bytes = flags->kv_budget_bytes;
-  options.runner = flags->runner;
+  static_cast<ModelServiceOptions&>(options) = *flags;
   options.engine_threads = absl::GetFlag(FLAGS_engine_threads);
   if (absl::GetFlag(FLAGS_threads) != 0) {
     std::fprintf(stderr,
@@ -71,10 +65,10 @@ int Run() {
     return 1;
   }
   return ServeUntilStopSignal("target_service", **server,
-                              absl::GetFlag(FLAGS_port), flags->host,
+                              absl::GetFlag(FLAGS_port), options.host,
                               absl::GetFlag(FLAGS_metrics_port),
                               (*server)->registry(), stop,
-                              flags->shutdown_grace);
+                              options.shutdown_grace);
 }
 
 }  // namespace

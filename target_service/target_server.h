@@ -48,6 +48,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/engine/model_runner_factory.h"
+#include "common/service/model_service_options.h"
 #include "common/scheduling/admission_queue.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
@@ -63,30 +64,13 @@
 namespace specserve {
 
 /// Everything the target_service binary's flags control.
-struct TargetServerOptions {
-  std::string model_dir;     ///< HF Llama checkpoint directory (--model).
-  std::string model_id;      ///< Info.model_id; empty = basename(model_dir).
-  std::string host = "0.0.0.0";  ///< listening address (tests: 127.0.0.1).
-  /// Transport security of the listening port (common/service/tls.h);
-  /// null = plaintext.
-  std::shared_ptr<grpc::ServerCredentials> credentials;
+struct TargetServerOptions : ModelServiceOptions {
   /// OpenBLAS / engine threads per forward; 0 = library default.
   int engine_threads = 0;
   int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
   /// Streams that wait for admission (max_sessions or the KV budget)
   /// before RESOURCE_EXHAUSTED, first come first served (>= 0).
   int max_waiting_requests = 1024;
-  /// Rows (tokens) per batched forward of the scheduler (continuous
-  /// batching with chunked prefill), >= max_drafts + 1; 0 = by backend
-  /// (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).
-  int max_num_batched_tokens = 0;
-  /// KV cache of all streams: the size of the model runner's paged pool.
-  /// Sessions take blocks as they grow (preempted under pressure); one
-  /// whose largest possible cache exceeds the pool is refused.
-  int64_t kv_budget_bytes = int64_t{2} << 30;
-  /// Backend (--device), KV block size and CUDA dtype; its
-  /// kv_cache.pool_bytes is set from kv_budget_bytes.
-  RunnerOptions runner;
   int default_max_new_tokens = 256;  ///< used when the request says 0.
   int max_drafts = 64;       ///< drafts per message at most, [0, 64].
 };

@@ -27,8 +27,8 @@ ABSL_FLAG(double, shutdown_grace_s, 5,
 
 namespace specserve {
 
-absl::StatusOr<ModelServiceFlags> ModelServiceFlagsFromFlags() {
-  ModelServiceFlags f;
+absl::StatusOr<ModelServiceOptions> ModelServiceOptionsFromFlags() {
+  ModelServiceOptions f;
   if (absl::GetFlag(FLAGS_model).empty()) {
     return absl::InvalidArgumentError("--model is required");
   }

@@ -12,34 +12,16 @@
 // (tls_flags.h). Ports and --engine_threads stay per binary: their
 // defaults differ.
 
-#include <cstddef>
-#include <memory>
-#include <string>
-
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
-#include "common/engine/model_runner_factory.h"
-#include "grpcpp/grpcpp.h"
+#include "common/service/model_service_options.h"
 
 namespace specserve {
-
-/// What the shared flags say, read and checked.
-struct ModelServiceFlags {
-  std::string model_dir;  ///< --model, resolved against the caller's cwd.
-  std::string model_id;
-  std::string host;
-  std::shared_ptr<grpc::ServerCredentials> credentials;  ///< null = plain.
-  int max_num_batched_tokens = 0;
-  size_t kv_budget_bytes = 0;
-  RunnerOptions runner;  ///< --device, --kv_block_size, ...
-  absl::Duration shutdown_grace;
-};
 
 /// Reads the shared flags. INVALID_ARGUMENT without --model or with a
 /// negative --kv_budget_bytes; the TLS flags' errors
 /// (ServerCredentialsFromFlags, which starts gRPC's threads: call it after
 /// BlockStopSignals()).
-absl::StatusOr<ModelServiceFlags> ModelServiceFlagsFromFlags();
+absl::StatusOr<ModelServiceOptions> ModelServiceOptionsFromFlags();
 
 }  // namespace specserve
 
