@@ -99,6 +99,10 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
       int64_t{config->num_key_value_heads} * config->head_dim;
   Reader r(c);
   absl::Status s;
+  const TensorInfo* probe = c.Find("model.layers.0.self_attn.q_proj.weight");
+  if (probe == nullptr) probe = c.Find(kEmbed);
+  if (probe == nullptr) probe = c.Find(kLmHead);
+  if (probe != nullptr) w.checkpoint_dtype = probe->dtype;
 
   // Embeddings and output head. A tied checkpoint may keep either copy
   // (tinystories-656K stores only lm_head.weight).

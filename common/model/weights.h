@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/model/config.h"
+#include "common/model/safetensors.h"
 
 namespace specserve {
 
@@ -42,6 +43,10 @@ struct ModelWeights {
   const float* lm_head() const {
     return lm_head_weight.empty() ? embed.data() : lm_head_weight.data();
   }
+  /// The element type the checkpoint stores its Linear weights in (layer
+  /// 0's q_proj; F32, F16 or BF16): what `--weight_dtype auto` keeps.
+  DType checkpoint_dtype = DType::kF32;
+
   /// Total parameter bytes held (fp32), counting a tied lm_head once.
   size_t bytes() const;
 };
