@@ -410,7 +410,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = options.kv_budget_bytes;
   auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)), ro);
+      *std::move(weights), ro);
   if (!runner.ok()) return runner.status();
   s->model_ = *std::move(runner);
   auto tok = LoadTokenizer(options.model_dir);

@@ -564,7 +564,7 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = static_cast<size_t>(options.kv_budget_bytes);
   auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)), ro);
+      *std::move(weights), ro);
   if (!runner.ok()) return runner.status();
   // The metrics exist before the scheduler that reports into them.
   auto registry = std::make_shared<prometheus::Registry>();

@@ -83,9 +83,7 @@ int Run() {
 
   auto weights = LoadModelWeights(dir);
   if (!weights.ok()) return ReportCliError(weights.status());
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)),
-      RunnerOptionsFromFlags());
+  auto runner = CreateModelRunner(*std::move(weights), RunnerOptionsFromFlags());
   if (!runner.ok()) return ReportCliError(runner.status());
   ModelRunner& model = **runner;
   const std::vector<int> prompt_ids = req.token_ids;

@@ -49,9 +49,7 @@ int Run() {
   if (!extra.ok()) return ReportCliError(extra.status());
   auto weights = LoadModelWeights(ResolveUserPath(absl::GetFlag(FLAGS_model)));
   if (!weights.ok()) return ReportCliError(weights.status());
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)),
-      RunnerOptionsFromFlags());
+  auto runner = CreateModelRunner(*std::move(weights), RunnerOptionsFromFlags());
   if (!runner.ok()) return ReportCliError(runner.status());
   ModelRunner& model = **runner;
   const int vocab = model.config().vocab_size;
