@@ -34,7 +34,9 @@ class Reader {
   absl::Status Read(const std::string& name, std::vector<int64_t> shape,
                     std::vector<float>* out) {
     used_.insert(name);
-    return ckpt_.ReadTensorAsFloat(name, shape, out);
+    absl::Status s = ckpt_.ReadTensorAsFloat(name, shape, out);
+    ckpt_.ReleaseTensor(name);  // converted: the mapped bytes can go
+    return s;
   }
 
   // Reads tensor `name` of `shape` into out[offset, offset + prod(shape)).
@@ -43,8 +45,10 @@ class Reader {
     used_.insert(name);
     size_t n = 1;
     for (int64_t d : shape) n *= static_cast<size_t>(d);
-    return ckpt_.ReadTensorInto(name, shape,
-                                absl::MakeSpan(out->data() + offset, n));
+    absl::Status s = ckpt_.ReadTensorInto(
+        name, shape, absl::MakeSpan(out->data() + offset, n));
+    ckpt_.ReleaseTensor(name);
+    return s;
   }
 
   void MarkUsed(const std::string& name) { used_.insert(name); }
