@@ -58,6 +58,47 @@ inline float Bf16ToF32(uint16_t b) {
   return f;
 }
 
+// Round to nearest, ties to even (the default MXCSR mode): one cvtss2si,
+// where std::nearbyint is a libm call.
+inline int RoundToInt(float v) { return _mm_cvtss_si32(_mm_set_ss(v)); }
+
+// Quantizes 32 floats as one int8 block: d = absmax / 127, q = round(x /
+// d); writes q, d and -128 * sum(q) (the bias vpdpbusd's unsigned weights
+// need). The same arithmetic as the scalar tail loop, 8 lanes at a time.
+inline void QuantizeBlock(const float* x, int8_t* q, float* scale,
+                          int32_t* bias) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 127.f;
+  const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i qi[4];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    sum = _mm256_add_epi32(sum, qi[i]);
+  }
+  // Saturating packs interleave 128-bit lanes; the permute restores order.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                       _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(
+      reinterpret_cast<__m256i*>(q),
+      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
+                             _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *scale = d;
+  *bias = -128 * _mm_cvtsi128_si32(s4);
+}
+
 // Stores one row's accumulated outputs: y = acc + beta * y for the `valid`
 // first of 32; beta 0 never reads y.
 inline void StoreRow(const float* acc, int valid, float beta, float* y) {
@@ -346,8 +387,7 @@ PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
           const float d = HalfToFloat(h);
           const float id = d > 0.f ? 1.f / d : 0.f;
           for (int k = k0; k < k1; ++k) {
-            const float v = std::nearbyint(row[k] * id);
-            const int q = static_cast<int>(std::clamp(v, -127.f, 127.f));
+            const int q = std::clamp(RoundToInt(row[k] * id), -127, 127);
             panel[size_t(k / 4) * 4 * kW + c * 4 + (k & 3)] =
                 static_cast<uint8_t>(q + 128);
           }
@@ -398,13 +438,18 @@ void PackedMatrix::PrepareInput(const float* x, int n, Input* input) const {
         int8_t* qr = &input->q[size_t(r) * ip];
         for (int b = 0; b < nb; ++b) {
           const int k0 = b * kQBlock, k1 = std::min(in_, k0 + kQBlock);
+          if (k1 - k0 == kQBlock) {
+            QuantizeBlock(xr + k0, qr + k0, &input->scale[size_t(r) * nb + b],
+                          &input->bias[size_t(r) * nb + b]);
+            continue;
+          }
           float amax = 0.f;
           for (int k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
           const float d = amax / 127.f;
           const float id = d > 0.f ? 1.f / d : 0.f;
           int32_t sum = 0;
           for (int k = k0; k < k1; ++k) {
-            const int q = static_cast<int>(std::nearbyint(xr[k] * id));
+            const int q = RoundToInt(xr[k] * id);
             qr[k] = static_cast<int8_t>(q);
             sum += q;
           }
