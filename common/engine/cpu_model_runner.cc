@@ -203,22 +203,29 @@ void CpuModelRunner::PackWeights(const ModelWeights& w, ModelWeights* owned) {
   const int hidden = c.hidden_size, ffn = c.intermediate_size;
   const WeightDType t = weight_dtype_;
   packed_.resize(w.layers.size());
-  for (size_t l = 0; l < w.layers.size(); ++l) {
-    const LayerWeights& lw = w.layers[l];
-    PackedLayer& p = packed_[l];
-    p.wqkv = PackedMatrix::Pack(lw.wqkv.data(), c.qkv_dim(), hidden, t);
-    p.wo = PackedMatrix::Pack(lw.wo.data(), hidden,
-                              c.num_attention_heads * c.head_dim, t);
-    p.w_gate_up = PackedMatrix::Pack(lw.w_gate_up.data(), 2 * ffn, hidden, t);
-    p.w_down = PackedMatrix::Pack(lw.w_down.data(), hidden, ffn, t);
-    if (owned != nullptr) {
-      LayerWeights& ow = owned->layers[l];
-      FreeVector(&ow.wqkv);
-      FreeVector(&ow.wo);
-      FreeVector(&ow.w_gate_up);
-      FreeVector(&ow.w_down);
+  // Layers pack independently: spread over the engine's threads (start-up
+  // of a 1B model is mostly this and the checkpoint's conversion).
+  auto pack_layers = [&](int begin, int end) {
+    for (int l = begin; l < end; ++l) {
+      const LayerWeights& lw = w.layers[l];
+      PackedLayer& p = packed_[l];
+      p.wqkv = PackedMatrix::Pack(lw.wqkv.data(), c.qkv_dim(), hidden, t);
+      p.wo = PackedMatrix::Pack(lw.wo.data(), hidden,
+                                c.num_attention_heads * c.head_dim, t);
+      p.w_gate_up =
+          PackedMatrix::Pack(lw.w_gate_up.data(), 2 * ffn, hidden, t);
+      p.w_down = PackedMatrix::Pack(lw.w_down.data(), hidden, ffn, t);
+      if (owned != nullptr) {
+        LayerWeights& ow = owned->layers[l];
+        FreeVector(&ow.wqkv);
+        FreeVector(&ow.wo);
+        FreeVector(&ow.w_gate_up);
+        FreeVector(&ow.w_down);
+      }
     }
-  }
+  };
+  ThreadPool::Default().ParallelFor(static_cast<int>(w.layers.size()), 1,
+                                    pack_layers);
   lm_head_ = PackedMatrix::Pack(w.lm_head(), c.vocab_size, hidden, t);
   if (!w.lm_head_weight.empty()) {  // untied: the table of its own
     embed_ = PackedMatrix::Pack(w.embed.data(), c.vocab_size, hidden, t);
