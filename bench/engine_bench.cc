@@ -226,71 +226,70 @@ int Run() {
       return 1;
     }
     for (std::optional<WeightDType> dtype : WeightDTypes()) {
-    // Room for one prefill or decode sequence at a time.
-    auto runner = CpuModelRunner::CreateForSequences(*w, 1, 16, dtype);
-    if (!runner.ok()) {
-      std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
-      return 1;
-    }
-    const std::string label = DTypeLabel(**runner);
-    ModelRunner& model = **runner;
-    const ModelConfig& c = model.config();
-    for (int n : lengths) {
-      if (n + absl::GetFlag(FLAGS_decode_tokens) > c.max_position_embeddings) {
-        continue;
+      // Room for one prefill or decode sequence at a time.
+      auto runner = CpuModelRunner::CreateForSequences(*w, 1, 16, dtype);
+      if (!runner.ok()) {
+        std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+        return 1;
       }
+      const std::string label = DTypeLabel(**runner);
+      ModelRunner& model = **runner;
+      const ModelConfig& c = model.config();
+      for (int n : lengths) {
+        const int decode = absl::GetFlag(FLAGS_decode_tokens);
+        if (n + decode > c.max_position_embeddings) continue;
+        std::vector<int> ids(n), pos(n);
+        for (int& t : ids) t = rng() % c.vocab_size;
+        std::iota(pos.begin(), pos.end(), 0);
+        double best = 1e30;
+        for (int r = 0; r <= absl::GetFlag(FLAGS_reps); ++r) {
+          auto cache = model.NewSequence(n + decode);
+          if (!cache.ok()) return 1;
+          ForwardInput in;
+          in.token_ids = ids;
+          in.position_ids = pos;
+          ForwardOutput out;
+          const double t0 = Now();
+          if (!model.Forward(in, cache->get(), &out).ok()) return 1;
+          const double t = Now() - t0;
+          if (r > 0 || absl::GetFlag(FLAGS_reps) == 0) best = std::min(best, t);
+        }
+        const double flops = LayerFlopsPerToken(c) * n + AttentionFlops(c, n) +
+                             2.0 * c.hidden_size * c.vocab_size;
+        const double gf = flops / best / 1e9;
+        const double sg = SgemmRateForModel(c, n);
+        std::printf("| %s | %s | %d | %.0f | %.1f | %.1f | %.0f%% |\n",
+                    std::string(spec).c_str(), label.c_str(), n, n / best, gf,
+                    sg, 100 * gf / sg);
+        std::fflush(stdout);
+      }
+      // Decode: 128-token prompt, then single-token steps.
+      const int n = std::min(128, c.max_position_embeddings / 2);
+      const int steps = absl::GetFlag(FLAGS_decode_tokens);
+      auto cache_or = model.NewSequence(n + steps + 1);
+      if (!cache_or.ok()) return 1;
+      KvSequence* cache = cache_or->get();
       std::vector<int> ids(n), pos(n);
       for (int& t : ids) t = rng() % c.vocab_size;
       std::iota(pos.begin(), pos.end(), 0);
-      double best = 1e30;
-      for (int r = 0; r <= absl::GetFlag(FLAGS_reps); ++r) {
-        auto cache = model.NewSequence(n + absl::GetFlag(FLAGS_decode_tokens));
-        if (!cache.ok()) return 1;
-        ForwardInput in;
-        in.token_ids = ids;
-        in.position_ids = pos;
-        ForwardOutput out;
-        const double t0 = Now();
-        if (!model.Forward(in, cache->get(), &out).ok()) return 1;
-        const double t = Now() - t0;
-        if (r > 0 || absl::GetFlag(FLAGS_reps) == 0) best = std::min(best, t);
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      ForwardOutput out;
+      if (!model.Forward(in, cache, &out).ok()) return 1;
+      const double t0 = Now();
+      for (int i = 0; i < steps; ++i) {
+        const int tok = rng() % c.vocab_size, p = n + i;
+        ForwardInput step;
+        step.token_ids = absl::MakeConstSpan(&tok, 1);
+        step.position_ids = absl::MakeConstSpan(&p, 1);
+        if (!model.Forward(step, cache, &out).ok()) return 1;
       }
-      const double flops = LayerFlopsPerToken(c) * n + AttentionFlops(c, n) +
-                           2.0 * c.hidden_size * c.vocab_size;
-      const double gf = flops / best / 1e9;
-      const double sg = SgemmRateForModel(c, n);
-      std::printf("| %s | %s | %d | %.0f | %.1f | %.1f | %.0f%% |\n",
-                  std::string(spec).c_str(), label.c_str(), n, n / best, gf,
-                  sg, 100 * gf / sg);
-      std::fflush(stdout);
-    }
-    // Decode: 128-token prompt, then single-token steps.
-    const int n = std::min(128, c.max_position_embeddings / 2);
-    const int steps = absl::GetFlag(FLAGS_decode_tokens);
-    auto cache_or = model.NewSequence(n + steps + 1);
-    if (!cache_or.ok()) return 1;
-    KvSequence* cache = cache_or->get();
-    std::vector<int> ids(n), pos(n);
-    for (int& t : ids) t = rng() % c.vocab_size;
-    std::iota(pos.begin(), pos.end(), 0);
-    ForwardInput in;
-    in.token_ids = ids;
-    in.position_ids = pos;
-    ForwardOutput out;
-    if (!model.Forward(in, cache, &out).ok()) return 1;
-    const double t0 = Now();
-    for (int i = 0; i < steps; ++i) {
-      const int tok = rng() % c.vocab_size, p = n + i;
-      ForwardInput step;
-      step.token_ids = absl::MakeConstSpan(&tok, 1);
-      step.position_ids = absl::MakeConstSpan(&p, 1);
-      if (!model.Forward(step, cache, &out).ok()) return 1;
-    }
-    const double per_tok = (Now() - t0) / steps;
-    const double bytes = (*runner)->weight_bytes();
-    const double read_s = bytes / (bw * 1e9);
-    decode_rows.push_back({std::string(spec), label, 1 / per_tok, bytes / 1e6,
-                           read_s * 1e3, per_tok / read_s});
+      const double per_tok = (Now() - t0) / steps;
+      const double bytes = (*runner)->weight_bytes();
+      const double read_s = bytes / (bw * 1e9);
+      decode_rows.push_back({std::string(spec), label, 1 / per_tok, bytes / 1e6,
+                             read_s * 1e3, per_tok / read_s});
     }
   }
   std::printf(

@@ -166,6 +166,31 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
   return r;
 }
 
+absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
+    const std::string& model_dir, const KvCacheOptions& o,
+    std::optional<WeightDType> weight_dtype) {
+  std::vector<PackedLayer> layers;
+  std::optional<WeightDType> chosen = weight_dtype;
+  LoadWeightsOptions lo;
+  lo.on_layer = [&](const ModelWeights& partial, int l, LayerWeights* lw) {
+    if (!chosen.has_value()) chosen = WeightDTypeFor(partial);
+    layers.resize(partial.layers.size());
+    layers[l] = PackLayer(partial.config, *lw, *chosen, lw);
+    return absl::OkStatus();
+  };
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir, lo);
+  if (!w.ok()) return w.status();
+  const ModelConfig& c = w->config;
+  const size_t per_token = BytesPerToken(c);
+  if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
+  const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
+  std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
+  r->weight_dtype_ = chosen.value_or(WeightDTypeFor(*w));
+  r->packed_ = std::move(layers);
+  r->PackWeights(*w, &*w);
+  return r;
+}
+
 absl::StatusOr<std::unique_ptr<CpuModelRunner>>
 CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
                                    int sequences, int block_size,
@@ -200,32 +225,19 @@ CpuModelRunner::CpuModelRunner(const ModelConfig& c, const KvCacheOptions& o,
 
 void CpuModelRunner::PackWeights(const ModelWeights& w, ModelWeights* owned) {
   const ModelConfig& c = w.config;
-  const int hidden = c.hidden_size, ffn = c.intermediate_size;
+  const int hidden = c.hidden_size;
   const WeightDType t = weight_dtype_;
-  packed_.resize(w.layers.size());
-  // Layers pack independently: spread over the engine's threads (start-up
-  // of a 1B model is mostly this and the checkpoint's conversion).
-  auto pack_layers = [&](int begin, int end) {
-    for (int l = begin; l < end; ++l) {
-      const LayerWeights& lw = w.layers[l];
-      PackedLayer& p = packed_[l];
-      p.wqkv = PackedMatrix::Pack(lw.wqkv.data(), c.qkv_dim(), hidden, t);
-      p.wo = PackedMatrix::Pack(lw.wo.data(), hidden,
-                                c.num_attention_heads * c.head_dim, t);
-      p.w_gate_up =
-          PackedMatrix::Pack(lw.w_gate_up.data(), 2 * ffn, hidden, t);
-      p.w_down = PackedMatrix::Pack(lw.w_down.data(), hidden, ffn, t);
-      if (owned != nullptr) {
-        LayerWeights& ow = owned->layers[l];
-        FreeVector(&ow.wqkv);
-        FreeVector(&ow.wo);
-        FreeVector(&ow.w_gate_up);
-        FreeVector(&ow.w_down);
-      }
-    }
-  };
-  ThreadPool::Default().ParallelFor(static_cast<int>(w.layers.size()), 1,
-                                    pack_layers);
+  if (packed_.size() != w.layers.size()) {
+    packed_.resize(w.layers.size());
+    // Layers pack independently: spread over the engine's threads.
+    ThreadPool::Default().ParallelFor(
+        static_cast<int>(w.layers.size()), 1, [&](int begin, int end) {
+          for (int l = begin; l < end; ++l) {
+            packed_[l] = PackLayer(c, w.layers[l], t,
+                                   owned ? &owned->layers[l] : nullptr);
+          }
+        });
+  }
   lm_head_ = PackedMatrix::Pack(w.lm_head(), c.vocab_size, hidden, t);
   if (!w.lm_head_weight.empty()) {  // untied: the table of its own
     embed_ = PackedMatrix::Pack(w.embed.data(), c.vocab_size, hidden, t);
@@ -235,6 +247,26 @@ void CpuModelRunner::PackWeights(const ModelWeights& w, ModelWeights* owned) {
     FreeVector(&owned->embed);
     FreeVector(&owned->lm_head_weight);
   }
+}
+
+CpuModelRunner::PackedLayer CpuModelRunner::PackLayer(const ModelConfig& c,
+                                                      const LayerWeights& w,
+                                                      WeightDType t,
+                                                      LayerWeights* owned) {
+  const int hidden = c.hidden_size, ffn = c.intermediate_size;
+  PackedLayer p;
+  p.wqkv = PackedMatrix::Pack(w.wqkv.data(), c.qkv_dim(), hidden, t);
+  p.wo = PackedMatrix::Pack(w.wo.data(), hidden,
+                            c.num_attention_heads * c.head_dim, t);
+  p.w_gate_up = PackedMatrix::Pack(w.w_gate_up.data(), 2 * ffn, hidden, t);
+  p.w_down = PackedMatrix::Pack(w.w_down.data(), hidden, ffn, t);
+  if (owned != nullptr) {
+    FreeVector(&owned->wqkv);
+    FreeVector(&owned->wo);
+    FreeVector(&owned->w_gate_up);
+    FreeVector(&owned->w_down);
+  }
+  return p;
 }
 
 void CpuModelRunner::Embed(int id, float* dst) const {

@@ -79,6 +79,15 @@ class CpuModelRunner : public ModelRunner {
       ModelWeights&& weights, const KvCacheOptions& cache_options = {},
       std::optional<WeightDType> weight_dtype = std::nullopt);
 
+  /// Loads `model_dir` (LoadModelWeights) and packs each decoder layer into
+  /// `weight_dtype` (nullopt: the checkpoint's) as soon as it is read, so
+  /// loading peaks near the packed weights plus the f32 embedding table and
+  /// one f32 layer, not the whole model in f32. Errors: LoadModelWeights'
+  /// and Create's.
+  static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Load(
+      const std::string& model_dir, const KvCacheOptions& cache_options = {},
+      std::optional<WeightDType> weight_dtype = std::nullopt);
+
   /// A runner whose pool holds `sequences` sequences at the model's max
   /// context (tools, benchmarks, tests).
   static absl::StatusOr<std::unique_ptr<CpuModelRunner>> CreateForSequences(
@@ -139,8 +148,9 @@ class CpuModelRunner : public ModelRunner {
                  const float* K, const float* V, float* attn_out,
                  Scratch* scratch) const;
 
-  // Packs the Linear weights of `w` and keeps its small parameters; when
-  // `owned` (== &w) is given, frees each f32 weight once packed.
+  // Packs the Linear weights of `w` (the layers only if packed_ does not
+  // hold them yet) and keeps its small parameters; when `owned` (== &w) is
+  // given, frees each f32 weight once packed.
   void PackWeights(const ModelWeights& w, ModelWeights* owned);
   // Writes token `id`'s embedding row (f32) to dst [hidden].
   void Embed(int id, float* dst) const;
@@ -148,6 +158,9 @@ class CpuModelRunner : public ModelRunner {
   struct PackedLayer {
     PackedMatrix wqkv, wo, w_gate_up, w_down;
   };
+  // Packs one layer's projections; with `owned`, frees its f32 copies.
+  static PackedLayer PackLayer(const ModelConfig& c, const LayerWeights& w,
+                               WeightDType t, LayerWeights* owned);
 
   std::shared_ptr<const ModelWeights> weights_;  // without Linear weights
   WeightDType weight_dtype_ = WeightDType::kF32;

@@ -100,4 +100,20 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
   return CreateCudaRunner(weights, options);
 }
 
+absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
+    const std::string& model_dir, const RunnerOptions& options) {
+  std::optional<WeightDType> wt;
+  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
+  if (!kind.ok()) return kind.status();
+  if (*kind == DeviceKind::kCpu) {
+    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
+        CpuModelRunner::Load(model_dir, options.kv_cache, wt);
+    if (!r.ok()) return r.status();
+    return std::unique_ptr<ModelRunner>(*std::move(r));
+  }
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir);
+  if (!w.ok()) return w.status();
+  return CreateCudaRunner(*w, options);
+}
+
 }  // namespace specserve

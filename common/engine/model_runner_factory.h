@@ -46,6 +46,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     ModelWeights&& weights, const RunnerOptions& options);
 
+/// Loads `model_dir` and builds its runner: on CPU each layer is packed
+/// into the weight dtype as soon as it is read (CpuModelRunner::Load), so
+/// loading never holds the whole model in f32; on CUDA, LoadModelWeights
+/// then the overload above. Errors: the loader's and the backends'.
+absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
+    const std::string& model_dir, const RunnerOptions& options);
+
 int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested);
 
 /// Bytes of KV cache one token costs on the backend `options` selects

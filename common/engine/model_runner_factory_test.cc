@@ -89,5 +89,35 @@ TEST(ModelRunnerFactoryTest, WeightDTypeOption) {
             WeightDType::kF32);
 }
 
+TEST(ModelRunnerFactoryTest, LoadModelRunnerPacksLayerByLayerToTheSameModel) {
+  for (const char* dtype : {"auto", "int8"}) {
+    RunnerOptions o;
+    o.device = "cpu";
+    o.weight_dtype = dtype;
+    auto a = CreateModelRunner(Load(), o);
+    auto b = LoadModelRunner("models/stories260K", o);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(dynamic_cast<CpuModelRunner*>(b->get())->weight_bytes(),
+              dynamic_cast<CpuModelRunner*>(a->get())->weight_bytes());
+    const std::vector<int> ids = {1, 403, 407, 261}, pos = {0, 1, 2, 3};
+    std::vector<float> logits[2];
+    for (int i = 0; i < 2; ++i) {
+      ModelRunner& m = i == 0 ? **a : **b;
+      auto seq = m.NewSequence(8);
+      ASSERT_TRUE(seq.ok());
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      ForwardOutput out;
+      ASSERT_TRUE(m.Forward(in, seq->get(), &out).ok());
+      logits[i] = out.logits;
+    }
+    EXPECT_EQ(logits[0], logits[1]) << dtype;  // the same packed bytes
+  }
+  auto missing = LoadModelRunner("models/no_such_model", RunnerOptions());
+  EXPECT_FALSE(missing.ok());
+}
+
 }  // namespace
 }  // namespace specserve

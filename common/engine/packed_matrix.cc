@@ -88,9 +88,9 @@ inline void QuantizeBlock(const float* x, int8_t* q, float* scale,
   // Saturating packs interleave 128-bit lanes; the permute restores order.
   const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
                                        _mm256_packs_epi32(qi[2], qi[3]));
-  _mm256_storeu_si256(
-      reinterpret_cast<__m256i*>(q),
-      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(
+                          p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
                              _mm256_extracti128_si256(sum, 1));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
@@ -137,17 +137,25 @@ SPECSERVE_BF16 void Bf16RowsZ(const uint32_t* xp, size_t xs, int kp,
   }
 }
 
-SPECSERVE_BF16 void Bf16GroupZ(int rows, const uint32_t* xp, size_t xs,
-                               int kp, const uint16_t* panel, float* acc) {
+SPECSERVE_BF16 void Bf16GroupZ(int rows, const uint32_t* xp, size_t xs, int kp,
+                               const uint16_t* panel, float* acc) {
   switch (rows) {
-    case 8: return Bf16RowsZ<8>(xp, xs, kp, panel, acc);
-    case 7: return Bf16RowsZ<7>(xp, xs, kp, panel, acc);
-    case 6: return Bf16RowsZ<6>(xp, xs, kp, panel, acc);
-    case 5: return Bf16RowsZ<5>(xp, xs, kp, panel, acc);
-    case 4: return Bf16RowsZ<4>(xp, xs, kp, panel, acc);
-    case 3: return Bf16RowsZ<3>(xp, xs, kp, panel, acc);
-    case 2: return Bf16RowsZ<2>(xp, xs, kp, panel, acc);
-    default: return Bf16RowsZ<1>(xp, xs, kp, panel, acc);
+    case 8:
+      return Bf16RowsZ<8>(xp, xs, kp, panel, acc);
+    case 7:
+      return Bf16RowsZ<7>(xp, xs, kp, panel, acc);
+    case 6:
+      return Bf16RowsZ<6>(xp, xs, kp, panel, acc);
+    case 5:
+      return Bf16RowsZ<5>(xp, xs, kp, panel, acc);
+    case 4:
+      return Bf16RowsZ<4>(xp, xs, kp, panel, acc);
+    case 3:
+      return Bf16RowsZ<3>(xp, xs, kp, panel, acc);
+    case 2:
+      return Bf16RowsZ<2>(xp, xs, kp, panel, acc);
+    default:
+      return Bf16RowsZ<1>(xp, xs, kp, panel, acc);
   }
 }
 
@@ -172,8 +180,8 @@ void Bf16RowsY(const float* x, size_t xs, int kp, const uint16_t* panel,
     }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wk + 16 * c));
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * c));
       const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
       for (int r = 0; r < R; ++r) {
@@ -244,9 +252,12 @@ SPECSERVE_VNNI void Q8GroupZ(int rows, const int8_t* xq, size_t xs,
                              int nb, const uint8_t* panel,
                              const uint16_t* scales, float* acc) {
   switch (rows) {
-    case 4: return Q8RowsZ<4>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
-    case 3: return Q8RowsZ<3>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
-    case 2: return Q8RowsZ<2>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
+    case 4:
+      return Q8RowsZ<4>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
+    case 3:
+      return Q8RowsZ<3>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
+    case 2:
+      return Q8RowsZ<2>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
     default:
       return Q8RowsZ<1>(xq, xs, xsc, xbias, bs, nb, panel, scales, acc);
   }
@@ -276,16 +287,16 @@ void Q8RowY(const float* x, int nb, const uint8_t* panel,
       for (int c = 0; c < 4; ++c) {
         const __m256i v = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(pb + q * 4 * kW + 32 * c));
-        s[c] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), x0, s[c]);
+        s[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), x0,
+                               s[c]);
         s[c] = _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), low)),
             x1, s[c]);
         s[c] = _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), low)),
             x2, s[c]);
-        s[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24)),
-                               x3, s[c]);
+        s[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24)), x3,
+                               s[c]);
       }
     }
     float sum = 0.f;
@@ -305,9 +316,12 @@ void Q8RowY(const float* x, int nb, const uint8_t* panel,
 
 std::string WeightDTypeName(WeightDType t) {
   switch (t) {
-    case WeightDType::kF32: return "f32";
-    case WeightDType::kBF16: return "bf16";
-    case WeightDType::kInt8: return "int8";
+    case WeightDType::kF32:
+      return "f32";
+    case WeightDType::kBF16:
+      return "bf16";
+    case WeightDType::kInt8:
+      return "int8";
   }
   return "?";
 }
@@ -325,9 +339,12 @@ absl::StatusOr<std::optional<WeightDType>> ParseWeightDType(
 
 std::string PackedKernelName(WeightDType t) {
   switch (t) {
-    case WeightDType::kF32: return kernels::UseAvx512() ? "avx512" : "avx2";
-    case WeightDType::kBF16: return HasAvx512Bf16() ? "avx512bf16" : "avx2";
-    case WeightDType::kInt8: return HasAvx512Vnni() ? "avx512vnni" : "avx2";
+    case WeightDType::kF32:
+      return kernels::UseAvx512() ? "avx512" : "avx2";
+    case WeightDType::kBF16:
+      return HasAvx512Bf16() ? "avx512bf16" : "avx2";
+    case WeightDType::kInt8:
+      return HasAvx512Vnni() ? "avx512vnni" : "avx2";
   }
   return "?";
 }
@@ -381,7 +398,8 @@ PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
         for (int b = 0; b < nb; ++b) {
           const int k0 = b * kQBlock, k1 = std::min(in, k0 + kQBlock);
           float amax = 0.f;
-          for (int k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(row[k]));
+          for (int k = k0; k < k1; ++k)
+            amax = std::max(amax, std::fabs(row[k]));
           const uint16_t h = FloatToHalf(amax / 127.f);
           m.scales_[(p * nb + b) * kW + c] = h;
           const float d = HalfToFloat(h);
@@ -575,8 +593,8 @@ void PackedMatrix::UnpackPanels(int panel_begin, int panel_end, float* dst,
               const __m256i v = _mm256_loadu_si256(
                   reinterpret_cast<const __m256i*>(wk + 32 * c));
               for (int j = 0; j < 4 && k + j < in_; ++j) {
-                const __m256i q = _mm256_and_si256(
-                    _mm256_srli_epi32(v, 8 * j), low);
+                const __m256i q =
+                    _mm256_and_si256(_mm256_srli_epi32(v, 8 * j), low);
                 _mm256_storeu_ps(
                     d + (k + j) * ld + 8 * c,
                     _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(q), off),
@@ -633,9 +651,8 @@ void PackedLinear(const PackedMatrix& w, const float* x, int n, float* y,
       w.Gemm(*input, 0, panels, y, out, beta);
       return;
     }
-    ThreadPool::Default().ParallelFor(panels, 1, [&](int b, int e) {
-      w.Gemm(*input, b, e, y, out, beta);
-    });
+    ThreadPool::Default().ParallelFor(
+        panels, 1, [&](int b, int e) { w.Gemm(*input, b, e, y, out, beta); });
     return;
   }
   // Prefill: W^T tiles of whole panels, dequantized to f32 (spread over the
@@ -652,8 +669,8 @@ void PackedLinear(const PackedMatrix& w, const float* x, int n, float* y,
       w.UnpackPanels(p0 + b, p0 + e, t + size_t(b) * kW, ld);
     });
     const int cols = std::min(out - p0 * kW, (p1 - p0) * kW);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, cols, in, 1.f,
-                x, in, t, ld, beta, y + p0 * kW, out);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, cols, in, 1.f, x,
+                in, t, ld, beta, y + p0 * kW, out);
   }
 }
 

@@ -62,11 +62,11 @@ class PackedMatrix {
   struct Input {
     const float* x = nullptr;  ///< f32 rows as given (f32 format)
     int n = 0;
-    std::vector<float> padded;     ///< [n, in_padded] f32 (AVX2 paths)
-    std::vector<uint32_t> pairs;   ///< [n, in2 / 2] bf16 pairs
-    std::vector<int8_t> q;         ///< [n, in32] int8
-    std::vector<float> scale;      ///< [n, in32 / 32]
-    std::vector<int32_t> bias;     ///< [n, in32 / 32]: -128 * sum(q block)
+    std::vector<float> padded;    ///< [n, in_padded] f32 (AVX2 paths)
+    std::vector<uint32_t> pairs;  ///< [n, in2 / 2] bf16 pairs
+    std::vector<int8_t> q;        ///< [n, in32] int8
+    std::vector<float> scale;     ///< [n, in32 / 32]
+    std::vector<int32_t> bias;    ///< [n, in32 / 32]: -128 * sum(q block)
   };
 
   PackedMatrix() = default;

@@ -175,7 +175,8 @@ TEST(PackedMatrixTest, PackedLinearGemvAndPrefillPaths) {
       for (int r = 0; r < n; ++r) {
         for (int o = 0; o < out; ++o) {
           double ref = 1;
-          for (int k = 0; k < in; ++k) ref += double(x[r * in + k]) * wd[o * in + k];
+          for (int k = 0; k < in; ++k)
+            ref += double(x[r * in + k]) * wd[o * in + k];
           // Prefill (n > 64) multiplies the dequantized weights in f32.
           const double tol = n > 64 ? 1e-4 * (1 + std::fabs(ref))
                                     : Bound(t, &x[r * in], &wd[o * in], in);

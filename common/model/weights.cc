@@ -84,6 +84,11 @@ size_t ModelWeights::bytes() const {
 }
 
 absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
+  return LoadModelWeights(model_dir, LoadWeightsOptions());
+}
+
+absl::StatusOr<ModelWeights> LoadModelWeights(
+    const std::string& model_dir, const LoadWeightsOptions& options) {
   absl::StatusOr<ModelConfig> config =
       LoadModelConfig(JoinPath(model_dir, "config.json"));
   if (!config.ok()) return config.status();
@@ -215,6 +220,9 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
     if ((s = r.Read(p + "mlp.down_proj.weight", {hidden, ffn}, &l.w_down));
         !s.ok()) {
       return s;
+    }
+    if (options.on_layer) {
+      if ((s = options.on_layer(w, i, &l)); !s.ok()) return s;
     }
   }
   if ((s = r.Read(kFinalNorm, {hidden}, &w.final_norm)); !s.ok()) return s;
