@@ -20,6 +20,8 @@
 #include <array>
 #include <cstdio>
 #include <numeric>
+#include <optional>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,12 +44,34 @@ ABSL_FLAG(std::string, batch_model, "synthetic:llama2-110m",
           "model of the batched decode table (empty = skip it)");
 ABSL_FLAG(std::string, batch_sizes, "1,4,16,64",
           "sequences decoded together, one row each per forward");
+ABSL_FLAG(std::string, weight_dtypes, "auto",
+          "comma-separated weight dtypes each model runs in, one after the "
+          "other: auto (the checkpoint's), f32, bf16, int8");
 ABSL_FLAG(int, batch_context, 128,
           "tokens each batched sequence holds before the timed steps");
 
 namespace specserve {
 namespace bench {
 namespace {
+
+// --weight_dtypes, parsed (nullopt = auto).
+std::vector<std::optional<WeightDType>> WeightDTypes() {
+  std::vector<std::optional<WeightDType>> out;
+  for (auto s : absl::StrSplit(absl::GetFlag(FLAGS_weight_dtypes), ',')) {
+    auto t = ParseWeightDType(std::string(s));
+    if (!t.ok()) {
+      std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+      std::exit(2);
+    }
+    out.push_back(*t);
+  }
+  return out;
+}
+
+std::string DTypeLabel(const CpuModelRunner& r) {
+  return WeightDTypeName(r.weight_dtype()) + " (" +
+         PackedKernelName(r.weight_dtype()) + ")";
+}
 
 // Time-weighted sgemm rate over the engine's per-layer GEMMs at M = n.
 double SgemmRateForModel(const ModelConfig& c, int n) {
@@ -70,7 +94,7 @@ double SgemmRateForModel(const ModelConfig& c, int n) {
 // one row each per forward (ModelRunner's batch). A decode step streams
 // every weight once however many rows it carries, so tokens/s should grow
 // nearly linearly with B until the GEMMs become compute-bound.
-int RunBatchedDecode(double bw) {
+int RunBatchedDecode(double bw, std::optional<WeightDType> dtype) {
   const std::string spec = absl::GetFlag(FLAGS_batch_model);
   auto w = LoadBenchModel(spec);
   if (!w.ok()) {
@@ -90,7 +114,7 @@ int RunBatchedDecode(double bw) {
   KvCacheOptions o;
   o.pool_bytes = CpuModelRunner::BytesPerToken(c) *
                  (static_cast<size_t>(max_b) * (ctx + steps + 16) + ctx);
-  auto runner = CpuModelRunner::Create(*w, o);
+  auto runner = CpuModelRunner::Create(*w, o, dtype);
   if (!runner.ok()) {
     std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
     return 1;
@@ -126,12 +150,12 @@ int RunBatchedDecode(double bw) {
       return 1;
     }
   }
-  const double weight_mb = (*w)->bytes() / 1e6;
+  const double weight_mb = (*runner)->weight_bytes() / 1e6;
   std::printf(
-      "\nBatched decode, %s (%.0f MB of weights), %d cached tokens per "
+      "\nBatched decode, %s, %s weights (%.0f MB), %d cached tokens per "
       "sequence, median of %d steps\n\n| batch | step ms | tokens/s (all sequences) | "
       "x batch 1 | weight reads / s |\n|---|---|---|---|---|\n",
-      spec.c_str(), weight_mb, ctx, steps);
+      spec.c_str(), DTypeLabel(**runner).c_str(), weight_mb, ctx, steps);
   double base = 0;
   for (int b : sizes) {
     // Back to the prompt: every batch size decodes at the same context.
@@ -186,10 +210,10 @@ int Run() {
               absl::GetFlag(FLAGS_threads));
   std::printf("STREAM triad bandwidth: %.1f GB/s\n\n", bw);
   std::printf(
-      "| model | prompt | prefill tok/s | prefill GFLOP/s | sgemm GFLOP/s | "
-      "%% sgemm |\n|---|---|---|---|---|---|\n");
+      "| model | weights | prompt | prefill tok/s | prefill GFLOP/s | "
+      "sgemm GFLOP/s | %% sgemm |\n|---|---|---|---|---|---|---|\n");
   struct DecodeRow {
-    std::string model;
+    std::string model, dtype;
     double tok_s, weight_mb, read_ms, x_read;
   };
   std::vector<DecodeRow> decode_rows;
@@ -201,79 +225,85 @@ int Run() {
                    w.status().ToString().c_str());
       return 1;
     }
-    // Room for one prefill or decode sequence at a time.
-    auto runner = CpuModelRunner::CreateForSequences(*w, 1);
-    if (!runner.ok()) {
-      std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
-      return 1;
-    }
-    ModelRunner& model = **runner;
-    const ModelConfig& c = model.config();
-    for (int n : lengths) {
-      if (n + absl::GetFlag(FLAGS_decode_tokens) > c.max_position_embeddings) {
-        continue;
+    for (std::optional<WeightDType> dtype : WeightDTypes()) {
+      // Room for one prefill or decode sequence at a time.
+      auto runner = CpuModelRunner::CreateForSequences(*w, 1, 16, dtype);
+      if (!runner.ok()) {
+        std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+        return 1;
       }
+      const std::string label = DTypeLabel(**runner);
+      ModelRunner& model = **runner;
+      const ModelConfig& c = model.config();
+      for (int n : lengths) {
+        const int decode = absl::GetFlag(FLAGS_decode_tokens);
+        if (n + decode > c.max_position_embeddings) continue;
+        std::vector<int> ids(n), pos(n);
+        for (int& t : ids) t = rng() % c.vocab_size;
+        std::iota(pos.begin(), pos.end(), 0);
+        double best = 1e30;
+        for (int r = 0; r <= absl::GetFlag(FLAGS_reps); ++r) {
+          auto cache = model.NewSequence(n + decode);
+          if (!cache.ok()) return 1;
+          ForwardInput in;
+          in.token_ids = ids;
+          in.position_ids = pos;
+          ForwardOutput out;
+          const double t0 = Now();
+          if (!model.Forward(in, cache->get(), &out).ok()) return 1;
+          const double t = Now() - t0;
+          if (r > 0 || absl::GetFlag(FLAGS_reps) == 0) best = std::min(best, t);
+        }
+        const double flops = LayerFlopsPerToken(c) * n + AttentionFlops(c, n) +
+                             2.0 * c.hidden_size * c.vocab_size;
+        const double gf = flops / best / 1e9;
+        const double sg = SgemmRateForModel(c, n);
+        std::printf("| %s | %s | %d | %.0f | %.1f | %.1f | %.0f%% |\n",
+                    std::string(spec).c_str(), label.c_str(), n, n / best, gf,
+                    sg, 100 * gf / sg);
+        std::fflush(stdout);
+      }
+      // Decode: 128-token prompt, then single-token steps.
+      const int n = std::min(128, c.max_position_embeddings / 2);
+      const int steps = absl::GetFlag(FLAGS_decode_tokens);
+      auto cache_or = model.NewSequence(n + steps + 1);
+      if (!cache_or.ok()) return 1;
+      KvSequence* cache = cache_or->get();
       std::vector<int> ids(n), pos(n);
       for (int& t : ids) t = rng() % c.vocab_size;
       std::iota(pos.begin(), pos.end(), 0);
-      double best = 1e30;
-      for (int r = 0; r <= absl::GetFlag(FLAGS_reps); ++r) {
-        auto cache = model.NewSequence(n + absl::GetFlag(FLAGS_decode_tokens));
-        if (!cache.ok()) return 1;
-        ForwardInput in;
-        in.token_ids = ids;
-        in.position_ids = pos;
-        ForwardOutput out;
-        const double t0 = Now();
-        if (!model.Forward(in, cache->get(), &out).ok()) return 1;
-        const double t = Now() - t0;
-        if (r > 0 || absl::GetFlag(FLAGS_reps) == 0) best = std::min(best, t);
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      ForwardOutput out;
+      if (!model.Forward(in, cache, &out).ok()) return 1;
+      const double t0 = Now();
+      for (int i = 0; i < steps; ++i) {
+        const int tok = rng() % c.vocab_size, p = n + i;
+        ForwardInput step;
+        step.token_ids = absl::MakeConstSpan(&tok, 1);
+        step.position_ids = absl::MakeConstSpan(&p, 1);
+        if (!model.Forward(step, cache, &out).ok()) return 1;
       }
-      const double flops = LayerFlopsPerToken(c) * n + AttentionFlops(c, n) +
-                           2.0 * c.hidden_size * c.vocab_size;
-      const double gf = flops / best / 1e9;
-      const double sg = SgemmRateForModel(c, n);
-      std::printf("| %s | %d | %.0f | %.1f | %.1f | %.0f%% |\n",
-                  std::string(spec).c_str(), n, n / best, gf, sg,
-                  100 * gf / sg);
-      std::fflush(stdout);
+      const double per_tok = (Now() - t0) / steps;
+      const double bytes = (*runner)->weight_bytes();
+      const double read_s = bytes / (bw * 1e9);
+      decode_rows.push_back({std::string(spec), label, 1 / per_tok, bytes / 1e6,
+                             read_s * 1e3, per_tok / read_s});
     }
-    // Decode: 128-token prompt, then single-token steps.
-    const int n = std::min(128, c.max_position_embeddings / 2);
-    const int steps = absl::GetFlag(FLAGS_decode_tokens);
-    auto cache_or = model.NewSequence(n + steps + 1);
-    if (!cache_or.ok()) return 1;
-    KvSequence* cache = cache_or->get();
-    std::vector<int> ids(n), pos(n);
-    for (int& t : ids) t = rng() % c.vocab_size;
-    std::iota(pos.begin(), pos.end(), 0);
-    ForwardInput in;
-    in.token_ids = ids;
-    in.position_ids = pos;
-    ForwardOutput out;
-    if (!model.Forward(in, cache, &out).ok()) return 1;
-    const double t0 = Now();
-    for (int i = 0; i < steps; ++i) {
-      const int tok = rng() % c.vocab_size, p = n + i;
-      ForwardInput step;
-      step.token_ids = absl::MakeConstSpan(&tok, 1);
-      step.position_ids = absl::MakeConstSpan(&p, 1);
-      if (!model.Forward(step, cache, &out).ok()) return 1;
-    }
-    const double per_tok = (Now() - t0) / steps;
-    const double bytes = (*w)->bytes();
-    const double read_s = bytes / (bw * 1e9);
-    decode_rows.push_back({std::string(spec), 1 / per_tok, bytes / 1e6,
-                           read_s * 1e3, per_tok / read_s});
   }
   std::printf(
-      "\n| model | decode tok/s | weights MB | weight read ms | decode / read "
-      "|\n|---|---|---|---|---|\n");
+      "\n| model | weights | decode tok/s | weights MB | weight read ms | "
+      "decode / read |\n|---|---|---|---|---|---|\n");
   for (const auto& r : decode_rows) {
-    std::printf("| %s | %.1f | %.1f | %.2f | %.2fx |\n", r.model.c_str(),
-                r.tok_s, r.weight_mb, r.read_ms, r.x_read);
+    std::printf("| %s | %s | %.1f | %.1f | %.2f | %.2fx |\n",
+                r.model.c_str(), r.dtype.c_str(), r.tok_s, r.weight_mb,
+                r.read_ms, r.x_read);
   }
-  if (!absl::GetFlag(FLAGS_batch_model).empty()) return RunBatchedDecode(bw);
+  if (absl::GetFlag(FLAGS_batch_model).empty()) return 0;
+  for (std::optional<WeightDType> dtype : WeightDTypes()) {
+    if (int rc = RunBatchedDecode(bw, dtype); rc != 0) return rc;
+  }
   return 0;
 }
 

@@ -402,13 +402,10 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   auto probe = ResolveScoreOptions({}, options.defaults, 1 << 20, "default_");
   if (!probe.ok()) return probe.status();
 
-  auto weights = LoadModelWeights(options.model_dir);
-  if (!weights.ok()) return weights.status();
   std::unique_ptr<SpeculatorServer> s(new SpeculatorServer(options));
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = options.kv_budget_bytes;
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)), ro);
+  auto runner = LoadModelRunner(options.model_dir, ro);
   if (!runner.ok()) return runner.status();
   s->model_ = *std::move(runner);
   auto tok = LoadTokenizer(options.model_dir);

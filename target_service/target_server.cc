@@ -536,8 +536,6 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
         options.max_drafts + 1, " (a verify round is never split), got ",
         options.max_num_batched_tokens));
   }
-  auto weights = LoadModelWeights(options.model_dir);
-  if (!weights.ok()) return weights.status();
   auto tokenizer = LoadTokenizer(options.model_dir);
   // Checkpoints without a tokenizer (synthetic ones) still serve; Info
   // then has no fingerprint.
@@ -552,8 +550,7 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   SetEngineThreads(options.engine_threads);
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = static_cast<size_t>(options.kv_budget_bytes);
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)), ro);
+  auto runner = LoadModelRunner(options.model_dir, ro);
   if (!runner.ok()) return runner.status();
   // The metrics exist before the scheduler that reports into them.
   auto registry = std::make_shared<prometheus::Registry>();

@@ -81,11 +81,7 @@ int Run() {
   req.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
   req.max_drafts = 0;
 
-  auto weights = LoadModelWeights(dir);
-  if (!weights.ok()) return ReportCliError(weights.status());
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)),
-      RunnerOptionsFromFlags());
+  auto runner = LoadModelRunner(dir, RunnerOptionsFromFlags());
   if (!runner.ok()) return ReportCliError(runner.status());
   ModelRunner& model = **runner;
   const std::vector<int> prompt_ids = req.token_ids;

@@ -47,11 +47,8 @@ int Run() {
   }
   auto extra = ParseIntList(absl::GetFlag(FLAGS_ids), "--ids");
   if (!extra.ok()) return ReportCliError(extra.status());
-  auto weights = LoadModelWeights(ResolveUserPath(absl::GetFlag(FLAGS_model)));
-  if (!weights.ok()) return ReportCliError(weights.status());
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)),
-      RunnerOptionsFromFlags());
+  auto runner = LoadModelRunner(ResolveUserPath(absl::GetFlag(FLAGS_model)),
+                                RunnerOptionsFromFlags());
   if (!runner.ok()) return ReportCliError(runner.status());
   ModelRunner& model = **runner;
   const int vocab = model.config().vocab_size;

@@ -84,11 +84,7 @@ int Run() {
     prompt = *std::move(ids);
   }
   SetEngineThreads(absl::GetFlag(FLAGS_threads));
-  auto weights = LoadModelWeights(dir);
-  if (!weights.ok()) return ReportCliError(weights.status());
-  auto runner = CreateModelRunner(
-      std::make_shared<const ModelWeights>(*std::move(weights)),
-      RunnerOptionsFromFlags());
+  auto runner = LoadModelRunner(dir, RunnerOptionsFromFlags());
   if (!runner.ok()) return ReportCliError(runner.status());
   ModelRunner& model = **runner;
   const ModelConfig& config = model.config();

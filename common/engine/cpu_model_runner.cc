@@ -31,32 +31,26 @@ constexpr size_t kMaxScoreFloats = size_t{1} << 24;
 // Target rows (query tokens x heads of a GQA group) per score GEMM.
 constexpr int kTargetGemmRows = 256;
 
-// y[n, out] = x[n, in] W^T (+ beta * y), W row-major [out, in]; `packed`
-// is W in PanelGemm's panels.
-void Linear(const float* x, int n, int in, const float* w,
-            const float* packed, int out, float* y, float beta) {
-  if (n <= kMaxGemvRows) {
-    const int panels = (out + kernels::kPanelWidth - 1) / kernels::kPanelWidth;
-    // Waking the pool costs tens of microseconds: small weights (tiny
-    // models, which fit in cache) run inline.
-    if (static_cast<int64_t>(out) * in * n < kMinParallelMacs) {
-      kernels::PanelGemm(x, n, in, packed, 0, panels, y, out, out, beta);
-      return;
-    }
-    ThreadPool::Default().ParallelFor(panels, 1, [&](int b, int e) {
-      kernels::PanelGemm(x, n, in, packed, b, e, y, out, out, beta);
-    });
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.f, x,
-                in, w, in, beta, y, out);
-  }
-}
+void FreeVector(std::vector<float>* v) { std::vector<float>().swap(*v); }
 
-// PanelGemm's layout of a [out, in] weight.
-std::vector<float> Pack(const float* w, int out, int in) {
-  std::vector<float> p(kernels::PackedPanelFloats(out, in));
-  kernels::PackPanels(w, out, in, p.data());
-  return p;
+// The f32 parameters the runner keeps once the Linear weights are packed.
+ModelWeights SmallParameters(const ModelWeights& w) {
+  ModelWeights s;
+  s.config = w.config;
+  s.checkpoint_dtype = w.checkpoint_dtype;
+  s.final_norm = w.final_norm;
+  s.layers.resize(w.layers.size());
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& a = w.layers[l];
+    LayerWeights& d = s.layers[l];
+    d.attn_norm = a.attn_norm;
+    d.mlp_norm = a.mlp_norm;
+    d.bqkv = a.bqkv;
+    d.bo = a.bo;
+    d.q_norm = a.q_norm;
+    d.k_norm = a.k_norm;
+  }
+  return s;
 }
 
 // Host-side query capture: per layer [max_rows, heads, head_dim] fp32.
@@ -106,6 +100,7 @@ struct CpuModelRunner::ActivationBuffers {
   }
   std::vector<float> buf[8];
   Scratch scratch;
+  PackedMatrix::Input input;  // the Linear inputs, converted
 };
 
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o,
@@ -137,8 +132,14 @@ size_t CpuModelRunner::BytesPerToken(const ModelConfig& c) {
          c.num_key_value_heads * c.head_dim;
 }
 
+WeightDType CpuModelRunner::WeightDTypeFor(const ModelWeights& weights) {
+  return weights.checkpoint_dtype == DType::kBF16 ? WeightDType::kBF16
+                                                  : WeightDType::kF32;
+}
+
 absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
-    std::shared_ptr<const ModelWeights> weights, const KvCacheOptions& o) {
+    std::shared_ptr<const ModelWeights> weights, const KvCacheOptions& o,
+    std::optional<WeightDType> weight_dtype) {
   if (weights == nullptr) {
     return absl::InvalidArgumentError("CpuModelRunner: weights is null");
   }
@@ -146,13 +147,54 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
   const size_t per_token = BytesPerToken(c);
   if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
   const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
-  return std::unique_ptr<CpuModelRunner>(
-      new CpuModelRunner(std::move(weights), o, num_blocks));
+  std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
+  r->weight_dtype_ = weight_dtype.value_or(WeightDTypeFor(*weights));
+  r->PackWeights(*weights, nullptr);
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
+    ModelWeights&& weights, const KvCacheOptions& o,
+    std::optional<WeightDType> weight_dtype) {
+  const ModelConfig& c = weights.config;
+  const size_t per_token = BytesPerToken(c);
+  if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
+  const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
+  std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
+  r->weight_dtype_ = weight_dtype.value_or(WeightDTypeFor(weights));
+  r->PackWeights(weights, &weights);
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
+    const std::string& model_dir, const KvCacheOptions& o,
+    std::optional<WeightDType> weight_dtype) {
+  std::vector<PackedLayer> layers;
+  std::optional<WeightDType> chosen = weight_dtype;
+  LoadWeightsOptions lo;
+  lo.on_layer = [&](const ModelWeights& partial, int l, LayerWeights* lw) {
+    if (!chosen.has_value()) chosen = WeightDTypeFor(partial);
+    layers.resize(partial.layers.size());
+    layers[l] = PackLayer(partial.config, *lw, *chosen, lw);
+    return absl::OkStatus();
+  };
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir, lo);
+  if (!w.ok()) return w.status();
+  const ModelConfig& c = w->config;
+  const size_t per_token = BytesPerToken(c);
+  if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
+  const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
+  std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
+  r->weight_dtype_ = chosen.value_or(WeightDTypeFor(*w));
+  r->packed_ = std::move(layers);
+  r->PackWeights(*w, &*w);
+  return r;
 }
 
 absl::StatusOr<std::unique_ptr<CpuModelRunner>>
 CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
-                                   int sequences, int block_size) {
+                                   int sequences, int block_size,
+                                   std::optional<WeightDType> weight_dtype) {
   if (weights == nullptr) {
     return absl::InvalidArgumentError("CpuModelRunner: weights is null");
   }
@@ -162,37 +204,82 @@ CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
                  PagedKvCache::BlocksForTokens(
                      weights->config.max_position_embeddings, block_size) *
                  block_size * std::max(sequences, 1);
-  return Create(std::move(weights), o);
+  return Create(std::move(weights), o, weight_dtype);
 }
 
-CpuModelRunner::CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
-                               const KvCacheOptions& o, int num_blocks)
-    : weights_(std::move(weights)),
-      row_width_(weights_->config.num_key_value_heads *
-                 weights_->config.head_dim),
-      rope_(ComputeRopeFrequencies(weights_->config)) {
-  const ModelConfig& c = weights_->config;
+CpuModelRunner::CpuModelRunner(const ModelConfig& c, const KvCacheOptions& o,
+                               int num_blocks)
+    : row_width_(c.num_key_value_heads * c.head_dim),
+      rope_(ComputeRopeFrequencies(c)) {
   cache_ = std::make_unique<PagedKvCache>(
       num_blocks, o.block_size, BytesPerToken(c),
       [this](int src, int dst) { return CopyBlock(src, dst); });
   cache_->EnablePrefixCaching(o.prefix_caching);
-  // Decode-sized batches stream the weights in PanelGemm's layout.
-  const int hidden = c.hidden_size, ffn = c.intermediate_size;
-  for (const LayerWeights& w : weights_->layers) {
-    PackedLayer p;
-    p.wqkv = Pack(w.wqkv.data(), c.qkv_dim(), hidden);
-    p.wo = Pack(w.wo.data(), hidden, c.num_attention_heads * c.head_dim);
-    p.w_gate_up = Pack(w.w_gate_up.data(), 2 * ffn, hidden);
-    p.w_down = Pack(w.w_down.data(), hidden, ffn);
-    packed_.push_back(std::move(p));
-  }
-  packed_lm_head_ = Pack(weights_->lm_head(), c.vocab_size, hidden);
   const size_t n = static_cast<size_t>(num_blocks) * o.block_size * row_width_;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     // Default-initialised: pages are committed only when first written.
     k_.emplace_back(new float[n]);
     v_.emplace_back(new float[n]);
   }
+}
+
+void CpuModelRunner::PackWeights(const ModelWeights& w, ModelWeights* owned) {
+  const ModelConfig& c = w.config;
+  const int hidden = c.hidden_size;
+  const WeightDType t = weight_dtype_;
+  if (packed_.size() != w.layers.size()) {
+    packed_.resize(w.layers.size());
+    // Layers pack independently: spread over the engine's threads.
+    ThreadPool::Default().ParallelFor(
+        static_cast<int>(w.layers.size()), 1, [&](int begin, int end) {
+          for (int l = begin; l < end; ++l) {
+            packed_[l] = PackLayer(c, w.layers[l], t,
+                                   owned ? &owned->layers[l] : nullptr);
+          }
+        });
+  }
+  lm_head_ = PackedMatrix::Pack(w.lm_head(), c.vocab_size, hidden, t);
+  if (!w.lm_head_weight.empty()) {  // untied: the table of its own
+    embed_ = PackedMatrix::Pack(w.embed.data(), c.vocab_size, hidden, t);
+  }
+  weights_ = std::make_shared<const ModelWeights>(SmallParameters(w));
+  if (owned != nullptr) {
+    FreeVector(&owned->embed);
+    FreeVector(&owned->lm_head_weight);
+  }
+}
+
+CpuModelRunner::PackedLayer CpuModelRunner::PackLayer(const ModelConfig& c,
+                                                      const LayerWeights& w,
+                                                      WeightDType t,
+                                                      LayerWeights* owned) {
+  const int hidden = c.hidden_size, ffn = c.intermediate_size;
+  PackedLayer p;
+  p.wqkv = PackedMatrix::Pack(w.wqkv.data(), c.qkv_dim(), hidden, t);
+  p.wo = PackedMatrix::Pack(w.wo.data(), hidden,
+                            c.num_attention_heads * c.head_dim, t);
+  p.w_gate_up = PackedMatrix::Pack(w.w_gate_up.data(), 2 * ffn, hidden, t);
+  p.w_down = PackedMatrix::Pack(w.w_down.data(), hidden, ffn, t);
+  if (owned != nullptr) {
+    FreeVector(&owned->wqkv);
+    FreeVector(&owned->wo);
+    FreeVector(&owned->w_gate_up);
+    FreeVector(&owned->w_down);
+  }
+  return p;
+}
+
+void CpuModelRunner::Embed(int id, float* dst) const {
+  (embed_.out() > 0 ? embed_ : lm_head_).DequantizeRow(id, dst);
+}
+
+size_t CpuModelRunner::weight_bytes() const {
+  size_t n = weights_->bytes() + lm_head_.bytes() + embed_.bytes();
+  for (const PackedLayer& p : packed_) {
+    n += p.wqkv.bytes() + p.wo.bytes() + p.w_gate_up.bytes() +
+         p.w_down.bytes();
+  }
+  return n;
 }
 
 absl::Status CpuModelRunner::CopyBlock(int src, int dst) {
@@ -376,13 +463,11 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
   std::vector<float>& gu = buffers.Get(4, NN * 2 * ffn);
   std::vector<float>& act = buffers.Get(5, NN * ffn);
   Scratch& scratch = buffers.scratch;
+  PackedMatrix::Input& input = buffers.input;
   for (int i = 0; i < S; ++i) {
     const ForwardInput& in = batch[i].input;
     for (size_t t = 0; t < in.token_ids.size(); ++t) {
-      std::memcpy(&x[(row0[i] + t) * static_cast<size_t>(hidden)],
-                  &weights_->embed[static_cast<size_t>(in.token_ids[t]) *
-                                   hidden],
-                  hidden * sizeof(float));
+      Embed(in.token_ids[t], &x[(row0[i] + t) * static_cast<size_t>(hidden)]);
     }
   }
   out->assign(S, ForwardOutput());
@@ -399,8 +484,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     kernels::RmsNorm(x.data(), hidden, w.attn_norm.data(), c.rms_norm_eps, N,
                      hidden, h.data(), hidden);
     const PackedLayer& pw = packed_[l];
-    Linear(h.data(), N, hidden, w.wqkv.data(), pw.wqkv.data(), qkv_dim,
-           qkv.data(), 0.f);
+    PackedLinear(pw.wqkv, h.data(), N, qkv.data(), 0.f, kMaxGemvRows, &input);
     if (!w.bqkv.empty()) {  // Qwen2
       kernels::AddBias(qkv.data(), qkv_dim, N, qkv_dim, w.bqkv.data());
     }
@@ -476,18 +560,17 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                                           attend);
       }
     }
-    Linear(attn.data(), N, H * D, w.wo.data(), pw.wo.data(), hidden, x.data(),
-           1.f);
+    PackedLinear(pw.wo, attn.data(), N, x.data(), 1.f, kMaxGemvRows, &input);
     if (!w.bo.empty()) {
       kernels::AddBias(x.data(), hidden, N, hidden, w.bo.data());
     }
     kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps, N,
                      hidden, h.data(), hidden);
-    Linear(h.data(), N, hidden, w.w_gate_up.data(), pw.w_gate_up.data(),
-           2 * ffn, gu.data(), 0.f);
+    PackedLinear(pw.w_gate_up, h.data(), N, gu.data(), 0.f, kMaxGemvRows,
+                 &input);
     kernels::SiluMul(gu.data(), N, ffn, act.data());
-    Linear(act.data(), N, ffn, w.w_down.data(), pw.w_down.data(), hidden,
-           x.data(), 1.f);
+    PackedLinear(pw.w_down, act.data(), N, x.data(), 1.f, kMaxGemvRows,
+                 &input);
   }
   for (int i = 0; i < S; ++i) {
     if (batch[i].capture != nullptr) {
@@ -511,9 +594,8 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
   }
   std::vector<float>& logits =
       buffers.Get(7, static_cast<size_t>(R) * c.vocab_size);
-  Linear(hr.data(), R, hidden, weights_->lm_head(), packed_lm_head_.data(),
-         c.vocab_size,
-         logits.data(), 0.f);
+  PackedLinear(lm_head_, hr.data(), R, logits.data(), 0.f, kMaxGemvRows,
+               &input);
   size_t off = 0;
   for (int i = 0; i < S; ++i) {
     const size_t len = logit_rows[i].size() * static_cast<size_t>(c.vocab_size);

@@ -2,12 +2,14 @@
 #define SPECSERVE_COMMON_ENGINE_CPU_MODEL_RUNNER_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/engine/model_runner.h"
+#include "common/engine/packed_matrix.h"
 #include "common/engine/paged_kv_cache.h"
 #include "common/model/rope.h"
 #include "common/model/weights.h"
@@ -36,15 +38,20 @@ absl::Status ValidateKvCacheOptions(const KvCacheOptions& options,
 int KvPoolBlocks(const KvCacheOptions& options, size_t bytes_per_token,
                  int max_context);
 
-/// CPU backend of ModelRunner (HF LlamaForCausalLM semantics, fp32):
-/// embedding, RMSNorm, rotate_half RoPE at explicit position ids,
-/// grouped-query causal attention over each sequence's cached + new tokens,
-/// SiLU-gated MLP, final norm, tied or separate lm_head. The projections
-/// and the MLP run over the rows of ALL sequences at once: up to 64 rows
-/// (decode and verify rows of many sequences) with kernels::PanelGemm over
-/// weights repacked at creation into 32-column panels (read once per batch;
-/// AVX-512 where available; the runner then holds the linear weights
-/// twice), OpenBLAS sgemm beyond.
+/// CPU backend of ModelRunner (HF LlamaForCausalLM semantics, f32
+/// activations): embedding, RMSNorm, rotate_half RoPE at explicit position
+/// ids, grouped-query causal attention over each sequence's cached + new
+/// tokens, SiLU-gated MLP, final norm, tied or separate lm_head.
+///
+/// Weights: every Linear weight (and the embedding table, which a tied
+/// lm_head shares) is held once, as a PackedMatrix in the weight dtype
+/// (f32, bf16 or int8 blocks) and 32-column panels; the f32 ModelWeights'
+/// copies are released (norms and biases stay f32). The projections and
+/// the MLP run over the rows of ALL sequences at once: up to 64 rows
+/// (decode and verify rows of many sequences) with the dtype's
+/// weight-streaming kernels (read once per batch; AVX-512 / AVX512_BF16 /
+/// AVX512-VNNI where available, AVX2 else), beyond that OpenBLAS sgemm
+/// over f32 tiles unpacked from the same panels.
 /// Attention runs per sequence over its own blocks: sequences with up to
 /// 16 new rows straight from the blocks (kernels::AttentionRows, spread
 /// over the engine's threads), longer prefill chunks with sgemm over dense
@@ -56,21 +63,53 @@ int KvPoolBlocks(const KvCacheOptions& options, size_t bytes_per_token,
 /// concurrently.
 class CpuModelRunner : public ModelRunner {
  public:
+  /// Packs `weights` into `weight_dtype` (nullopt: the checkpoint's dtype,
+  /// WeightDTypeFor). The runner drops its reference to `weights` once
+  /// packed, so the f32 copy is freed when the caller holds no other.
   /// INVALID_ARGUMENT for null weights or bad cache options.
   static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Create(
       std::shared_ptr<const ModelWeights> weights,
-      const KvCacheOptions& cache_options = {});
+      const KvCacheOptions& cache_options = {},
+      std::optional<WeightDType> weight_dtype = std::nullopt);
+
+  /// As above, consuming `weights`: each f32 Linear weight is freed as soon
+  /// as it is packed, so loading peaks near the f32 weights' size instead
+  /// of f32 + packed.
+  static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Create(
+      ModelWeights&& weights, const KvCacheOptions& cache_options = {},
+      std::optional<WeightDType> weight_dtype = std::nullopt);
+
+  /// Loads `model_dir` (LoadModelWeights) and packs each decoder layer into
+  /// `weight_dtype` (nullopt: the checkpoint's) as soon as it is read, so
+  /// loading peaks near the packed weights plus the f32 embedding table and
+  /// one f32 layer, not the whole model in f32. Errors: LoadModelWeights'
+  /// and Create's.
+  static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Load(
+      const std::string& model_dir, const KvCacheOptions& cache_options = {},
+      std::optional<WeightDType> weight_dtype = std::nullopt);
 
   /// A runner whose pool holds `sequences` sequences at the model's max
   /// context (tools, benchmarks, tests).
   static absl::StatusOr<std::unique_ptr<CpuModelRunner>> CreateForSequences(
       std::shared_ptr<const ModelWeights> weights, int sequences,
-      int block_size = 16);
+      int block_size = 16,
+      std::optional<WeightDType> weight_dtype = std::nullopt);
+
+  /// `--weight_dtype auto`: bf16 for a BF16 checkpoint, f32 otherwise (F16
+  /// widens to f32 exactly; ask for bf16 or int8 to halve or quarter it).
+  static WeightDType WeightDTypeFor(const ModelWeights& weights);
 
   const ModelConfig& config() const override { return weights_->config; }
   std::string backend() const override { return "cpu"; }
   PagedKvCache& kv_cache() override { return *cache_; }
+  /// The f32 parameters the runner keeps: config, norms and biases; the
+  /// Linear weights and the embedding table are empty (see packed data).
   const ModelWeights& weights() const { return *weights_; }
+  /// Element type of the packed Linear weights.
+  WeightDType weight_dtype() const { return weight_dtype_; }
+  /// Bytes of every packed matrix (the embedding table and the lm_head
+  /// once each, once in all when tied) plus the f32 norms and biases.
+  size_t weight_bytes() const;
 
   /// Bytes one token costs across all layers (fp32 K and V).
   static size_t BytesPerToken(const ModelConfig& config);
@@ -93,8 +132,8 @@ class CpuModelRunner : public ModelRunner {
  private:
   struct Scratch;
   struct ActivationBuffers;
-  CpuModelRunner(std::shared_ptr<const ModelWeights> weights,
-                 const KvCacheOptions& options, int num_blocks);
+  CpuModelRunner(const ModelConfig& config, const KvCacheOptions& options,
+                 int num_blocks);
   // Copy-on-write of one block, every layer.
   absl::Status CopyBlock(int src, int dst);
   // Pointers to `kv`'s first `count` keys and values of `layer` as dense
@@ -109,15 +148,25 @@ class CpuModelRunner : public ModelRunner {
                  const float* K, const float* V, float* attn_out,
                  Scratch* scratch) const;
 
-  // The linear weights repacked for kernels::PanelGemm (decode-sized
-  // batches): a second copy of every projection, made at creation.
-  struct PackedLayer {
-    std::vector<float> wqkv, wo, w_gate_up, w_down;
-  };
+  // Packs the Linear weights of `w` (the layers only if packed_ does not
+  // hold them yet) and keeps its small parameters; when `owned` (== &w) is
+  // given, frees each f32 weight once packed.
+  void PackWeights(const ModelWeights& w, ModelWeights* owned);
+  // Writes token `id`'s embedding row (f32) to dst [hidden].
+  void Embed(int id, float* dst) const;
 
-  std::shared_ptr<const ModelWeights> weights_;
+  struct PackedLayer {
+    PackedMatrix wqkv, wo, w_gate_up, w_down;
+  };
+  // Packs one layer's projections; with `owned`, frees its f32 copies.
+  static PackedLayer PackLayer(const ModelConfig& c, const LayerWeights& w,
+                               WeightDType t, LayerWeights* owned);
+
+  std::shared_ptr<const ModelWeights> weights_;  // without Linear weights
+  WeightDType weight_dtype_ = WeightDType::kF32;
   std::vector<PackedLayer> packed_;
-  std::vector<float> packed_lm_head_;
+  PackedMatrix lm_head_;
+  PackedMatrix embed_;  // empty (out() == 0) when tied: rows of lm_head_
   int row_width_;
   RopeFrequencies rope_;  // from the config's rope_theta / rope_scaling
   std::unique_ptr<PagedKvCache> cache_;

@@ -33,29 +33,87 @@ absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
   return CudaModelRunner::BytesPerToken(config, *dt);
 }
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
-    std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options) {
-  if (weights == nullptr) {
-    return absl::InvalidArgumentError("CreateModelRunner: weights is null");
-  }
-  absl::StatusOr<DeviceKind> kind =
-      ParseDevice(options.device, CudaAvailable());
-  if (!kind.ok()) return kind.status();
-  if (*kind == DeviceKind::kCpu) {
-    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Create(std::move(weights), options.kv_cache);
-    if (!r.ok()) return r.status();
-    return std::unique_ptr<ModelRunner>(*std::move(r));
-  }
+namespace {
+
+// The CUDA path of CreateModelRunner.
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
+    const ModelWeights& weights, const RunnerOptions& options) {
   absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
   if (!dt.ok()) return dt.status();
   absl::StatusOr<std::shared_ptr<const CudaWeights>> gw =
-      CudaWeights::Upload(*weights, *dt);
+      CudaWeights::Upload(weights, *dt);
   if (!gw.ok()) return gw.status();
   absl::StatusOr<std::unique_ptr<CudaModelRunner>> r =
       CudaModelRunner::Create(*std::move(gw), options.kv_cache);
   if (!r.ok()) return r.status();
   return std::unique_ptr<ModelRunner>(*std::move(r));
+}
+
+// The device and, for cpu, the weight dtype `options` ask for.
+absl::StatusOr<DeviceKind> ResolveDevice(
+    const RunnerOptions& options, std::optional<WeightDType>* weight_dtype) {
+  absl::StatusOr<DeviceKind> kind =
+      ParseDevice(options.device, CudaAvailable());
+  if (!kind.ok()) return kind.status();
+  absl::StatusOr<std::optional<WeightDType>> wt =
+      ParseWeightDType(options.weight_dtype);
+  if (!wt.ok()) return wt.status();
+  if (*kind != DeviceKind::kCpu && wt->has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_dtype \"", options.weight_dtype,
+        "\" is for the CPU engine; on cuda use cuda_dtype"));
+  }
+  *weight_dtype = *wt;
+  return kind;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
+    std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options) {
+  if (weights == nullptr) {
+    return absl::InvalidArgumentError("CreateModelRunner: weights is null");
+  }
+  std::optional<WeightDType> wt;
+  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
+  if (!kind.ok()) return kind.status();
+  if (*kind == DeviceKind::kCpu) {
+    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
+        CpuModelRunner::Create(std::move(weights), options.kv_cache, wt);
+    if (!r.ok()) return r.status();
+    return std::unique_ptr<ModelRunner>(*std::move(r));
+  }
+  return CreateCudaRunner(*weights, options);
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
+    ModelWeights&& weights, const RunnerOptions& options) {
+  std::optional<WeightDType> wt;
+  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
+  if (!kind.ok()) return kind.status();
+  if (*kind == DeviceKind::kCpu) {
+    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
+        CpuModelRunner::Create(std::move(weights), options.kv_cache, wt);
+    if (!r.ok()) return r.status();
+    return std::unique_ptr<ModelRunner>(*std::move(r));
+  }
+  return CreateCudaRunner(weights, options);
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
+    const std::string& model_dir, const RunnerOptions& options) {
+  std::optional<WeightDType> wt;
+  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
+  if (!kind.ok()) return kind.status();
+  if (*kind == DeviceKind::kCpu) {
+    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
+        CpuModelRunner::Load(model_dir, options.kv_cache, wt);
+    if (!r.ok()) return r.status();
+    return std::unique_ptr<ModelRunner>(*std::move(r));
+  }
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir);
+  if (!w.ok()) return w.status();
+  return CreateCudaRunner(*w, options);
 }
 
 }  // namespace specserve

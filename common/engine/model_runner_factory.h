@@ -12,7 +12,8 @@
 namespace specserve {
 
 /// How a service runs its model (the `--device`, `--kv_budget_bytes`,
-/// `--kv_block_size` and `--cuda_dtype` flags of both services).
+/// `--kv_block_size`, `--cuda_dtype` and `--weight_dtype` flags of both
+/// services).
 struct RunnerOptions {
   /// "cpu", "cuda" (alias "gpu"), or "" / "auto": cuda when a GPU is
   /// present, else cpu (common/cuda/device.h).
@@ -20,6 +21,11 @@ struct RunnerOptions {
   KvCacheOptions kv_cache;
   /// Weights and KV cache element type on CUDA: "bf16" or "fp16".
   std::string cuda_dtype = "bf16";
+  /// Element type of the CPU engine's Linear weights: "auto" (the
+  /// checkpoint's: bf16 for BF16 checkpoints, else f32), "f32", "bf16" or
+  /// "int8" (Q8_0-style blocks, quantized at load). CUDA takes cuda_dtype
+  /// and refuses anything but "auto" here.
+  std::string weight_dtype = "auto";
 };
 
 /// Builds the ModelRunner `options.device` names over `weights` (uploaded
@@ -34,6 +40,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
 /// (`requested` <= 0): 2048 on CUDA (vLLM's default), 512 on CPU, where a
 /// 2048-row prompt chunk stalls every decoding stream for seconds.
 /// `requested` > 0 is returned as is.
+/// As above, handing the runner `weights` itself: the CPU backend frees
+/// each f32 Linear weight as it packs it, so loading does not hold two
+/// copies at once (what the services and tools call).
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
+    ModelWeights&& weights, const RunnerOptions& options);
+
+/// Loads `model_dir` and builds its runner: on CPU each layer is packed
+/// into the weight dtype as soon as it is read (CpuModelRunner::Load), so
+/// loading never holds the whole model in f32; on CUDA, LoadModelWeights
+/// then the overload above. Errors: the loader's and the backends'.
+absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
+    const std::string& model_dir, const RunnerOptions& options);
+
 int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested);
 
 /// Bytes of KV cache one token costs on the backend `options` selects

@@ -59,5 +59,65 @@ TEST(ModelRunnerFactoryTest, AutoPicksCudaOnlyWithAGpu) {
   EXPECT_EQ((*r)->backend(), CudaAvailable() ? "cuda" : "cpu");
 }
 
+TEST(ModelRunnerFactoryTest, WeightDTypeOption) {
+  RunnerOptions o;
+  o.device = "cpu";
+  o.weight_dtype = "int4";
+  auto bad = CreateModelRunner(Load(), o);
+  ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("int4"), std::string::npos);
+  for (auto [name, dtype] : {std::pair{"f32", WeightDType::kF32},
+                             {"bf16", WeightDType::kBF16},
+                             {"int8", WeightDType::kInt8}}) {
+    o.weight_dtype = name;
+    auto w = LoadModelWeights("models/stories260K");
+    ASSERT_TRUE(w.ok());
+    auto r = CreateModelRunner(*std::move(w), o);  // the consuming overload
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto* cpu = dynamic_cast<CpuModelRunner*>(r->get());
+    ASSERT_NE(cpu, nullptr);
+    EXPECT_EQ(cpu->weight_dtype(), dtype);
+    // The runner keeps no f32 Linear weights of its own.
+    EXPECT_TRUE(cpu->weights().layers[0].wqkv.empty());
+    EXPECT_TRUE(cpu->weights().embed.empty());
+  }
+  // auto keeps an F32 checkpoint in f32.
+  o.weight_dtype = "auto";
+  auto r = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(dynamic_cast<CpuModelRunner*>(r->get())->weight_dtype(),
+            WeightDType::kF32);
+}
+
+TEST(ModelRunnerFactoryTest, LoadModelRunnerPacksLayerByLayerToTheSameModel) {
+  for (const char* dtype : {"auto", "int8"}) {
+    RunnerOptions o;
+    o.device = "cpu";
+    o.weight_dtype = dtype;
+    auto a = CreateModelRunner(Load(), o);
+    auto b = LoadModelRunner("models/stories260K", o);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(dynamic_cast<CpuModelRunner*>(b->get())->weight_bytes(),
+              dynamic_cast<CpuModelRunner*>(a->get())->weight_bytes());
+    const std::vector<int> ids = {1, 403, 407, 261}, pos = {0, 1, 2, 3};
+    std::vector<float> logits[2];
+    for (int i = 0; i < 2; ++i) {
+      ModelRunner& m = i == 0 ? **a : **b;
+      auto seq = m.NewSequence(8);
+      ASSERT_TRUE(seq.ok());
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      ForwardOutput out;
+      ASSERT_TRUE(m.Forward(in, seq->get(), &out).ok());
+      logits[i] = out.logits;
+    }
+    EXPECT_EQ(logits[0], logits[1]) << dtype;  // the same packed bytes
+  }
+  auto missing = LoadModelRunner("models/no_such_model", RunnerOptions());
+  EXPECT_FALSE(missing.ok());
+}
+
 }  // namespace
 }  // namespace specserve

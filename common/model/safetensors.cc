@@ -448,6 +448,20 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   return f;
 }
 
+void SafetensorsFile::ReleasePages(const TensorInfo& info) const {
+  if (mapping_ == nullptr) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin =
+      reinterpret_cast<uintptr_t>(bytes_ + header_.data_start + info.begin);
+  const uintptr_t end =
+      reinterpret_cast<uintptr_t>(bytes_ + header_.data_start + info.end);
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = end / page * page;
+  if (last > first) {
+    ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
     std::string bytes, std::string name) {
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
@@ -661,6 +675,13 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(
     c->where_.emplace(name, i);
   }
   return c;
+}
+
+void Checkpoint::ReleaseTensor(std::string_view name) const {
+  const SafetensorsFile* f = FileFor(name);
+  if (f == nullptr) return;
+  const TensorInfo* info = f->Find(name);
+  if (info != nullptr) f->ReleasePages(*info);
 }
 
 const SafetensorsFile* Checkpoint::FileFor(std::string_view name) const {

@@ -128,6 +128,13 @@ class SafetensorsFile {
   /// Data<uint16_t> for F16/BF16 bits. INVALID_ARGUMENT if sizeof(T) is not
   /// the dtype's size, or the data is not aligned for T (possible when N is
   /// not a multiple of 8); then use RawBytes or ReadTensorAsFloat.
+  /// Drops the mapped pages that lie wholly inside `info`'s bytes from
+  /// this process's resident memory (madvise MADV_DONTNEED on the file
+  /// mapping; a later read faults them back in from the file). A loader
+  /// that has converted a tensor calls it so the checkpoint's pages do not
+  /// add up alongside the converted copy. No-op for FromBytes files.
+  void ReleasePages(const TensorInfo& info) const;
+
   template <typename T>
   absl::StatusOr<absl::Span<const T>> Data(const TensorInfo& info) const {
     absl::Status s = CheckView(info, sizeof(T), alignof(T));
@@ -215,6 +222,8 @@ class Checkpoint {
   absl::Status ReadTensorInto(std::string_view name,
                               absl::Span<const int64_t> expected_shape,
                               absl::Span<float> dst) const;
+  /// SafetensorsFile::ReleasePages of tensor `name`; no-op if absent.
+  void ReleaseTensor(std::string_view name) const;
 
  private:
   Checkpoint() = default;

@@ -34,7 +34,9 @@ class Reader {
   absl::Status Read(const std::string& name, std::vector<int64_t> shape,
                     std::vector<float>* out) {
     used_.insert(name);
-    return ckpt_.ReadTensorAsFloat(name, shape, out);
+    absl::Status s = ckpt_.ReadTensorAsFloat(name, shape, out);
+    ckpt_.ReleaseTensor(name);  // converted: the mapped bytes can go
+    return s;
   }
 
   // Reads tensor `name` of `shape` into out[offset, offset + prod(shape)).
@@ -43,8 +45,10 @@ class Reader {
     used_.insert(name);
     size_t n = 1;
     for (int64_t d : shape) n *= static_cast<size_t>(d);
-    return ckpt_.ReadTensorInto(name, shape,
-                                absl::MakeSpan(out->data() + offset, n));
+    absl::Status s = ckpt_.ReadTensorInto(
+        name, shape, absl::MakeSpan(out->data() + offset, n));
+    ckpt_.ReleaseTensor(name);
+    return s;
   }
 
   void MarkUsed(const std::string& name) { used_.insert(name); }
@@ -80,6 +84,11 @@ size_t ModelWeights::bytes() const {
 }
 
 absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
+  return LoadModelWeights(model_dir, LoadWeightsOptions());
+}
+
+absl::StatusOr<ModelWeights> LoadModelWeights(
+    const std::string& model_dir, const LoadWeightsOptions& options) {
   absl::StatusOr<ModelConfig> config =
       LoadModelConfig(JoinPath(model_dir, "config.json"));
   if (!config.ok()) return config.status();
@@ -99,6 +108,10 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
       int64_t{config->num_key_value_heads} * config->head_dim;
   Reader r(c);
   absl::Status s;
+  const TensorInfo* probe = c.Find("model.layers.0.self_attn.q_proj.weight");
+  if (probe == nullptr) probe = c.Find(kEmbed);
+  if (probe == nullptr) probe = c.Find(kLmHead);
+  if (probe != nullptr) w.checkpoint_dtype = probe->dtype;
 
   // Embeddings and output head. A tied checkpoint may keep either copy
   // (tinystories-656K stores only lm_head.weight).
@@ -207,6 +220,9 @@ absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir) {
     if ((s = r.Read(p + "mlp.down_proj.weight", {hidden, ffn}, &l.w_down));
         !s.ok()) {
       return s;
+    }
+    if (options.on_layer) {
+      if ((s = options.on_layer(w, i, &l)); !s.ok()) return s;
     }
   }
   if ((s = r.Read(kFinalNorm, {hidden}, &w.final_norm)); !s.ok()) return s;

@@ -2,11 +2,14 @@
 #define SPECSERVE_COMMON_MODEL_WEIGHTS_H_
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/model/config.h"
+#include "common/model/safetensors.h"
 
 namespace specserve {
 
@@ -42,6 +45,10 @@ struct ModelWeights {
   const float* lm_head() const {
     return lm_head_weight.empty() ? embed.data() : lm_head_weight.data();
   }
+  /// The element type the checkpoint stores its Linear weights in (layer
+  /// 0's q_proj; F32, F16 or BF16): what `--weight_dtype auto` keeps.
+  DType checkpoint_dtype = DType::kF32;
+
   /// Total parameter bytes held (fp32), counting a tied lm_head once.
   size_t bytes() const;
 };
@@ -56,6 +63,23 @@ struct ModelWeights {
 /// the right shape: errors are INVALID_ARGUMENT / NOT_FOUND naming the file
 /// and tensor.
 absl::StatusOr<ModelWeights> LoadModelWeights(const std::string& model_dir);
+
+/// Options of LoadModelWeights.
+struct LoadWeightsOptions {
+  /// Called for each decoder layer, in order, as soon as it has been read,
+  /// with the weights read so far (config, checkpoint_dtype, the embedding
+  /// table and lm_head set; later layers empty). It may take the layer's
+  /// vectors (the returned ModelWeights then has them empty), so a caller
+  /// can convert the model layer by layer instead of holding all of it in
+  /// f32. A non-OK status stops loading and is returned.
+  std::function<absl::Status(const ModelWeights& partial, int layer,
+                             LayerWeights* weights)>
+      on_layer;
+};
+
+/// As above, with `options`.
+absl::StatusOr<ModelWeights> LoadModelWeights(
+    const std::string& model_dir, const LoadWeightsOptions& options);
 
 }  // namespace specserve
 

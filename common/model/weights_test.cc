@@ -247,6 +247,41 @@ TEST(LoadModelWeightsTest, TinyModelLayout) {
   EXPECT_EQ(w->bytes(), params * sizeof(float));
 }
 
+TEST(LoadModelWeightsTest, OnLayerSeesEachLayerInOrderAndMayTakeIt) {
+  const std::string dir = WriteTiny("on_layer", /*tied=*/true, false);
+  absl::StatusOr<ModelWeights> whole = LoadModelWeights(dir);
+  ASSERT_TRUE(whole.ok());
+  std::vector<int> seen;
+  std::vector<std::vector<float>> taken;
+  LoadWeightsOptions o;
+  o.on_layer = [&](const ModelWeights& partial, int layer, LayerWeights* l) {
+    seen.push_back(layer);
+    EXPECT_EQ(partial.embed, whole->embed);  // read before the layers
+    EXPECT_EQ(&partial.layers[layer], l);
+    if (layer + 1 < static_cast<int>(partial.layers.size())) {
+      EXPECT_TRUE(partial.layers[layer + 1].wqkv.empty());  // not read yet
+    }
+    taken.push_back(std::move(l->wqkv));
+    l->wqkv.clear();
+    return absl::OkStatus();
+  };
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(dir, o);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(seen, (std::vector<int>{0, 1}));
+  ASSERT_EQ(taken.size(), 2u);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(taken[l], whole->layers[l].wqkv);
+    EXPECT_TRUE(w->layers[l].wqkv.empty());
+    EXPECT_EQ(w->layers[l].w_down, whole->layers[l].w_down);
+  }
+  // An error stops loading and is returned.
+  o.on_layer = [](const ModelWeights&, int layer, LayerWeights*) {
+    return layer == 1 ? absl::CancelledError("stop at 1") : absl::OkStatus();
+  };
+  w = LoadModelWeights(dir, o);
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kCancelled);
+}
+
 TEST(LoadModelWeightsTest, UntiedNeedsAndUsesLmHead) {
   absl::StatusOr<ModelWeights> w =
       LoadModelWeights(WriteTiny("untied", /*tied=*/false, true));

@@ -12,6 +12,10 @@ ABSL_FLAG(bool, enable_prefix_caching, true,
           "their positions) start with KV blocks computed before reuse them");
 ABSL_FLAG(std::string, cuda_dtype, "bf16",
           "weights and KV cache type on the GPU: bf16 or fp16");
+ABSL_FLAG(std::string, weight_dtype, "auto",
+          "CPU engine weights: auto (the checkpoint's: bf16 stays bf16, else "
+          "f32), f32, bf16, or int8 (8-bit blocks of 32 with f16 scales, "
+          "quantized at load)");
 
 namespace specserve {
 
@@ -21,6 +25,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache.block_size = absl::GetFlag(FLAGS_kv_block_size);
   o.kv_cache.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   o.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
+  o.weight_dtype = absl::GetFlag(FLAGS_weight_dtype);
   return o;
 }
 

@@ -10,6 +10,7 @@ namespace specserve {
 ///   --kv_block_size N       (tokens per KV cache block, default 16)
 ///   --enable_prefix_caching (automatic prefix caching, default on)
 ///   --cuda_dtype bf16|fp16  (weights and KV cache on the GPU)
+///   --weight_dtype auto|f32|bf16|int8  (CPU engine weights)
 /// The pool size comes from each service's --kv_budget_bytes.
 RunnerOptions RunnerOptionsFromFlags();
 
