@@ -14,8 +14,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/model/synthetic.h"
 
-extern "C" char* openblas_get_corename(void);
-
 namespace specserve {
 namespace bench {
 
@@ -106,11 +104,6 @@ double AttentionFlops(const ModelConfig& c, int n) {
   // q.k and p.v over the causal triangle: 2 * 2 * n^2/2 * H * D per layer.
   return 2.0 * double(n) * n * c.num_attention_heads * c.head_dim *
          c.num_hidden_layers;
-}
-
-std::string BlasCoreName() {
-  const char* name = openblas_get_corename();
-  return name ? name : "unknown";
 }
 
 }  // namespace bench

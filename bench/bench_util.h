@@ -40,7 +40,6 @@ double LayerFlopsPerToken(const ModelConfig& c);
 double AttentionFlops(const ModelConfig& c, int n);
 
 /// The OpenBLAS core type in use (openblas_get_corename()).
-std::string BlasCoreName();
 
 }  // namespace bench
 }  // namespace specserve

@@ -206,7 +206,7 @@ int Run() {
     lengths.push_back(std::stoi(std::string(s)));
   }
   const double bw = TriadGBps(absl::GetFlag(FLAGS_threads));
-  std::printf("OpenBLAS core: %s, threads: %d\n", BlasCoreName().c_str(),
+  std::printf("OpenBLAS core: %s, threads: %d\n", OpenBlasCoreName().c_str(),
               absl::GetFlag(FLAGS_threads));
   std::printf("STREAM triad bandwidth: %.1f GB/s\n\n", bw);
   std::printf(

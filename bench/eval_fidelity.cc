@@ -1077,7 +1077,7 @@ int Run(int argc, char** argv) {
                  {"smoke", cfg.smoke},
                  {"threads", cfg.threads},
                  {"hardware_threads", std::thread::hardware_concurrency()},
-                 {"blas_core", BlasCoreName()},
+                 {"blas_core", OpenBlasCoreName()},
                  {"loadavg_start", LoadAverage()},
                  {"keep_ratios", cfg.ratios},
                  {"ablation_keep_ratios", cfg.ablation_ratios},

@@ -37,7 +37,7 @@ int Run() {
   SetEngineThreads(threads);
   std::printf("OpenBLAS core: %s, threads: %d, look-ahead %d, keep 0.3, "
               "chunk 32, pool 13\n\n",
-              BlasCoreName().c_str(), threads, absl::GetFlag(FLAGS_look_ahead));
+              OpenBlasCoreName().c_str(), threads, absl::GetFlag(FLAGS_look_ahead));
   std::printf("| model | prompt | prefill ms | look-ahead ms | scoring ms | "
               "scoring / prefill | kept |\n|---|---|---|---|---|---|---|\n");
   std::mt19937 rng(0);

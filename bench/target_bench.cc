@@ -40,7 +40,7 @@ std::vector<double> Doubles(const std::string& s) {
 
 int Run() {
   SetEngineThreads(absl::GetFlag(FLAGS_threads));
-  std::printf("OpenBLAS core: %s, threads: %d\n\n", BlasCoreName().c_str(),
+  std::printf("OpenBLAS core: %s, threads: %d\n\n", OpenBlasCoreName().c_str(),
               absl::GetFlag(FLAGS_threads));
   std::printf("| model | prompt | kept | prefill ms | speedup vs full |\n"
               "|---|---|---|---|---|\n");

@@ -647,7 +647,10 @@ void SetEngineThreads(int n) {
   }
 }
 
-std::string OpenBlasCoreName() { return openblas_get_corename(); }
+std::string OpenBlasCoreName() {
+  const char* name = openblas_get_corename();
+  return name != nullptr ? name : "unknown";
+}
 
 void MaybeReexecForAvx512(char** argv) {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
