@@ -14,6 +14,7 @@
 #include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/service/model_service_flags.h"
+#include "common/service/model_service_main.h"
 #include "common/service/server_main.h"
 #include "common/service/spec_prefill_flags.h"
 #include "speculator_service/speculator_server.h"
@@ -51,16 +52,10 @@ int Run() {
 
   SetEngineThreads(o.engine_threads);
   EnableHealthAndReflection();
-  auto server = SpeculatorServer::Create(o);
-  if (!server.ok()) {
-    std::fprintf(stderr, "error: %s\n", server.status().ToString().c_str());
-    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return ServeUntilStopSignal("speculator_service", **server,
-                              absl::GetFlag(FLAGS_port), o.host,
-                              absl::GetFlag(FLAGS_metrics_port),
-                              (*server)->registry_ptr(), stop,
-                              o.shutdown_grace);
+  return ServeModelService(
+      "speculator_service", SpeculatorServer::Create(o),
+      [](SpeculatorServer& s) { return s.registry_ptr(); }, o,
+      absl::GetFlag(FLAGS_port), absl::GetFlag(FLAGS_metrics_port), stop);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/service/model_service_flags.h"
+#include "common/service/model_service_main.h"
 #include "common/service/server_main.h"
 #include "target_service/target_server.h"
 
@@ -58,17 +59,10 @@ int Run() {
   options.max_waiting_requests = absl::GetFlag(FLAGS_max_waiting_requests);
   options.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
   options.max_drafts = absl::GetFlag(FLAGS_max_drafts);
-  auto server = TargetServer::Create(options);
-  if (!server.ok()) {
-    std::fprintf(stderr, "target_service: %s\n",
-                 server.status().ToString().c_str());
-    return 1;
-  }
-  return ServeUntilStopSignal("target_service", **server,
-                              absl::GetFlag(FLAGS_port), options.host,
-                              absl::GetFlag(FLAGS_metrics_port),
-                              (*server)->registry(), stop,
-                              options.shutdown_grace);
+  return ServeModelService(
+      "target_service", TargetServer::Create(options),
+      [](TargetServer& s) { return s.registry(); }, options,
+      absl::GetFlag(FLAGS_port), absl::GetFlag(FLAGS_metrics_port), stop);
 }
 
 }  // namespace

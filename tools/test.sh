@@ -31,6 +31,19 @@ step() {
   STEPS+=("$name: $((SECONDS - start)) s")
 }
 
+# Layering: the router has no model, so it must not link the engine or a
+# model service's code (docs/ARCHITECTURE.md).
+for forbidden in //common/engine/... //common/cuda/... //common/speculation/... \
+                 //speculator_service/... //target_service/...; do
+  path=$(bazel query "somepath(//router:router, $forbidden)" 2>/dev/null)
+  if [ -n "$path" ]; then
+    echo "layering: //router:router depends on $forbidden through:" >&2
+    echo "$path" >&2
+    exit 1
+  fi
+done
+echo "layering: //router:router links no engine or model-service code"
+
 step plain //... "$@"
 # The services' tests and the end-to-end test under ASan + UBSan and under
 # TSan (.bazelrc; sentencepiece through the built-in tokenizer), plus the
