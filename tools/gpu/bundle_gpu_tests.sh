@@ -3,7 +3,8 @@
 # for a machine with no Bazel or Debian libraries (the GPU machine), the
 # way bundle_stack.sh bundles the services:
 #
-#   OUT/bin/cuda_backend_test, device_test   the CUDA cc_tests (gtest)
+#   OUT/bin/cuda_backend_test, device_test,  the cc_tests of common/cuda
+#     attention_plan_test                    (gtest)
 #   OUT/bin/gpu_bench                        bench/gpu/gpu_bench.cc
 #   OUT/bin/make_synthetic_checkpoint        synthetic weights for the bench
 #   OUT/lib/                                 their shared libraries
@@ -31,10 +32,12 @@ OUT=${1:-.device/gpu}
 BIN_ROOT=${BINARIES_FROM:-bazel-bin}
 # Every CUDA cc_test goes to the GPU machine; keep in step with
 # common/cuda/BUILD.bazel (the bundle test checks the list is complete).
-TESTS=(common/cuda/cuda_backend_test common/cuda/device_test)
+TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
+       common/cuda/device_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
 if [ -z "${BINARIES_FROM:-}" ]; then
-  bazel build -c opt //common/cuda:cuda_backend_test //common/cuda:device_test \
+  bazel build -c opt //common/cuda:attention_plan_test \
+    //common/cuda:cuda_backend_test //common/cuda:device_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint
 fi
 rm -rf "$OUT"

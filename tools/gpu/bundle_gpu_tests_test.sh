@@ -10,7 +10,8 @@ set -euo pipefail
 ROOT="$PWD"
 GPU="${TEST_TMPDIR:-$(mktemp -d)}/gpu"
 BINARIES_FROM="$ROOT" bash tools/gpu/bundle_gpu_tests.sh "$GPU"
-for b in cuda_backend_test device_test gpu_bench make_synthetic_checkpoint; do
+for b in attention_plan_test cuda_backend_test device_test gpu_bench \
+         make_synthetic_checkpoint; do
   test -x "$GPU/bin/$b"
   LD_LIBRARY_PATH="$GPU/lib" ldd "$GPU/bin/$b" > "$GPU/ldd.txt"
   if grep -q "not found" "$GPU/ldd.txt"; then
