@@ -1093,8 +1093,12 @@ TEST_F(BatchedAttentionTest, MixedStepFp32MatchesPerSequenceKernels) {
       SCOPED_TRACE(absl::StrCat("D=", D, " sms=", sms));
       const int split =
           Check(MixedStep(), 32, 8, D, CudaDType::kF32, 16, sms, 1e-5, 1e-5);
-      if (sms == 1) EXPECT_EQ(split, 0);
-      if (sms == 4096) EXPECT_GE(split, 5);
+      if (sms == 1) {
+        EXPECT_EQ(split, 0);
+      }
+      if (sms == 4096) {
+        EXPECT_GE(split, 5);
+      }
     }
   }
 }
