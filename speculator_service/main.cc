@@ -37,11 +37,12 @@ ABSL_FLAG(int, max_queue, 1024,
           "Score / Draft operations queued or running before "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, max_sessions, 64, "live sessions before RESOURCE_EXHAUSTED");
-ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
+ABSL_FLAG(int64_t, kv_budget_bytes, 0,
           "bytes of the paged KV cache pool shared by all sessions; when "
           "blocks run out the newest sessions are preempted and recomputed "
           "later (a prompt + look-ahead beyond the pool is "
-          "RESOURCE_EXHAUSTED)");
+          "RESOURCE_EXHAUSTED). 0: sized from --gpu_memory_utilization on "
+          "CUDA, 2 GiB on CPU");
 ABSL_FLAG(double, session_ttl_s, 300,
           "idle seconds before a session is reaped");
 ABSL_FLAG(int, default_look_ahead, 8, "look-ahead tokens when unset");

@@ -36,7 +36,9 @@ struct SpeculatorServerOptions {
   int max_sessions = 64;
   /// KV cache of all sessions: the size of the model runner's paged pool.
   /// Sessions take blocks as they grow; when the pool runs out the
-  /// scheduler preempts the newest (they recompute later).
+  /// scheduler preempts the newest (they recompute later). 0: sized from
+  /// the device (RunnerOptions::kv_pool_from_device; --device cuda:
+  /// runner.gpu_memory_utilization, cpu: 2 GiB).
   size_t kv_budget_bytes = size_t{2} << 30;
   /// Backend (--device), KV block size and CUDA dtype; its
   /// kv_cache.pool_bytes is set from kv_budget_bytes.

@@ -36,11 +36,12 @@ ABSL_FLAG(int, max_num_batched_tokens, 0,
 ABSL_FLAG(int, max_sessions, 64, "concurrent Generate streams admitted");
 ABSL_FLAG(int, max_waiting_requests, 1024,
           "streams that wait for admission before RESOURCE_EXHAUSTED");
-ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
+ABSL_FLAG(int64_t, kv_budget_bytes, 0,
           "bytes of the paged KV cache pool shared by all streams; when "
           "blocks run out the newest streams are preempted and recomputed "
           "later (a request whose own worst case exceeds the pool is "
-          "RESOURCE_EXHAUSTED)");
+          "RESOURCE_EXHAUSTED). 0: sized from --gpu_memory_utilization on "
+          "CUDA, 2 GiB on CPU");
 ABSL_FLAG(int, default_max_new_tokens, 256,
           "max_new_tokens for requests that leave it 0");
 ABSL_FLAG(int, max_drafts, 64, "drafts per message at most, [0, 64]");

@@ -516,9 +516,9 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_sessions must be >= 1, got ", options.max_sessions));
   }
-  if (options.kv_budget_bytes < 1) {
+  if (options.kv_budget_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "kv_budget_bytes must be >= 1, got ", options.kv_budget_bytes));
+        "kv_budget_bytes must be >= 0, got ", options.kv_budget_bytes));
   }
   if (options.default_max_new_tokens < 1) {
     return absl::InvalidArgumentError(
@@ -557,6 +557,7 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   SetEngineThreads(options.threads);
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = static_cast<size_t>(options.kv_budget_bytes);
+  ro.kv_pool_from_device = options.kv_budget_bytes == 0;
   auto runner = CreateModelRunner(
       std::make_shared<const ModelWeights>(*std::move(weights)), ro);
   if (!runner.ok()) return runner.status();

@@ -81,7 +81,9 @@ struct TargetServerOptions {
   int max_num_batched_tokens = 0;
   /// KV cache of all streams: the size of the model runner's paged pool.
   /// Sessions take blocks as they grow (preempted under pressure); one
-  /// whose largest possible cache exceeds the pool is refused.
+  /// whose largest possible cache exceeds the pool is refused. 0: sized
+  /// from the device (RunnerOptions::kv_pool_from_device; --device cuda:
+  /// runner.gpu_memory_utilization, cpu: 2 GiB).
   int64_t kv_budget_bytes = int64_t{2} << 30;
   /// Backend (--device), KV block size and CUDA dtype; its
   /// kv_cache.pool_bytes is set from kv_budget_bytes.

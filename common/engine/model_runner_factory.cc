@@ -1,9 +1,12 @@
 #include "common/engine/model_runner_factory.h"
 
+#include <cstdio>
+
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device.h"
+#include "common/cuda/kv_pool_sizing.h"
 
 namespace specserve {
 namespace {
@@ -13,6 +16,17 @@ absl::StatusOr<CudaDType> ParseCudaDType(const std::string& s) {
   if (s == "fp16" || s == "float16") return CudaDType::kFP16;
   return absl::InvalidArgumentError(
       absl::StrCat("cuda_dtype must be bf16 or fp16, got \"", s, "\""));
+}
+
+// One line on stderr: the pool in tokens, as the services' start log.
+void LogPool(ModelRunner& runner, const std::string& source) {
+  const PagedKvCache& kv = runner.kv_cache();
+  std::fprintf(stderr,
+               "kv cache: %lld tokens (%d blocks of %d tokens, %zu bytes) on "
+               "%s, sized by %s\n",
+               static_cast<long long>(kv.num_blocks()) * kv.block_size(),
+               kv.num_blocks(), kv.block_size(), kv.bytes_capacity(),
+               runner.backend().c_str(), source.c_str());
 }
 
 }  // namespace
@@ -38,23 +52,56 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
   if (weights == nullptr) {
     return absl::InvalidArgumentError("CreateModelRunner: weights is null");
   }
+  if (!(options.gpu_memory_utilization > 0.0 &&
+        options.gpu_memory_utilization <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_memory_utilization must be in (0, 1], got ",
+                     options.gpu_memory_utilization));
+  }
   absl::StatusOr<DeviceKind> kind =
       ParseDevice(options.device, CudaAvailable());
   if (!kind.ok()) return kind.status();
+  KvCacheOptions kv = options.kv_cache;
+  std::string source = kv.pool_bytes > 0 ? "--kv_budget_bytes" : "max context";
   if (*kind == DeviceKind::kCpu) {
+    if (options.kv_pool_from_device) {
+      kv.pool_bytes = kDefaultCpuKvBudgetBytes;
+      source = "the CPU default (2 GiB)";
+    }
     absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Create(std::move(weights), options.kv_cache);
+        CpuModelRunner::Create(std::move(weights), kv);
     if (!r.ok()) return r.status();
+    LogPool(**r, source);
     return std::unique_ptr<ModelRunner>(*std::move(r));
   }
   absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
   if (!dt.ok()) return dt.status();
+  absl::StatusOr<CudaMemory> before;
+  if (options.kv_pool_from_device) {
+    before = QueryCudaMemory();
+    if (!before.ok()) return before.status();
+  }
   absl::StatusOr<std::shared_ptr<const CudaWeights>> gw =
       CudaWeights::Upload(*weights, *dt);
   if (!gw.ok()) return gw.status();
+  if (options.kv_pool_from_device) {
+    GpuMemoryBudget m;
+    m.total_bytes = before->total_bytes;
+    m.free_before_bytes = before->free_bytes;
+    m.instance_bytes = (*gw)->bytes();
+    m.reserve_bytes = ForwardWorkspaceReserveBytes(
+        (*gw)->config(), kWorkspaceReserveRows, CudaDTypeBytes(*dt));
+    m.utilization = options.gpu_memory_utilization;
+    absl::StatusOr<size_t> pool = KvPoolBytesFromUtilization(m);
+    if (!pool.ok()) return pool.status();
+    kv.pool_bytes = *pool;
+    source = absl::StrCat("--gpu_memory_utilization ",
+                          options.gpu_memory_utilization);
+  }
   absl::StatusOr<std::unique_ptr<CudaModelRunner>> r =
-      CudaModelRunner::Create(*std::move(gw), options.kv_cache);
+      CudaModelRunner::Create(*std::move(gw), kv);
   if (!r.ok()) return r.status();
+  LogPool(**r, source);
   return std::unique_ptr<ModelRunner>(*std::move(r));
 }
 

@@ -12,6 +12,11 @@ ABSL_FLAG(bool, enable_prefix_caching, true,
           "their positions) start with KV blocks computed before reuse them");
 ABSL_FLAG(std::string, cuda_dtype, "bf16",
           "weights and KV cache type on the GPU: bf16 or fp16");
+ABSL_FLAG(double, gpu_memory_utilization, 0.9,
+          "fraction of the GPU's memory this service may hold (weights, "
+          "workspace and KV cache), vLLM's meaning: the KV pool gets the "
+          "rest; used when --kv_budget_bytes is 0 (the default). Two "
+          "services on one GPU need fractions that sum to < 1");
 
 namespace specserve {
 
@@ -21,6 +26,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache.block_size = absl::GetFlag(FLAGS_kv_block_size);
   o.kv_cache.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   o.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
+  o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   return o;
 }
 

@@ -10,7 +10,10 @@ namespace specserve {
 ///   --kv_block_size N       (tokens per KV cache block, default 16)
 ///   --enable_prefix_caching (automatic prefix caching, default on)
 ///   --cuda_dtype bf16|fp16  (weights and KV cache on the GPU)
-/// The pool size comes from each service's --kv_budget_bytes.
+///   --gpu_memory_utilization F  (default 0.9, vLLM's meaning)
+/// The pool size comes from each service's --kv_budget_bytes; at 0 (the
+/// services set RunnerOptions::kv_pool_from_device) from
+/// --gpu_memory_utilization on CUDA, 2 GiB on CPU.
 RunnerOptions RunnerOptionsFromFlags();
 
 }  // namespace specserve
