@@ -405,6 +405,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   std::unique_ptr<SpeculatorServer> s(new SpeculatorServer(options));
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = options.kv_budget_bytes;
+  ro.kv_pool_from_device = options.kv_budget_bytes == 0;
   auto runner = LoadModelRunner(options.model_dir, ro);
   if (!runner.ok()) return runner.status();
   s->model_ = *std::move(runner);

@@ -511,10 +511,6 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_sessions must be >= 1, got ", options.max_sessions));
   }
-  if (options.kv_budget_bytes < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv_budget_bytes must be >= 1, got ", options.kv_budget_bytes));
-  }
   if (options.default_max_new_tokens < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("default_max_new_tokens must be >= 1, got ",
@@ -549,7 +545,8 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
   }
   SetEngineThreads(options.engine_threads);
   RunnerOptions ro = options.runner;
-  ro.kv_cache.pool_bytes = static_cast<size_t>(options.kv_budget_bytes);
+  ro.kv_cache.pool_bytes = options.kv_budget_bytes;
+  ro.kv_pool_from_device = options.kv_budget_bytes == 0;
   auto runner = LoadModelRunner(options.model_dir, ro);
   if (!runner.ok()) return runner.status();
   // The metrics exist before the scheduler that reports into them.

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/cuda/attention_layout.h"
 #include "common/cuda/cuda_types.cuh"
 #include "common/cuda/kernels.h"
 
@@ -222,6 +223,214 @@ __global__ void SplitKCombineKernel(int n, int num_heads, int head_dim,
       }
     }
     out[pair * head_dim + d] = FromF32<T>(o * inv);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Batched attention: the split-K kernel's tile (16 queries x 8 threads, a
+// key tile in shared memory, fp32 online softmax) over a work list that
+// spans every sequence of the step. Block (w, g): work item w = (sequence,
+// query tile, key split), kv head g. The sequence's rows, cached length,
+// block table, split size and partial offset come from its seq_info record
+// (attention_layout.h).
+// ---------------------------------------------------------------------------
+static_assert(kBatchedAttentionQueryTile == kSkQueries,
+              "the plan's query tile is the kernel's");
+
+template <typename T>
+__global__ void __launch_bounds__(kSkThreads)
+    BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
+  extern __shared__ float ba_smem[];
+  const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
+  const int group = H / KV;
+  const int* item = a.work + 3 * static_cast<size_t>(blockIdx.x);
+  const int seq = item[0], tile = item[1], s = item[2];
+  const int* info = a.seq_info + static_cast<size_t>(seq) * kSeqInfoFields;
+  const int row0 = info[kSeqRowStart], n = info[kSeqRows];
+  const int first = info[kSeqFirst];
+  const int* table = a.block_tables + info[kSeqTableStart];
+  const int splits = info[kSeqSplits];
+  const int keys_per_split = info[kSeqKeysPerSplit];
+  const int nq = n * group;
+  const int g = blockIdx.y;
+  const int q0 = tile * kSkQueries;
+  const int KT = key_tile;
+  const int bs = a.block_size;
+  float* Qs = ba_smem;                               // [16][D + 1]
+  float* Ks = Qs + kSkQueries * (D + 1);             // [KT][D + 1]
+  float* Vs = Ks + KT * (D + 1);                     // [KT][D]
+  float* Ps = Vs + KT * D;                           // [16][KT]
+  const T* q = static_cast<const T*>(a.q) + static_cast<size_t>(row0) * H * D;
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+
+  const int qi = threadIdx.x >> 3, sub = threadIdx.x & 7;
+  const int flat = q0 + qi;
+  const bool valid = flat < nq;
+  const int r = valid ? flat / group : 0;
+  const int h = g * group + (valid ? flat % group : 0);
+  const int qslot = first + r;
+
+  const int last_flat = min(nq, q0 + kSkQueries) - 1;
+  const int kmax = first + last_flat / group + 1;
+  const int ks = s * keys_per_split;
+  const int ke = min(ks + keys_per_split, kmax);
+
+  for (int idx = threadIdx.x; idx < kSkQueries * D; idx += blockDim.x) {
+    const int i = idx / D, d = idx % D;
+    const int f = q0 + i;
+    float v = 0.0f;
+    if (f < nq) {
+      const int rr = f / group, hh = g * group + f % group;
+      v = ToF32<T>(q[(static_cast<size_t>(rr) * H + hh) * D + d]) * a.scale *
+          kLog2e;
+    }
+    Qs[i * (D + 1) + d] = v;
+  }
+
+  float acc[kSkMaxDims];
+#pragma unroll
+  for (int j = 0; j < kSkMaxDims; ++j) acc[j] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+
+  for (int k0 = ks; k0 < ke; k0 += KT) {
+    const int nk = min(KT, ke - k0);
+    __syncthreads();  // previous tile fully consumed (and Q stored)
+    for (int idx = threadIdx.x; idx < KT * D; idx += blockDim.x) {
+      const int j = idx / D, d = idx % D;
+      float kv = 0.0f, vv = 0.0f;
+      if (j < nk) {
+        const int t = k0 + j;
+        const size_t phys =
+            static_cast<size_t>(table[t / bs]) * bs + t % bs;
+        const size_t src = (phys * KV + g) * D + d;
+        kv = ToF32<T>(kc[src]);
+        vv = ToF32<T>(vc[src]);
+      }
+      Ks[j * (D + 1) + d] = kv;
+      Vs[j * D + d] = vv;
+    }
+    __syncthreads();
+
+    float sc[kSkMaxKeysPerThread];
+    float tmax = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+      const int j = sub + 8 * t;
+      float x = -INFINITY;
+      if (j < KT && valid && j < nk && k0 + j <= qslot) {
+        const float* qr = Qs + qi * (D + 1);
+        const float* kr = Ks + j * (D + 1);
+        float dot = 0.0f;
+        for (int d = 0; d < D; ++d) dot = fmaf(qr[d], kr[d], dot);
+        x = dot;
+      }
+      sc[t] = x;
+      tmax = fmaxf(tmax, x);
+    }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    const float m_new = fmaxf(m, tmax);
+    float alpha = 1.0f, psum = 0.0f;
+    if (m_new != -INFINITY) {
+      alpha = exp2f(m - m_new);
+#pragma unroll
+      for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+        sc[t] = exp2f(sc[t] - m_new);
+        psum += sc[t];
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < kSkMaxKeysPerThread; ++t) sc[t] = 0.0f;
+    }
+    psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+    l = l * alpha + psum;
+    m = m_new;
+#pragma unroll
+    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+      const int j = sub + 8 * t;
+      if (j < KT) Ps[qi * KT + j] = sc[t];
+    }
+#pragma unroll
+    for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
+    __syncwarp();
+    for (int j = 0; j < nk; ++j) {
+      const float p = Ps[qi * KT + j];
+      const float* vr = Vs + j * D;
+#pragma unroll
+      for (int jj = 0; jj < kSkMaxDims; ++jj) {
+        const int d = sub + 8 * jj;
+        if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
+      }
+    }
+  }
+
+  if (!valid) return;
+  if (splits == 1) {  // the whole context: normalise and store
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    T* out = static_cast<T*>(a.out) +
+             (static_cast<size_t>(row0 + r) * H + h) * D;
+#pragma unroll
+    for (int jj = 0; jj < kSkMaxDims; ++jj) {
+      const int d = sub + 8 * jj;
+      if (d < D) out[d] = FromF32<T>(acc[jj] * inv);
+    }
+    return;
+  }
+  float* part_o = static_cast<float*>(a.workspace);
+  float* part_m = part_o + a.partial_triples * D;
+  float* part_l = part_m + a.partial_triples;
+  const size_t idx = static_cast<size_t>(info[kSeqPartialStart]) +
+                     (static_cast<size_t>(s) * n + r) * H + h;
+  if (sub == 0) {
+    part_m[idx] = m;
+    part_l[idx] = l;
+  }
+#pragma unroll
+  for (int jj = 0; jj < kSkMaxDims; ++jj) {
+    const int d = sub + 8 * jj;
+    if (d < D) part_o[idx * D + d] = acc[jj];
+  }
+}
+
+// Merges the split partials of one (row, query head) of a split sequence:
+// block (c, h) for combine entry c = (global row, sequence).
+template <typename T>
+__global__ void BatchedCombineKernel(BatchedAttentionArgs a) {
+  const int row = a.combine[2 * blockIdx.x];
+  const int seq = a.combine[2 * blockIdx.x + 1];
+  const int h = blockIdx.y;
+  const int H = a.num_heads, D = a.head_dim;
+  const int* info = a.seq_info + static_cast<size_t>(seq) * kSeqInfoFields;
+  const int n = info[kSeqRows], splits = info[kSeqSplits];
+  const int r = row - info[kSeqRowStart];
+  const float* part_o = static_cast<const float*>(a.workspace);
+  const float* part_m = part_o + a.partial_triples * D;
+  const float* part_l = part_m + a.partial_triples;
+  const size_t base = static_cast<size_t>(info[kSeqPartialStart]) +
+                      static_cast<size_t>(r) * H + h;
+  const size_t stride = static_cast<size_t>(n) * H;  // between splits
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_m[base + s * stride]);
+  float denom = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = part_m[base + s * stride];
+    if (ms != -INFINITY) denom += part_l[base + s * stride] * exp2f(ms - mx);
+  }
+  const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+  T* out = static_cast<T*>(a.out) + (static_cast<size_t>(row) * H + h) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float ms = part_m[base + s * stride];
+      if (ms != -INFINITY) {
+        o += part_o[(base + s * stride) * D + d] * exp2f(ms - mx);
+      }
+    }
+    out[d] = FromF32<T>(o * inv);
   }
 }
 
@@ -514,6 +723,38 @@ cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
                                args.head_dim >= 128 ? 128 : 32, 0, stream>>>(
           args.n, args.num_heads, args.head_dim, num_splits, part_o, part_m,
           part_l, static_cast<T*>(args.out)));
+  return cudaGetLastError();
+}
+
+cudaError_t BatchedAttention(const BatchedAttentionArgs& args,
+                             cudaStream_t stream) {
+  const BatchedAttentionArgs& a = args;
+  if (a.num_heads < 1 || a.num_kv_heads < 1 ||
+      a.num_heads % a.num_kv_heads != 0 || a.head_dim < 1 ||
+      a.head_dim > 8 * kSkMaxDims || a.block_size < 1 || a.num_work < 0 ||
+      a.num_combine < 0 || a.partial_triples < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.num_work == 0) return cudaSuccess;
+  if (a.q == nullptr || a.k_cache == nullptr || a.v_cache == nullptr ||
+      a.out == nullptr || a.block_tables == nullptr ||
+      a.seq_info == nullptr || a.work == nullptr ||
+      (a.num_combine > 0 &&
+       (a.combine == nullptr || a.workspace == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  const int key_tile = SkKeyTile(a.head_dim);
+  const dim3 grid(a.num_work, a.num_kv_heads);
+  const size_t smem = SkSmemBytes(a.head_dim);
+  SPECSERVE_DISPATCH_DTYPE(
+      a.dtype, T,
+      BatchedAttentionKernel<T><<<grid, kSkThreads, smem, stream>>>(
+          a, key_tile);
+      if (a.num_combine > 0) {
+        BatchedCombineKernel<T>
+            <<<dim3(a.num_combine, a.num_heads), a.head_dim >= 128 ? 128 : 32,
+               0, stream>>>(a);
+      });
   return cudaGetLastError();
 }
 

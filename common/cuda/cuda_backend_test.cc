@@ -40,6 +40,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "common/cuda/attention_plan.h"
 #include "common/cuda/cuda_importance.h"
 #include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/cuda_weights.h"
@@ -269,6 +270,23 @@ TEST(CudaHostTest, LaunchersRejectBadShapesBeforeTouchingTheDevice) {
   EXPECT_EQ(ck::GatherKvRows(nullptr, CudaDType::kBF16, nullptr, 16, 4, 8,
                              nullptr, nullptr),
             cudaErrorInvalidValue);  // no block table
+}
+
+TEST(CudaHostTest, BatchedAttentionRejectsBadArgsBeforeTouchingTheDevice) {
+  ck::BatchedAttentionArgs a;  // no heads
+  EXPECT_EQ(ck::BatchedAttention(a, nullptr), cudaErrorInvalidValue);
+  a.num_heads = 6;
+  a.num_kv_heads = 4;  // not a multiple
+  a.head_dim = 64;
+  EXPECT_EQ(ck::BatchedAttention(a, nullptr), cudaErrorInvalidValue);
+  a.num_heads = 8;
+  a.head_dim = 264;  // > 256
+  EXPECT_EQ(ck::BatchedAttention(a, nullptr), cudaErrorInvalidValue);
+  a.head_dim = 64;
+  a.num_work = 0;  // empty plan: nothing to launch
+  EXPECT_EQ(ck::BatchedAttention(a, nullptr), cudaSuccess);
+  a.num_work = 3;  // work but null pointers
+  EXPECT_EQ(ck::BatchedAttention(a, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(CudaHostTest, SplitKPlanFillsTheDeviceOnlyWhenItPays) {
@@ -904,6 +922,221 @@ TEST_F(AttentionTest, PagedCacheMatchesReference) {
       EXPECT_LT(Run(c, CudaDType::kBF16, "flash", bs), 1e-2);
     }
   }
+}
+
+// ---------------------------------------------------------------------------
+// The batched launch (one per layer for every sequence of a step) against
+// today's per-sequence kernels and the float64 reference
+// ---------------------------------------------------------------------------
+
+struct BatchSeq {
+  int n, first;
+};
+
+class BatchedAttentionTest : public CudaTest {
+ protected:
+  // Runs `seqs` through one BatchedAttention launch planned for `num_sms`
+  // (0: the device's count) over a shared paged pool whose blocks are
+  // shuffled and dealt to the sequences interleaved (and every pool row no
+  // slot maps to is NaN), and checks each sequence's rows against
+  // SplitKAttention on the same pool and table (`tol_kernel`) and against
+  // ReferenceAttention (`tol_ref`). Returns the number of split sequences.
+  int Check(const std::vector<BatchSeq>& seqs, int H, int KV, int D,
+            CudaDType dt, int block_size, int num_sms, double tol_kernel,
+            double tol_ref) {
+    int device_sms = 0;
+    EXPECT_CUDA_OK(
+        cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, 0));
+    const int S = static_cast<int>(seqs.size());
+    const size_t rw = static_cast<size_t>(KV) * D;
+    const size_t qw = static_cast<size_t>(H) * D;
+    // Blocks of all sequences, dealt round-robin from a shuffled pool so
+    // that neighbouring physical blocks belong to different sequences.
+    std::vector<int> need(S);
+    int used = 0;
+    for (int i = 0; i < S; ++i) {
+      need[i] =
+          PagedKvCache::BlocksForTokens(seqs[i].first + seqs[i].n, block_size);
+      used += need[i];
+    }
+    const int pool_blocks = used + 5;
+    std::vector<int> ids(pool_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng_);
+    std::vector<std::vector<int>> tables(S);
+    for (int next = 0, round = 0; next < used; ++round) {
+      for (int i = 0; i < S; ++i) {
+        if (round < need[i]) tables[i].push_back(ids[next++]);
+      }
+    }
+    const size_t pool_rows = static_cast<size_t>(pool_blocks) * block_size;
+    std::vector<float> k_pool(pool_rows * rw,
+                              std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> v_pool = k_pool;
+    std::vector<float> q_all;
+    std::vector<std::vector<float>> refs(S);
+    std::vector<int> all_tables;
+    std::vector<ck::AttentionSequence> plan_seqs;
+    for (int i = 0; i < S; ++i) {
+      const int total = seqs[i].first + seqs[i].n;
+      const std::vector<float> q =
+          Rounded(Normal(static_cast<size_t>(seqs[i].n) * qw, 2.0f), dt);
+      const std::vector<float> k = Rounded(Normal(total * rw), dt);
+      const std::vector<float> v = Rounded(Normal(total * rw), dt);
+      refs[i] = ReferenceAttention(q, k, v, seqs[i].n, seqs[i].first, H, KV, D);
+      for (int t = 0; t < total; ++t) {
+        const size_t row =
+            static_cast<size_t>(tables[i][t / block_size]) * block_size +
+            t % block_size;
+        std::copy_n(&k[t * rw], rw, &k_pool[row * rw]);
+        std::copy_n(&v[t * rw], rw, &v_pool[row * rw]);
+      }
+      q_all.insert(q_all.end(), q.begin(), q.end());
+      plan_seqs.push_back(
+          {seqs[i].n, seqs[i].first, static_cast<int>(all_tables.size())});
+      all_tables.insert(all_tables.end(), tables[i].begin(), tables[i].end());
+    }
+    absl::StatusOr<ck::BatchedAttentionPlan> plan = ck::PlanBatchedAttention(
+        plan_seqs, H, KV, num_sms > 0 ? num_sms : device_sms);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    if (!plan.ok()) return -1;
+    const int rows = plan->total_rows;
+    DeviceBuffer d_q = UploadAs(q_all, dt), d_k = UploadAs(k_pool, dt),
+                 d_v = UploadAs(v_pool, dt);
+    DeviceBuffer d_tables = Upload(all_tables);
+    DeviceBuffer d_info = Upload(plan->seq_info);
+    DeviceBuffer d_work = Upload(plan->work);
+    DeviceBuffer d_combine =
+        plan->combine.empty() ? DeviceBuffer() : Upload(plan->combine);
+    const size_t ws_bytes = ck::BatchedAttentionWorkspaceBytes(*plan, D);
+    DeviceBuffer d_ws = ws_bytes > 0 ? Poisoned(ws_bytes) : DeviceBuffer();
+    DeviceBuffer d_out =
+        Poisoned(static_cast<size_t>(rows) * qw * CudaDTypeBytes(dt));
+    ck::BatchedAttentionArgs a;
+    a.q = d_q.get();
+    a.k_cache = d_k.get();
+    a.v_cache = d_v.get();
+    a.out = d_out.get();
+    a.dtype = dt;
+    a.num_heads = H;
+    a.num_kv_heads = KV;
+    a.head_dim = D;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    a.block_tables = d_tables.as<int>();
+    a.block_size = block_size;
+    a.seq_info = d_info.as<int>();
+    a.work = d_work.as<int>();
+    a.num_work = plan->num_work();
+    a.combine = d_combine.as<int>();
+    a.num_combine = plan->num_combine();
+    a.workspace = d_ws.get();
+    a.partial_triples = plan->partial_triples;
+    EXPECT_LAUNCH_OK(ck::BatchedAttention(a, nullptr));
+    const std::vector<float> got = Download(d_out.get(), dt, rows * qw);
+
+    int split_seqs = 0;
+    for (int i = 0; i < S; ++i) {
+      const int* info =
+          plan->seq_info.data() + static_cast<size_t>(i) * ck::kSeqInfoFields;
+      split_seqs += info[ck::kSeqSplits] > 1;
+      SCOPED_TRACE(absl::StrCat("sequence ", i, ": n=", seqs[i].n,
+                                " first=", seqs[i].first,
+                                " splits=", info[ck::kSeqSplits]));
+      // Today's per-sequence kernel on the same pool and block table.
+      ck::AttentionArgs one;
+      one.q =
+          static_cast<const char*>(d_q.get()) +
+          static_cast<size_t>(info[ck::kSeqRowStart]) * qw * CudaDTypeBytes(dt);
+      one.k_cache = d_k.get();
+      one.v_cache = d_v.get();
+      one.block_table = d_tables.as<int>() + plan_seqs[i].table_start;
+      one.block_size = block_size;
+      one.dtype = dt;
+      one.n = seqs[i].n;
+      one.first = seqs[i].first;
+      one.num_heads = H;
+      one.num_kv_heads = KV;
+      one.head_dim = D;
+      one.scale = a.scale;
+      DeviceBuffer d_one = Poisoned(refs[i].size() * CudaDTypeBytes(dt));
+      one.out = d_one.get();
+      const int splits = ck::SplitKAttentionSplits(one, device_sms);
+      DeviceBuffer ws =
+          Poisoned(ck::SplitKAttentionWorkspaceBytes(one, splits));
+      EXPECT_LAUNCH_OK(ck::SplitKAttention(one, splits, ws.get(), nullptr));
+      const std::vector<float> want = Download(d_one.get(), dt, refs[i].size());
+      const std::vector<float> mine(
+          got.begin() + static_cast<size_t>(info[ck::kSeqRowStart]) * qw,
+          got.begin() +
+              static_cast<size_t>(info[ck::kSeqRowStart] + seqs[i].n) * qw);
+      EXPECT_LT(RelErr(mine, want), tol_kernel);
+      EXPECT_LT(RelErr(mine, refs[i]), tol_ref);
+    }
+    return split_seqs;
+  }
+};
+
+// A step of the continuous batcher: decode rows at different context
+// lengths (a fresh sequence, short, long), a verify round (k = 4), a
+// prefill chunk after a restored prefix (first > 0, its blocks scattered:
+// the kernel sees cache order only; RoPE positions were applied upstream,
+// see ModelTest.MixedBatchMatchesCpu for non-contiguous positions end to
+// end), with the sequences' blocks interleaved in one pool.
+std::vector<BatchSeq> MixedStep() {
+  return {{1, 0}, {1, 37}, {1, 700}, {1, 3000}, {5, 200}, {70, 133}, {1, 129}};
+}
+
+TEST_F(BatchedAttentionTest, MixedStepFp32MatchesPerSequenceKernels) {
+  for (const int D : {64, 128}) {
+    // 1 SM: no splits; the device's count; 4096 SMs: every sequence splits.
+    for (const int sms : {1, 0, 4096}) {
+      SCOPED_TRACE(absl::StrCat("D=", D, " sms=", sms));
+      const int split =
+          Check(MixedStep(), 32, 8, D, CudaDType::kF32, 16, sms, 1e-5, 1e-5);
+      if (sms == 1) {
+        EXPECT_EQ(split, 0);
+      }
+      if (sms == 4096) {
+        EXPECT_GE(split, 5);
+      }
+    }
+  }
+}
+
+TEST_F(BatchedAttentionTest, MixedStepBf16MatchesPerSequenceKernels) {
+  for (const int D : {64, 128}) {
+    for (const int sms : {1, 0, 4096}) {
+      SCOPED_TRACE(absl::StrCat("D=", D, " sms=", sms));
+      Check(MixedStep(), 32, 8, D, CudaDType::kBF16, 16, sms, 1e-2, 1e-2);
+    }
+  }
+}
+
+// Block sizes that straddle the key tiles (7) or give every token its own
+// block (1); no GQA and 4:1 GQA.
+TEST_F(BatchedAttentionTest, BlockSizesAndGroups) {
+  const std::vector<BatchSeq> seqs = {{1, 300}, {9, 90}, {33, 5}, {1, 1}};
+  for (const int bs : {1, 7}) {
+    for (const int KV : {8, 2}) {
+      SCOPED_TRACE(absl::StrCat("block_size=", bs, " KV=", KV));
+      Check(seqs, 8, KV, 64, CudaDType::kF32, bs, 0, 1e-5, 1e-5);
+      Check(seqs, 8, KV, 128, CudaDType::kBF16, bs, 4096, 1e-2, 1e-2);
+    }
+  }
+}
+
+// 64 decode streams (the batch) at random contexts up to 4K, fp16.
+TEST_F(BatchedAttentionTest, SixtyFourDecodeStreams) {
+  std::vector<BatchSeq> seqs;
+  for (int i = 0; i < 64; ++i) seqs.push_back({1, Uniform(0, 4000)});
+  Check(seqs, 32, 8, 128, CudaDType::kFP16, 16, 0, 1e-2, 1e-2);
+}
+
+// An empty sequence in the batch (no rows this step) gets no blocks and
+// does not disturb its neighbours.
+TEST_F(BatchedAttentionTest, SequenceWithoutRows) {
+  Check({{1, 50}, {0, 40}, {3, 10}}, 4, 2, 64, CudaDType::kF32, 16, 4096, 1e-5,
+        1e-5);
 }
 
 // ---------------------------------------------------------------------------

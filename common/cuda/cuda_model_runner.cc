@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda/attention_plan.h"
 #include "common/cuda/cuda_importance.h"
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/kernels.h"
@@ -294,11 +295,12 @@ absl::Status CudaModelRunner::Run(
   const int N = row0[S], R = lr0[S], NQ = hq0[S];
   const size_t NN = N;
 
-  // Attention plan per sequence.
+  // Attention: FlashAttention per sequence for long prefill chunks (kAuto)
+  // or everywhere supported (kFlash); every other sequence of the step in
+  // ONE batched launch per layer (decode rows, verify rows, short chunks).
   std::vector<cuda_kernels::AttentionArgs> attn(S);
   std::vector<bool> use_flash(S);
-  std::vector<int> splits(S, 0);
-  size_t split_ws = 0;
+  std::vector<cuda_kernels::AttentionSequence> batched;
   for (int i = 0; i < S; ++i) {
     cuda_kernels::AttentionArgs& a = attn[i];
     a.dtype = dt;
@@ -316,16 +318,20 @@ absl::Status CudaModelRunner::Run(
       flash = false;
     }
     use_flash[i] = flash;
-    if (!flash) {
-      splits[i] = cuda_kernels::SplitKAttentionSplits(a, num_sms_);
-      split_ws = std::max(split_ws, cuda_kernels::SplitKAttentionWorkspaceBytes(
-                                        a, splits[i]));
-    }
+    if (!flash) batched.push_back({a.n, a.first, bt0[i], row0[i]});
   }
+  absl::StatusOr<cuda_kernels::BatchedAttentionPlan> plan =
+      cuda_kernels::PlanBatchedAttention(batched, H, KV, num_sms_);
+  if (!plan.ok()) return plan.status();
+  const size_t split_ws =
+      cuda_kernels::BatchedAttentionWorkspaceBytes(*plan, D);
+  const size_t plan_ints =
+      plan->seq_info.size() + plan->work.size() + plan->combine.size();
 
   // Workspace layout (sized by a dry run with a null base).
   struct Regions {
-    int* ints;  // [N] ids, [N] positions, [N] slots, [R] logit rows, tables
+    int* ints;  // [N] ids, [N] positions, [N] slots, [R] logit rows,
+                // tables, the batched attention plan
     float* x;   // fp32 [N, hidden] residual stream
     void* xn;   // T [max(N, R), hidden] normed input of a projection
     float* qkv; // fp32 [N, qkv_dim]
@@ -335,9 +341,9 @@ absl::Status CudaModelRunner::Run(
     void* act;  // T [N, ffn]
     float* logits;    // fp32 [R, vocab]
     float* captured;  // fp32 [L, NQ, H * D] (host capture only)
-    void* split_ws;   // split-K partials
+    void* split_ws;   // batched attention's split partials
   };
-  const size_t num_ints = 3 * NN + R + bt0[S];
+  const size_t num_ints = 3 * NN + R + bt0[S] + plan_ints;
   auto carve = [&](char* base, Regions* reg) {
     Carver cv(base);
     reg->ints = static_cast<int*>(cv.Take(sizeof(int) * num_ints));
@@ -364,6 +370,7 @@ absl::Status CudaModelRunner::Run(
   int* d_slots = reg.ints + 2 * N;
   int* d_rows = reg.ints + 3 * N;
   int* d_tables = reg.ints + 3 * N + R;
+  int* d_plan = d_tables + bt0[S];
 
   std::vector<int> host_ints(num_ints);
   for (int i = 0; i < S; ++i) {
@@ -384,6 +391,28 @@ absl::Status CudaModelRunner::Run(
     attn[i].q = static_cast<char*>(reg.q) + tb * row0[i] * qrow;
     attn[i].out = static_cast<char*>(reg.attn) + tb * row0[i] * qrow;
   }
+  int* host_plan = host_ints.data() + 3 * N + R + bt0[S];
+  host_plan =
+      std::copy(plan->seq_info.begin(), plan->seq_info.end(), host_plan);
+  host_plan = std::copy(plan->work.begin(), plan->work.end(), host_plan);
+  std::copy(plan->combine.begin(), plan->combine.end(), host_plan);
+  cuda_kernels::BatchedAttentionArgs ba;
+  ba.q = reg.q;
+  ba.out = reg.attn;
+  ba.dtype = dt;
+  ba.num_heads = H;
+  ba.num_kv_heads = KV;
+  ba.head_dim = D;
+  ba.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  ba.block_tables = d_tables;
+  ba.block_size = bs;
+  ba.seq_info = d_plan;
+  ba.work = d_plan + plan->seq_info.size();
+  ba.num_work = plan->num_work();
+  ba.combine = ba.work + plan->work.size();
+  ba.num_combine = plan->num_combine();
+  ba.workspace = reg.split_ws;
+  ba.partial_triples = plan->partial_triples;
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       reg.ints, host_ints.data(), sizeof(int) * host_ints.size(),
       cudaMemcpyHostToDevice, stream_));
@@ -439,16 +468,15 @@ absl::Status CudaModelRunner::Run(
       }
     }
     for (int i = 0; i < S; ++i) {
+      if (!use_flash[i]) continue;
       cuda_kernels::AttentionArgs& a = attn[i];
       a.k_cache = keys(l);
       a.v_cache = values(l);
-      if (use_flash[i]) {
-        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::FlashAttention(a, stream_));
-      } else {
-        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SplitKAttention(
-            a, splits[i], reg.split_ws, stream_));
-      }
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::FlashAttention(a, stream_));
     }
+    ba.k_cache = keys(l);
+    ba.v_cache = values(l);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::BatchedAttention(ba, stream_));
     // o_proj with beta = 1: the residual add, into the fp32 stream.
     SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.attn, N, H * D,
                                            w.wo, hidden, reg.x,

@@ -78,10 +78,13 @@ class CudaQueryCapture : public QueryCapture {
 /// GPU runs one at a time anyway). Construct on the device that runs it.
 class CudaModelRunner : public ModelRunner {
  public:
-  /// Which attention kernel Forward uses. kAuto: FlashAttention for
-  /// sequences with >= kFlashMinRows new rows when the head_dim / dtype are
-  /// supported, split-K otherwise. The others force one (tests,
-  /// benchmarks); kFlash falls back to split-K where unsupported.
+  /// Which attention kernel Forward uses. kAuto: FlashAttention (one
+  /// launch per such sequence) for sequences with >= kFlashMinRows new rows
+  /// when the head_dim / dtype are supported; every other sequence of the
+  /// step goes into one BatchedAttention launch per layer (split-K over
+  /// the paged tables, planned by PlanBatchedAttention). The others force
+  /// one (tests, benchmarks): kSplitK batches every sequence; kFlash falls
+  /// back to the batched launch where unsupported.
   enum class AttentionPath { kAuto, kFlash, kSplitK };
   static constexpr int kFlashMinRows = 32;
 

@@ -51,6 +51,17 @@ std::string CudaDeviceDescription() {
       runtime / 1000, (runtime % 1000) / 10);
 }
 
+absl::StatusOr<CudaMemory> QueryCudaMemory() {
+  CudaMemory m;
+  const cudaError_t err = cudaMemGetInfo(&m.free_bytes, &m.total_bytes);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(err)));
+  }
+  return m;
+}
+
 absl::StatusOr<DeviceKind> ParseDevice(const std::string& flag,
                                        bool gpu_present) {
   if (flag.empty() || flag == "auto") {

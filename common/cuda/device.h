@@ -5,6 +5,7 @@
 // CudaModelRunner) a service runs, from a `--device cpu|cuda` flag whose
 // default is cuda when a GPU is present.
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -29,6 +30,17 @@ bool CudaAvailable();
 /// "NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB, driver 13.0,
 /// runtime 13.0"; "no CUDA device (<runtime error>)" otherwise.
 std::string CudaDeviceDescription();
+
+/// Device memory of the current device, in bytes (cudaMemGetInfo).
+struct CudaMemory {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+};
+
+/// cudaMemGetInfo on the current device (creates the CUDA context when
+/// there is none yet). FAILED_PRECONDITION naming the CUDA error when it
+/// fails (no device included).
+absl::StatusOr<CudaMemory> QueryCudaMemory();
 
 /// Parses a `--device` flag value. `flag`: "cpu", "cuda" (alias "gpu"), or
 /// "" / "auto" for the default: kCuda when `gpu_present`, else kCpu. Pass

@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace specserve {
 
@@ -175,6 +176,49 @@ size_t SplitKAttentionWorkspaceBytes(const AttentionArgs& args,
 /// `workspace`: SplitKAttentionWorkspaceBytes(args, num_splits) bytes.
 cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
                             void* workspace, cudaStream_t stream);
+
+/// Arguments of BatchedAttention: the attention of every sequence of a step
+/// (decode rows, verify rows, prefill chunks) in one launch over the paged
+/// cache, as planned by PlanBatchedAttention (attention_plan.h), whose int
+/// arrays the plan fields point to (uploaded to the device).
+struct BatchedAttentionArgs {
+  /// T [total_rows, H, head_dim] post-RoPE queries, sequences concatenated.
+  const void* q = nullptr;
+  /// T [pool rows, KV, head_dim] post-RoPE keys / values of one layer.
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  /// T [total_rows, H * head_dim] attention output.
+  void* out = nullptr;
+  CudaDType dtype = CudaDType::kBF16;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  float scale = 1.0f;
+  /// Concatenated block tables (sequence i's at seq_info's table start):
+  /// logical slot t at row table[t / block_size] * block_size + t %
+  /// block_size of k_cache / v_cache.
+  const int* block_tables = nullptr;
+  int block_size = 1;
+  /// BatchedAttentionPlan::seq_info, work, combine (device copies).
+  const int* seq_info = nullptr;
+  const int* work = nullptr;
+  int num_work = 0;
+  const int* combine = nullptr;
+  int num_combine = 0;
+  /// BatchedAttentionWorkspaceBytes(plan, head_dim) bytes (null when 0).
+  void* workspace = nullptr;
+  int64_t partial_triples = 0;
+};
+
+/// One launch for all the sequences of a step (flash-decoding over a work
+/// list): block (w, g) scores up to 16 (row, query head) pairs of kv head g
+/// of work item w's sequence against its key split in fp32, as
+/// SplitKAttention does for one sequence (any head_dim <= 256, any dtype);
+/// sequences with one split write `out` directly, the rows of split
+/// sequences are merged by a second launch. Nothing is launched for an
+/// empty plan. cudaErrorInvalidValue for a bad shape or a missing pointer.
+cudaError_t BatchedAttention(const BatchedAttentionArgs& args,
+                             cudaStream_t stream);
 
 /// Gathers `count` logical slots of one sequence from a paged K or V plane
 /// into dense rows: dst[t, :] = pool[block_table[t / block_size] *

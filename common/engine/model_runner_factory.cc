@@ -1,9 +1,12 @@
 #include "common/engine/model_runner_factory.h"
 
+#include <cstdio>
+
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device.h"
+#include "common/cuda/kv_pool_sizing.h"
 
 namespace specserve {
 namespace {
@@ -13,6 +16,94 @@ absl::StatusOr<CudaDType> ParseCudaDType(const std::string& s) {
   if (s == "fp16" || s == "float16") return CudaDType::kFP16;
   return absl::InvalidArgumentError(
       absl::StrCat("cuda_dtype must be bf16 or fp16, got \"", s, "\""));
+}
+
+// One line on stderr: the pool in tokens, as the services' start log.
+void LogPool(ModelRunner& runner, const std::string& source) {
+  const PagedKvCache& kv = runner.kv_cache();
+  std::fprintf(stderr,
+               "kv cache: %lld tokens (%d blocks of %d tokens, %zu bytes) on "
+               "%s, sized by %s\n",
+               static_cast<long long>(kv.num_blocks()) * kv.block_size(),
+               kv.num_blocks(), kv.block_size(), kv.bytes_capacity(),
+               runner.backend().c_str(), source.c_str());
+}
+
+// Where the pool size comes from, for the log line.
+std::string PoolSource(const KvCacheOptions& kv) {
+  return kv.pool_bytes > 0 ? "--kv_budget_bytes" : "max context";
+}
+
+// The CPU pool: kv_cache.pool_bytes, or 2 GiB when sized "from the device".
+KvCacheOptions CpuPool(const RunnerOptions& options, std::string* source) {
+  KvCacheOptions kv = options.kv_cache;
+  *source = PoolSource(kv);
+  if (options.kv_pool_from_device) {
+    kv.pool_bytes = kDefaultCpuKvBudgetBytes;
+    *source = "the CPU default (2 GiB)";
+  }
+  return kv;
+}
+
+// The CUDA path of CreateModelRunner: uploads `weights`, sizes the pool
+// from the memory left when kv_pool_from_device.
+absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
+    const ModelWeights& weights, const RunnerOptions& options) {
+  absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
+  if (!dt.ok()) return dt.status();
+  KvCacheOptions kv = options.kv_cache;
+  std::string source = PoolSource(kv);
+  absl::StatusOr<CudaMemory> before;
+  if (options.kv_pool_from_device) {
+    before = QueryCudaMemory();
+    if (!before.ok()) return before.status();
+  }
+  absl::StatusOr<std::shared_ptr<const CudaWeights>> gw =
+      CudaWeights::Upload(weights, *dt);
+  if (!gw.ok()) return gw.status();
+  if (options.kv_pool_from_device) {
+    GpuMemoryBudget m;
+    m.total_bytes = before->total_bytes;
+    m.free_before_bytes = before->free_bytes;
+    m.instance_bytes = (*gw)->bytes();
+    m.reserve_bytes = ForwardWorkspaceReserveBytes(
+        (*gw)->config(), kWorkspaceReserveRows, CudaDTypeBytes(*dt));
+    m.utilization = options.gpu_memory_utilization;
+    absl::StatusOr<size_t> pool = KvPoolBytesFromUtilization(m);
+    if (!pool.ok()) return pool.status();
+    kv.pool_bytes = *pool;
+    source = absl::StrCat("--gpu_memory_utilization ",
+                          options.gpu_memory_utilization);
+  }
+  absl::StatusOr<std::unique_ptr<CudaModelRunner>> r =
+      CudaModelRunner::Create(*std::move(gw), kv);
+  if (!r.ok()) return r.status();
+  LogPool(**r, source);
+  return std::unique_ptr<ModelRunner>(*std::move(r));
+}
+
+// The device and, for cpu, the weight dtype `options` ask for.
+absl::StatusOr<DeviceKind> ResolveDevice(
+    const RunnerOptions& options, std::optional<WeightDType>* weight_dtype) {
+  if (!(options.gpu_memory_utilization > 0.0 &&
+        options.gpu_memory_utilization <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_memory_utilization must be in (0, 1], got ",
+                     options.gpu_memory_utilization));
+  }
+  absl::StatusOr<DeviceKind> kind =
+      ParseDevice(options.device, CudaAvailable());
+  if (!kind.ok()) return kind.status();
+  absl::StatusOr<std::optional<WeightDType>> wt =
+      ParseWeightDType(options.weight_dtype);
+  if (!wt.ok()) return wt.status();
+  if (*kind != DeviceKind::kCpu && wt->has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight_dtype \"", options.weight_dtype,
+        "\" is for the CPU engine; on cuda use cuda_dtype"));
+  }
+  *weight_dtype = *wt;
+  return kind;
 }
 
 }  // namespace
@@ -33,42 +124,6 @@ absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
   return CudaModelRunner::BytesPerToken(config, *dt);
 }
 
-namespace {
-
-// The CUDA path of CreateModelRunner.
-absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
-    const ModelWeights& weights, const RunnerOptions& options) {
-  absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
-  if (!dt.ok()) return dt.status();
-  absl::StatusOr<std::shared_ptr<const CudaWeights>> gw =
-      CudaWeights::Upload(weights, *dt);
-  if (!gw.ok()) return gw.status();
-  absl::StatusOr<std::unique_ptr<CudaModelRunner>> r =
-      CudaModelRunner::Create(*std::move(gw), options.kv_cache);
-  if (!r.ok()) return r.status();
-  return std::unique_ptr<ModelRunner>(*std::move(r));
-}
-
-// The device and, for cpu, the weight dtype `options` ask for.
-absl::StatusOr<DeviceKind> ResolveDevice(
-    const RunnerOptions& options, std::optional<WeightDType>* weight_dtype) {
-  absl::StatusOr<DeviceKind> kind =
-      ParseDevice(options.device, CudaAvailable());
-  if (!kind.ok()) return kind.status();
-  absl::StatusOr<std::optional<WeightDType>> wt =
-      ParseWeightDType(options.weight_dtype);
-  if (!wt.ok()) return wt.status();
-  if (*kind != DeviceKind::kCpu && wt->has_value()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "weight_dtype \"", options.weight_dtype,
-        "\" is for the CPU engine; on cuda use cuda_dtype"));
-  }
-  *weight_dtype = *wt;
-  return kind;
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options) {
   if (weights == nullptr) {
@@ -78,9 +133,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
   absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
   if (!kind.ok()) return kind.status();
   if (*kind == DeviceKind::kCpu) {
+    std::string source;
+    const KvCacheOptions kv = CpuPool(options, &source);
     absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Create(std::move(weights), options.kv_cache, wt);
+        CpuModelRunner::Create(std::move(weights), kv, wt);
     if (!r.ok()) return r.status();
+    LogPool(**r, source);
     return std::unique_ptr<ModelRunner>(*std::move(r));
   }
   return CreateCudaRunner(*weights, options);
@@ -92,9 +150,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
   absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
   if (!kind.ok()) return kind.status();
   if (*kind == DeviceKind::kCpu) {
+    std::string source;
+    const KvCacheOptions kv = CpuPool(options, &source);
     absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Create(std::move(weights), options.kv_cache, wt);
+        CpuModelRunner::Create(std::move(weights), kv, wt);
     if (!r.ok()) return r.status();
+    LogPool(**r, source);
     return std::unique_ptr<ModelRunner>(*std::move(r));
   }
   return CreateCudaRunner(weights, options);
@@ -106,9 +167,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
   absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
   if (!kind.ok()) return kind.status();
   if (*kind == DeviceKind::kCpu) {
+    std::string source;
+    const KvCacheOptions kv = CpuPool(options, &source);
     absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Load(model_dir, options.kv_cache, wt);
+        CpuModelRunner::Load(model_dir, kv, wt);
     if (!r.ok()) return r.status();
+    LogPool(**r, source);
     return std::unique_ptr<ModelRunner>(*std::move(r));
   }
   absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir);

@@ -26,13 +26,30 @@ struct RunnerOptions {
   /// "int8" (Q8_0-style blocks, quantized at load). CUDA takes cuda_dtype
   /// and refuses anything but "auto" here.
   std::string weight_dtype = "auto";
+  /// Size the KV pool from the device instead of kv_cache.pool_bytes (the
+  /// services' --kv_budget_bytes 0, their default): on CUDA from
+  /// gpu_memory_utilization (KvPoolBytesFromUtilization, with the workspace
+  /// reserve of kWorkspaceReserveRows rows), on CPU kDefaultCpuKvBudgetBytes.
+  bool kv_pool_from_device = false;
+  /// vLLM's --gpu_memory_utilization: the fraction of the GPU's memory this
+  /// instance may hold (weights, workspace and KV pool), in (0, 1].
+  double gpu_memory_utilization = 0.9;
 };
 
+/// The CPU pool when RunnerOptions::kv_pool_from_device is set (2 GiB).
+inline constexpr size_t kDefaultCpuKvBudgetBytes = size_t{2} << 30;
+/// Forward rows the CUDA workspace reserve is sized for (the CUDA default
+/// of DefaultMaxNumBatchedTokens).
+inline constexpr int kWorkspaceReserveRows = 2048;
+
 /// Builds the ModelRunner `options.device` names over `weights` (uploaded
-/// to the GPU for cuda; the host copy can be dropped afterwards).
+/// to the GPU for cuda; the host copy can be dropped afterwards). Logs the
+/// KV pool (tokens, blocks, bytes, where its size came from) to stderr.
 /// Errors: INVALID_ARGUMENT naming a bad device / dtype / cache option;
 /// FAILED_PRECONDITION for cuda without a GPU; the backends' errors
-/// (RESOURCE_EXHAUSTED when the weights or the KV pool do not fit).
+/// (RESOURCE_EXHAUSTED when the weights or the KV pool do not fit, or when
+/// gpu_memory_utilization leaves no room for the pool); INVALID_ARGUMENT
+/// for gpu_memory_utilization outside (0, 1].
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options);
 

@@ -52,6 +52,46 @@ TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
   }
 }
 
+TEST(ModelRunnerFactoryTest, PoolFromTheDeviceIsTwoGibOnCpu) {
+  RunnerOptions o;
+  o.device = "cpu";
+  o.kv_pool_from_device = true;  // the services' --kv_budget_bytes 0
+  const size_t per_block =
+      CpuModelRunner::BytesPerToken(Load()->config) * o.kv_cache.block_size;
+  auto r = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(static_cast<size_t>((*r)->kv_cache().num_blocks()),
+            kDefaultCpuKvBudgetBytes / per_block);
+}
+
+TEST(ModelRunnerFactoryTest, GpuMemoryUtilizationOutsideUnitIntervalFails) {
+  RunnerOptions o;
+  o.device = "cpu";
+  for (const double u : {0.0, 1.5, -1.0}) {
+    o.gpu_memory_utilization = u;
+    auto r = CreateModelRunner(Load(), o);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << u;
+    EXPECT_NE(r.status().message().find("gpu_memory_utilization"),
+              std::string::npos);
+  }
+}
+
+// On a GPU: the pool the utilization leaves is smaller than the device's
+// memory and larger than nothing; skipped without one.
+TEST(ModelRunnerFactoryTest, CudaPoolSizedFromUtilization) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  RunnerOptions o;
+  o.device = "cuda";
+  o.kv_pool_from_device = true;
+  o.gpu_memory_utilization = 0.5;
+  absl::StatusOr<CudaMemory> mem = QueryCudaMemory();
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  auto r = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT((*r)->kv_cache().num_blocks(), 0);
+  EXPECT_LT((*r)->kv_cache().bytes_capacity(), mem->total_bytes / 2);
+}
+
 TEST(ModelRunnerFactoryTest, AutoPicksCudaOnlyWithAGpu) {
   RunnerOptions o;  // device "auto"
   auto r = CreateModelRunner(Load(), o);

@@ -17,11 +17,12 @@ ABSL_FLAG(int, max_num_batched_tokens, 0,
           "rows (tokens) per batched forward: decode, verify, draft and "
           "look-ahead rows of all requests first, then prompt chunks; 0 = "
           "2048 on CUDA, 512 on CPU");
-ABSL_FLAG(int64_t, kv_budget_bytes, int64_t{2} << 30,
+ABSL_FLAG(int64_t, kv_budget_bytes, 0,
           "bytes of the paged KV cache pool shared by all requests; when "
           "blocks run out the newest requests are preempted and recomputed "
           "later (a request whose own worst case exceeds the pool is "
-          "RESOURCE_EXHAUSTED)");
+          "RESOURCE_EXHAUSTED). 0: sized from --gpu_memory_utilization on "
+          "CUDA, 2 GiB on CPU");
 ABSL_FLAG(double, shutdown_grace_s, 5,
           "seconds running requests get to finish on SIGTERM");
 

@@ -29,7 +29,9 @@ struct ModelServiceOptions {
   /// Bytes of the model's paged KV cache pool, shared by all requests:
   /// requests take blocks as they grow and are preempted (recomputed
   /// later) when it runs out; one whose own worst case exceeds the pool is
-  /// refused.
+  /// refused. 0: sized from the device (RunnerOptions::
+  /// kv_pool_from_device; --device cuda: runner.gpu_memory_utilization,
+  /// cpu: 2 GiB).
   size_t kv_budget_bytes = size_t{2} << 30;
   /// Backend (--device), KV block size, prefix caching, CUDA dtype; its
   /// kv_cache.pool_bytes is set from kv_budget_bytes.

@@ -16,6 +16,11 @@ ABSL_FLAG(std::string, weight_dtype, "auto",
           "CPU engine weights: auto (the checkpoint's: bf16 stays bf16, else "
           "f32), f32, bf16, or int8 (8-bit blocks of 32 with f16 scales, "
           "quantized at load)");
+ABSL_FLAG(double, gpu_memory_utilization, 0.9,
+          "fraction of the GPU's memory this service may hold (weights, "
+          "workspace and KV cache), vLLM's meaning: the KV pool gets the "
+          "rest; used when --kv_budget_bytes is 0 (the default). Two "
+          "services on one GPU need fractions that sum to < 1");
 
 namespace specserve {
 
@@ -26,6 +31,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   o.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
   o.weight_dtype = absl::GetFlag(FLAGS_weight_dtype);
+  o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   return o;
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bundles the serving stack for a machine with no Bazel, gRPC or Debian
-# libraries (the GPU machine of issue 13): router, speculator_service,
+# libraries (the GPU machine): router, speculator_service,
 # target_service, the gRPC client (tools/client) and
 # make_synthetic_checkpoint, each with the shared libraries it needs
 # (deploy/docker/bundle.sh), plus libstdc++ and libgcc_s because that

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Sourced by the run_gpu_*.sh scripts: makes cuBLAS 13 loadable for the
-# self-contained binaries in .device/gpu (everything else is linked in).
+# Sourced by the tools/gpu run_*.sh scripts: makes cuBLAS 13 loadable for
+# the bundled binaries (everything else comes with the bundle).
 # Looks in $CUDA_HOME/lib64, the usual toolkit folders, then the pip wheels
 # PyTorch brings (nvidia-cublas: nvidia/cublas/lib or nvidia/cu13/lib).
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the CUDA backend benchmark on a GPU machine: writes the synthetic
 # llama-3.2-1b (speculator) and llama-3.1-8b (target) checkpoints there
-# (BF16, seed 0; never carried), runs .device/gpu/gpu_bench and, beside it
-# on the same GPU, bench/gpu/torch_bench.py (PyTorch + transformers
+# (BF16, seed 0; never carried), runs gpu_bench from the bundle that
+# tools/gpu/bundle_gpu_tests.sh made (BUNDLE, default .device/gpu) and,
+# beside it on the same GPU, bench/gpu/torch_bench.py (PyTorch + transformers
 # LlamaForCausalLM, SDPA, bf16) on the same target checkpoint.
 #
 #   tools/gpu/run_gpu_bench.sh [all|checkpoints|engine|torch] [extra gpu_bench flags]
@@ -25,8 +26,16 @@ STAGE=${1:-all}
 [ $# -gt 0 ] && shift
 CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 RESULTS_DIR=${RESULTS_DIR:-${OUT:-bench/results/gpu}}
-BIN=.device/gpu
+BUNDLE=${BUNDLE:-.device/gpu}
+BIN=$BUNDLE/bin
 mkdir -p "$CKPT_DIR" "$RESULTS_DIR"
+if [ "$STAGE" != torch ] && [ ! -x "$BIN/gpu_bench" ]; then
+  echo "run_gpu_bench: $BIN/gpu_bench not found; run" \
+       "tools/gpu/bundle_gpu_tests.sh on the build machine and carry" \
+       "$BUNDLE" >&2
+  exit 3
+fi
+export LD_LIBRARY_PATH="$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # shellcheck source=tools/gpu/gpu_env.sh
 source tools/gpu/gpu_env.sh
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs the bundled stack (tools/gpu/bundle_stack.sh) as three processes on
 # one machine, speculator and target as separate processes on the one GPU
-# and the router in front, and measures through the router (issue 13
-# section 3): TTFT at each prompt length with Speculative Prefill at keep
+# and the router in front, and measures through the router: TTFT at each
+# prompt length with Speculative Prefill at keep
 # 0.1 and 0.3 and with full prefill, then decode tokens/s with speculative
 # decoding on and off. Prints a Markdown table; exits non-zero if a
 # service fails to start or a request fails.
@@ -16,7 +16,9 @@
 # SPECULATOR / TARGET (model directories; default: synthetic
 # llama-3.2-1b -> llama-3.1-8b in BF16, made under $SYN, default
 # /tmp/specserve_synthetic), LENGTHS (default "4096 8192 16384 32768"),
-# REPS (default 3; the median is reported), NEW_TOKENS (default 64).
+# REPS (default 3; the median is reported), NEW_TOKENS (default 64),
+# SPECULATOR_GPU_UTIL / TARGET_GPU_UTIL (--gpu_memory_utilization of each,
+# default 0.15 / 0.75).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STACK=${STACK:-.device/stack}
@@ -82,10 +84,13 @@ start() {
   return 1
 }
 
+# Both services share the one GPU: their --gpu_memory_utilization shares
+# (vLLM's meaning, each sizes its KV pool from its own) must sum to < 1.
 SPORT=$(start speculator_service --model "$SPECULATOR" --port 0 \
-  --metrics_port 0 --device "$DEVICE")
+  --metrics_port 0 --device "$DEVICE" \
+  --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}")
 TPORT=$(start target_service --model "$TARGET" --port 0 --metrics_port 0 \
-  --device "$DEVICE")
+  --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}")
 RPORT=$(start router --port 0 --metrics_port 0 \
   --speculator "127.0.0.1:$SPORT" --target "127.0.0.1:$TPORT")
 echo "stack up: speculator :$SPORT, target :$TPORT, router :$RPORT" \
