@@ -354,7 +354,7 @@ TEST(CudaHostTest, FactoriesValidateBeforeAllocating) {
 
 // The device pool stores K and V in the weights' dtype: half the CPU
 // runner's fp32 bytes per token at bf16 / fp16 (what admission charges).
-TEST(CudaHostTest, KvBytesPerTokenFollowTheDType) {
+TEST(CudaHostTest, BytesPerTokenFollowTheDType) {
   const ModelConfig c = SmallConfig();
   // 3 layers x (K + V) x 2 kv heads x 16 dims x 2 bytes.
   EXPECT_EQ(CudaModelRunner::BytesPerToken(c, CudaDType::kBF16), 384u);

@@ -113,17 +113,6 @@ int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested) {
   return runner.backend() == "cuda" ? 2048 : 512;
 }
 
-absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
-                                       const RunnerOptions& options) {
-  absl::StatusOr<DeviceKind> kind =
-      ParseDevice(options.device, CudaAvailable());
-  if (!kind.ok()) return kind.status();
-  if (*kind == DeviceKind::kCpu) return CpuModelRunner::BytesPerToken(config);
-  absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
-  if (!dt.ok()) return dt.status();
-  return CudaModelRunner::BytesPerToken(config, *dt);
-}
-
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options) {
   if (weights == nullptr) {

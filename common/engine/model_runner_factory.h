@@ -72,13 +72,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
 
 int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested);
 
-/// Bytes of KV cache one token costs on the backend `options` selects
-/// (fp32 on CPU, the CUDA dtype on GPU), over all layers: a pool of
-/// --kv_budget_bytes holds that many bytes / this tokens. (Admission
-/// charges no bytes: requests take KV blocks step by step.)
-absl::StatusOr<size_t> KvBytesPerToken(const ModelConfig& config,
-                                       const RunnerOptions& options);
-
 }  // namespace specserve
 
 #endif  // SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_FACTORY_H_

@@ -23,7 +23,6 @@ TEST(ModelRunnerFactoryTest, CpuRunnerAndPoolSizedInBytes) {
   EXPECT_EQ((*r)->backend(), "cpu");
   EXPECT_EQ((*r)->kv_cache().num_blocks(), 10);
   EXPECT_EQ((*r)->kv_cache().block_size(), 16);
-  EXPECT_EQ(*KvBytesPerToken(Load()->config, o), per_token);
 }
 
 TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
