@@ -119,6 +119,7 @@ template <int R>
 SPECSERVE_BF16 void Bf16RowsZ(const uint32_t* xp, size_t xs, int kp,
                               const uint16_t* panel, float* acc) {
   __m512 a[R][2];
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int k = 0; k < kp; ++k) {
     const uint16_t* wk = panel + size_t(k) * 2 * kW;
@@ -131,6 +132,7 @@ SPECSERVE_BF16 void Bf16RowsZ(const uint32_t* xp, size_t xs, int kp,
       a[r][1] = _mm512_dpbf16_ps(a[r][1], (__m512bh)w1, (__m512bh)xb);
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(acc + r * kW, a[r][0]);
     _mm512_storeu_ps(acc + r * kW + 16, a[r][1]);
@@ -167,13 +169,16 @@ template <int R>
 void Bf16RowsY(const float* x, size_t xs, int kp, const uint16_t* panel,
                float* acc) {
   __m256 a[R][4];
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
+    #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
   }
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int k = 0; k < kp; ++k) {
     const uint16_t* wk = panel + size_t(k) * 2 * kW;
     __m256 xe[R], xo[R];
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       xe[r] = _mm256_set1_ps(x[r * xs + 2 * k]);
       xo[r] = _mm256_set1_ps(x[r * xs + 2 * k + 1]);
@@ -184,13 +189,16 @@ void Bf16RowsY(const float* x, size_t xs, int kp, const uint16_t* panel,
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16 * c));
       const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         a[r][c] = _mm256_fmadd_ps(e, xe[r], a[r][c]);
         a[r][c] = _mm256_fmadd_ps(o, xo[r], a[r][c]);
       }
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
+    #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + r * kW + 8 * c, a[r][c]);
   }
 }
@@ -209,9 +217,11 @@ SPECSERVE_VNNI void Q8RowsZ(const int8_t* xq, size_t xs, const float* xsc,
                             const uint8_t* panel, const uint16_t* scales,
                             float* acc) {
   __m512 f[R][2];
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     __m512i s[R][2];
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       s[r][0] = s[r][1] = _mm512_set1_epi32(xbias[r * bs + b]);
     }
@@ -220,6 +230,7 @@ SPECSERVE_VNNI void Q8RowsZ(const int8_t* xq, size_t xs, const float* xsc,
     for (int q = 0; q < kQBlock / 4; ++q) {
       const __m512i w0 = _mm512_loadu_si512(pb + q * 4 * kW);
       const __m512i w1 = _mm512_loadu_si512(pb + q * 4 * kW + 64);
+      #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t quad;
         std::memcpy(&quad, xq + r * xs + b * kQBlock + 4 * q, 4);
@@ -233,6 +244,7 @@ SPECSERVE_VNNI void Q8RowsZ(const int8_t* xq, size_t xs, const float* xsc,
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
     const __m512 ws1 = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 d = _mm512_set1_ps(xsc[r * bs + b]);
       f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][0]),
@@ -241,6 +253,7 @@ SPECSERVE_VNNI void Q8RowsZ(const int8_t* xq, size_t xs, const float* xsc,
                                 _mm512_mul_ps(ws1, d), f[r][1]);
     }
   }
+  #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(acc + r * kW, f[r][0]);
     _mm512_storeu_ps(acc + r * kW + 16, f[r][1]);
