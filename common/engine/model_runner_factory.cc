@@ -113,60 +113,64 @@ int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested) {
   return runner.backend() == "cuda" ? 2048 : 512;
 }
 
+namespace {
+
+// The shared shape of the three entry points: resolve the device, then
+// build the CPU runner with `make_cpu(kv, weight_dtype)` (its pool logged)
+// or the CUDA runner with `make_cuda()`.
+template <typename MakeCpu, typename MakeCuda>
+absl::StatusOr<std::unique_ptr<ModelRunner>> Build(const RunnerOptions& options,
+                                                  MakeCpu make_cpu,
+                                                  MakeCuda make_cuda) {
+  std::optional<WeightDType> wt;
+  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
+  if (!kind.ok()) return kind.status();
+  if (*kind != DeviceKind::kCpu) return make_cuda();
+  std::string source;
+  const KvCacheOptions kv = CpuPool(options, &source);
+  absl::StatusOr<std::unique_ptr<CpuModelRunner>> r = make_cpu(kv, wt);
+  if (!r.ok()) return r.status();
+  LogPool(**r, source);
+  return std::unique_ptr<ModelRunner>(*std::move(r));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options) {
   if (weights == nullptr) {
     return absl::InvalidArgumentError("CreateModelRunner: weights is null");
   }
-  std::optional<WeightDType> wt;
-  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
-  if (!kind.ok()) return kind.status();
-  if (*kind == DeviceKind::kCpu) {
-    std::string source;
-    const KvCacheOptions kv = CpuPool(options, &source);
-    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Create(std::move(weights), kv, wt);
-    if (!r.ok()) return r.status();
-    LogPool(**r, source);
-    return std::unique_ptr<ModelRunner>(*std::move(r));
-  }
-  return CreateCudaRunner(*weights, options);
+  return Build(
+      options,
+      [&](const KvCacheOptions& kv, std::optional<WeightDType> wt) {
+        return CpuModelRunner::Create(std::move(weights), kv, wt);
+      },
+      [&] { return CreateCudaRunner(*weights, options); });
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     ModelWeights&& weights, const RunnerOptions& options) {
-  std::optional<WeightDType> wt;
-  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
-  if (!kind.ok()) return kind.status();
-  if (*kind == DeviceKind::kCpu) {
-    std::string source;
-    const KvCacheOptions kv = CpuPool(options, &source);
-    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Create(std::move(weights), kv, wt);
-    if (!r.ok()) return r.status();
-    LogPool(**r, source);
-    return std::unique_ptr<ModelRunner>(*std::move(r));
-  }
-  return CreateCudaRunner(weights, options);
+  return Build(
+      options,
+      [&](const KvCacheOptions& kv, std::optional<WeightDType> wt) {
+        return CpuModelRunner::Create(std::move(weights), kv, wt);
+      },
+      [&] { return CreateCudaRunner(weights, options); });
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
     const std::string& model_dir, const RunnerOptions& options) {
-  std::optional<WeightDType> wt;
-  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
-  if (!kind.ok()) return kind.status();
-  if (*kind == DeviceKind::kCpu) {
-    std::string source;
-    const KvCacheOptions kv = CpuPool(options, &source);
-    absl::StatusOr<std::unique_ptr<CpuModelRunner>> r =
-        CpuModelRunner::Load(model_dir, kv, wt);
-    if (!r.ok()) return r.status();
-    LogPool(**r, source);
-    return std::unique_ptr<ModelRunner>(*std::move(r));
-  }
-  absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir);
-  if (!w.ok()) return w.status();
-  return CreateCudaRunner(*w, options);
+  return Build(
+      options,
+      [&](const KvCacheOptions& kv, std::optional<WeightDType> wt) {
+        return CpuModelRunner::Load(model_dir, kv, wt);
+      },
+      [&]() -> absl::StatusOr<std::unique_ptr<ModelRunner>> {
+        absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir);
+        if (!w.ok()) return w.status();
+        return CreateCudaRunner(*w, options);
+      });
 }
 
 }  // namespace specserve
