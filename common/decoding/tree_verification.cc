@@ -1,0 +1,148 @@
+#include "common/decoding/tree_verification.h"
+
+#include <cstddef>
+
+#include "absl/strings/str_cat.h"
+
+namespace specserve {
+
+bool IsChain(absl::Span<const int> parents) {
+  for (size_t i = 0; i < parents.size(); ++i) {
+    if (parents[i] != static_cast<int>(i) - 1) return false;
+  }
+  return true;
+}
+
+std::vector<int> TreeDepths(absl::Span<const int> parents) {
+  std::vector<int> depth(parents.size(), 0);
+  for (size_t i = 0; i < parents.size(); ++i) {
+    if (parents[i] >= 0) depth[i] = depth[parents[i]] + 1;
+  }
+  return depth;
+}
+
+absl::Status ValidateTreeParents(absl::Span<const int> parents,
+                                 int num_nodes) {
+  if (static_cast<int>(parents.size()) != num_nodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parents has ", parents.size(), " entries for ",
+                     num_nodes, " drafts"));
+  }
+  for (size_t i = 0; i < parents.size(); ++i) {
+    if (parents[i] < -1 || parents[i] >= static_cast<int>(i)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parents[", i, "] = ", parents[i], " must be in [-1, ",
+                       i, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> parents,
+    absl::Span<const float> target_logits, int vocab_size,
+    const SamplingParams& params, Rng* rng) {
+  if (absl::Status s = ValidateSamplingParams(params); !s.ok()) return s;
+  if (vocab_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size must be > 0, got ", vocab_size));
+  }
+  const int n = static_cast<int>(drafts.size());
+  if (absl::Status s = ValidateTreeParents(parents, n); !s.ok()) return s;
+  if (target_logits.size() != static_cast<size_t>(n + 1) * vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_logits has ", target_logits.size(),
+        " values; expected (1 + n) * vocab_size = ", n + 1, " * ", vocab_size,
+        " for n = ", n, " tree nodes"));
+  }
+  const bool greedy = params.greedy();
+  if (absl::Status s = ValidateDrafts(drafts, vocab_size, greedy); !s.ok()) {
+    return s;
+  }
+  if (!greedy && rng == nullptr) {
+    return absl::InvalidArgumentError("rng must not be null when sampling");
+  }
+  // Children of every node in index order; slot 0 is the root, 1 + i node i.
+  std::vector<std::vector<int>> children(n + 1);
+  for (int i = 0; i < n; ++i) children[parents[i] + 1].push_back(i);
+  auto row = [&](int slot) {
+    return target_logits.subspan(static_cast<size_t>(slot) * vocab_size,
+                                 vocab_size);
+  };
+
+  TreeVerifyResult result;
+  int slot = 0;  // the current node: 0 = root, 1 + i = node i
+  if (greedy) {
+    for (;;) {
+      const int best = Argmax(row(slot));
+      int next = -1;
+      for (int c : children[slot]) {
+        if (drafts[c].id == best) {
+          next = c;
+          break;
+        }
+      }
+      result.tokens.push_back(best);
+      if (next < 0) return result;
+      result.path.push_back(next);
+      slot = next + 1;
+    }
+  }
+
+  // Sampled: p is the current node's (residual) distribution, kept dense
+  // so it can be matched against each child's q by id.
+  std::vector<float> p_dense(vocab_size, 0.f);
+  SparseDist p;
+  for (;;) {
+    for (const auto& e : p) p_dense[e.first] = 0.f;
+    p = ComputeDistribution(row(slot), params);
+    for (const auto& e : p) p_dense[e.first] = e.second;
+    int next = -1;
+    for (int c : children[slot]) {
+      const DraftToken& d = drafts[c];
+      double q_x = 0.0;
+      for (const auto& e : d.q) {
+        if (e.first == d.id) {
+          q_x = e.second;  // > 0, checked by ValidateDrafts
+          break;
+        }
+      }
+      // Accept with probability min(1, p/q): u < p/q without division.
+      if (rng->Uniform() * q_x < p_dense[d.id]) {
+        next = c;
+        break;
+      }
+      // Rejected: p <- norm(max(0, p - q)). The residual's support lies in
+      // p's. p == q leaves nothing: then p stays (the next sibling, drawn
+      // from q = p, is accepted for sure).
+      for (const auto& e : d.q) p_dense[e.first] -= e.second;
+      SparseDist residual;
+      double total = 0.0;
+      for (const auto& e : p) {
+        const float r = p_dense[e.first];
+        if (r > 0.f) {
+          residual.emplace_back(e.first, r);
+          total += r;
+        }
+      }
+      for (const auto& e : d.q) p_dense[e.first] = 0.f;
+      for (const auto& e : p) p_dense[e.first] = 0.f;
+      if (residual.empty() || total <= 0.0) {
+        for (const auto& e : p) p_dense[e.first] = e.second;
+        continue;
+      }
+      for (auto& e : residual) e.second = static_cast<float>(e.second / total);
+      p = std::move(residual);
+      for (const auto& e : p) p_dense[e.first] = e.second;
+    }
+    if (next < 0) {
+      result.tokens.push_back(SampleFrom(p, rng));
+      return result;
+    }
+    result.tokens.push_back(drafts[next].id);
+    result.path.push_back(next);
+    slot = next + 1;
+  }
+}
+
+}  // namespace specserve
