@@ -335,7 +335,8 @@ void CpuModelRunner::DenseKv(int layer, const KvSequence& kv, int count,
 
 void CpuModelRunner::Attention(int n, int first, const float* q,
                                size_t q_stride, const float* K, const float* V,
-                               float* attn_out, Scratch* scratch) const {
+                               const TreeMask& mask, float* attn_out,
+                               Scratch* scratch) const {
   const ModelConfig& c = weights_->config;
   const int H = c.num_attention_heads, KV = c.num_key_value_heads;
   const int D = c.head_dim, group = c.gqa_group();
@@ -376,9 +377,13 @@ void CpuModelRunner::Attention(int n, int first, const float* q,
       for (int i = i0; i < i1; ++i) {
         const int allowed = first + i + 1;  // causal over cache order
         for (int hh = 0; hh < group; ++hh) {
-          kernels::SoftmaxPrefix(
-              &s[(static_cast<size_t>(i - i0) * group + hh) * nk], allowed,
-              nk);
+          float* row = &s[(static_cast<size_t>(i - i0) * group + hh) * nk];
+          kernels::SoftmaxPrefix(row, allowed, nk);
+          if (!mask.empty() && mask.offsets[i + 1] > mask.offsets[i]) {
+            kernels::MaskSoftmaxRow(row, allowed,
+                                    &mask.masked_keys[mask.offsets[i]],
+                                    mask.offsets[i + 1] - mask.offsets[i]);
+          }
         }
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, nk, 1.f,
@@ -431,6 +436,13 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
   for (int i = 0; i < S; ++i) {
     std::copy(batch[i].input.position_ids.begin(),
               batch[i].input.position_ids.end(), positions.begin() + row0[i]);
+  }
+
+  // Tree attention masks (empty for causal entries), the same every layer.
+  std::vector<TreeMask> masks(S);
+  for (int i = 0; i < S; ++i) {
+    masks[i] = TreeAttentionMask(batch[i].input.tree_parents, first[i],
+                                 row0[i + 1] - row0[i]);
   }
 
   const int hidden = c.hidden_size, H = c.num_attention_heads;
@@ -530,7 +542,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
         DenseKv(l, *e.kv, first[i] + n, &scratch.k_dense, &scratch.v_dense,
                 &K, &V);
         Attention(n, first[i], &qkv[row0[i] * static_cast<size_t>(qkv_dim)],
-                  qkv_dim, K, V, &attn[row0[i] * qrow], &scratch);
+                  qkv_dim, K, V, masks[i], &attn[row0[i] * qrow], &scratch);
       }
     }
     // Decode and verify rows: straight from the blocks, sequences spread
@@ -550,7 +562,9 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
               &qkv[row0[i] * static_cast<size_t>(qkv_dim)], qkv_dim, n,
               first[i], H, KV, D, kc, vc, rw, batch[i].kv->block_table().data(),
               batch[i].kv->block_size(), scale, scores.data(),
-              &attn[row0[i] * qrow], qrow);
+              &attn[row0[i] * qrow], qrow,
+              masks[i].empty() ? nullptr : masks[i].offsets.data(),
+              masks[i].empty() ? nullptr : masks[i].masked_keys.data());
         }
       };
       if (direct_work < kMinParallelMacs) {

@@ -143,10 +143,11 @@ class CpuModelRunner : public ModelRunner {
                std::vector<float>* k_buf, std::vector<float>* v_buf,
                const float** k, const float** v) const;
   // Causal GQA attention of one sequence's n new rows (cache slots
-  // [first, first + n)) over K/V rows [0, first + n).
+  // [first, first + n)) over K/V rows [0, first + n), less the keys
+  // `mask` hides (tree attention; empty = causal).
   void Attention(int n, int first, const float* q, size_t q_stride,
-                 const float* K, const float* V, float* attn_out,
-                 Scratch* scratch) const;
+                 const float* K, const float* V, const TreeMask& mask,
+                 float* attn_out, Scratch* scratch) const;
 
   // Packs the Linear weights of `w` (the layers only if packed_ does not
   // hold them yet) and keeps its small parameters; when `owned` (== &w) is

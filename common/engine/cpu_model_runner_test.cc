@@ -516,6 +516,149 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
 // Block size 1 (every token in its own block, scattered across the pool by
 // an interleaved neighbour) and one block as large as the context (a
 // contiguous cache) give the same logits.
+// Tree attention: every node of a draft tree, verified in one forward with
+// a tree mask, has the logits of its path forwarded as a plain chain.
+// `levels` > 1 grows the tree one depth per forward (the span reaches back
+// into rows earlier forwards appended).
+void CheckTreeEqualsChains(const std::string& model_name, int nodes,
+                           bool by_level, uint64_t seed) {
+  auto model_ptr = Runner(model_name);
+  CpuModelRunner& model = *model_ptr;
+  const int vocab = model.config().vocab_size;
+  std::mt19937_64 gen(seed);
+  std::vector<int> prompt(20);
+  for (int& t : prompt) t = static_cast<int>(gen() % vocab);
+  prompt[0] = 1;
+  std::vector<int> ppos(prompt.size());
+  std::iota(ppos.begin(), ppos.end(), 0);
+  // A random tree, parents before children; depth-first order is not
+  // needed by the mask.
+  std::vector<int> parents(nodes), ids(nodes), depth(nodes);
+  for (int i = 0; i < nodes; ++i) {
+    parents[i] = static_cast<int>(gen() % (i + 1)) - 1;  // [-1, i)
+    ids[i] = static_cast<int>(gen() % vocab);
+    depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+  }
+  const int n0 = static_cast<int>(prompt.size());
+  auto cache = Seq(model, 256);
+  ForwardOutput out;
+  {
+    ForwardInput in;
+    in.token_ids = prompt;
+    in.position_ids = ppos;
+    ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  }
+  // Node order in the cache: as given, or level by level.
+  std::vector<int> order(nodes);
+  std::iota(order.begin(), order.end(), 0);
+  if (by_level) {
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return depth[a] < depth[b]; });
+  }
+  std::vector<int> slot_of(nodes);  // node -> index in `order`
+  for (int j = 0; j < nodes; ++j) slot_of[order[j]] = j;
+  std::vector<int> span_parents(nodes);
+  for (int j = 0; j < nodes; ++j) {
+    const int p = parents[order[j]];
+    span_parents[j] = p < 0 ? -1 : slot_of[p];
+  }
+  std::vector<std::vector<float>> node_logits(nodes);
+  int done = 0;
+  while (done < nodes) {
+    int end = nodes;
+    if (by_level) {
+      end = done;
+      while (end < nodes && depth[order[end]] == depth[order[done]]) ++end;
+    }
+    std::vector<int> tok, pos, rows;
+    for (int j = done; j < end; ++j) {
+      tok.push_back(ids[order[j]]);
+      pos.push_back(n0 + depth[order[j]]);
+      rows.push_back(j - done);
+    }
+    ForwardInput in;
+    in.token_ids = tok;
+    in.position_ids = pos;
+    in.logit_rows = rows;
+    in.tree_parents.assign(span_parents.begin(), span_parents.begin() + end);
+    ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+    for (int j = done; j < end; ++j) {
+      const float* row = out.logits_row(j - done, vocab);
+      node_logits[order[j]].assign(row, row + vocab);
+    }
+    done = end;
+  }
+  // The reference: the prompt, then the node's path as one more forward
+  // (as a chain round would run it).
+  float worst = 0.f;
+  for (int i = 0; i < nodes; ++i) {
+    std::vector<int> path;
+    for (int a = i; a >= 0; a = parents[a]) path.push_back(ids[a]);
+    std::reverse(path.begin(), path.end());
+    std::vector<int> cpos(path.size());
+    std::iota(cpos.begin(), cpos.end(), n0);
+    auto chain = Seq(model, 256);
+    ForwardInput in;
+    in.token_ids = prompt;
+    in.position_ids = ppos;
+    ASSERT_TRUE(model.Forward(in, chain.get(), &out).ok());
+    in.token_ids = path;
+    in.position_ids = cpos;
+    ASSERT_TRUE(model.Forward(in, chain.get(), &out).ok());
+    // fp32 rounding differs with the rows per GEMM (the linear layers see
+    // other row counts): 1e-5 relative to the largest logit.
+    float scale = 1.f;
+    for (float v : out.logits) scale = std::max(scale, std::fabs(v));
+    const float diff = MaxAbsDiff(out.logits, node_logits[i]) / scale;
+    worst = std::max(worst, diff);
+    EXPECT_LT(diff, 1e-5) << model_name << " node " << i << " of " << nodes;
+  }
+  std::printf("%s, %d nodes%s: max |logit diff| / max |logit| vs chains %.3g\n",
+              model_name.c_str(), nodes, by_level ? " (by level)" : "",
+              worst);
+}
+
+TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChains) {
+  // Few rows attend straight from the blocks; more than 16 take the GEMM
+  // path. GQA (tinystories-656K: 8 heads over 4 KV heads) and MHA.
+  CheckTreeEqualsChains("tinystories-656K", 9, false, 1);
+  CheckTreeEqualsChains("tinystories-656K", 30, false, 2);
+  CheckTreeEqualsChains("stories260K", 12, false, 3);
+  CheckTreeEqualsChains("stories260K", 24, false, 4);
+}
+
+TEST(CpuModelRunnerTest, TreeGrownOneLevelPerForwardEqualsChains) {
+  CheckTreeEqualsChains("tinystories-656K", 14, true, 5);
+  CheckTreeEqualsChains("stories260K", 40, true, 6);
+}
+
+TEST(CpuModelRunnerTest, BadTreeParentsAreRejected) {
+  auto model_ptr = Runner("stories260K");
+  CpuModelRunner& model = *model_ptr;
+  auto cache = Seq(model, 64);
+  const std::vector<int> ids = {1, 5, 6}, pos = {0, 1, 2};
+  ForwardOutput out;
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  in.tree_parents = {-1, 1, 0};
+  absl::Status s = model.Forward(in, cache.get(), &out);
+  EXPECT_TRUE(absl::IsInvalidArgument(s));
+  EXPECT_NE(s.message().find("tree_parents[1] = 1"), std::string::npos) << s;
+  in.tree_parents = {-1, 0};
+  s = model.Forward(in, cache.get(), &out);
+  EXPECT_NE(s.message().find("must cover the 3 new rows"), std::string::npos)
+      << s;
+  in.tree_parents = {-1, 0, 1, 2};  // reaches before an empty cache
+  s = model.Forward(in, cache.get(), &out);
+  EXPECT_NE(s.message().find("at most the 0 cached"), std::string::npos) << s;
+  EXPECT_EQ(cache->size(), 0);
+  // A chain is causal attention.
+  in.tree_parents = {-1, 0, 1};
+  ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
+  EXPECT_LT(MaxAbsDiff(out.logits, LastLogits(model, ids, pos)), 1e-6);
+}
+
 TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
   auto paged = Runner("tinystories-656K", /*block_size=*/1, /*blocks=*/2048);
   auto dense = Runner("tinystories-656K", /*block_size=*/512, /*blocks=*/1);

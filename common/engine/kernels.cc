@@ -609,11 +609,21 @@ void WeightedValuesAllHeads(const float* p, size_t stride, const float* v,
 
 }  // namespace
 
+void MaskSoftmaxRow(float* row, int n, const int* keys, int count) {
+  for (int j = 0; j < count; ++j) row[keys[j]] = 0.f;
+  double sum = 0.0;
+  for (int j = 0; j < n; ++j) sum += row[j];
+  if (sum <= 0.0) return;  // cannot happen: a row always sees itself
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int j = 0; j < n; ++j) row[j] *= inv;
+}
+
 void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    int num_heads, int num_kv_heads, int head_dim,
                    const float* k, const float* v, size_t kv_stride,
                    const int* block_table, int block_size, float scale,
-                   float* scores, float* out, size_t out_stride) {
+                   float* scores, float* out, size_t out_stride,
+                   const int* mask_offsets, const int* mask_keys) {
   const int group = num_heads / num_kv_heads;
   const int D = head_dim;
   const size_t stride = size_t(first) + rows;  // per head in `scores`
@@ -627,6 +637,13 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    scores, stride);
     for (int h = 0; h < num_heads; ++h) {
       SoftmaxPrefix(scores + size_t(h) * stride, nk, nk);
+    }
+    if (mask_offsets != nullptr && mask_offsets[i + 1] > mask_offsets[i]) {
+      for (int h = 0; h < num_heads; ++h) {
+        MaskSoftmaxRow(scores + size_t(h) * stride, nk,
+                       mask_keys + mask_offsets[i],
+                       mask_offsets[i + 1] - mask_offsets[i]);
+      }
     }
     WeightedValuesAllHeads(scores, stride, v, kv_stride, num_heads, group, D,
                            nk, slot, out + size_t(i) * out_stride);

@@ -95,12 +95,21 @@ void PanelGemmAvx2(const float* x, int n, int in, const float* packed,
 /// (8 tokens at a time, all heads), so it streams sequentially. scores:
 /// scratch of num_heads * (first + rows) floats. out: [rows] rows of
 /// num_heads * head_dim (stride out_stride). num_heads must be a multiple
-/// of num_kv_heads.
+/// of num_kv_heads. Tree attention: with mask_offsets non-null, row i
+/// also does not see the slots mask_keys[mask_offsets[i] ..
+/// mask_offsets[i + 1]) (TreeMask's compressed rows).
 void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    int num_heads, int num_kv_heads, int head_dim,
                    const float* k, const float* v, size_t kv_stride,
                    const int* block_table, int block_size, float scale,
-                   float* scores, float* out, size_t out_stride);
+                   float* scores, float* out, size_t out_stride,
+                   const int* mask_offsets = nullptr,
+                   const int* mask_keys = nullptr);
+
+/// Removes keys from a softmax row: row[keys[0..count)] = 0, then the
+/// first n entries are rescaled to sum to 1 again. The same as a softmax
+/// that never saw those keys (their exp terms drop out of the sum).
+void MaskSoftmaxRow(float* row, int n, const int* keys, int count);
 
 }  // namespace kernels
 }  // namespace specserve

@@ -6,7 +6,8 @@
 namespace specserve {
 
 absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
-                                                      const ForwardInput& in) {
+                                                      const ForwardInput& in,
+                                                      int cached) {
   const int n = static_cast<int>(in.token_ids.size());
   if (n == 0) return absl::InvalidArgumentError("token_ids is empty");
   if (in.position_ids.size() != in.token_ids.size()) {
@@ -41,7 +42,45 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
           absl::StrCat("query capture row ", r, " outside [0, ", n, ")"));
     }
   }
+  if (!in.tree_parents.empty() && cached >= 0) {
+    const int span = static_cast<int>(in.tree_parents.size());
+    if (span < n || span > cached + n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tree_parents has ", span, " entries; it must cover the ", n,
+          " new rows and at most the ", cached, " cached before them"));
+    }
+    for (int j = 0; j < span; ++j) {
+      if (in.tree_parents[j] < -1 || in.tree_parents[j] >= j) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tree_parents[", j, "] = ", in.tree_parents[j],
+                         " must be in [-1, ", j, ")"));
+      }
+    }
+  }
   return logit_rows;
+}
+
+TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
+                           int n) {
+  TreeMask mask;
+  const int span = static_cast<int>(tree_parents.size());
+  bool chain = true;
+  for (int j = 0; j < span && chain; ++j) chain = tree_parents[j] == j - 1;
+  if (chain) return mask;
+  const int start = first + n - span;  // cache index of span entry 0
+  mask.offsets.assign(n + 1, 0);
+  std::vector<char> visible(span);
+  for (int i = 0; i < n; ++i) {
+    const int self = span - n + i;
+    std::fill(visible.begin(), visible.end(), 0);
+    for (int a = self; a >= 0; a = tree_parents[a]) visible[a] = 1;
+    for (int j = 0; j < self; ++j) {
+      if (!visible[j]) mask.masked_keys.push_back(start + j);
+    }
+    mask.offsets[i + 1] = static_cast<int>(mask.masked_keys.size());
+  }
+  if (mask.masked_keys.empty()) mask.offsets.clear();
+  return mask;
 }
 
 absl::StatusOr<std::unique_ptr<KvSequence>> ModelRunner::NewSequence(
@@ -85,7 +124,8 @@ absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
       return absl::InvalidArgumentError(
           absl::StrCat("batch[", i, "]: a sequence appears twice"));
     }
-    absl::StatusOr<std::vector<int>> r = ValidateForwardInput(config, e.input);
+    absl::StatusOr<std::vector<int>> r =
+        ValidateForwardInput(config, e.input, e.kv->size());
     if (!r.ok()) {
       // One sequence alone keeps the plain message callers already match.
       if (batch.size() == 1) return r.status();

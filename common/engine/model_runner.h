@@ -30,6 +30,16 @@ struct ForwardInput {
   /// Rows whose post-RoPE queries are captured at every layer (Speculative
   /// Prefill scores the last prompt row and the look-ahead rows).
   std::vector<int> capture_query_rows;
+  /// Tree attention (SpecInfer, Miao et al. 2024; Medusa): empty = causal
+  /// over the cache order. Otherwise the parents of the LAST
+  /// tree_parents.size() cache entries once this forward's n rows are
+  /// appended (the span holds the n new rows and may reach back into rows
+  /// earlier forwards appended, so a draft tree can grow one depth per
+  /// forward): tree_parents[j] in [-1, j) is entry j's parent within the
+  /// span, -1 = none. A new row attends to every key before the span, to
+  /// its ancestors in the span and to itself. A chain (parents j - 1) is
+  /// causal attention.
+  std::vector<int> tree_parents;
 };
 
 /// One sequence's output of a forward pass.
@@ -65,6 +75,22 @@ class QueryCapture {
   virtual absl::StatusOr<std::vector<float>> CopyToHost() const = 0;
 };
 
+/// The keys tree attention hides from each new row, in compressed-row
+/// form: row i (of n new rows, appended at cache index `first`) must not
+/// see keys masked_keys[offsets[i] .. offsets[i + 1]) (cache indices, all
+/// in the span and below first + i). Built by TreeAttentionMask.
+struct TreeMask {
+  std::vector<int> offsets;      ///< [n + 1]
+  std::vector<int> masked_keys;  ///< cache indices, ascending per row
+  bool empty() const { return masked_keys.empty(); }
+};
+
+/// The mask of `tree_parents` (ForwardInput) for n new rows appended at
+/// cache index `first`; an empty mask for causal input. tree_parents must
+/// be valid (ValidateForwardInput with the sequence's size).
+TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
+                           int n);
+
 /// One entry of a batched forward.
 struct SequenceForward {
   KvSequence* kv = nullptr;  ///< the sequence's cache; appended to.
@@ -85,10 +111,13 @@ struct ImportanceResult {
 /// the same inputs with the same messages): INVALID_ARGUMENT for an empty
 /// batch, mismatched lengths, a token id outside the vocabulary, a position
 /// outside [0, max_position_embeddings) or a logit / capture row outside
-/// [0, n). Returns the logit rows to compute (the last row when none were
-/// asked for).
+/// [0, n). With `cached` >= 0 (the sequence's size before the forward)
+/// also tree_parents: INVALID_ARGUMENT unless its size is in
+/// [n, cached + n] and every entry j is in [-1, j). Returns the logit rows
+/// to compute (the last row when none were asked for).
 absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& config,
-                                                      const ForwardInput& in);
+                                                      const ForwardInput& in,
+                                                      int cached = -1);
 
 /// The model engine's one interface, implemented by the CPU
 /// (CpuModelRunner) and CUDA (CudaModelRunner) backends: a Llama-family
