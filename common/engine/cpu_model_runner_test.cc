@@ -520,8 +520,10 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
 // a tree mask, has the logits of its path forwarded as a plain chain.
 // `levels` > 1 grows the tree one depth per forward (the span reaches back
 // into rows earlier forwards appended).
+// `lead` prompt tokens go into the tree's first forward, before the span
+// (causal rows).
 void CheckTreeEqualsChains(const std::string& model_name, int nodes,
-                           bool by_level, uint64_t seed) {
+                           bool by_level, uint64_t seed, int lead = 0) {
   auto model_ptr = Runner(model_name);
   CpuModelRunner& model = *model_ptr;
   const int vocab = model.config().vocab_size;
@@ -544,8 +546,8 @@ void CheckTreeEqualsChains(const std::string& model_name, int nodes,
   ForwardOutput out;
   {
     ForwardInput in;
-    in.token_ids = prompt;
-    in.position_ids = ppos;
+    in.token_ids = absl::MakeConstSpan(prompt).subspan(0, n0 - lead);
+    in.position_ids = absl::MakeConstSpan(ppos).subspan(0, n0 - lead);
     ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
   }
   // Node order in the cache: as given, or level by level.
@@ -571,10 +573,15 @@ void CheckTreeEqualsChains(const std::string& model_name, int nodes,
       while (end < nodes && depth[order[end]] == depth[order[done]]) ++end;
     }
     std::vector<int> tok, pos, rows;
+    const int skip = done == 0 ? lead : 0;  // causal prompt rows first
+    for (int j = n0 - skip; j < n0; ++j) {
+      tok.push_back(prompt[j]);
+      pos.push_back(j);
+    }
     for (int j = done; j < end; ++j) {
       tok.push_back(ids[order[j]]);
       pos.push_back(n0 + depth[order[j]]);
-      rows.push_back(j - done);
+      rows.push_back(skip + j - done);
     }
     ForwardInput in;
     in.token_ids = tok;
@@ -583,7 +590,7 @@ void CheckTreeEqualsChains(const std::string& model_name, int nodes,
     in.tree_parents.assign(span_parents.begin(), span_parents.begin() + end);
     ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
     for (int j = done; j < end; ++j) {
-      const float* row = out.logits_row(j - done, vocab);
+      const float* row = out.logits_row(j - done, vocab);  // logit_rows order
       node_logits[order[j]].assign(row, row + vocab);
     }
     done = end;
@@ -625,6 +632,9 @@ TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChains) {
   CheckTreeEqualsChains("tinystories-656K", 30, false, 2);
   CheckTreeEqualsChains("stories260K", 12, false, 3);
   CheckTreeEqualsChains("stories260K", 24, false, 4);
+  // Prompt rows before the span in the same forward stay causal.
+  CheckTreeEqualsChains("tinystories-656K", 7, false, 7, /*lead=*/3);
+  CheckTreeEqualsChains("stories260K", 20, false, 8, /*lead=*/5);
 }
 
 TEST(CpuModelRunnerTest, TreeGrownOneLevelPerForwardEqualsChains) {
@@ -645,10 +655,6 @@ TEST(CpuModelRunnerTest, BadTreeParentsAreRejected) {
   absl::Status s = model.Forward(in, cache.get(), &out);
   EXPECT_TRUE(absl::IsInvalidArgument(s));
   EXPECT_NE(s.message().find("tree_parents[1] = 1"), std::string::npos) << s;
-  in.tree_parents = {-1, 0};
-  s = model.Forward(in, cache.get(), &out);
-  EXPECT_NE(s.message().find("must cover the 3 new rows"), std::string::npos)
-      << s;
   in.tree_parents = {-1, 0, 1, 2};  // reaches before an empty cache
   s = model.Forward(in, cache.get(), &out);
   EXPECT_NE(s.message().find("at most the 0 cached"), std::string::npos) << s;

@@ -44,9 +44,9 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
   }
   if (!in.tree_parents.empty() && cached >= 0) {
     const int span = static_cast<int>(in.tree_parents.size());
-    if (span < n || span > cached + n) {
+    if (span > cached + n) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "tree_parents has ", span, " entries; it must cover the ", n,
+          "tree_parents has ", span, " entries; it may cover the ", n,
           " new rows and at most the ", cached, " cached before them"));
     }
     for (int j = 0; j < span; ++j) {
@@ -72,10 +72,12 @@ TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
   std::vector<char> visible(span);
   for (int i = 0; i < n; ++i) {
     const int self = span - n + i;
-    std::fill(visible.begin(), visible.end(), 0);
-    for (int a = self; a >= 0; a = tree_parents[a]) visible[a] = 1;
-    for (int j = 0; j < self; ++j) {
-      if (!visible[j]) mask.masked_keys.push_back(start + j);
+    if (self >= 0) {  // else before the span: causal
+      std::fill(visible.begin(), visible.end(), 0);
+      for (int a = self; a >= 0; a = tree_parents[a]) visible[a] = 1;
+      for (int j = 0; j < self; ++j) {
+        if (!visible[j]) mask.masked_keys.push_back(start + j);
+      }
     }
     mask.offsets[i + 1] = static_cast<int>(mask.masked_keys.size());
   }

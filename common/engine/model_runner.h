@@ -33,12 +33,12 @@ struct ForwardInput {
   /// Tree attention (SpecInfer, Miao et al. 2024; Medusa): empty = causal
   /// over the cache order. Otherwise the parents of the LAST
   /// tree_parents.size() cache entries once this forward's n rows are
-  /// appended (the span holds the n new rows and may reach back into rows
-  /// earlier forwards appended, so a draft tree can grow one depth per
+  /// appended (the span may start inside the new rows, or reach back into
+  /// rows earlier forwards appended, so a draft tree can grow one depth per
   /// forward): tree_parents[j] in [-1, j) is entry j's parent within the
-  /// span, -1 = none. A new row attends to every key before the span, to
-  /// its ancestors in the span and to itself. A chain (parents j - 1) is
-  /// causal attention.
+  /// span, -1 = none. A new row in the span attends to every key before the
+  /// span, to its ancestors in the span and to itself; new rows before the
+  /// span are causal. A chain (parents j - 1) is causal attention.
   std::vector<int> tree_parents;
 };
 
@@ -112,8 +112,8 @@ struct ImportanceResult {
 /// batch, mismatched lengths, a token id outside the vocabulary, a position
 /// outside [0, max_position_embeddings) or a logit / capture row outside
 /// [0, n). With `cached` >= 0 (the sequence's size before the forward)
-/// also tree_parents: INVALID_ARGUMENT unless its size is in
-/// [n, cached + n] and every entry j is in [-1, j). Returns the logit rows
+/// also tree_parents: INVALID_ARGUMENT unless its size is at most
+/// cached + n and every entry j is in [-1, j). Returns the logit rows
 /// to compute (the last row when none were asked for).
 absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& config,
                                                       const ForwardInput& in,
