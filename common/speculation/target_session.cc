@@ -85,8 +85,8 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
 }
 
 absl::StatusOr<RoundResult> TargetSession::Step(
-    absl::Span<const DraftToken> drafts) {
-  if (absl::Status s = BeginRound(drafts); !s.ok()) return s;
+    absl::Span<const DraftToken> drafts, absl::Span<const int> parents) {
+  if (absl::Status s = BeginRound(drafts, parents); !s.ok()) return s;
   while (true) {
     SequenceForward entry;
     if (absl::Status s = PlanForward(pending_rows(), &entry); !s.ok()) {
@@ -104,7 +104,8 @@ absl::StatusOr<RoundResult> TargetSession::Step(
   }
 }
 
-absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts) {
+absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts,
+                                       absl::Span<const int> parents) {
   const ModelConfig& c = model_->config();
   if (finished()) {
     return absl::FailedPreconditionError("generation already finished");
@@ -121,15 +122,40 @@ absl::Status TargetSession::BeginRound(absl::Span<const DraftToken> drafts) {
       !s.ok()) {
     return s;
   }
+  const bool tree = !parents.empty() && !IsChain(parents);
+  if (!parents.empty()) {
+    if (auto s = ValidateTreeParents(parents, static_cast<int>(drafts.size()));
+        !s.ok()) {
+      return s;
+    }
+  }
   const int generated = static_cast<int>(output_.size());
   // Clip drafts: each round emits accepted + 1 tokens, so drafts beyond
   // the remaining budget - 1 can never be emitted; fed positions must stay
-  // inside the context.
-  int k = static_cast<int>(drafts.size());
-  k = std::min(k, request_.stop.max_new_tokens - generated - 1);
-  k = std::min(k, c.max_position_embeddings - NextPosition());
-  k = std::max(k, 0);
-  drafts_.assign(drafts.begin(), drafts.begin() + k);
+  // inside the context. A tree loses the nodes that deep.
+  int depth_limit = request_.stop.max_new_tokens - generated - 1;
+  depth_limit = std::min(depth_limit,
+                         c.max_position_embeddings - NextPosition());
+  depth_limit = std::max(depth_limit, 0);
+  drafts_.clear();
+  parents_.clear();
+  depths_.clear();
+  if (!tree) {
+    const int k = std::min(static_cast<int>(drafts.size()), depth_limit);
+    drafts_.assign(drafts.begin(), drafts.begin() + k);
+  } else {
+    // Keep the nodes above the limit; a kept node's parent is kept too
+    // (parents come first and are shallower), so re-index them.
+    const std::vector<int> depth = TreeDepths(parents);
+    std::vector<int> new_index(drafts.size(), -1);
+    for (size_t i = 0; i < drafts.size(); ++i) {
+      if (depth[i] >= depth_limit) continue;
+      new_index[i] = static_cast<int>(drafts_.size());
+      drafts_.push_back(drafts[i]);
+      parents_.push_back(parents[i] < 0 ? -1 : new_index[parents[i]]);
+      depths_.push_back(depth[i]);
+    }
+  }
   in_round_ = true;
   result_.reset();
   final_planned_ = false;
@@ -176,16 +202,18 @@ int TargetSession::pending_rows() const {
 
 int TargetSession::min_forward_rows() const {
   if (!in_round_) return 0;
-  if (context_size() - cache_->size() > 1) return 1;
-  return 1 + static_cast<int>(drafts_.size());
+  const int left = context_size() - cache_->size();
+  if (left > final_tail()) return 1;
+  return left + static_cast<int>(drafts_.size());
 }
 
 bool TargetSession::prefilling() const {
-  return in_round_ && context_size() - cache_->size() > 1;
+  return in_round_ && context_size() - cache_->size() > final_tail();
 }
 
 void TargetSession::Preempt() {
   cache_->Clear();
+  rewrite_ = 0;
   round_start_ = 0;
   attach_pending_ = true;
   ++num_preemptions_;
@@ -212,10 +240,12 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   // split: if it does not fit, forward all but the last context token now.
   // The tail is the prompt on the first round, a recomputation after a
   // preemption, else just the last emitted token.
-  const int take = left + k <= max_rows ? left : std::min(left - 1, max_rows);
+  const int tail = std::min(left, final_tail());
+  const int take =
+      left + k <= max_rows ? left : std::min(left - tail, max_rows);
   if (take < 1) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the round's final forward needs ", 1 + k, " rows, the budget is ",
+        "the round's final forward needs ", tail + k, " rows, the budget is ",
         max_rows));
   }
   for (int i = done; i < done + take; ++i) {
@@ -228,9 +258,16 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
     const int first_draft_pos = NextPosition();
     for (int j = 0; j < k; ++j) {
       plan_tokens_.push_back(drafts_[j].id);
-      plan_positions_.push_back(first_draft_pos + j);
+      plan_positions_.push_back(first_draft_pos +
+                                (parents_.empty() ? j : depths_[j]));
     }
     for (int j = 0; j <= k; ++j) entry->input.logit_rows.push_back(base_row + j);
+  }
+  // A tree's nodes are the span: the root's children (-1) see the context
+  // before them, every node its ancestors.
+  entry->input.tree_parents.clear();
+  if (final_planned_ && !parents_.empty()) {
+    entry->input.tree_parents = parents_;
   }
   // A chunk without the final rows still asks for its last row (the engine
   // returns at least one); CompleteForward ignores it.
@@ -258,19 +295,38 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
         "forward returned ", out.logits.size(), " logits, expected ",
         static_cast<size_t>(k + 1) * c.vocab_size));
   }
-  auto verdict =
-      VerifyDrafts(drafts_, out.logits, c.vocab_size, request_.sampling, &rng_);
-  if (!verdict.ok()) {
-    Abort();
-    return verdict.status();
+  std::vector<int> tokens;
+  int accepted = 0;
+  // Accepted drafts the cache keeps: a chain's all; a tree's those in
+  // consecutive slots after the context (path[d] == node d).
+  int kept = 0;
+  if (parents_.empty()) {
+    auto verdict = VerifyDrafts(drafts_, out.logits, c.vocab_size,
+                                request_.sampling, &rng_);
+    if (!verdict.ok()) {
+      Abort();
+      return verdict.status();
+    }
+    tokens = std::move(verdict->tokens);
+    accepted = kept = verdict->num_accepted;
+  } else {
+    auto verdict = VerifyDraftTree(drafts_, parents_, out.logits,
+                                   c.vocab_size, request_.sampling, &rng_);
+    if (!verdict.ok()) {
+      Abort();
+      return verdict.status();
+    }
+    tokens = std::move(verdict->tokens);
+    accepted = static_cast<int>(verdict->path.size());
+    while (kept < accepted && verdict->path[kept] == kept) ++kept;
   }
   // Keep the context (prompt, or up to the last emitted token) and the
-  // accepted drafts.
-  if (auto s = cache_->Truncate(context_size() + verdict->num_accepted);
-      !s.ok()) {
+  // accepted drafts in place.
+  if (auto s = cache_->Truncate(context_size() + kept); !s.ok()) {
     Abort();
     return s;
   }
+  rewrite_ = accepted - kept;
   if (!prefilled_) {
     // The prompt's full blocks are final (rollbacks never go below the
     // prompt): list them for later requests.
@@ -281,10 +337,9 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
 
   RoundResult round;
   round.num_drafts = k;
-  round.num_accepted = verdict->num_accepted;
-  const StopChecker::Result stop = stop_.Append(verdict->tokens);
-  round.tokens.assign(verdict->tokens.begin(),
-                      verdict->tokens.begin() + stop.num_emit);
+  round.num_accepted = accepted;
+  const StopChecker::Result stop = stop_.Append(tokens);
+  round.tokens.assign(tokens.begin(), tokens.begin() + stop.num_emit);
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
   round.forward_ns = round_ns_ + (MonotonicNowNs() - planned_at_);

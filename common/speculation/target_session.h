@@ -10,6 +10,7 @@
 #include "absl/types/span.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stop.h"
+#include "common/decoding/tree_verification.h"
 #include "common/decoding/verification.h"
 #include "common/engine/model_runner.h"
 #include "common/scheduling/session.h"
@@ -62,19 +63,32 @@ class TargetSession : public Session {
 
   /// Runs the next round with `drafts` (validated: ids in the vocabulary,
   /// well-formed q when sampling; at most max_drafts). Drafts past the
-  /// token budget or context are dropped. FAILED_PRECONDITION once
-  /// finished. = BeginRound + (PlanForward, Forward, CompleteForward) until
-  /// the round completes, with no limit on the rows per forward.
-  absl::StatusOr<RoundResult> Step(absl::Span<const DraftToken> drafts);
+  /// token budget or context are dropped. `parents` empty = a chain;
+  /// otherwise a token tree (tree_verification.h: parents[i] in [-1, i),
+  /// -1 = the last emitted token), verified in one forward with a tree
+  /// attention mask (VerifyDraftTree); the nodes past the budget (by
+  /// depth) are dropped. FAILED_PRECONDITION once finished.
+  /// = BeginRound + (PlanForward, Forward, CompleteForward) until the
+  /// round completes, with no limit on the rows per forward.
+  absl::StatusOr<RoundResult> Step(absl::Span<const DraftToken> drafts,
+                                   absl::Span<const int> parents = {});
 
   // ---- The same round in steps, for a scheduler that batches the
   // forwards of many sessions (vLLM v1's model runner step) and splits long
   // prefills into chunks (chunked prefill, Agrawal et al. 2023 Sarathi). ----
 
-  /// Starts a round with `drafts` (validated and clipped as in Step).
-  /// FAILED_PRECONDITION once finished or while a round is in progress;
-  /// INVALID_ARGUMENT for bad drafts.
-  absl::Status BeginRound(absl::Span<const DraftToken> drafts);
+  /// Starts a round with `drafts` and `parents` (validated and clipped as
+  /// in Step). FAILED_PRECONDITION once finished or while a round is in
+  /// progress; INVALID_ARGUMENT for bad drafts or parents.
+  ///
+  /// After a tree round the KV cache keeps the context and the accepted
+  /// path's nodes only while they sit in consecutive slots right after the
+  /// last context token (a depth-first preorder with the likeliest child
+  /// first makes that the common case); the accepted tokens after the
+  /// first gap are forwarded again at the start of the next round's final
+  /// forward, so they cost rows, not a forward.
+  absl::Status BeginRound(absl::Span<const DraftToken> drafts,
+                          absl::Span<const int> parents = {});
   /// Whether a round is in progress (begun, not yet completed or aborted).
   bool in_round() const { return in_round_; }
   /// Rows the round still needs to forward: the context tokens (prompt +
@@ -150,6 +164,9 @@ class TargetSession : public Session {
   int ContextPosition(int i) const;
   // Position of the next token after the context (of the first draft).
   int NextPosition() const;
+  // Context tokens the round's final forward carries: the last one, plus
+  // the accepted tree tokens the cache did not keep (rewrite_).
+  int final_tail() const { return 1 + rewrite_; }
   // On an empty KV cache, attaches the prompt's cached full blocks.
   void AttachCachedPrompt();
 
@@ -170,6 +187,10 @@ class TargetSession : public Session {
   // The round in progress.
   bool in_round_ = false;
   std::vector<DraftToken> drafts_;  // clipped
+  std::vector<int> parents_;        // empty = a chain
+  std::vector<int> depths_;         // of each tree node
+  std::vector<int> span_parents_;   // the forward's tree_parents
+  int rewrite_ = 0;  // accepted tokens of the last tree round not in cache
   int round_start_ = 0;   // cache size when the round began
   int64_t round_ns_ = 0;  // time spent in this round's forwards
   int64_t planned_at_ = 0;

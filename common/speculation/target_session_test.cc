@@ -76,6 +76,132 @@ TEST_F(TargetSessionTest, GreedyWithRandomDraftsEqualsPlainGreedy) {
   }
 }
 
+// A random draft tree for the next round: `nodes` nodes, parents before
+// children, some seeded with the true greedy continuation `want` (at the
+// node's depth) so that deep paths are accepted, others random. Its nodes
+// come in a random valid order, so accepted paths are often not in
+// consecutive slots (the KV rewrite path runs).
+void RandomTree(const std::vector<int>& want, size_t at, int nodes,
+                int vocab, std::mt19937* rng, std::vector<DraftToken>* drafts,
+                std::vector<int>* parents) {
+  drafts->assign(nodes, DraftToken());
+  parents->assign(nodes, -1);
+  std::vector<int> depth(nodes, 0);
+  std::vector<bool> on_truth(nodes, false);  // path so far == want
+  for (int i = 0; i < nodes; ++i) {
+    const int p = static_cast<int>((*rng)() % (i + 1)) - 1;
+    (*parents)[i] = p;
+    depth[i] = p < 0 ? 0 : depth[p] + 1;
+    const bool parent_true = p < 0 || on_truth[p];
+    const size_t pos = at + depth[i];
+    const bool truth = parent_true && pos < want.size() && (*rng)() % 2 == 0;
+    (*drafts)[i].id = truth ? want[pos] : static_cast<int>((*rng)() % vocab);
+    on_truth[i] = parent_true && pos < want.size() &&
+                  (*drafts)[i].id == want[pos];
+  }
+}
+
+// Tree verification with greedy: exactly the tokens of plain greedy
+// decoding of the target, on both bundled targets, full and pruned
+// prompts, whatever the tree's shape and slot order.
+TEST_F(TargetSessionTest, GreedyTreesEqualPlainGreedy) {
+  auto big_w = LoadBundled("tinystories-656K");
+  ASSERT_NE(big_w, nullptr);
+  auto big = testing_util::MakeCpuRunner(big_w);
+  struct Case {
+    CpuModelRunner* model;
+    std::vector<int> positions;  // empty = 0..n-1
+  };
+  std::vector<int> pruned(kPrompt.size());
+  for (size_t i = 0; i < pruned.size(); ++i) pruned[i] = 3 * i + (i > 4 ? 7 : 0);
+  const std::vector<Case> cases = {{target_.get(), {}},
+                                   {big.get(), {}},
+                                   {target_.get(), pruned}};
+  const int kNew = 48;
+  std::mt19937 rng(11);
+  for (const Case& c : cases) {
+    const int next = c.positions.empty() ? static_cast<int>(kPrompt.size())
+                                         : c.positions.back() + 5;
+    const auto want =
+        GreedyReference(*c.model, kPrompt, c.positions, next, kNew);
+    ASSERT_EQ(want.size(), static_cast<size_t>(kNew));
+    TargetRequest r = Request(kPrompt, kNew);
+    if (!c.positions.empty()) r.position_ids = c.positions;
+    r.next_position = next;
+    auto s = TargetSession::Create(c.model, r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    std::vector<int> got;
+    int rounds = 0, accepted = 0, deep = 0;
+    while (!(*s)->finished()) {
+      std::vector<DraftToken> drafts;
+      std::vector<int> parents;
+      RandomTree(want, got.size(), static_cast<int>(rng() % 20), 
+                 c.model->config().vocab_size, &rng, &drafts, &parents);
+      auto round = (*s)->Step(drafts, parents);
+      ASSERT_TRUE(round.ok()) << round.status();
+      got.insert(got.end(), round->tokens.begin(), round->tokens.end());
+      accepted += round->num_accepted;
+      deep += round->num_accepted >= 2;
+      ++rounds;
+    }
+    EXPECT_EQ(got, want);
+    EXPECT_LT(rounds, kNew / 2);
+    EXPECT_GT(deep, 0);
+  }
+}
+
+// The same with the rounds' forwards planned under a small row budget
+// (prefill chunks, a tree that must wait for its own forward) and a
+// preemption between some rounds: still exactly greedy decoding.
+TEST_F(TargetSessionTest, TreesUnderSmallBudgetsAndPreemptionEqualGreedy) {
+  const int kNew = 40;
+  const auto want =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  std::mt19937 rng(5);
+  auto s = TargetSession::Create(target_.get(), Request(kPrompt, kNew));
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<int> got;
+  int round_no = 0;
+  while (!(*s)->finished()) {
+    std::vector<DraftToken> drafts;
+    std::vector<int> parents;
+    RandomTree(want, got.size(), 1 + static_cast<int>(rng() % 12),
+               target_->config().vocab_size, &rng, &drafts, &parents);
+    if (round_no % 4 == 3) (*s)->Preempt();
+    ASSERT_TRUE((*s)->BeginRound(drafts, parents).ok());
+    while (!(*s)->round_complete()) {
+      // Enough for the final rows, sometimes not for the context.
+      const int budget = std::max((*s)->min_forward_rows(),
+                                  static_cast<int>(rng() % 8) + 1);
+      SequenceForward entry;
+      ASSERT_TRUE((*s)->PlanForward(budget, &entry).ok());
+      ASSERT_LE(static_cast<int>(entry.input.token_ids.size()), budget);
+      ForwardOutput out;
+      std::vector<ForwardOutput> outs;
+      ASSERT_TRUE(target_->Forward(absl::MakeConstSpan(&entry, 1), &outs).ok());
+      ASSERT_TRUE((*s)->CompleteForward(outs[0]).ok());
+    }
+    auto round = (*s)->TakeRoundResult();
+    ASSERT_TRUE(round.ok());
+    got.insert(got.end(), round->tokens.begin(), round->tokens.end());
+    ++round_no;
+  }
+  EXPECT_EQ(got, want);
+}
+
+TEST_F(TargetSessionTest, BadTreeParentsAreRejected) {
+  auto s = TargetSession::Create(target_.get(), Request(kPrompt, 8));
+  ASSERT_TRUE(s.ok());
+  std::vector<DraftToken> drafts(3);
+  for (auto& d : drafts) d.id = 5;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*s)->BeginRound(drafts, std::vector<int>{-1, 2, 0})));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      (*s)->BeginRound(drafts, std::vector<int>{-1, 0})));
+  EXPECT_FALSE((*s)->in_round());
+  EXPECT_TRUE((*s)->BeginRound(drafts, std::vector<int>{-1, -1, 0}).ok());
+}
+
 // Pruned prompts: the KV cache holds only kept tokens at their original
 // positions and decoding continues at the original length (golden cases).
 // Rounds driven in steps with chunked prefill and several sessions batched
