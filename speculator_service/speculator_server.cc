@@ -214,8 +214,17 @@ class DraftReactor final
                             : absl::OkStatus());
     }
     absl::Status s = Bind();
+    const bool tree = req_.has_tree();
+    DraftTreeShape shape;
+    if (tree) {
+      shape.branching.assign(req_.tree().branching().begin(),
+                             req_.tree().branching().end());
+      shape.max_nodes = req_.tree().max_nodes();
+    }
     if (s.ok()) {
-      s = ValidateNumDraftTokens(req_.num_draft_tokens(), "num_draft_tokens");
+      s = tree ? ValidateDraftTreeShape(shape)
+               : ValidateNumDraftTokens(req_.num_draft_tokens(),
+                                        "num_draft_tokens");
     }
     if (!s.ok()) return FinishOnce(s);
     if (IsCancelled()) {
@@ -223,13 +232,18 @@ class DraftReactor final
     }
     DraftSession* session = lease_.session();
     t0_ = MonotonicNowNs();
-    auto begin = [this, session] {
+    auto begin = [this, session, tree, shape = std::move(shape)] {
+      if (tree) {
+        return session->BeginDraftTree(Ids(req_.emitted_token_ids()), shape);
+      }
       return session->BeginDraft(Ids(req_.emitted_token_ids()),
                                  req_.num_draft_tokens());
     };
     auto finish = [this, session](absl::Status s) {
       if (!s.ok()) return FinishOnce(s);
-      OnDrafts(session->TakeDrafts());
+      std::vector<int> parents;
+      std::vector<DraftToken> drafts = session->TakeDrafts(&parents);
+      OnDrafts(std::move(drafts), std::move(parents));
     };
     if (absl::Status s = impl_->Submit(std::make_unique<SessionWork>(
             session, std::move(begin), std::move(finish)));
@@ -295,7 +309,8 @@ class DraftReactor final
   }
 
   // On the scheduler's thread when the Draft operation is done.
-  void OnDrafts(std::vector<DraftToken> drafts_vec) {
+  void OnDrafts(std::vector<DraftToken> drafts_vec,
+                std::vector<int> parents) {
     const std::vector<DraftToken>* drafts = &drafts_vec;
     const int64_t ns = MonotonicNowNs() - t0_;
     impl_->metrics_->ObserveDraft(static_cast<int>(drafts->size()), ns);
@@ -312,6 +327,7 @@ class DraftReactor final
         tp->set_prob(p);
       }
     }
+    resp_.mutable_parents()->Add(parents.begin(), parents.end());
     resp_.set_draft_ns(ns);
     StartWrite(&resp_);
   }

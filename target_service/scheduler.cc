@@ -18,10 +18,11 @@ absl::StatusOr<std::unique_ptr<TargetScheduler>> TargetScheduler::Create(
 
 absl::Status TargetScheduler::Submit(TargetSession* session,
                                      std::vector<DraftToken> drafts,
-                                     Done done) {
+                                     std::vector<int> parents, Done done) {
   // The drafts live in the begin callback until the round begins.
-  auto begin = [session, drafts = std::move(drafts)] {
-    return session->BeginRound(drafts);
+  auto begin = [session, drafts = std::move(drafts),
+                parents = std::move(parents)] {
+    return session->BeginRound(drafts, parents);
   };
   auto finish = [session, done = std::move(done)](absl::Status status) {
     if (status.ok()) {

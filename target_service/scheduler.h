@@ -32,14 +32,15 @@ class TargetScheduler {
       ModelRunner* model, Options options,
       BatchScheduler::StepObserver on_step = nullptr);
 
-  /// Queues the next round of `session` with `drafts`. `session` must stay
+  /// Queues the next round of `session` with `drafts` (a chain, or a tree
+  /// when `parents` is not empty: TargetSession::BeginRound). `session` must stay
   /// alive and untouched until `done` has run. Errors of the round
   /// (invalid drafts, a finished session, a forward failure) reach `done`;
   /// Submit itself fails only with UNAVAILABLE once shutting down (then
   /// `done` is not called). Rounds still queued at destruction end with
   /// CANCELLED.
   absl::Status Submit(TargetSession* session, std::vector<DraftToken> drafts,
-                      Done done);
+                      std::vector<int> parents, Done done);
 
   /// Rounds queued or in flight.
   int num_rounds() const { return scheduler_->num_works(); }

@@ -52,8 +52,16 @@ struct Client {
   void Next(TargetScheduler* s) {
     std::vector<DraftToken> drafts(rng() % 5);
     for (auto& d : drafts) d.id = 3 + rng() % 500;
+    // Every other round a token tree (random parents) instead of a chain.
+    std::vector<int> parents;
+    if (rng() % 2 == 0) {
+      for (size_t i = 0; i < drafts.size(); ++i) {
+        parents.push_back(static_cast<int>(rng() % (i + 1)) - 1);
+      }
+    }
     absl::Status st = s->Submit(
-        session.get(), drafts, [this, s](absl::StatusOr<RoundResult> r) {
+        session.get(), drafts, parents,
+        [this, s](absl::StatusOr<RoundResult> r) {
           ++rounds;
           if (!r.ok()) {
             error = r.status();
@@ -175,7 +183,7 @@ TEST_F(TargetSchedulerTest, RoundErrorsReachTheCallback) {
   std::vector<DraftToken> bad(1);
   bad[0].id = 100000;
   ASSERT_TRUE((*sched)
-                  ->Submit(s.get(), bad,
+                  ->Submit(s.get(), bad, {},
                            [&](absl::StatusOr<RoundResult> r) {
                              got = r.status();
                              n1.Notify();
@@ -188,7 +196,7 @@ TEST_F(TargetSchedulerTest, RoundErrorsReachTheCallback) {
   while (!s->finished()) {
     absl::Notification n;
     ASSERT_TRUE((*sched)
-                    ->Submit(s.get(), {},
+                    ->Submit(s.get(), {}, {},
                              [&](absl::StatusOr<RoundResult> r) {
                                got = r.status();
                                n.Notify();
@@ -199,7 +207,7 @@ TEST_F(TargetSchedulerTest, RoundErrorsReachTheCallback) {
   }
   absl::Notification n2;
   ASSERT_TRUE((*sched)
-                  ->Submit(s.get(), {},
+                  ->Submit(s.get(), {}, {},
                            [&](absl::StatusOr<RoundResult> r) {
                              got = r.status();
                              n2.Notify();

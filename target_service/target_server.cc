@@ -209,8 +209,9 @@ class TargetServer::GenerateReactor
       return;
     }
     std::vector<DraftToken> drafts;
+    std::vector<int> parents;
     bool queued = false;
-    absl::Status status = OnMessage(&drafts, &queued);
+    absl::Status status = OnMessage(&drafts, &parents, &queued);
     if (!status.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -221,7 +222,7 @@ class TargetServer::GenerateReactor
     }
     // busy_ is set: this reactor is not touched again on this thread until
     // the scheduler runs OnRoundDone (or, queued, until OnAdmitted).
-    if (!queued) SubmitRound(std::move(drafts));
+    if (!queued) SubmitRound(std::move(drafts), std::move(parents));
   }
 
   // On the server's admission thread when a queued request fits: run its
@@ -298,7 +299,8 @@ class TargetServer::GenerateReactor
   enum class Phase { kAwaitPrefill, kGenerating, kDone };
 
   // Queues the session's next round on the scheduler.
-  void SubmitRound(std::vector<DraftToken> drafts) {
+  void SubmitRound(std::vector<DraftToken> drafts,
+                   std::vector<int> parents = {}) {
     TargetSession* session;
     {
       absl::MutexLock lock(&mu_);
@@ -312,7 +314,7 @@ class TargetServer::GenerateReactor
       return;
     }
     absl::Status submitted = server_->scheduler_->Submit(
-        session, std::move(drafts),
+        session, std::move(drafts), std::move(parents),
         [this](absl::StatusOr<RoundResult> round) {
           OnRoundDone(std::move(round));
         });
@@ -322,7 +324,8 @@ class TargetServer::GenerateReactor
   // Handles a received message: sets busy_ and the round's drafts, or
   // returns the error that ends the stream. *queued: the prefill waits in
   // the server's admission queue (OnAdmitted runs its round).
-  absl::Status OnMessage(std::vector<DraftToken>* drafts, bool* queued) {
+  absl::Status OnMessage(std::vector<DraftToken>* drafts,
+                         std::vector<int>* parents, bool* queued) {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return absl::CancelledError("cancelled");
     const bool is_prefill = request_.has_prefill();
@@ -366,6 +369,8 @@ class TargetServer::GenerateReactor
               "prefill sent twice; later messages must be drafts");
         }
         *drafts = ToDrafts(request_.drafts().drafts());
+        parents->assign(request_.drafts().parents().begin(),
+                        request_.drafts().parents().end());
         break;
     }
     busy_ = true;

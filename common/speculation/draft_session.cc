@@ -1,6 +1,7 @@
 #include "common/speculation/draft_session.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -62,6 +63,10 @@ void DraftSession::Preempt() {
     feed_ = committed_;
     fed_ = AttachCachedPrefix(feed_);
     drafts_.clear();
+    nodes_.clear();
+    level_.clear();
+    span_parents_.clear();
+    planned_level_ = false;
   }
 }
 
@@ -161,26 +166,37 @@ absl::Status DraftSession::BeginScore(absl::Span<const int> prompt,
   return absl::OkStatus();
 }
 
-absl::Status DraftSession::BeginDraft(absl::Span<const int> emitted, int k) {
+absl::Status ValidateDraftTreeShape(const DraftTreeShape& shape) {
+  const int depth = static_cast<int>(shape.branching.size());
+  if (depth < 1 || depth > 16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tree.branching must list 1 to 16 depths, got ", depth));
+  }
+  for (int d = 0; d < depth; ++d) {
+    if (shape.branching[d] < 1 || shape.branching[d] > 8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tree.branching[", d, "] must be in [1, 8], got ",
+                       shape.branching[d]));
+    }
+  }
+  if (shape.max_nodes < 1 || shape.max_nodes > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tree.max_nodes must be in [1, 64], got ", shape.max_nodes));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> DraftSession::PrepareDraft(absl::Span<const int> emitted) {
   const ModelConfig& c = model_->config();
-  if (op_ != Op::kNone) {
-    return absl::FailedPreconditionError("an operation is in progress");
-  }
-  if (!started_) {
-    return absl::FailedPreconditionError("session has no prompt yet");
-  }
-  if (k < 1 || k > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_draft_tokens must be in [1, 64], got ", k));
-  }
   if (auto s = CheckIds(emitted, c.vocab_size, "emitted_token_ids"); !s.ok()) {
     return s;
   }
   committed_.insert(committed_.end(), emitted.begin(), emitted.end());
 
   // Keep the longest cached prefix that agrees with what the target
-  // emitted (rejected drafts roll back), but re-feed at least the last
-  // committed token so its logits are at hand.
+  // emitted (rejected drafts roll back; a tree's nodes are cached as -1 and
+  // never agree), but re-feed at least the last committed token so its
+  // logits are at hand.
   size_t keep = 0;
   while (keep < cached_.size() && keep < committed_.size() &&
          cached_[keep] == committed_[keep]) {
@@ -192,9 +208,9 @@ absl::Status DraftSession::BeginDraft(absl::Span<const int> emitted, int k) {
   // After a preemption: the prompt's full blocks may still be cached.
   if (keep == 0) keep = AttachCachedPrefix(committed_);
 
-  op_ = Op::kDraft;
   op_start_ = cache_->size();
   drafts_.clear();
+  draft_parents_.clear();
   fed_ = 0;
   next_token_ = -1;
   finished_op_ = false;
@@ -204,11 +220,157 @@ absl::Status DraftSession::BeginDraft(absl::Span<const int> emitted, int k) {
     feed_.clear();
     wanted_ = 0;
     finished_op_ = true;
-    return absl::OkStatus();
+    return -1;
   }
   feed_.assign(committed_.begin() + keep, committed_.end());
-  wanted_ = std::min(k, room - pending + 1);
+  return room - pending;
+}
+
+absl::Status DraftSession::BeginDraft(absl::Span<const int> emitted, int k) {
+  if (op_ != Op::kNone) {
+    return absl::FailedPreconditionError("an operation is in progress");
+  }
+  if (!started_) {
+    return absl::FailedPreconditionError("session has no prompt yet");
+  }
+  if (k < 1 || k > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_draft_tokens must be in [1, 64], got ", k));
+  }
+  absl::StatusOr<int> free = PrepareDraft(emitted);
+  if (!free.ok()) return free.status();
+  op_ = Op::kDraft;
+  if (*free >= 0) wanted_ = std::min(k, *free + 1);
   return absl::OkStatus();
+}
+
+absl::Status DraftSession::BeginDraftTree(absl::Span<const int> emitted,
+                                          const DraftTreeShape& shape) {
+  if (op_ != Op::kNone) {
+    return absl::FailedPreconditionError("an operation is in progress");
+  }
+  if (!started_) {
+    return absl::FailedPreconditionError("session has no prompt yet");
+  }
+  if (absl::Status s = ValidateDraftTreeShape(shape); !s.ok()) return s;
+  absl::StatusOr<int> free = PrepareDraft(emitted);
+  if (!free.ok()) return free.status();
+  op_ = Op::kDraftTree;
+  tree_shape_ = shape;
+  nodes_.clear();
+  level_.clear();
+  span_parents_.clear();
+  // Nodes at depth d sit at position committed + d; only expanded nodes
+  // enter the KV cache, at most `free` of them.
+  tree_room_ = std::max(*free, 0);
+  tree_depth_limit_ =
+      std::min(static_cast<int>(shape.branching.size()), tree_room_ + 1);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<DraftToken>> DraftSession::DraftTree(
+    absl::Span<const int> emitted, const DraftTreeShape& shape,
+    std::vector<int>* parents) {
+  if (absl::Status s = BeginDraftTree(emitted, shape); !s.ok()) return s;
+  if (absl::Status s = RunOp(); !s.ok()) return s;
+  return TakeDrafts(parents);
+}
+
+void DraftSession::ExpandTreeNode(int parent, const float* logits) {
+  const int vocab = model_->config().vocab_size;
+  const int depth = parent < 0 ? 0 : nodes_[parent].depth + 1;
+  if (depth >= tree_depth_limit_) return;
+  const int budget =
+      tree_shape_.max_nodes - static_cast<int>(nodes_.size());
+  const int count = std::min(tree_shape_.branching[depth], budget);
+  if (count <= 0) return;
+  const double base = parent < 0 ? 1.0 : nodes_[parent].path_prob;
+  const absl::Span<const float> row = absl::MakeConstSpan(logits, vocab);
+  if (sampling_.greedy()) {
+    // The top `count` tokens; their probabilities (softmax at temperature
+    // 1 over the whole vocabulary) rank the paths.
+    SamplingParams top;
+    top.temperature = 1.f;
+    top.top_k = count;
+    const SparseDist best = ComputeDistribution(row, top);
+    float m = row[0];
+    for (float v : row) m = std::max(m, v);
+    double sum = 0.0;
+    for (float v : row) sum += std::exp(static_cast<double>(v - m));
+    for (const auto& e : best) {
+      TreeNode n;
+      n.token.id = e.first;
+      n.parent = parent;
+      n.depth = depth;
+      n.path_prob = base * std::exp(static_cast<double>(row[e.first] - m)) / sum;
+      nodes_.push_back(std::move(n));
+    }
+    return;
+  }
+  // Sampled: i.i.d. draws from q, duplicates kept (lossless tree
+  // verification needs independent siblings).
+  const SparseDist q = ComputeDistribution(row, sampling_);
+  for (int i = 0; i < count; ++i) {
+    TreeNode n;
+    n.token.id = SampleFrom(q, &rng_);
+    n.token.q = q;
+    n.parent = parent;
+    n.depth = depth;
+    double qx = 0.0;
+    for (const auto& e : q) {
+      if (e.first == n.token.id) {
+        qx = e.second;
+        break;
+      }
+    }
+    n.path_prob = base * qx;
+    nodes_.push_back(std::move(n));
+  }
+}
+
+void DraftSession::NextTreeLevel() {
+  level_.clear();
+  if (nodes_.empty()) return;
+  const int depth = nodes_.back().depth;  // the newest depth
+  const int budget = tree_shape_.max_nodes - static_cast<int>(nodes_.size());
+  if (depth + 1 >= tree_depth_limit_ || budget <= 0) return;
+  std::vector<int> frontier;
+  for (int i = 0; i < static_cast<int>(nodes_.size()); ++i) {
+    if (nodes_[i].depth == depth) frontier.push_back(i);
+  }
+  std::stable_sort(frontier.begin(), frontier.end(), [&](int a, int b) {
+    return nodes_[a].path_prob > nodes_[b].path_prob;
+  });
+  const int per_node = tree_shape_.branching[depth + 1];
+  int want = (budget + per_node - 1) / per_node;
+  want = std::min(want, tree_room_ - static_cast<int>(span_parents_.size()));
+  want = std::min(want, static_cast<int>(frontier.size()));
+  if (want <= 0) return;
+  level_.assign(frontier.begin(), frontier.begin() + want);
+}
+
+void DraftSession::EmitTree() {
+  std::vector<std::vector<int>> children(nodes_.size() + 1);
+  for (int i = 0; i < static_cast<int>(nodes_.size()); ++i) {
+    children[nodes_[i].parent + 1].push_back(i);
+  }
+  // Depth-first preorder, children in creation order.
+  std::vector<std::pair<int, int>> stack;  // (node, its new parent index)
+  for (auto it = children[0].rbegin(); it != children[0].rend(); ++it) {
+    stack.emplace_back(*it, -1);
+  }
+  while (!stack.empty()) {
+    const auto [node, parent] = stack.back();
+    stack.pop_back();
+    const int index = static_cast<int>(drafts_.size());
+    drafts_.push_back(std::move(nodes_[node].token));
+    draft_parents_.push_back(parent);
+    const std::vector<int>& kids = children[node + 1];
+    for (auto it = kids.rbegin(); it != kids.rend(); ++it) {
+      stack.emplace_back(*it, index);
+    }
+  }
+  nodes_.clear();
 }
 
 int DraftSession::pending_rows() const {
@@ -216,7 +378,16 @@ int DraftSession::pending_rows() const {
   if (fed_ < static_cast<int>(feed_.size())) {
     return static_cast<int>(feed_.size()) - fed_;
   }
+  if (op_ == Op::kDraftTree) return static_cast<int>(level_.size());
   return next_token_ >= 0 ? 1 : 0;
+}
+
+int DraftSession::min_forward_rows() const {
+  if (op_ == Op::kDraftTree && !finished_op_ &&
+      fed_ >= static_cast<int>(feed_.size())) {
+    return std::max(1, static_cast<int>(level_.size()));
+  }
+  return 1;
 }
 
 bool DraftSession::prefilling() const {
@@ -224,7 +395,7 @@ bool DraftSession::prefilling() const {
   // round's worth of tokens (a prompt never scored).
   const int left = static_cast<int>(feed_.size()) - fed_;
   if (op_ == Op::kScore) return left > 0;
-  return op_ == Op::kDraft && left > 65;
+  return (op_ == Op::kDraft || op_ == Op::kDraftTree) && left > 65;
 }
 
 absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
@@ -237,6 +408,37 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   }
   const int first = static_cast<int>(cached_.size());
   const int left = static_cast<int>(feed_.size()) - fed_;
+  entry->input.tree_parents.clear();
+  planned_level_ = false;
+  if (left == 0 && op_ == Op::kDraftTree) {
+    // One depth of the tree: its nodes after the committed tokens and the
+    // nodes forwarded before, each seeing its ancestors only.
+    if (max_rows < static_cast<int>(level_.size())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a tree depth needs ", level_.size(), " rows, the budget is ",
+          max_rows));
+    }
+    const int base = static_cast<int>(committed_.size());
+    plan_tokens_.clear();
+    plan_positions_.clear();
+    entry->input.tree_parents = span_parents_;
+    entry->input.logit_rows.clear();
+    for (size_t r = 0; r < level_.size(); ++r) {
+      const TreeNode& n = nodes_[level_[r]];
+      plan_tokens_.push_back(n.token.id);
+      plan_positions_.push_back(base + n.depth);
+      entry->input.tree_parents.push_back(
+          n.parent < 0 ? -1 : nodes_[n.parent].span_index);
+      entry->input.logit_rows.push_back(static_cast<int>(r));
+    }
+    planned_level_ = true;
+    entry->kv = cache_.get();
+    entry->input.token_ids = plan_tokens_;
+    entry->input.position_ids = plan_positions_;
+    entry->input.capture_query_rows.clear();
+    entry->capture = nullptr;
+    return absl::OkStatus();
+  }
   if (left > 0) {
     const int take = std::min(left, max_rows);
     plan_tokens_.assign(feed_.begin() + fed_, feed_.begin() + fed_ + take);
@@ -263,6 +465,16 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
 }
 
 void DraftSession::CommitPlanned() {
+  if (planned_level_) {
+    // Tree nodes: cached as -1 so the next Draft drops them.
+    for (int node : level_) {
+      const TreeNode& n = nodes_[node];
+      nodes_[node].span_index = static_cast<int>(span_parents_.size());
+      span_parents_.push_back(n.parent < 0 ? -1 : nodes_[n.parent].span_index);
+      cached_.push_back(-1);
+    }
+    return;
+  }
   cached_.insert(cached_.end(), plan_tokens_.begin(), plan_tokens_.end());
   if (fed_ < static_cast<int>(feed_.size())) {
     fed_ += static_cast<int>(plan_tokens_.size());
@@ -297,6 +509,24 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
     }
     next_token_ = -1;
     return FinishScore();
+  }
+  if (op_ == Op::kDraftTree) {
+    if (planned_level_) {
+      const int vocab = c.vocab_size;
+      const std::vector<int> level = level_;
+      for (size_t r = 0; r < level.size(); ++r) {
+        ExpandTreeNode(level[r], out.logits_row(static_cast<int>(r), vocab));
+      }
+    } else {
+      ExpandTreeNode(-1, logits);  // the last committed token's logits
+    }
+    planned_level_ = false;
+    NextTreeLevel();
+    if (level_.empty()) {
+      EmitTree();
+      finished_op_ = true;
+    }
+    return absl::OkStatus();
   }
   drafts_.push_back(Propose(logits));
   if (static_cast<int>(drafts_.size()) >= wanted_) {
@@ -339,6 +569,7 @@ absl::Status DraftSession::FinishScore() {
 
 void DraftSession::Abort() {
   if (op_ == Op::kNone) return;
+  planned_level_ = false;
   cache_->Truncate(op_start_).IgnoreError();
   cached_.resize(op_start_);
   capture_.reset();
@@ -353,9 +584,14 @@ absl::StatusOr<ScoreResult> DraftSession::TakeScoreResult() {
   return std::move(score_);
 }
 
-std::vector<DraftToken> DraftSession::TakeDrafts() {
-  if (op_ != Op::kDraft || !finished_op_) return {};
+std::vector<DraftToken> DraftSession::TakeDrafts(std::vector<int>* parents) {
+  if (parents != nullptr) parents->clear();
+  if ((op_ != Op::kDraft && op_ != Op::kDraftTree) || !finished_op_) {
+    return {};
+  }
   op_ = Op::kNone;
+  if (parents != nullptr) *parents = std::move(draft_parents_);
+  draft_parents_.clear();
   return std::move(drafts_);
 }
 

@@ -17,6 +17,18 @@
 
 namespace specserve {
 
+/// The shape of a draft tree (speculator.proto DraftTreeShape): every
+/// expanded node at depth d (the root's children are depth 0) gets
+/// branching[d] children; nodes are expanded most probable path first
+/// (product of the draft probabilities) until max_nodes exist.
+struct DraftTreeShape {
+  std::vector<int> branching;  ///< size = depth in [1, 16]; each in [1, 8]
+  int max_nodes = 16;          ///< [1, 64]
+};
+
+/// INVALID_ARGUMENT naming the field unless `shape` is in the ranges above.
+absl::Status ValidateDraftTreeShape(const DraftTreeShape& shape);
+
 /// What scoring found for one prompt.
 struct ScoreResult {
   Selection selection;               ///< kept indices, positions, next pos.
@@ -61,6 +73,20 @@ class DraftSession : public Session {
   absl::StatusOr<std::vector<DraftToken>> Draft(absl::Span<const int> emitted,
                                                 int k);
 
+  /// As Draft, but proposes a token tree of `shape` (SpecInfer; EAGLE-2's
+  /// most-probable-first expansion with a node budget), one forward per
+  /// depth with a tree attention mask. Greedy requests take each expanded
+  /// node's top tokens; sampled requests draw its children i.i.d. from q
+  /// (each child carries that q), which lossless tree verification needs.
+  /// Returns the nodes in depth-first preorder (a node's children in the
+  /// order drawn: the likeliest first when greedy) and fills `parents`
+  /// (tree_verification.h; -1 = child of the last emitted token). The
+  /// tree's KV is dropped at the next Draft (the accepted tokens are fed
+  /// again with it). INVALID_ARGUMENT for a bad shape or ids.
+  absl::StatusOr<std::vector<DraftToken>> DraftTree(
+      absl::Span<const int> emitted, const DraftTreeShape& shape,
+      std::vector<int>* parents);
+
   // ---- Score and Draft in steps, for a scheduler that batches the
   // forwards of many sessions (common/scheduling/batch_scheduler.h) and
   // splits long prompts into chunks. Score() and Draft() are Begin*, then
@@ -74,19 +100,24 @@ class DraftSession : public Session {
   /// back to the agreed prefix now. With the context full it needs no
   /// forward (pending_rows() == 0, no drafts).
   absl::Status BeginDraft(absl::Span<const int> emitted, int k);
+  /// Starts a DraftTree: its checks and errors.
+  absl::Status BeginDraftTree(absl::Span<const int> emitted,
+                              const DraftTreeShape& shape);
   // Session: rows are single tokens, so any forward may take just one
-  // (min_forward_rows() == 1). The last forward of a Score runs the
-  // importance reduction and the selection (their errors end it).
+  // (min_forward_rows() == 1), except a tree's depth, forwarded whole.
+  // The last forward of a Score runs the importance reduction and the
+  // selection (their errors end it).
   int pending_rows() const override;
-  int min_forward_rows() const override { return 1; }
+  int min_forward_rows() const override;
   bool prefilling() const override;
   absl::Status PlanForward(int max_rows, SequenceForward* entry) override;
   absl::Status CompleteForward(const ForwardOutput& out) override;
   void Abort() override;
   /// The finished Score's result (FAILED_PRECONDITION if none).
   absl::StatusOr<ScoreResult> TakeScoreResult();
-  /// The finished Draft's proposals.
-  std::vector<DraftToken> TakeDrafts();
+  /// The finished Draft's (or DraftTree's) proposals; `parents`, if not
+  /// null, gets the tree's parents (empty after a chain Draft).
+  std::vector<DraftToken> TakeDrafts(std::vector<int>* parents = nullptr);
 
   /// Preemption by recomputation (run by the scheduler's SessionRegistry,
   /// between forwards): frees every KV block. An operation
@@ -130,8 +161,26 @@ class DraftSession : public Session {
   bool started_ = false;
   int num_preemptions_ = 0;
 
-  // The operation in progress (BeginScore / BeginDraft).
-  enum class Op { kNone, kScore, kDraft };
+  // The operation in progress (BeginScore / BeginDraft / BeginDraftTree).
+  enum class Op { kNone, kScore, kDraft, kDraftTree };
+  // Rolls back rejected drafts and sets feed_ for a Draft or DraftTree;
+  // returns how many more tokens fit after the fed ones (room).
+  absl::StatusOr<int> PrepareDraft(absl::Span<const int> emitted);
+  // A tree node while drafting.
+  struct TreeNode {
+    DraftToken token;
+    int parent = -1;  // node index, -1 = the root (last committed token)
+    int depth = 0;
+    double path_prob = 1.0;  // product of draft probabilities to here
+    int span_index = -1;     // in the KV span once forwarded, else -1
+  };
+  // Adds the children of `parent` (-1 = root) from its logits; false when
+  // the budget is spent.
+  void ExpandTreeNode(int parent, const float* logits);
+  // Picks the next depth's nodes to forward (level_); none = finished.
+  void NextTreeLevel();
+  // The finished tree in depth-first preorder.
+  void EmitTree();
   // Appends the planned tokens to cached_ after their forward.
   void CommitPlanned();
   absl::Status FinishScore();
@@ -147,6 +196,14 @@ class DraftSession : public Session {
   std::unique_ptr<QueryCapture> capture_;
   ScoreResult score_;
   std::vector<DraftToken> drafts_;
+  std::vector<int> draft_parents_;  // a finished tree's parents
+  DraftTreeShape tree_shape_;
+  std::vector<TreeNode> nodes_;
+  std::vector<int> level_;          // nodes of the next tree forward
+  std::vector<int> span_parents_;   // tree_parents of the cached nodes
+  int tree_depth_limit_ = 0;
+  int tree_room_ = 0;            // tree nodes the KV cache can still take
+  bool planned_level_ = false;   // the planned forward is a tree depth
   int64_t t_begin_ = 0, t_prefilled_ = 0;
   std::vector<int> plan_tokens_, plan_positions_;
 };

@@ -1,6 +1,7 @@
 #include "common/speculation/draft_session.h"
 
 #include <cmath>
+#include <numeric>
 #include <random>
 
 #include "common/speculation/test_util.h"
@@ -28,6 +29,143 @@ class DraftSessionTest : public ::testing::Test {
   std::shared_ptr<const ModelWeights> weights_;
   std::unique_ptr<CpuModelRunner> model_;
 };
+
+// The speculator's logits after `context` (fresh cache): the reference a
+// tree's nodes are checked against.
+std::vector<float> ContextLogits(ModelRunner& model,
+                                 const std::vector<int>& context) {
+  auto seq = model.NewSequence(512);
+  EXPECT_TRUE(seq.ok());
+  std::vector<int> pos(context.size());
+  std::iota(pos.begin(), pos.end(), 0);
+  ForwardInput in;
+  in.token_ids = context;
+  in.position_ids = pos;
+  ForwardOutput out;
+  EXPECT_TRUE(model.Forward(in, seq->get(), &out).ok());
+  return out.logits;
+}
+
+// A greedy tree: valid parents in depth-first preorder, within the shape
+// and budget, and every node's children are the top tokens of the
+// speculator's logits after the node's path, in rank order. After any
+// accepted path, the next Draft equals a fresh session's (the tree's KV
+// was dropped).
+TEST_F(DraftSessionTest, GreedyTreeNodesAreTopTokensOfTheirPaths) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432, 383, 286};
+  ScoreOptions opt;
+  opt.look_ahead = 2;
+  auto session = NewSession();
+  auto scored = session->Score(prompt, opt);
+  ASSERT_TRUE(scored.ok());
+  std::vector<int> committed = prompt;
+  std::vector<int> emitted = {scored->look_ahead_tokens[0]};
+  const DraftTreeShape shape{{3, 2, 2, 1}, 14};
+  std::mt19937 rng(4);
+  const int vocab = model_->config().vocab_size;
+  for (int round = 0; round < 4; ++round) {
+    std::vector<int> parents;
+    auto drafts = session->DraftTree(emitted, shape, &parents);
+    ASSERT_TRUE(drafts.ok()) << drafts.status();
+    committed.insert(committed.end(), emitted.begin(), emitted.end());
+    const int n = static_cast<int>(drafts->size());
+    ASSERT_EQ(parents.size(), drafts->size());
+    EXPECT_GT(n, 4);
+    EXPECT_LE(n, shape.max_nodes);
+    std::vector<int> depth(n);
+    std::vector<std::vector<int>> children(n + 1);
+    for (int i = 0; i < n; ++i) {
+      ASSERT_GE(parents[i], -1);
+      ASSERT_LT(parents[i], i);
+      if (i > 0) EXPECT_TRUE(parents[i] == i - 1 || parents[i] < i - 1);
+      depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+      ASSERT_LT(depth[i], static_cast<int>(shape.branching.size()));
+      children[parents[i] + 1].push_back(i);
+      EXPECT_TRUE((*drafts)[i].q.empty());  // greedy
+    }
+    for (int v = -1; v < n; ++v) {
+      const std::vector<int>& kids = children[v + 1];
+      if (kids.empty()) continue;
+      const int d = v < 0 ? 0 : depth[v] + 1;
+      EXPECT_LE(static_cast<int>(kids.size()), shape.branching[d]);
+      std::vector<int> ctx = committed;
+      std::vector<int> path;
+      for (int a = v; a >= 0; a = parents[a]) path.push_back((*drafts)[a].id);
+      ctx.insert(ctx.end(), path.rbegin(), path.rend());
+      const std::vector<float> logits = ContextLogits(*model_, ctx);
+      std::vector<int> order(vocab);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return logits[a] > logits[b]; });
+      for (size_t c = 0; c < kids.size(); ++c) {
+        EXPECT_EQ((*drafts)[kids[c]].id, order[c])
+            << "round " << round << " node " << v << " child " << c;
+      }
+    }
+    // The target accepts a random root-to-node path, then a bonus token.
+    const int last = static_cast<int>(rng() % n);
+    std::vector<int> path;
+    for (int a = last; a >= 0; a = parents[a]) path.push_back((*drafts)[a].id);
+    emitted.assign(path.rbegin(), path.rend());
+    emitted.push_back(static_cast<int>(3 + rng() % 400));
+    path.clear();
+  }
+  // The next chain Draft equals a fresh session's on the same tokens.
+  committed.insert(committed.end(), emitted.begin(), emitted.end());
+  auto next = session->Draft(emitted, 5);
+  ASSERT_TRUE(next.ok());
+  std::vector<int> want_ctx = committed;
+  std::vector<int> got_ids;
+  for (const DraftToken& d : *next) got_ids.push_back(d.id);
+  const auto want = GreedyReference(*model_, committed, {}, committed.size(),
+                                    static_cast<int>(got_ids.size()));
+  EXPECT_EQ(got_ids, want);
+}
+
+TEST_F(DraftSessionTest, SampledTreeChildrenAreDrawsFromQ) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432};
+  ScoreOptions opt;
+  opt.look_ahead = 1;
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.seed = 3;
+  auto session = NewSession(p);
+  ASSERT_TRUE(session->Score(prompt, opt).ok());
+  std::vector<int> parents;
+  auto drafts = session->DraftTree({407}, DraftTreeShape{{4, 2}, 12}, &parents);
+  ASSERT_TRUE(drafts.ok()) << drafts.status();
+  EXPECT_EQ(drafts->size(), 12u);  // 4 children, each expanded with 2
+  for (size_t i = 0; i < drafts->size(); ++i) {
+    const DraftToken& d = (*drafts)[i];
+    ASSERT_FALSE(d.q.empty());
+    double sum = 0, own = 0;
+    for (const auto& [id, prob] : d.q) {
+      sum += prob;
+      if (id == d.id) own = prob;
+    }
+    EXPECT_NEAR(sum, 1.0, 1e-3);
+    EXPECT_GT(own, 0.0);
+    // Siblings share their q (one distribution, i.i.d. draws).
+    if (i > 0 && parents[i] == parents[i - 1]) {
+      EXPECT_EQ(d.q, (*drafts)[i - 1].q);
+    }
+  }
+  EXPECT_TRUE(ValidateDrafts(*drafts, model_->config().vocab_size, false).ok());
+}
+
+TEST_F(DraftSessionTest, BadTreeShapesAreRejected) {
+  auto session = NewSession();
+  ScoreOptions opt;
+  opt.look_ahead = 1;
+  ASSERT_TRUE(session->Score({1, 403, 407}, opt).ok());
+  std::vector<int> parents;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session->DraftTree({5}, DraftTreeShape{{}, 8}, &parents).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session->DraftTree({5}, DraftTreeShape{{9}, 8}, &parents).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session->DraftTree({5}, DraftTreeShape{{2}, 65}, &parents).status()));
+}
 
 // End to end against the independent reference: the model's own queries
 // and keys -> importance -> kept chunks (golden specprefill_case*.json).
