@@ -331,6 +331,78 @@ TEST_F(SpeculatorServerTest, DraftsFollowTheModelAfterAnyAcceptedPrefix) {
   EXPECT_GT(MetricValue(m, "specserve_speculator_draft_tokens_total"), 10);
 }
 
+// Tree drafting over the stream: each response is a tree (parents in
+// [-1, i)) whose first-child chain from the root is the greedy chain, and
+// after any accepted path (mixing tree rounds and chain rounds) the next
+// chain equals the model's greedy continuation.
+TEST_F(SpeculatorServerTest, TreeDraftsFollowTheModelAfterAnyAcceptedPath) {
+  const std::vector<int> prompt = RandomPrompt(30, 12);
+  v1::ScoreResponse score;
+  const std::string id = OpenSession(prompt, 2, &score);
+  ASSERT_FALSE(id.empty());
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  std::unique_ptr<DraftStream> stream = stub_->Draft(&ctx);
+  std::vector<int> committed = prompt;
+  std::vector<int> emitted = {score.look_ahead_token_ids(0)};
+  std::mt19937 rng(8);
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE(round);
+    committed.insert(committed.end(), emitted.begin(), emitted.end());
+    v1::DraftRequest req = MakeDraft(round == 0 ? id : "", emitted, 4);
+    const bool tree = round % 3 != 2;
+    if (tree) {
+      for (int b : {3, 2, 1}) req.mutable_tree()->add_branching(b);
+      req.mutable_tree()->set_max_nodes(10);
+    }
+    ASSERT_TRUE(stream->Write(req));
+    v1::DraftResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    const int n = resp.drafts_size();
+    if (!tree) {
+      EXPECT_EQ(resp.parents_size(), 0);
+      EXPECT_EQ(DraftIds(resp),
+                GreedyReference(*model_, committed, {}, committed.size(), 4));
+    } else {
+      ASSERT_EQ(resp.parents_size(), n);
+      EXPECT_GT(n, 3);
+      EXPECT_LE(n, 10);
+      // The first-child chain from the root: nodes 0, 1, ... while each
+      // is its predecessor's child; it is the greedy chain.
+      std::vector<int> chain;
+      for (int i = 0; i < n && resp.parents(i) == i - 1; ++i) {
+        chain.push_back(resp.drafts(i).id());
+      }
+      EXPECT_EQ(chain, GreedyReference(*model_, committed, {},
+                                       committed.size(), chain.size()));
+    }
+    for (int i = 0; i < resp.parents_size(); ++i) {
+      ASSERT_GE(resp.parents(i), -1);
+      ASSERT_LT(resp.parents(i), i);
+    }
+    // Accept a random path and a random bonus token.
+    const int last = static_cast<int>(rng() % n);
+    std::vector<int> path;
+    for (int a = last; a >= 0;
+         a = resp.parents_size() ? resp.parents(a) : a - 1) {
+      path.push_back(resp.drafts(a).id());
+    }
+    emitted.assign(path.rbegin(), path.rend());
+    emitted.push_back(static_cast<int>(3 + rng() % 400));
+  }
+  // A bad shape ends the stream with INVALID_ARGUMENT naming the field.
+  v1::DraftRequest bad = MakeDraft("", emitted, 4);
+  bad.mutable_tree()->add_branching(9);
+  bad.mutable_tree()->set_max_nodes(4);
+  ASSERT_TRUE(stream->Write(bad));
+  v1::DraftResponse resp;
+  EXPECT_FALSE(stream->Read(&resp));
+  const grpc::Status st = stream->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("tree.branching[0]"), std::string::npos)
+      << st.error_message();
+}
+
 TEST_F(SpeculatorServerTest, SampledDraftsCarryQ) {
   v1::ScoreRequest req = MakeScore(RandomPrompt(20, 2), true);
   req.mutable_sampling()->set_temperature(0.8f);

@@ -531,6 +531,59 @@ TEST_F(TargetServerTest, BadInputIsInvalidArgumentNamingTheField) {
             cases.size() + 1);
 }
 
+// Token trees over the stream (Drafts.parents), drafted by the speculator
+// model: greedy output equals plain greedy decoding, more than one draft
+// is accepted per round on average, and bad parents end the stream with
+// INVALID_ARGUMENT naming them.
+TEST_F(TargetServerTest, GreedyDraftTreesEqualPlainGreedy) {
+  const int kNew = 48;
+  const std::vector<int> want =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  auto ds = NewDraftSession({});
+  auto ctx = NewContext();
+  auto rw = stub_->Generate(ctx.get());
+  v1::GenerateRequest req;
+  *req.mutable_prefill() = MakePrefill(kPrompt, kNew);
+  ASSERT_TRUE(rw->Write(req));
+  std::vector<int> got;
+  int rounds = 0, accepted = 0, nodes = 0;
+  v1::GenerateResponse resp;
+  while (rw->Read(&resp)) {
+    got.insert(got.end(), resp.token_ids().begin(), resp.token_ids().end());
+    accepted += resp.num_accepted();
+    nodes += resp.num_drafts();
+    ++rounds;
+    if (!resp.finish_reason().empty()) break;
+    std::vector<int> emitted(resp.token_ids().begin(), resp.token_ids().end());
+    std::vector<int> parents;
+    auto tree = ds->DraftTree(emitted, DraftTreeShape{{3, 2, 2, 1, 1}, 16},
+                              &parents);
+    ASSERT_TRUE(tree.ok()) << tree.status();
+    v1::GenerateRequest next;
+    ToProto(*tree, next.mutable_drafts()->mutable_drafts());
+    next.mutable_drafts()->mutable_parents()->Add(parents.begin(),
+                                                  parents.end());
+    ASSERT_TRUE(rw->Write(next));
+  }
+  rw->WritesDone();
+  ASSERT_TRUE(rw->Finish().ok());
+  EXPECT_EQ(got, want);
+  EXPECT_GT(nodes, rounds);
+  EXPECT_GT(accepted, rounds - 1);  // > 1 accepted per verify round
+  EXPECT_EQ(server_->active_sessions(), 0);
+
+  v1::GenerateRequest first, bad;
+  *first.mutable_prefill() = MakePrefill(kPrompt, 8);
+  bad.mutable_drafts()->add_drafts()->set_id(5);
+  bad.mutable_drafts()->add_drafts()->set_id(6);
+  bad.mutable_drafts()->add_parents(-1);
+  bad.mutable_drafts()->add_parents(1);
+  grpc::Status s = SendAndFinish(stub_.get(), first, &bad);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("parents[1] = 1"), std::string::npos)
+      << s.error_message();
+}
+
 TEST_F(TargetServerTest, ProtocolErrors) {
   v1::GenerateRequest prefill, drafts;
   *prefill.mutable_prefill() = MakePrefill(kPrompt, 1);
