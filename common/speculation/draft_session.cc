@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/engine/kernels.h"
 #include "common/util/clock.h"
 
 namespace specserve {
@@ -280,29 +281,41 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   const int vocab = model_->config().vocab_size;
   const int depth = parent < 0 ? 0 : nodes_[parent].depth + 1;
   if (depth >= tree_depth_limit_) return;
-  const int budget =
-      tree_shape_.max_nodes - static_cast<int>(nodes_.size());
+  // Greedy trees are cut to max_nodes at the end (EmitTree); sampled ones
+  // stop growing at the budget (their children must not be selected by
+  // value).
+  const int budget = sampling_.greedy()
+                         ? tree_shape_.branching[depth]
+                         : tree_shape_.max_nodes -
+                               static_cast<int>(nodes_.size());
   const int count = std::min(tree_shape_.branching[depth], budget);
   if (count <= 0) return;
   const double base = parent < 0 ? 1.0 : nodes_[parent].path_prob;
   const absl::Span<const float> row = absl::MakeConstSpan(logits, vocab);
   if (sampling_.greedy()) {
-    // The top `count` tokens; their probabilities (softmax at temperature
-    // 1 over the whole vocabulary) rank the paths.
-    SamplingParams top;
-    top.temperature = 1.f;
-    top.top_k = count;
-    const SparseDist best = ComputeDistribution(row, top);
-    float m = row[0];
-    for (float v : row) m = std::max(m, v);
-    double sum = 0.0;
-    for (float v : row) sum += std::exp(static_cast<double>(v - m));
-    for (const auto& e : best) {
+    // The top `count` tokens (lowest id first on ties, as Argmax); their
+    // probabilities (softmax at temperature 1, vectorised) rank the paths.
+    thread_local std::vector<float> probs;
+    probs.assign(row.begin(), row.end());
+    kernels::SoftmaxPrefix(probs.data(), vocab, vocab);
+    std::vector<int> best;
+    for (int v = 0; v < vocab; ++v) {
+      if (static_cast<int>(best.size()) == count &&
+          probs[v] <= probs[best.back()]) {
+        continue;
+      }
+      auto at = std::upper_bound(
+          best.begin(), best.end(), v,
+          [&](int a, int b) { return probs[a] > probs[b]; });
+      best.insert(at, v);
+      if (static_cast<int>(best.size()) > count) best.pop_back();
+    }
+    for (int id : best) {
       TreeNode n;
-      n.token.id = e.first;
+      n.token.id = id;
       n.parent = parent;
       n.depth = depth;
-      n.path_prob = base * std::exp(static_cast<double>(row[e.first] - m)) / sum;
+      n.path_prob = base * probs[id];
       nodes_.push_back(std::move(n));
     }
     return;
@@ -333,7 +346,8 @@ void DraftSession::NextTreeLevel() {
   if (nodes_.empty()) return;
   const int depth = nodes_.back().depth;  // the newest depth
   const int budget = tree_shape_.max_nodes - static_cast<int>(nodes_.size());
-  if (depth + 1 >= tree_depth_limit_ || budget <= 0) return;
+  if (depth + 1 >= tree_depth_limit_) return;
+  if (!sampling_.greedy() && budget <= 0) return;
   std::vector<int> frontier;
   for (int i = 0; i < static_cast<int>(nodes_.size()); ++i) {
     if (nodes_[i].depth == depth) frontier.push_back(i);
@@ -342,7 +356,11 @@ void DraftSession::NextTreeLevel() {
     return nodes_[a].path_prob > nodes_[b].path_prob;
   });
   const int per_node = tree_shape_.branching[depth + 1];
-  int want = (budget + per_node - 1) / per_node;
+  // Greedy (EAGLE-2, Li et al. 2024): the branching[d] likeliest paths of
+  // each depth grow, and the best max_nodes nodes are kept at the end.
+  // Sampled: as many as the remaining budget takes.
+  int want = sampling_.greedy() ? per_node
+                                : (budget + per_node - 1) / per_node;
   want = std::min(want, tree_room_ - static_cast<int>(span_parents_.size()));
   want = std::min(want, static_cast<int>(frontier.size()));
   if (want <= 0) return;
@@ -350,9 +368,25 @@ void DraftSession::NextTreeLevel() {
 }
 
 void DraftSession::EmitTree() {
+  // Greedy: keep the max_nodes nodes of highest path probability. A
+  // child's is at most its parent's, and ties keep creation order
+  // (parents first), so the kept nodes form a tree.
+  std::vector<bool> kept(nodes_.size(), true);
+  if (sampling_.greedy() &&
+      static_cast<int>(nodes_.size()) > tree_shape_.max_nodes) {
+    std::vector<int> order(nodes_.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      return nodes_[a].path_prob > nodes_[b].path_prob;
+    });
+    kept.assign(nodes_.size(), false);
+    for (int i = 0; i < tree_shape_.max_nodes; ++i) kept[order[i]] = true;
+  }
   std::vector<std::vector<int>> children(nodes_.size() + 1);
   for (int i = 0; i < static_cast<int>(nodes_.size()); ++i) {
-    children[nodes_[i].parent + 1].push_back(i);
+    if (kept[i] && (nodes_[i].parent < 0 || kept[nodes_[i].parent])) {
+      children[nodes_[i].parent + 1].push_back(i);
+    }
   }
   // Depth-first preorder, children in creation order.
   std::vector<std::pair<int, int>> stack;  // (node, its new parent index)

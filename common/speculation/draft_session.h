@@ -17,10 +17,13 @@
 
 namespace specserve {
 
-/// The shape of a draft tree (speculator.proto DraftTreeShape): every
-/// expanded node at depth d (the root's children are depth 0) gets
-/// branching[d] children; nodes are expanded most probable path first
-/// (product of the draft probabilities) until max_nodes exist.
+/// The shape of a draft tree (speculator.proto DraftTreeShape). Greedy
+/// (EAGLE-2's dynamic tree, Li et al. 2024): at depth d the branching[d]
+/// likeliest nodes (product of the draft's softmax probabilities along the
+/// path) get their branching[d] top tokens as children; the max_nodes
+/// likeliest nodes of all are kept. Sampled: every expanded node at depth
+/// d gets branching[d] children drawn i.i.d. from q, likeliest paths
+/// expanded first, until max_nodes nodes exist.
 struct DraftTreeShape {
   std::vector<int> branching;  ///< size = depth in [1, 16]; each in [1, 8]
   int max_nodes = 16;          ///< [1, 64]
@@ -73,11 +76,11 @@ class DraftSession : public Session {
   absl::StatusOr<std::vector<DraftToken>> Draft(absl::Span<const int> emitted,
                                                 int k);
 
-  /// As Draft, but proposes a token tree of `shape` (SpecInfer; EAGLE-2's
-  /// most-probable-first expansion with a node budget), one forward per
-  /// depth with a tree attention mask. Greedy requests take each expanded
-  /// node's top tokens; sampled requests draw its children i.i.d. from q
-  /// (each child carries that q), which lossless tree verification needs.
+  /// As Draft, but proposes a token tree of `shape` (DraftTreeShape; SpecInfer
+  /// verification), one speculator forward per depth with a tree attention
+  /// mask. Greedy requests take each expanded node's top tokens; sampled
+  /// requests draw its children i.i.d. from q (each child carries that q),
+  /// which lossless tree verification needs.
   /// Returns the nodes in depth-first preorder (a node's children in the
   /// order drawn: the likeliest first when greedy) and fills `parents`
   /// (tree_verification.h; -1 = child of the last emitted token). The
