@@ -50,6 +50,17 @@ size_t SkSmemBytes(int head_dim) {
 }
 
 // Physical cache row of logical slot t (identity for a contiguous cache).
+// Whether tree attention lets `row` see the key at cache index `key`
+// (AttentionArgs::tree_start / tree_mask; null = causal only).
+__device__ __forceinline__ bool TreeVisible(const int* start,
+                                            const unsigned long long* mask,
+                                            int row, int key) {
+  if (start == nullptr) return true;
+  const int off = key - start[row];
+  if (off < 0 || off >= 64) return true;
+  return (mask[row] >> off) & 1ull;
+}
+
 __device__ __forceinline__ size_t PhysSlot(const AttentionArgs& a, int t) {
   if (a.block_table == nullptr) return static_cast<size_t>(t);
   return static_cast<size_t>(a.block_table[t / a.block_size]) * a.block_size +
@@ -130,7 +141,8 @@ __global__ void __launch_bounds__(kSkThreads)
     for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
       const int j = sub + 8 * t;
       float x = -INFINITY;
-      if (j < KT && valid && j < nk && k0 + j <= qslot) {
+      if (j < KT && valid && j < nk && k0 + j <= qslot &&
+          TreeVisible(a.tree_start, a.tree_mask, r, k0 + j)) {
         const float* qr = Qs + qi * (D + 1);
         const float* kr = Ks + j * (D + 1);
         float dot = 0.0f;
@@ -318,7 +330,8 @@ __global__ void __launch_bounds__(kSkThreads)
     for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
       const int j = sub + 8 * t;
       float x = -INFINITY;
-      if (j < KT && valid && j < nk && k0 + j <= qslot) {
+      if (j < KT && valid && j < nk && k0 + j <= qslot &&
+          TreeVisible(a.tree_start, a.tree_mask, row0 + r, k0 + j)) {
         const float* qr = Qs + qi * (D + 1);
         const float* kr = Ks + j * (D + 1);
         float dot = 0.0f;
@@ -556,7 +569,8 @@ __global__ void __launch_bounds__(kFaThreads)
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
       const int col = half * 32 + c;
-      const bool ok = row_valid && (k0 + col) <= qslot;
+      const bool ok = row_valid && (k0 + col) <= qslot &&
+                      TreeVisible(a.tree_start, a.tree_mask, qi, k0 + col);
       p[c] = ok ? Sw[row * L::kLdS + col] * sl2 : -INFINITY;
       tmax = fmaxf(tmax, p[c]);
     }

@@ -2176,6 +2176,93 @@ TEST_P(ModelTest, DeviceScoringMatchesCpuScoring) {
             absl::StatusCode::kInvalidArgument);  // empty
 }
 
+// Tree attention on the device: a prefill, then a draft tree (random
+// parents, 20 nodes: the batched kernel) in one forward and a deeper one
+// grown in two forwards (the span reaching back), and a 70-row forward of
+// causal context rows plus a 24-node tree (FlashAttention where the
+// head_dim allows it, under kAuto): every node's logits match the CPU's
+// for the same forwards, on every attention path.
+TEST_P(ModelTest, TreeAttentionMatchesCpu) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size;
+  auto random_parents = [this](int n) {
+    std::vector<int> p(n);
+    for (int j = 0; j < n; ++j) p[j] = Uniform(0, j) - 1;  // [-1, j)
+    return p;
+  };
+  for (const CudaModelRunner::AttentionPath path : kAllPaths) {
+    SCOPED_TRACE(PathName(path));
+    e.gpu->set_attention_path(path);
+    std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, c.max_position_embeddings);
+    std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, c.max_position_embeddings);
+    ASSERT_NE(ckv, nullptr);
+    ASSERT_NE(gkv, nullptr);
+    std::vector<int> ids(60);
+    for (int& id : ids) id = Uniform(0, vocab - 1);
+    ForwardOutput co, go;
+    ASSERT_OK(e.cpu->Forward(AllRows(ids, Iota(0, 60)), ckv.get(), &co));
+    ASSERT_OK(e.gpu->Forward(AllRows(ids, Iota(0, 60)), gkv.get(), &go));
+    // Tree 1: 20 nodes in one forward.
+    std::vector<int> nodes(20);
+    for (int& id : nodes) id = Uniform(0, vocab - 1);
+    std::vector<int> parents = random_parents(20), npos(20);
+    for (int j = 0; j < 20; ++j) {
+      npos[j] = 60 + (parents[j] < 0 ? 0 : npos[parents[j]] - 60 + 1);
+    }
+    ForwardInput t1 = AllRows(nodes, npos);
+    t1.tree_parents = parents;
+    ASSERT_OK(e.cpu->Forward(t1, ckv.get(), &co));
+    ASSERT_OK(e.gpu->Forward(t1, gkv.get(), &go));
+    {
+      SCOPED_TRACE("tree in one forward");
+      ExpectLogitsMatch(co, go, vocab, kRowsTolBf16, 0.0);
+    }
+    // Tree 2 grown in two forwards: 6 roots' children, then 10 more whose
+    // parents may be any of the first 6 (the span reaches back).
+    ASSERT_OK(ckv->Truncate(60));
+    ASSERT_OK(gkv->Truncate(60));
+    std::vector<int> level1(6), level2(10);
+    for (int& id : level1) id = Uniform(0, vocab - 1);
+    for (int& id : level2) id = Uniform(0, vocab - 1);
+    const std::vector<int> pos1(6, 60), pos2(10, 61);
+    ForwardInput a = AllRows(level1, pos1);
+    a.tree_parents.assign(6, -1);
+    ASSERT_OK(e.cpu->Forward(a, ckv.get(), &co));
+    ASSERT_OK(e.gpu->Forward(a, gkv.get(), &go));
+    ForwardInput b = AllRows(level2, pos2);
+    b.tree_parents.assign(6, -1);
+    for (int j = 0; j < 10; ++j) b.tree_parents.push_back(Uniform(0, 5));
+    ASSERT_OK(e.cpu->Forward(b, ckv.get(), &co));
+    ASSERT_OK(e.gpu->Forward(b, gkv.get(), &go));
+    {
+      SCOPED_TRACE("tree grown by depth");
+      ExpectLogitsMatch(co, go, vocab, kRowsTolBf16, 0.0);
+    }
+    // 70 rows: 46 causal context rows, then a 24-node tree.
+    ASSERT_OK(ckv->Truncate(60));
+    ASSERT_OK(gkv->Truncate(60));
+    std::vector<int> big(70), bpos(70);
+    for (int& id : big) id = Uniform(0, vocab - 1);
+    const std::vector<int> tparents = random_parents(24);
+    for (int j = 0; j < 70; ++j) {
+      if (j < 46) {
+        bpos[j] = 60 + j;
+      } else {
+        const int p = tparents[j - 46];
+        bpos[j] = p < 0 ? 106 : bpos[46 + p] + 1;
+      }
+    }
+    ForwardInput t3 = AllRows(big, bpos);
+    t3.tree_parents = tparents;
+    ASSERT_OK(e.cpu->Forward(t3, ckv.get(), &co));
+    ASSERT_OK(e.gpu->Forward(t3, gkv.get(), &go));
+    SCOPED_TRACE("context rows then a tree");
+    ExpectLogitsMatch(co, go, vocab, kRowsTolBf16, 0.0);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(BundledCheckpoints, ModelTest,
                          ::testing::Values("stories260K", "stories260K-draft",
                                            "tinystories-656K",

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -342,7 +343,24 @@ absl::Status CudaModelRunner::Run(
     float* logits;    // fp32 [R, vocab]
     float* captured;  // fp32 [L, NQ, H * D] (host capture only)
     void* split_ws;   // batched attention's split partials
+    int* tree_start;  // [N] tree attention span starts (trees only)
+    unsigned long long* tree_mask;  // [N] visibility bits (trees only)
   };
+  // Tree attention (ForwardInput::tree_parents) in the kernels' bit form.
+  std::vector<int> host_tree_start;
+  std::vector<uint64_t> host_tree_mask;
+  for (int i = 0; i < S; ++i) {
+    const std::vector<int>& parents = batch[i].input.tree_parents;
+    if (parents.empty()) continue;
+    if (host_tree_start.empty()) {
+      host_tree_start.assign(N, std::numeric_limits<int>::max());
+      host_tree_mask.assign(N, ~uint64_t{0});
+    }
+    TreeSpanBits(parents, first[i], row0[i + 1] - row0[i],
+                 host_tree_start.data() + row0[i],
+                 host_tree_mask.data() + row0[i]);
+  }
+  const size_t tree_rows = host_tree_start.empty() ? 0 : NN;
   const size_t num_ints = 3 * NN + R + bt0[S] + plan_ints;
   auto carve = [&](char* base, Regions* reg) {
     Carver cv(base);
@@ -360,6 +378,9 @@ absl::Status CudaModelRunner::Run(
     reg->captured = static_cast<float*>(
         cv.Take(sizeof(float) * L * static_cast<size_t>(NQ) * qrow));
     reg->split_ws = cv.Take(split_ws);
+    reg->tree_start = static_cast<int*>(cv.Take(sizeof(int) * tree_rows));
+    reg->tree_mask = static_cast<unsigned long long*>(
+        cv.Take(sizeof(uint64_t) * tree_rows));
     return cv.size();
   };
   Regions reg;
@@ -388,6 +409,10 @@ absl::Status CudaModelRunner::Run(
     std::copy(table.begin(), table.end(),
               host_ints.begin() + 3 * N + R + bt0[i]);
     attn[i].block_table = d_tables + bt0[i];
+    if (tree_rows > 0) {
+      attn[i].tree_start = reg.tree_start + row0[i];
+      attn[i].tree_mask = reg.tree_mask + row0[i];
+    }
     attn[i].q = static_cast<char*>(reg.q) + tb * row0[i] * qrow;
     attn[i].out = static_cast<char*>(reg.attn) + tb * row0[i] * qrow;
   }
@@ -416,6 +441,17 @@ absl::Status CudaModelRunner::Run(
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       reg.ints, host_ints.data(), sizeof(int) * host_ints.size(),
       cudaMemcpyHostToDevice, stream_));
+  if (tree_rows > 0) {
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+    ba.tree_start = reg.tree_start;
+    ba.tree_mask = reg.tree_mask;
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.tree_start, host_tree_start.data(), sizeof(int) * tree_rows,
+        cudaMemcpyHostToDevice, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.tree_mask, host_tree_mask.data(), sizeof(uint64_t) * tree_rows,
+        cudaMemcpyHostToDevice, stream_));
+  }
 
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::EmbeddingGather(
       weights_->embed(), dt, d_ids, N, hidden, reg.x, stream_));

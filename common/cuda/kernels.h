@@ -144,6 +144,13 @@ struct AttentionArgs {
   /// contiguous (slot t at row t).
   const int* block_table = nullptr;
   int block_size = 1;
+  /// Tree attention (ForwardInput::tree_parents), null = causal: for each
+  /// of the n rows, the cache index its tree span starts at (INT_MAX for a
+  /// row outside the span) and a bit mask over the span's first 64
+  /// entries: key slot tree_start[i] + j is visible to row i iff bit j is
+  /// set. Keys before the span, and causal limits, are as without a tree.
+  const int* tree_start = nullptr;
+  const unsigned long long* tree_mask = nullptr;
 };
 
 /// Whether FlashAttention handles `head_dim` and `dtype`: head_dim in
@@ -208,6 +215,10 @@ struct BatchedAttentionArgs {
   /// BatchedAttentionWorkspaceBytes(plan, head_dim) bytes (null when 0).
   void* workspace = nullptr;
   int64_t partial_triples = 0;
+  /// Tree attention as in AttentionArgs, indexed by the global row
+  /// (sequences concatenated); null = causal everywhere.
+  const int* tree_start = nullptr;
+  const unsigned long long* tree_mask = nullptr;
 };
 
 /// One launch for all the sequences of a step (flash-decoding over a work

@@ -642,6 +642,42 @@ TEST(CpuModelRunnerTest, TreeGrownOneLevelPerForwardEqualsChains) {
   CheckTreeEqualsChains("stories260K", 40, true, 6);
 }
 
+// The CUDA kernels' bit form of the mask hides exactly the keys the CPU's
+// list form hides.
+TEST(CpuModelRunnerTest, TreeSpanBitsAgreeWithTreeAttentionMask) {
+  std::mt19937_64 gen(9);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int span = 1 + static_cast<int>(gen() % kMaxTreeSpan);
+    const int n = 1 + static_cast<int>(gen() % (span + 5));
+    const int first = std::max(0, span - n) + static_cast<int>(gen() % 7);
+    std::vector<int> parents(span);
+    for (int j = 0; j < span; ++j) {
+      parents[j] = static_cast<int>(gen() % (j + 1)) - 1;
+    }
+    const TreeMask mask = TreeAttentionMask(parents, first, n);
+    std::vector<int> starts(n);
+    std::vector<uint64_t> bits(n);
+    const bool tree = TreeSpanBits(parents, first, n, starts.data(), bits.data());
+    ASSERT_EQ(tree, !mask.empty() || span == 1 && parents[0] != -1);
+    if (!tree) continue;
+    for (int i = 0; i < n; ++i) {
+      for (int key = 0; key <= first + i; ++key) {
+        const int off = key - starts[i];
+        const bool visible =
+            off < 0 || off >= 64 || ((bits[i] >> off) & 1) != 0;
+        bool hidden = false;
+        if (!mask.empty()) {
+          for (int m = mask.offsets[i]; m < mask.offsets[i + 1]; ++m) {
+            hidden |= mask.masked_keys[m] == key;
+          }
+        }
+        ASSERT_EQ(visible, !hidden)
+            << "trial " << trial << " row " << i << " key " << key;
+      }
+    }
+  }
+}
+
 TEST(CpuModelRunnerTest, BadTreeParentsAreRejected) {
   auto model_ptr = Runner("stories260K");
   CpuModelRunner& model = *model_ptr;
@@ -655,6 +691,9 @@ TEST(CpuModelRunnerTest, BadTreeParentsAreRejected) {
   absl::Status s = model.Forward(in, cache.get(), &out);
   EXPECT_TRUE(absl::IsInvalidArgument(s));
   EXPECT_NE(s.message().find("tree_parents[1] = 1"), std::string::npos) << s;
+  in.tree_parents.assign(kMaxTreeSpan + 1, -1);
+  s = model.Forward(in, cache.get(), &out);
+  EXPECT_NE(s.message().find("at most 64"), std::string::npos) << s;
   in.tree_parents = {-1, 0, 1, 2};  // reaches before an empty cache
   s = model.Forward(in, cache.get(), &out);
   EXPECT_NE(s.message().find("at most the 0 cached"), std::string::npos) << s;

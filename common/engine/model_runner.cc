@@ -1,5 +1,7 @@
 #include "common/engine/model_runner.h"
 
+#include <limits>
+
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
@@ -44,6 +46,10 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
   }
   if (!in.tree_parents.empty() && cached >= 0) {
     const int span = static_cast<int>(in.tree_parents.size());
+    if (span > kMaxTreeSpan) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tree_parents has ", span, " entries; at most ", kMaxTreeSpan));
+    }
     if (span > cached + n) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tree_parents has ", span, " entries; it may cover the ", n,
@@ -83,6 +89,28 @@ TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
   }
   if (mask.masked_keys.empty()) mask.offsets.clear();
   return mask;
+}
+
+bool TreeSpanBits(absl::Span<const int> tree_parents, int first, int n,
+                  int* starts, uint64_t* bits) {
+  const int span = static_cast<int>(tree_parents.size());
+  bool chain = true;
+  for (int j = 0; j < span && chain; ++j) chain = tree_parents[j] == j - 1;
+  if (chain) return false;
+  const int start = first + n - span;
+  for (int i = 0; i < n; ++i) {
+    const int self = span - n + i;
+    if (self < 0) {
+      starts[i] = std::numeric_limits<int>::max();
+      bits[i] = ~uint64_t{0};
+      continue;
+    }
+    uint64_t b = 0;
+    for (int a = self; a >= 0; a = tree_parents[a]) b |= uint64_t{1} << a;
+    starts[i] = start;
+    bits[i] = b;
+  }
+  return true;
 }
 
 absl::StatusOr<std::unique_ptr<KvSequence>> ModelRunner::NewSequence(

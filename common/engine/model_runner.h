@@ -1,6 +1,7 @@
 #ifndef SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_H_
 #define SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,6 +76,10 @@ class QueryCapture {
   virtual absl::StatusOr<std::vector<float>> CopyToHost() const = 0;
 };
 
+/// The longest tree span ForwardInput::tree_parents may have (a node
+/// budget of 64; the CUDA kernels keep a row's visibility in 64 bits).
+inline constexpr int kMaxTreeSpan = 64;
+
 /// The keys tree attention hides from each new row, in compressed-row
 /// form: row i (of n new rows, appended at cache index `first`) must not
 /// see keys masked_keys[offsets[i] .. offsets[i + 1]) (cache indices, all
@@ -90,6 +95,15 @@ struct TreeMask {
 /// be valid (ValidateForwardInput with the sequence's size).
 TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
                            int n);
+
+/// The same mask as bits (the CUDA kernels' form), for n new rows appended
+/// at cache index `first`: starts[i] is the cache index row i's span
+/// begins at (INT_MAX for rows before the span) and bit j of bits[i] is set
+/// iff span entry j is visible to row i (its ancestors and itself).
+/// Returns false, writing nothing, for causal input. starts and bits have
+/// room for n entries; tree_parents must be valid (at most kMaxTreeSpan).
+bool TreeSpanBits(absl::Span<const int> tree_parents, int first, int n,
+                  int* starts, uint64_t* bits);
 
 /// One entry of a batched forward.
 struct SequenceForward {
@@ -113,7 +127,7 @@ struct ImportanceResult {
 /// outside [0, max_position_embeddings) or a logit / capture row outside
 /// [0, n). With `cached` >= 0 (the sequence's size before the forward)
 /// also tree_parents: INVALID_ARGUMENT unless its size is at most
-/// cached + n and every entry j is in [-1, j). Returns the logit rows
+/// min(cached + n, kMaxTreeSpan) and every entry j is in [-1, j). Returns the logit rows
 /// to compute (the last row when none were asked for).
 absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& config,
                                                       const ForwardInput& in,

@@ -361,7 +361,8 @@ void DraftSession::NextTreeLevel() {
   // Sampled: as many as the remaining budget takes.
   int want = sampling_.greedy() ? per_node
                                 : (budget + per_node - 1) / per_node;
-  want = std::min(want, tree_room_ - static_cast<int>(span_parents_.size()));
+  want = std::min(want, std::min(tree_room_, kMaxTreeSpan) -
+                            static_cast<int>(span_parents_.size()));
   want = std::min(want, static_cast<int>(frontier.size()));
   if (want <= 0) return;
   level_.assign(frontier.begin(), frontier.begin() + want);
