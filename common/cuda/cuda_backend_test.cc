@@ -49,6 +49,7 @@
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
 #include "common/engine/cpu_model_runner.h"
+#include "common/speculation/target_session.h"
 #include "common/engine/kernels.h"
 #include "common/engine/model_runner.h"
 #include "common/engine/paged_kv_cache.h"
@@ -2261,6 +2262,69 @@ TEST_P(ModelTest, TreeAttentionMatchesCpu) {
     SCOPED_TRACE("context rows then a tree");
     ExpectLogitsMatch(co, go, vocab, kRowsTolBf16, 0.0);
   }
+}
+
+// Speculative decoding with token trees on the device (fp32, so argmax
+// ties between forward shapes are out of reach): TargetSession rounds with
+// random trees, some nodes on the true continuation, emit exactly the
+// GPU's own plain greedy decoding.
+TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kF32);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size, kNew = 40;
+  std::vector<int> prompt(24);
+  for (int& id : prompt) id = Uniform(0, vocab - 1);
+  // Plain greedy on the GPU, one token per forward.
+  std::vector<int> want;
+  {
+    std::unique_ptr<KvSequence> kv = NewSeq(*e.gpu, c.max_position_embeddings);
+    ASSERT_NE(kv, nullptr);
+    const std::vector<int> pos = Iota(0, 24);
+    ForwardOutput out;
+    ASSERT_OK(e.gpu->Forward(AllRows(prompt, pos), kv.get(), &out));
+    int tok = Argmax(out.logits_row(23, vocab), vocab);
+    for (int i = 0; i < kNew; ++i) {
+      want.push_back(tok);
+      const int p = 24 + i;
+      ForwardInput d;
+      d.token_ids = absl::MakeConstSpan(&tok, 1);
+      d.position_ids = absl::MakeConstSpan(&p, 1);
+      ASSERT_OK(e.gpu->Forward(d, kv.get(), &out));
+      tok = Argmax(out.logits.data(), vocab);
+    }
+  }
+  TargetRequest r;
+  r.token_ids = prompt;
+  r.position_ids = Iota(0, 24);
+  r.stop.max_new_tokens = kNew;
+  r.ignore_eos = true;
+  auto session = TargetSession::Create(e.gpu.get(), r);
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<int> got;
+  int deep = 0;
+  while (!(*session)->finished()) {
+    const int n = Uniform(0, 16);
+    std::vector<DraftToken> drafts(n);
+    std::vector<int> parents(n), depth(n);
+    std::vector<bool> truth(n);
+    for (int i = 0; i < n; ++i) {
+      parents[i] = Uniform(0, i) - 1;
+      depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
+      const size_t at = got.size() + depth[i];
+      const bool parent_true = parents[i] < 0 || truth[parents[i]];
+      drafts[i].id = parent_true && at < want.size() && Uniform(0, 1) == 1
+                         ? want[at]
+                         : Uniform(0, vocab - 1);
+      truth[i] = parent_true && at < want.size() && drafts[i].id == want[at];
+    }
+    auto round = (*session)->Step(drafts, parents);
+    ASSERT_TRUE(round.ok()) << round.status();
+    got.insert(got.end(), round->tokens.begin(), round->tokens.end());
+    deep += round->num_accepted >= 2;
+  }
+  EXPECT_EQ(got, want);
+  EXPECT_GT(deep, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(BundledCheckpoints, ModelTest,
