@@ -102,7 +102,19 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
               .Name("specserve_router_spec_decode_load_limited_rounds_total")
               .Help("Rounds whose drafts --spec_decode_disable_by_batch_size "
                     "cut, by action (disabled: none; reduced: fewer)")
-              .Register(r)) {}
+              .Register(r)) {
+  // Every method's series from 0, so rate() sees a request's first
+  // increment (a series born at its first value would show no increase).
+  for (const char* m : kMethods) {
+    if (std::string(m) != "none") {
+      num_drafts_.Add({{"method", m}});
+      num_draft_tokens_.Add({{"method", m}});
+      num_accepted_.Add({{"method", m}});
+    }
+    num_target_forwards_.Add({{"method", m}});
+    num_emitted_tokens_.Add({{"method", m}});
+  }
+}
 
 void RouterMetrics::CountRequest(const std::string& status) {
   requests_.Add({{"status", status}}).Increment();

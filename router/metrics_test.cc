@@ -96,6 +96,11 @@ TEST(RouterMetricsTest, SpecDecodeSeriesAreLabelledByMethod) {
                   "{method=\"none\"} 1")) << text;
   EXPECT_FALSE(has("specserve_router_spec_decode_num_drafts_total"
                    "{method=\"none\"}")) << text;
+  // Series of methods not used yet exist at 0 (rate() needs a start).
+  EXPECT_TRUE(has("specserve_router_spec_decode_num_drafts_total"
+                  "{method=\"draft_tree\"} 0")) << text;
+  EXPECT_TRUE(has("specserve_router_spec_decode_num_target_forwards_total"
+                  "{method=\"draft_tree\"} 0")) << text;
 }
 
 }  // namespace
