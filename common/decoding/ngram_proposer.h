@@ -21,8 +21,7 @@
 namespace specserve {
 
 /// vLLM's defaults when neither prompt_lookup_min nor prompt_lookup_max is
-/// given (vllm/config/speculative.py, SpeculativeConfig.__post_init__: both
-/// become 5).
+/// given (its SpeculativeConfig sets both to 5 for method "ngram").
 inline constexpr int kDefaultPromptLookupMin = 5;
 inline constexpr int kDefaultPromptLookupMax = 5;
 /// The largest n this server looks up (protos/router.proto).
