@@ -17,6 +17,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/service/grpc_util.h"
 #include "common/service/server_main.h"
@@ -24,7 +26,9 @@
 #include "common/service/tls.h"
 #include "common/service/tls_flags.h"
 #include "common/util/paths.h"
+#include "common/decoding/ngram_proposer.h"
 #include "router/http_server.h"
+#include "router/request_options.h"
 #include "router/router_server.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "gRPC listen address");
@@ -80,6 +84,19 @@ ABSL_FLAG(bool, default_spec_prefill, true,
 ABSL_FLAG(bool, default_spec_decode, true,
           "speculative decoding on when the request does not say");
 ABSL_FLAG(int, default_num_draft_tokens, 4, "drafts per round when unset");
+ABSL_FLAG(std::string, default_spec_decode_method, "draft",
+          "how drafts are proposed when unset: draft (the speculator's "
+          "chain), ngram (prompt lookup in the router), draft_tree (the "
+          "speculator's token tree)");
+ABSL_FLAG(int, default_prompt_lookup_min, specserve::kDefaultPromptLookupMin,
+          "ngram: the shortest n-gram looked up when unset (vLLM's default)");
+ABSL_FLAG(int, default_prompt_lookup_max, specserve::kDefaultPromptLookupMax,
+          "ngram: the longest n-gram looked up when unset (vLLM's default)");
+ABSL_FLAG(std::string, default_tree_branching, "4,2,2,1,1",
+          "draft_tree: children per node at each depth when unset "
+          "(comma-separated)");
+ABSL_FLAG(int, default_tree_max_nodes, specserve::kDefaultTreeMaxNodes,
+          "draft_tree: the tree's node budget when unset");
 
 namespace specserve {
 namespace {
@@ -141,6 +158,31 @@ int Run() {
   d.prefill = SpecPrefillDefaultsFromFlags();
   d.spec_decode = absl::GetFlag(FLAGS_default_spec_decode);
   d.num_draft_tokens = absl::GetFlag(FLAGS_default_num_draft_tokens);
+  auto method = ParseSpecDecodeMethod(
+      absl::GetFlag(FLAGS_default_spec_decode_method),
+      "--default_spec_decode_method");
+  if (!method.ok()) {
+    std::fprintf(stderr, "router: %s\n", method.status().ToString().c_str());
+    return 2;
+  }
+  d.spec_decode_method = *method;
+  d.prompt_lookup_min = absl::GetFlag(FLAGS_default_prompt_lookup_min);
+  d.prompt_lookup_max = absl::GetFlag(FLAGS_default_prompt_lookup_max);
+  d.tree_branching.clear();
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_default_tree_branching), ',',
+                      absl::SkipWhitespace())) {
+    int b = 0;
+    if (!absl::SimpleAtoi(part, &b)) {
+      std::fprintf(stderr,
+                   "router: --default_tree_branching must be integers "
+                   "separated by commas, got \"%s\"\n",
+                   absl::GetFlag(FLAGS_default_tree_branching).c_str());
+      return 2;
+    }
+    d.tree_branching.push_back(b);
+  }
+  d.tree_max_nodes = absl::GetFlag(FLAGS_default_tree_max_nodes);
 
   EnableHealthAndReflection();
   auto server = RouterServer::Create(o);

@@ -65,33 +65,56 @@ RouterMetrics::RouterMetrics(prometheus::Registry& r)
                       .Add({}, RatioBuckets())),
       num_drafts_(BuildCounter()
                       .Name("specserve_router_spec_decode_num_drafts_total")
-                      .Help("Verify rounds that carried drafts")
-                      .Register(r)
-                      .Add({})),
+                      .Help("Verify rounds that carried drafts, by method")
+                      .Register(r)),
       num_draft_tokens_(
           BuildCounter()
               .Name("specserve_router_spec_decode_num_draft_tokens_total")
-              .Help("Draft tokens verified")
-              .Register(r)
-              .Add({})),
+              .Help("Draft tokens verified, by method")
+              .Register(r)),
       num_accepted_(
           BuildCounter()
               .Name("specserve_router_spec_decode_num_accepted_tokens_total")
-              .Help("Draft tokens accepted")
-              .Register(r)
-              .Add({})),
+              .Help("Draft tokens accepted, by method")
+              .Register(r)),
+      num_target_forwards_(
+          BuildCounter()
+              .Name("specserve_router_spec_decode_num_target_forwards_total")
+              .Help("Target forwards (prefill and verify rounds) by the "
+                    "request's drafting method (none = no drafts)")
+              .Register(r)),
+      num_emitted_tokens_(
+          BuildCounter()
+              .Name("specserve_router_spec_decode_num_emitted_tokens_total")
+              .Help("Tokens the target forwards emitted, by the request's "
+                    "drafting method; / num_target_forwards_total = tokens "
+                    "per target forward")
+              .Register(r)),
       accepted_per_pos_(
           BuildCounter()
               .Name("specserve_router_spec_decode_num_accepted_tokens_per_"
                     "pos_total")
-              .Help("Accepted drafts by position in the round (0-based)")
+              .Help("Accepted drafts by position in the round (0-based) "
+                    "and method")
               .Register(r)),
       load_limited_(
           BuildCounter()
               .Name("specserve_router_spec_decode_load_limited_rounds_total")
               .Help("Rounds whose drafts --spec_decode_disable_by_batch_size "
                     "cut, by action (disabled: none; reduced: fewer)")
-              .Register(r)) {}
+              .Register(r)) {
+  // Every method's series from 0, so rate() sees a request's first
+  // increment (a series born at its first value would show no increase).
+  for (const char* m : kMethods) {
+    if (std::string(m) != "none") {
+      num_drafts_.Add({{"method", m}});
+      num_draft_tokens_.Add({{"method", m}});
+      num_accepted_.Add({{"method", m}});
+    }
+    num_target_forwards_.Add({{"method", m}});
+    num_emitted_tokens_.Add({{"method", m}});
+  }
+}
 
 void RouterMetrics::CountRequest(const std::string& status) {
   requests_.Add({{"status", status}}).Increment();
@@ -125,14 +148,33 @@ void RouterMetrics::ObserveCompletion(double ttft_s, double tpot_s,
   }
 }
 
-void RouterMetrics::ObserveVerifyRound(int num_draft_tokens, int num_accepted) {
-  if (num_draft_tokens <= 0) return;
-  num_drafts_.Increment();
-  num_draft_tokens_.Increment(num_draft_tokens);
-  num_accepted_.Increment(num_accepted);
-  for (int i = 0; i < num_accepted; ++i) {
-    accepted_per_pos_.Add({{"position", std::to_string(i)}}).Increment();
+std::string RouterMetrics::MethodLabel(const std::string& method) {
+  for (const char* m : kMethods) {
+    if (method == m) return method;
   }
+  return "none";
+}
+
+void RouterMetrics::ObserveVerifyRound(const std::string& method,
+                                       int num_draft_tokens,
+                                       int num_accepted) {
+  if (num_draft_tokens <= 0) return;
+  const std::string label = MethodLabel(method);
+  num_drafts_.Add({{"method", label}}).Increment();
+  num_draft_tokens_.Add({{"method", label}}).Increment(num_draft_tokens);
+  num_accepted_.Add({{"method", label}}).Increment(num_accepted);
+  for (int i = 0; i < num_accepted; ++i) {
+    accepted_per_pos_
+        .Add({{"method", label}, {"position", std::to_string(i)}})
+        .Increment();
+  }
+}
+
+void RouterMetrics::ObserveTargetForward(const std::string& method,
+                                         int emitted_tokens) {
+  const std::string label = MethodLabel(method);
+  num_target_forwards_.Add({{"method", label}}).Increment();
+  num_emitted_tokens_.Add({{"method", label}}).Increment(emitted_tokens);
 }
 
 void RouterMetrics::CountLoadLimitedRound(bool disabled) {

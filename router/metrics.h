@@ -15,7 +15,9 @@ namespace specserve {
 /// counters end in _total, latencies as histograms; the speculative decoding
 /// counters are named like vLLM V1's: docs/ARCHITECTURE.md, Conventions).
 /// Acceptance rate = accepted / draft_tokens; mean acceptance length =
-/// 1 + accepted / num_drafts. All updates are thread-safe.
+/// 1 + accepted / num_drafts; tokens per target forward = emitted tokens /
+/// target forwards. The speculative decoding series carry a `method` label
+/// (kMethods). All updates are thread-safe.
 class RouterMetrics {
  public:
   /// Registers every family in `registry`, which must outlive this object.
@@ -47,9 +49,21 @@ class RouterMetrics {
   void ObserveCompletion(double ttft_s, double tpot_s, double e2e_s,
                          int prompt_tokens, int kept_tokens,
                          int completion_tokens);
-  /// One verify round that carried `num_draft_tokens` drafts of which the
-  /// first `num_accepted` were accepted.
-  void ObserveVerifyRound(int num_draft_tokens, int num_accepted);
+  /// The values of the speculative decoding series' `method` label: the
+  /// request's spec_decode_method, or "none" for a request that drafted
+  /// nothing (target forwards only). Anything else is counted as "none".
+  static constexpr const char* kMethods[] = {"draft", "ngram", "draft_tree",
+                                             "none"};
+  /// The label for a method name ("" = "none"; see kMethods).
+  static std::string MethodLabel(const std::string& method);
+  /// One verify round of a request drafting by `method` that carried
+  /// `num_draft_tokens` drafts of which the first `num_accepted` were
+  /// accepted. Rounds without drafts are not counted.
+  void ObserveVerifyRound(const std::string& method, int num_draft_tokens,
+                          int num_accepted);
+  /// One target forward (the prefill or a verify round) of a request
+  /// drafting by `method` ("" = none) that emitted `emitted_tokens`.
+  void ObserveTargetForward(const std::string& method, int emitted_tokens);
   /// A round whose drafts the load rule cut: to none (`disabled`) or to
   /// fewer than requested.
   void CountLoadLimitedRound(bool disabled);
@@ -65,9 +79,11 @@ class RouterMetrics {
   prometheus::Counter& kept_tokens_;
   prometheus::Counter& completion_tokens_;
   prometheus::Histogram& keep_ratio_;
-  prometheus::Counter& num_drafts_;
-  prometheus::Counter& num_draft_tokens_;
-  prometheus::Counter& num_accepted_;
+  prometheus::Family<prometheus::Counter>& num_drafts_;
+  prometheus::Family<prometheus::Counter>& num_draft_tokens_;
+  prometheus::Family<prometheus::Counter>& num_accepted_;
+  prometheus::Family<prometheus::Counter>& num_target_forwards_;
+  prometheus::Family<prometheus::Counter>& num_emitted_tokens_;
   prometheus::Family<prometheus::Counter>& accepted_per_pos_;
   prometheus::Family<prometheus::Counter>& load_limited_;
 };

@@ -1,5 +1,6 @@
 #include "router/openai_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -274,8 +275,11 @@ absl::Status ParseSampling(const json& body,
   return absl::OkStatus();
 }
 
-// Our extensions: speculative_prefill {...}, speculative_decoding {...}.
-// Ranges are checked by the router (ResolveOptions) with the same names.
+// Our extensions: speculative_prefill {...}, speculative_decoding {...}
+// (enabled, num_draft_tokens, method, prompt_lookup_min, prompt_lookup_max,
+// tree_branching: [int], tree_max_nodes). Only types are checked here;
+// ranges and method names by the router (ResolveOptions) with the same
+// names.
 absl::Status ParseExtensions(const json& body, v1::GenerateTextRequest* r) {
   if (const json* p = Member(body, "speculative_prefill"); p != nullptr) {
     if (!p->is_object()) {
@@ -323,6 +327,47 @@ absl::Status ParseExtensions(const json& body, v1::GenerateTextRequest* r) {
                                "speculative_decoding.num_draft_tokens",
                                -kInt32Max, kInt32Max));
     if (k) c->set_num_draft_tokens(static_cast<int32_t>(*k));
+    if (const json* m = Member(*d, "method"); m != nullptr) {
+      if (!m->is_string()) {
+        return WrongType("speculative_decoding.method", "a string", *m);
+      }
+      c->set_method(m->get<std::string>());
+    }
+    SPECSERVE_ASSIGN(lookup_min,
+                     GetInt(*d, "prompt_lookup_min",
+                            "speculative_decoding.prompt_lookup_min",
+                            -kInt32Max, kInt32Max));
+    if (lookup_min) c->set_prompt_lookup_min(static_cast<int32_t>(*lookup_min));
+    SPECSERVE_ASSIGN(lookup_max,
+                     GetInt(*d, "prompt_lookup_max",
+                            "speculative_decoding.prompt_lookup_max",
+                            -kInt32Max, kInt32Max));
+    if (lookup_max) c->set_prompt_lookup_max(static_cast<int32_t>(*lookup_max));
+    if (const json* t = Member(*d, "tree_branching"); t != nullptr) {
+      if (!t->is_array()) {
+        return WrongType("speculative_decoding.tree_branching", "an array",
+                         *t);
+      }
+      for (size_t i = 0; i < t->size(); ++i) {
+        const json& b = (*t)[i];
+        const std::string param =
+            absl::StrCat("speculative_decoding.tree_branching[", i, "]");
+        if (!b.is_number_integer()) return WrongType(param, "an integer", b);
+        const int64_t x = b.is_number_unsigned()
+                              ? static_cast<int64_t>(std::min<uint64_t>(
+                                    b.get<uint64_t>(), kInt32Max))
+                              : b.get<int64_t>();
+        if (x < -kInt32Max || x > kInt32Max) {
+          return ParamError(param, absl::StrCat("'", param,
+                                                "' is out of range, got ", x));
+        }
+        c->add_tree_branching(static_cast<int32_t>(x));
+      }
+    }
+    SPECSERVE_ASSIGN(max_nodes, GetInt(*d, "tree_max_nodes",
+                                       "speculative_decoding.tree_max_nodes",
+                                       -kInt32Max, kInt32Max));
+    if (max_nodes) c->set_tree_max_nodes(static_cast<int32_t>(*max_nodes));
   }
   return absl::OkStatus();
 }

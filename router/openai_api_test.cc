@@ -47,7 +47,13 @@ TEST(ParseRequestTest, MapsEveryField) {
                          {"keep_last", 4},
                          {"min_prompt_tokens", 9}}},
                        {"speculative_decoding",
-                        {{"enabled", false}, {"num_draft_tokens", 6}}}});
+                        {{"enabled", false},
+                         {"num_draft_tokens", 6},
+                         {"method", "ngram"},
+                         {"prompt_lookup_min", 2},
+                         {"prompt_lookup_max", 7},
+                         {"tree_branching", {4, 2, 1}},
+                         {"tree_max_nodes", 12}}}});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->model, "m");
   EXPECT_TRUE(p->stream);
@@ -77,6 +83,14 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_TRUE(r.speculative_decoding().has_enabled());
   EXPECT_FALSE(r.speculative_decoding().enabled());
   EXPECT_EQ(r.speculative_decoding().num_draft_tokens(), 6);
+  const v1::SpeculativeDecodingConfig& sd = r.speculative_decoding();
+  EXPECT_EQ(sd.method(), "ngram");
+  EXPECT_EQ(sd.prompt_lookup_min(), 2);
+  EXPECT_EQ(sd.prompt_lookup_max(), 7);
+  ASSERT_EQ(sd.tree_branching_size(), 3);
+  EXPECT_EQ(sd.tree_branching(0), 4);
+  EXPECT_EQ(sd.tree_branching(2), 1);
+  EXPECT_EQ(sd.tree_max_nodes(), 12);
 }
 
 TEST(ParseRequestTest, UnsetFieldsStayUnset) {
@@ -138,6 +152,22 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", json::array()}}, "prompt"},
       {{{"prompt", "a"}, {"speculative_decoding", {{"enabled", 1}}}},
        "speculative_decoding.enabled"},
+      {{{"prompt", "a"}, {"speculative_decoding", {{"method", 3}}}},
+       "speculative_decoding.method"},
+      {{{"prompt", "a"},
+        {"speculative_decoding", {{"prompt_lookup_min", "2"}}}},
+       "speculative_decoding.prompt_lookup_min"},
+      {{{"prompt", "a"},
+        {"speculative_decoding", {{"prompt_lookup_max", 2.5}}}},
+       "speculative_decoding.prompt_lookup_max"},
+      {{{"prompt", "a"}, {"speculative_decoding", {{"tree_branching", 4}}}},
+       "speculative_decoding.tree_branching"},
+      {{{"prompt", "a"},
+        {"speculative_decoding", {{"tree_branching", {4, "2"}}}}},
+       "speculative_decoding.tree_branching[1]"},
+      {{{"prompt", "a"},
+        {"speculative_decoding", {{"tree_max_nodes", true}}}},
+       "speculative_decoding.tree_max_nodes"},
       {{{"prompt", "a"}, {"speculative_prefill", {{"chunk_size", 2.5}}}},
        "speculative_prefill.chunk_size"},
       {{{"prompt", "a"}, {"speculative_prefill", true}}, "speculative_prefill"},
@@ -271,6 +301,10 @@ TEST(StatusMappingTest, RouterErrorsNameTheParameter) {
             "stop_token_ids");
   EXPECT_EQ(param("speculative_prefill.keep_ratio must be"),
             "speculative_prefill.keep_ratio");
+  EXPECT_EQ(param("speculative_decoding.method must be one of \"draft\""),
+            "speculative_decoding.method");
+  EXPECT_EQ(param("speculative_decoding.tree_branching[1] must be in [1, 8]"),
+            "speculative_decoding.tree_branching");
   EXPECT_EQ(param("something else"), "(none)");
   // An existing param and other codes are kept.
   EXPECT_EQ(ParamOf(NameParam(ParamError("n", "sampling.x"),

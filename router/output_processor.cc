@@ -21,6 +21,11 @@ OutputProcessor::OutputProcessor(const Tokenizer* tokenizer,
 absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
                                        absl::Time now,
                                        v1::GenerateTextChunk* chunk) {
+  ++forwards_;
+  if (metrics_ != nullptr) {
+    metrics_->ObserveTargetForward(stats_.spec_decode_method(),
+                                   round.token_ids_size());
+  }
   if (round.num_drafts() > 0) {
     stats_.set_num_drafts(stats_.num_drafts() + 1);
     stats_.set_num_draft_tokens(stats_.num_draft_tokens() + round.num_drafts());
@@ -30,7 +35,8 @@ absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
     }
     for (int i = 0; i < round.num_accepted(); ++i) ++accepted_per_pos_[i];
     if (metrics_ != nullptr) {
-      metrics_->ObserveVerifyRound(round.num_drafts(), round.num_accepted());
+      metrics_->ObserveVerifyRound(stats_.spec_decode_method(),
+                                   round.num_drafts(), round.num_accepted());
     }
   }
   if (completion_ == 0 && round.token_ids_size() > 0) {
@@ -75,6 +81,9 @@ void OutputProcessor::Finish(int prompt_tokens, int kept_tokens,
           : 0.0);
   stats_.mutable_accepted_per_position()->Add(accepted_per_pos_.begin(),
                                               accepted_per_pos_.end());
+  stats_.set_num_target_forwards(forwards_);
+  stats_.set_tokens_per_target_forward(
+      forwards_ > 0 ? static_cast<double>(completion_) / forwards_ : 0.0);
   stats_.set_fallback_reason(fallback);
   if (!fallback.empty() && metrics_ != nullptr) {
     metrics_->CountFallback(fallback);

@@ -32,8 +32,9 @@ class OutputProcessor {
   OutputProcessor(const Tokenizer* tokenizer, std::vector<std::string> stops,
                   absl::Time start, RouterMetrics* metrics);
 
-  /// Takes one target round answered at `now`: counts its drafts and
-  /// accepted tokens, and writes the emitted tokens and their text into
+  /// Takes one target round (one target forward: the prefill or a verify
+  /// round) answered at `now`: counts the forward, its drafts and accepted
+  /// tokens, and writes the emitted tokens and their text into
   /// `chunk` (cleared first). A stop string ends the request (its text and
   /// everything after it, tokens included, are dropped); so does the
   /// target's finish reason. Errors from the detokenizer.
@@ -48,6 +49,13 @@ class OutputProcessor {
   bool stopped_by_string() const { return stops_.matched(); }
   int completion_tokens() const { return completion_; }
 
+  /// The drafting method of the request ("draft", "ngram", "draft_tree";
+  /// "" = none): stats.spec_decode_method and the metrics' method label.
+  /// Set before the first round.
+  void SetSpecDecodeMethod(const std::string& method) {
+    stats_.set_spec_decode_method(method);
+  }
+
   /// Statistics the generation loop records itself (speculate_s,
   /// target_prefill_s, rounds with fewer drafts under load).
   v1::GenerationStats* mutable_stats() { return &stats_; }
@@ -55,7 +63,9 @@ class OutputProcessor {
   /// The last chunk, after the target stream is done: the text held back
   /// for stop strings, the finish reason, usage (`prompt_tokens` of the
   /// whole prompt, `kept_tokens` prefilled) and stats (`fallback` = the
-  /// fallback reason, "" = none); counts the request into the metrics.
+  /// fallback reason, "" = none; num_target_forwards = rounds taken,
+  /// tokens_per_target_forward = completion tokens / forwards); counts the
+  /// request into the metrics.
   void Finish(int prompt_tokens, int kept_tokens, const std::string& fallback,
               absl::Time now, v1::GenerateTextChunk* chunk);
 
@@ -66,6 +76,7 @@ class OutputProcessor {
   RouterMetrics* const metrics_;
   v1::GenerationStats stats_;
   int completion_ = 0;
+  int forwards_ = 0;
   int64_t accepted_total_ = 0;
   std::vector<int> accepted_per_pos_;
   std::string finish_reason_;

@@ -1,8 +1,10 @@
 #include "router/request_options.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/service/wire_options.h"
 #include "common/tokenizer/tokenizer.h"
@@ -16,7 +18,39 @@ absl::Status Bad(absl::string_view field, absl::string_view rule, double got) {
       absl::StrCat(field, " must be ", rule, ", got ", got));
 }
 
+constexpr struct {
+  SpecDecodeMethod method;
+  const char* name;
+} kMethods[] = {
+    {SpecDecodeMethod::kDraft, "draft"},
+    {SpecDecodeMethod::kNgram, "ngram"},
+    {SpecDecodeMethod::kDraftTree, "draft_tree"},
+};
+
+constexpr int kMaxTreeDepth = 16;
+constexpr int kMaxTreeBranching = 8;
+constexpr int kMaxTreeNodes = 64;
+
 }  // namespace
+
+absl::string_view SpecDecodeMethodName(SpecDecodeMethod method) {
+  for (const auto& m : kMethods) {
+    if (m.method == method) return m.name;
+  }
+  return "draft";
+}
+
+absl::StatusOr<SpecDecodeMethod> ParseSpecDecodeMethod(
+    absl::string_view name, absl::string_view field) {
+  std::vector<std::string> known;
+  for (const auto& m : kMethods) {
+    if (name == m.name) return m.method;
+    known.push_back(absl::StrCat("\"", m.name, "\""));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " must be one of ", absl::StrJoin(known, ", "),
+                   ", got \"", name, "\""));
+}
 
 absl::StatusOr<std::vector<int>> ResolvePrompt(
     const v1::GenerateTextRequest& request, const Tokenizer* tokenizer,
@@ -154,6 +188,61 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
                                        "speculative_decoding.num_draft_tokens");
       !st.ok()) {
     return st;
+  }
+  if (sd.has_method()) {
+    auto m = ParseSpecDecodeMethod(sd.method(), "speculative_decoding.method");
+    if (!m.ok()) return m.status();
+    o.spec_decode_method = *m;
+  } else {
+    o.spec_decode_method = d.spec_decode_method;
+  }
+  // Prompt lookup's n range (the proto's ranges). One bound alone keeps the
+  // other's default where that stays valid.
+  o.prompt_lookup_min = sd.has_prompt_lookup_min() ? sd.prompt_lookup_min()
+                        : sd.has_prompt_lookup_max()
+                            ? std::min(d.prompt_lookup_min,
+                                       sd.prompt_lookup_max())
+                            : d.prompt_lookup_min;
+  o.prompt_lookup_max = sd.has_prompt_lookup_max() ? sd.prompt_lookup_max()
+                        : sd.has_prompt_lookup_min()
+                            ? std::max(d.prompt_lookup_max,
+                                       sd.prompt_lookup_min())
+                            : d.prompt_lookup_max;
+  if (o.prompt_lookup_min < 1) {
+    return Bad("speculative_decoding.prompt_lookup_min", ">= 1",
+               o.prompt_lookup_min);
+  }
+  if (o.prompt_lookup_max < o.prompt_lookup_min ||
+      o.prompt_lookup_max > kMaxPromptLookup) {
+    return Bad("speculative_decoding.prompt_lookup_max",
+               absl::StrCat("in [prompt_lookup_min = ", o.prompt_lookup_min,
+                            ", ", kMaxPromptLookup, "]"),
+               o.prompt_lookup_max);
+  }
+  // The draft tree's shape.
+  if (sd.tree_branching_size() > 0) {
+    o.tree_branching.assign(sd.tree_branching().begin(),
+                            sd.tree_branching().end());
+  } else {
+    o.tree_branching = d.tree_branching;
+  }
+  const int depth = static_cast<int>(o.tree_branching.size());
+  if (depth < 1 || depth > kMaxTreeDepth) {
+    return Bad("speculative_decoding.tree_branching",
+               absl::StrCat("1 to ", kMaxTreeDepth, " depths long"), depth);
+  }
+  for (int i = 0; i < depth; ++i) {
+    if (o.tree_branching[i] < 1 || o.tree_branching[i] > kMaxTreeBranching) {
+      return Bad(absl::StrCat("speculative_decoding.tree_branching[", i, "]"),
+                 absl::StrCat("in [1, ", kMaxTreeBranching, "]"),
+                 o.tree_branching[i]);
+    }
+  }
+  o.tree_max_nodes =
+      sd.has_tree_max_nodes() ? sd.tree_max_nodes() : d.tree_max_nodes;
+  if (o.tree_max_nodes < 1 || o.tree_max_nodes > kMaxTreeNodes) {
+    return Bad("speculative_decoding.tree_max_nodes",
+               absl::StrCat("in [1, ", kMaxTreeNodes, "]"), o.tree_max_nodes);
   }
   return o;
 }

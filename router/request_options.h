@@ -9,11 +9,14 @@
 // through here (the HTTP API maps OpenAI JSON to GenerateTextRequest
 // first, router/openai_api.h).
 
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/decoding/ngram_proposer.h"
 #include "common/service/wire_options.h"
 #include "protos/router.pb.h"
 #include "protos/speculator.pb.h"
@@ -21,6 +24,26 @@
 namespace specserve {
 
 class Tokenizer;
+
+/// How a request's drafts are proposed (protos/router.proto,
+/// SpeculativeDecodingConfig.method; vLLM's speculative_config.method):
+/// the speculator model's chain ("draft"), prompt lookup in the router
+/// ("ngram", common/decoding/ngram_proposer.h), or the speculator's token
+/// tree verified with tree attention ("draft_tree", SpecInfer).
+enum class SpecDecodeMethod { kDraft, kNgram, kDraftTree };
+
+/// The wire name: "draft", "ngram" or "draft_tree".
+absl::string_view SpecDecodeMethodName(SpecDecodeMethod method);
+
+/// The method named `name`; INVALID_ARGUMENT naming `field` and listing the
+/// known names otherwise.
+absl::StatusOr<SpecDecodeMethod> ParseSpecDecodeMethod(absl::string_view name,
+                                                       absl::string_view field);
+
+/// The default draft tree shape: children per node at each depth (the
+/// roots' first), and the node budget.
+inline constexpr int kDefaultTreeBranching[] = {4, 2, 2, 1, 1};
+inline constexpr int kDefaultTreeMaxNodes = 16;
 
 /// What an unset request field means: one --default_* flag each. Defaults
 /// of Speculative Prefill follow the official code (keep 0.3, chunk 32,
@@ -35,6 +58,13 @@ struct RequestDefaults {
   SpecPrefillDefaults prefill;  ///< the Speculative Prefill options.
   bool spec_decode = true;
   int num_draft_tokens = 4;
+  SpecDecodeMethod spec_decode_method = SpecDecodeMethod::kDraft;
+  /// Prompt lookup's n range; vLLM's defaults (ngram_proposer.h).
+  int prompt_lookup_min = kDefaultPromptLookupMin;
+  int prompt_lookup_max = kDefaultPromptLookupMax;
+  std::vector<int> tree_branching{std::begin(kDefaultTreeBranching),
+                                  std::end(kDefaultTreeBranching)};
+  int tree_max_nodes = kDefaultTreeMaxNodes;
 };
 /// A request's options with every default applied and every value valid.
 /// The prompt is not part of it (it needs the tokenizer and the target).
@@ -49,6 +79,11 @@ struct ResolvedOptions {
   v1::SpecPrefillOptions prefill;  ///< every field set (keep_ratio etc.).
   bool spec_decode = false;
   int num_draft_tokens = 0;  ///< k in [1, 64].
+  SpecDecodeMethod spec_decode_method = SpecDecodeMethod::kDraft;
+  int prompt_lookup_min = 0;  ///< in [1, prompt_lookup_max].
+  int prompt_lookup_max = 0;  ///< in [prompt_lookup_min, 16].
+  std::vector<int> tree_branching;  ///< 1..16 depths, each 1..8 children.
+  int tree_max_nodes = 0;           ///< in [1, 64].
 };
 
 /// Applies `defaults` to the unset fields of `request` and validates the
@@ -58,7 +93,14 @@ struct ResolvedOptions {
 /// an empty stop string, a negative stop token id, keep_ratio outside
 /// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or <
 /// 1, look_ahead outside [0, 64], keep_first / keep_last / min_prompt_tokens <
-/// 0, num_draft_tokens outside [1, 64].
+/// 0, num_draft_tokens outside [1, 64], an unknown method, prompt_lookup_min
+/// < 1, prompt_lookup_max < prompt_lookup_min or > 16, tree_branching of no
+/// or more than 16 depths or with an entry outside [1, 8], tree_max_nodes
+/// outside [1, 64]. The lookup and tree fields are checked whatever the
+/// method. A request that sets only one of prompt_lookup_min / max gets the
+/// default of the other clamped to stay valid (min = min(default, max),
+/// max = max(default, min)); a request's tree_branching replaces the
+/// default list whole.
 absl::StatusOr<ResolvedOptions> ResolveOptions(
     const v1::GenerateTextRequest& request, const RequestDefaults& defaults);
 

@@ -9,9 +9,11 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "common/decoding/ngram_proposer.h"
 #include "common/tokenizer/tokenizer.h"
 #include "protos/speculator.grpc.pb.h"
 #include "protos/target.grpc.pb.h"
+#include "router/draft_proposer.h"
 #include "router/metrics.h"
 #include "router/output_processor.h"
 #include "router/replica_pool.h"
@@ -25,6 +27,13 @@ using GenerateStream =
     grpc::ClientReaderWriter<v1::GenerateRequest, v1::GenerateResponse>;
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// Whether the speculator model proposes the request's drafts ("draft",
+// "draft_tree"), as opposed to prompt lookup in the router ("ngram").
+bool ModelDrafts(const ResolvedOptions& opts) {
+  return opts.spec_decode &&
+         opts.spec_decode_method != SpecDecodeMethod::kNgram;
+}
 
 }  // namespace
 
@@ -95,7 +104,8 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
     req.mutable_options()->set_keep_ratio(1.f);
     req.mutable_options()->set_keep_mass(0.f);
   }
-  req.set_keep_session(opts.spec_decode);
+  // Prompt lookup drafts in the router: no session to keep.
+  req.set_keep_session(ModelDrafts(opts));
   *req.mutable_sampling() = opts.sampling;
   const absl::Time t0 = absl::Now();
   std::shared_ptr<ScoreCall> call = ScoreCall::Start(
@@ -143,19 +153,13 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
       plan->prefill.add_position_ids(k);
     }
   }
-  if (opts.spec_decode) {
-    const bool greedy = opts.sampling.temperature() == 0.f;
-    for (int id : resp.look_ahead_token_ids()) {
-      v1::DraftToken* d = plan->prefill.add_drafts();
-      d->set_id(id);
-      // Greedy look-ahead is deterministic: q is a point mass, which keeps
-      // rejection sampling lossless for sampled requests.
-      if (!greedy) {
-        v1::TokenProb* q = d->add_q();
-        q->set_id(id);
-        q->set_prob(1.f);
-      }
-    }
+  if (ModelDrafts(opts)) {
+    // Greedy look-ahead is deterministic: q is a point mass, which keeps
+    // rejection sampling lossless for sampled requests.
+    AddPointMassDrafts({resp.look_ahead_token_ids().begin(),
+                        resp.look_ahead_token_ids().end()},
+                       opts.sampling.temperature() == 0.f,
+                       plan->prefill.mutable_drafts());
   }
   return absl::OkStatus();
 }
@@ -171,9 +175,10 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     absl::BitGen gen;
     opts.sampling.set_seed(absl::Uniform<uint64_t>(gen));
   }
+  // "ngram" needs the speculator only to prune the prompt.
   const bool use_speculator = b.speculator != nullptr &&
                               !b.speculator->empty() &&
-                              (opts.spec_prefill || opts.spec_decode);
+                              (opts.spec_prefill || ModelDrafts(opts));
   if (b.speculator != nullptr) {
     if (absl::Status s = b.speculator->compatibility(); !s.ok()) return s;
   }
@@ -214,8 +219,42 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   const std::string& session_id = plan.session_id;
   // Cleanup of the speculator session on every path out of here.
   std::unique_ptr<DraftStream> draft;
+  // Drafts from the speculator's session ("draft", "draft_tree") while it
+  // serves, or from prompt lookup over the full prompt and every emitted
+  // token ("ngram": no speculator, so a speculator fallback does not stop
+  // it).
   bool draft_alive =
-      opts.spec_decode && !session_id.empty() && fallback.empty();
+      ModelDrafts(opts) && !session_id.empty() && fallback.empty();
+  std::optional<NgramProposer> ngram;
+  if (opts.spec_decode && !ModelDrafts(opts)) {
+    ngram.emplace(opts.prompt_lookup_min, opts.prompt_lookup_max);
+    ngram->Append(prompt);
+  }
+  const bool greedy = opts.sampling.temperature() == 0.f;
+  // The method that drafts this request ("" = none: speculative decoding
+  // off, or its speculator unavailable from the start).
+  output.SetSpecDecodeMethod(
+      draft_alive || ngram
+          ? std::string(SpecDecodeMethodName(opts.spec_decode_method))
+          : "");
+  // Draft tokens for the next round under the load rule (--spec_decode_
+  // disable_by_batch_size): fewer or none, counted in the stats.
+  const auto draft_budget = [&]() {
+    const int running = b.running_requests ? b.running_requests() : 0;
+    const int k = DraftTokensUnderLoad(opts.num_draft_tokens, running,
+                                       b.spec_decode_disable_by_batch_size);
+    if (k == 0) {
+      stats.set_num_rounds_drafting_disabled(
+          stats.num_rounds_drafting_disabled() + 1);
+    } else if (k < opts.num_draft_tokens) {
+      stats.set_num_rounds_drafts_reduced(stats.num_rounds_drafts_reduced() +
+                                          1);
+    }
+    if (b.metrics != nullptr && k < opts.num_draft_tokens) {
+      b.metrics->CountLoadLimitedRound(k == 0);
+    }
+    return k;
+  };
   auto release = absl::MakeCleanup([&] {
     if (draft != nullptr) {
       calls_->Remove(draft->context());
@@ -232,6 +271,9 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     for (int i = 0; i < n; ++i) prefill.add_position_ids(i);
   }
   if (!draft_alive) prefill.clear_drafts();
+  // Prompt lookup's first drafts are verified in the prefill forward.
+  if (ngram) AddPointMassDrafts(ngram->Propose(draft_budget()), greedy,
+                                prefill.mutable_drafts());
   const int kept_count = prefill.token_ids_size();
   prefill.set_next_position(n);
   *prefill.mutable_sampling() = opts.sampling;
@@ -278,29 +320,19 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     if (absl::Status s = output.AddRound(resp, now, &chunk); !s.ok()) return s;
     if (output.finished()) break;
     sink(chunk);
-    // Next drafts: what the target emitted goes to the speculator, which
-    // rolls back its rejected drafts and proposes k more.
+    // Next drafts. Prompt lookup reads the emitted tokens itself; the
+    // speculator gets them in its next round (it rolls back its rejected
+    // drafts and proposes more). Both learn every emitted token, also
+    // those of rounds without drafts.
     v1::GenerateRequest greq;
     v1::Drafts* drafts = greq.mutable_drafts();
-    // Under load, verify rows cost real compute: fewer or no drafts.
-    int k = opts.num_draft_tokens;
-    if (draft_alive) {
-      const int running = b.running_requests ? b.running_requests() : 0;
-      k = DraftTokensUnderLoad(k, running,
-                               b.spec_decode_disable_by_batch_size);
-      if (k == 0) {
-        stats.set_num_rounds_drafting_disabled(
-            stats.num_rounds_drafting_disabled() + 1);
-      } else if (k < opts.num_draft_tokens) {
-        stats.set_num_rounds_drafts_reduced(
-            stats.num_rounds_drafts_reduced() + 1);
-      }
-      if (b.metrics != nullptr && k < opts.num_draft_tokens) {
-        b.metrics->CountLoadLimitedRound(k == 0);
-      }
+    const int k = draft_alive || ngram ? draft_budget() : 0;
+    if (ngram) {
+      ngram->Append(absl::MakeConstSpan(resp.token_ids().data(),
+                                        resp.token_ids_size()));
+      // No match: an empty Drafts, i.e. a plain decode round.
+      AddPointMassDrafts(ngram->Propose(k), greedy, drafts->mutable_drafts());
     }
-    // The speculator learns every emitted token, also those of rounds it
-    // sat out.
     unsent_emitted.insert(unsent_emitted.end(), resp.token_ids().begin(),
                           resp.token_ids().end());
     if (draft_alive && k > 0) {
@@ -309,26 +341,27 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
             std::make_unique<DraftStream>(plan.speculator->channel, deadline);
         calls_->Add(draft->context());
       }
-      v1::DraftRequest dreq;
-      dreq.set_session_id(session_id);
-      dreq.mutable_emitted_token_ids()->Add(unsent_emitted.begin(),
-                                            unsent_emitted.end());
+      const v1::DraftRequest dreq =
+          MakeDraftRequest(opts, session_id, unsent_emitted, k);
       unsent_emitted.clear();
-      dreq.set_num_draft_tokens(k);
       auto proposed = draft->Round(dreq, b.speculator_deadline);
       if (calls_->cancelled()) return absl::CancelledError("cancelled");
-      if (proposed.ok()) {
-        drafts->mutable_drafts()->Add(proposed->begin(), proposed->end());
+      absl::Status st = proposed.status();
+      if (st.ok()) {
+        st = ToTargetDrafts(*proposed, dreq.has_tree(), drafts);
+        if (!st.ok()) {
+          set_fallback(absl::StrCat("speculator_bad_response: ",
+                                    st.message()));
+        }
       } else {
-        // Keep generating on the target alone.
-        draft_alive = false;
-        if (absl::IsUnavailable(proposed.status())) {
+        if (absl::IsUnavailable(st)) {
           b.speculator->ReportFailure(plan.speculator->address);
         }
-        set_fallback(
-            absl::StrCat("speculator_failed_mid_generation: ",
-                         absl::StatusCodeToString(proposed.status().code())));
+        set_fallback(absl::StrCat("speculator_failed_mid_generation: ",
+                                  absl::StatusCodeToString(st.code())));
       }
+      // Keep generating on the target alone.
+      if (!st.ok()) draft_alive = false;
     }
     if (!stream->Write(greq)) return fail();
   }

@@ -16,10 +16,19 @@
 // what the client sees is built by OutputProcessor (output_processor.h).
 // docs/ARCHITECTURE.md follows a request through these files.
 //
+// Drafting methods (speculative_decoding.method, draft_proposer.h):
+// "draft" as above; "draft_tree" the same with each Draft round asking for
+// a token tree whose parents go on to the target; "ngram" proposes by
+// prompt lookup in the router (common/decoding/ngram_proposer.h) over the
+// full prompt and the emitted tokens, so the speculator is called only to
+// prune the prompt (Score without a session) and not at all without
+// Speculative Prefill.
+//
 // Degradations: a speculator that is unavailable, failing or
 // past --speculator_deadline_ms at Score -> full prefill and plain decoding
-// on the target (stats.fallback_reason, specserve_router_fallbacks_total);
-// one that fails mid-generation -> the remaining rounds carry no drafts.
+// on the target (stats.fallback_reason, specserve_router_fallbacks_total),
+// or for "ngram" full prefill and prompt-lookup drafts still; one that
+// fails mid-generation -> the remaining rounds carry no drafts.
 
 #include <cstdint>
 #include <functional>

@@ -131,6 +131,11 @@ TEST_F(RequestRunnerTest, GreedyWithSpeculationIsTokenIdenticalToTarget) {
     EXPECT_EQ(r.usage().completion_tokens(), int(want.size()));
     const v1::GenerationStats& s = r.stats();
     EXPECT_EQ(s.fallback_reason(), "");
+    EXPECT_EQ(s.spec_decode_method(), spec_decode ? "draft" : "");
+    // One chunk per target forward (the prefill's included).
+    EXPECT_EQ(s.num_target_forwards(), o.chunks);
+    EXPECT_DOUBLE_EQ(s.tokens_per_target_forward(),
+                     double(want.size()) / s.num_target_forwards());
     EXPECT_FLOAT_EQ(s.keep_ratio(), 1.f);
     EXPECT_GT(s.ttft_s(), 0);
     EXPECT_GE(s.total_s(), s.ttft_s());
@@ -334,6 +339,7 @@ TEST_F(RequestRunnerTest, SpeculatorDownBeforeTheRequestFallsBack) {
     EXPECT_EQ(o.response.usage().kept_prompt_tokens(),
               o.response.usage().prompt_tokens());
     EXPECT_EQ(o.response.stats().num_drafts(), 0);
+    EXPECT_EQ(o.response.stats().spec_decode_method(), "");  // none drafted
   }
   const std::string m =
       prometheus::TextSerializer().Serialize(registry_->Collect());
@@ -552,6 +558,134 @@ TEST_F(RequestRunnerTest, StopStringsCutTheText) {
     return speculator_->sessions().num_sessions() == 0 &&
            target_->active_sessions() == 0;
   }));
+}
+
+// --- Prompt lookup ("ngram").
+
+// A story told twice and begun a third time: the greedy continuation
+// copies spans of the prompt (and the tiny model's own loops), which
+// prompt lookup proposes.
+std::string RepeatingPrompt() { return StoryPrompt(4) + StoryPrompt(4) +
+                                       StoryPrompt(2); }
+
+v1::GenerateTextRequest NgramRequest(const std::string& text, int max_new,
+                                     bool spec_prefill) {
+  v1::GenerateTextRequest r;
+  r.set_text(text);
+  r.mutable_sampling()->set_max_new_tokens(max_new);
+  r.mutable_speculative_prefill()->set_enabled(spec_prefill);
+  r.mutable_speculative_decoding()->set_enabled(true);
+  r.mutable_speculative_decoding()->set_method("ngram");
+  r.mutable_speculative_decoding()->set_num_draft_tokens(4);
+  r.mutable_speculative_decoding()->set_prompt_lookup_min(2);
+  r.mutable_speculative_decoding()->set_prompt_lookup_max(4);
+  return r;
+}
+
+TEST_F(RequestRunnerTest, NgramOnARepeatingPromptIsLosslessAndAccepts) {
+  const std::string text = RepeatingPrompt();
+  const int kNew = 48;
+  const std::vector<int> want = FullReference(text, kNew);
+  Outcome o = Run(NgramRequest(text, kNew, /*spec_prefill=*/false));
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(Ids(o.response), want);
+  const v1::GenerationStats& s = o.response.stats();
+  EXPECT_EQ(s.spec_decode_method(), "ngram");
+  EXPECT_EQ(s.fallback_reason(), "");
+  EXPECT_EQ(s.speculate_s(), 0);  // the speculator was never called
+  EXPECT_GT(s.num_drafts(), 0);
+  EXPECT_GT(s.num_accepted_tokens(), 0);
+  EXPECT_LE(s.num_accepted_tokens(), s.num_draft_tokens());
+  EXPECT_EQ(s.num_target_forwards(), o.chunks);
+  EXPECT_GT(s.tokens_per_target_forward(), 1.0);
+  EXPECT_DOUBLE_EQ(s.tokens_per_target_forward(),
+                   double(want.size()) / s.num_target_forwards());
+  const std::string m =
+      prometheus::TextSerializer().Serialize(registry_->Collect());
+  EXPECT_EQ(MetricValue(m,
+                        "specserve_router_spec_decode_num_accepted_tokens_total",
+                        {"method=\"ngram\""}),
+            s.num_accepted_tokens());
+  EXPECT_EQ(MetricValue(m,
+                        "specserve_router_spec_decode_num_target_forwards_total",
+                        {"method=\"ngram\""}),
+            s.num_target_forwards());
+  EXPECT_EQ(speculator_->sessions().num_sessions(), 0);
+  EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
+}
+
+// With Speculative Prefill the speculator only prunes (no session), and the
+// drafts still come from the full prompt.
+TEST_F(RequestRunnerTest, NgramWithPruningKeepsNoSpeculatorSession) {
+  const std::string text = RepeatingPrompt();
+  v1::GenerateTextRequest req = NgramRequest(text, 32, /*spec_prefill=*/true);
+  req.mutable_speculative_prefill()->set_keep_ratio(0.5f);
+  Outcome o = Run(req);
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  const v1::GenerationStats& s = o.response.stats();
+  EXPECT_EQ(s.spec_decode_method(), "ngram");
+  EXPECT_EQ(s.fallback_reason(), "");
+  EXPECT_GT(s.speculate_s(), 0);
+  EXPECT_LT(o.response.usage().kept_prompt_tokens(),
+            o.response.usage().prompt_tokens());
+  EXPECT_GT(s.num_drafts(), 0);
+  EXPECT_EQ(speculator_->sessions().num_sessions(), 0);
+}
+
+TEST_F(RequestRunnerTest, NgramDraftsWithTheSpeculatorDown) {
+  const std::string text = RepeatingPrompt();
+  const int kNew = 40;
+  const std::vector<int> want = FullReference(text, kNew);
+  speculator_->Shutdown(absl::ZeroDuration());
+  for (bool spec_prefill : {true, false}) {
+    SCOPED_TRACE(spec_prefill);
+    Outcome o = Run(NgramRequest(text, kNew, spec_prefill));
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(Ids(o.response), want);
+    const v1::GenerationStats& s = o.response.stats();
+    // Pruning fell back; drafting did not need the speculator.
+    EXPECT_EQ(s.fallback_reason(),
+              spec_prefill ? "speculator_unavailable" : "");
+    EXPECT_EQ(o.response.usage().kept_prompt_tokens(),
+              o.response.usage().prompt_tokens());
+    EXPECT_EQ(s.spec_decode_method(), "ngram");
+    EXPECT_GT(s.num_drafts(), 0);
+    EXPECT_GT(s.num_accepted_tokens(), 0);
+  }
+}
+
+TEST_F(RequestRunnerTest, NgramWithoutAMatchIsPlainDecoding) {
+  // No 16-gram of this prompt repeats, and 8 new tokens cannot make one.
+  const std::string text = StoryPrompt(2);
+  const int kNew = 8;
+  const std::vector<int> want = FullReference(text, kNew);
+  v1::GenerateTextRequest req = NgramRequest(text, kNew, false);
+  req.mutable_speculative_decoding()->set_prompt_lookup_min(16);
+  req.mutable_speculative_decoding()->set_prompt_lookup_max(16);
+  Outcome o = Run(req);
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(Ids(o.response), want);
+  const v1::GenerationStats& s = o.response.stats();
+  EXPECT_EQ(s.spec_decode_method(), "ngram");
+  EXPECT_EQ(s.num_drafts(), 0);
+  EXPECT_EQ(s.num_draft_tokens(), 0);
+  EXPECT_EQ(s.num_target_forwards(), int(want.size()));  // one token each
+  EXPECT_DOUBLE_EQ(s.tokens_per_target_forward(), 1.0);
+}
+
+// Sampled requests send point-mass q: the target's speculative sampling
+// takes them, and a seed reproduces the output.
+TEST_F(RequestRunnerTest, NgramSampledIsReproducibleBySeed) {
+  v1::GenerateTextRequest req = NgramRequest(RepeatingPrompt(), 32, false);
+  req.mutable_sampling()->set_temperature(0.5f);
+  req.mutable_sampling()->set_seed(11);
+  Outcome a = Run(req);
+  Outcome b = Run(req);
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  EXPECT_EQ(Ids(a.response), Ids(b.response));
+  EXPECT_EQ(a.response.usage().completion_tokens(), 32);
+  EXPECT_GT(a.response.stats().num_drafts(), 0);
 }
 
 TEST(ResolveOptionsTest, AppliesDefaults) {

@@ -586,19 +586,30 @@ TEST_F(RouterServerTest, MetricsCountRequestsTokensAndDrafts) {
   EXPECT_EQ(MetricValue(m, "specserve_router_kept_prompt_tokens_total"),
             stat([](auto& r) { return r.usage().kept_prompt_tokens(); }));
   EXPECT_EQ(MetricValue(m, "specserve_router_completion_tokens_total"), 60);
-  EXPECT_EQ(MetricValue(m, "specserve_router_spec_decode_num_drafts_total"),
-            stat([](auto& r) { return r.stats().num_drafts(); }));
+  const std::string draft = "method=\"draft\"";
   EXPECT_EQ(
-      MetricValue(m, "specserve_router_spec_decode_num_draft_tokens_total"),
-      stat([](auto& r) { return r.stats().num_draft_tokens(); }));
-  EXPECT_EQ(
-      MetricValue(m, "specserve_router_spec_decode_num_accepted_tokens_total"),
-      stat([](auto& r) { return r.stats().num_accepted_tokens(); }));
+      MetricValue(m, "specserve_router_spec_decode_num_drafts_total", {draft}),
+      stat([](auto& r) { return r.stats().num_drafts(); }));
+  EXPECT_EQ(MetricValue(m, "specserve_router_spec_decode_num_draft_tokens_total",
+                        {draft}),
+            stat([](auto& r) { return r.stats().num_draft_tokens(); }));
+  EXPECT_EQ(MetricValue(m,
+                        "specserve_router_spec_decode_num_accepted_tokens_total",
+                        {draft}),
+            stat([](auto& r) { return r.stats().num_accepted_tokens(); }));
   EXPECT_EQ(MetricValue(m,
                         "specserve_router_spec_decode_num_accepted_tokens_per_"
                         "pos_total",
-                        {"position=\"0\""}),
+                        {draft, "position=\"0\""}),
             stat([](auto& r) { return r.stats().accepted_per_position(0); }));
+  EXPECT_EQ(MetricValue(m,
+                        "specserve_router_spec_decode_num_target_forwards_total",
+                        {draft}),
+            stat([](auto& r) { return r.stats().num_target_forwards(); }));
+  EXPECT_EQ(MetricValue(m,
+                        "specserve_router_spec_decode_num_emitted_tokens_total",
+                        {draft}),
+            60);
   EXPECT_EQ(MetricValue(m, "specserve_router_in_flight_requests"), 0);
 
   int port = 0;

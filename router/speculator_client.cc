@@ -61,7 +61,7 @@ DraftStream::DraftStream(const std::shared_ptr<grpc::Channel>& channel,
   StartCall();
 }
 
-absl::StatusOr<std::vector<v1::DraftToken>> DraftStream::Round(
+absl::StatusOr<v1::DraftResponse> DraftStream::Round(
     const v1::DraftRequest& req, absl::Duration timeout) {
   {
     absl::MutexLock lock(&mu_);
@@ -91,8 +91,7 @@ absl::StatusOr<std::vector<v1::DraftToken>> DraftStream::Round(
     mu_.AwaitWithTimeout(absl::Condition(&done_), absl::Seconds(1));
     return FailureLocked();
   }
-  return std::vector<v1::DraftToken>(resp_.drafts().begin(),
-                                     resp_.drafts().end());
+  return resp_;
 }
 
 bool DraftStream::Close(absl::Duration timeout) {

@@ -59,11 +59,12 @@ class DraftStream final
   /// The call's context (to cancel it with the request).
   grpc::ClientContext* context() { return &ctx_; }
 
-  /// Sends `req` and waits up to `timeout` for its drafts: the drafts, or
-  /// DEADLINE_EXCEEDED (the stream is then cancelled), or the stream's
-  /// error status (UNAVAILABLE when it broke without one).
-  absl::StatusOr<std::vector<v1::DraftToken>> Round(const v1::DraftRequest& req,
-                                                    absl::Duration timeout);
+  /// Sends `req` and waits up to `timeout` for its drafts: the response
+  /// (the drafts, and a tree's parents), or DEADLINE_EXCEEDED (the stream
+  /// is then cancelled), or the stream's error status (UNAVAILABLE when it
+  /// broke without one).
+  absl::StatusOr<v1::DraftResponse> Round(const v1::DraftRequest& req,
+                                          absl::Duration timeout);
 
   /// Half-closes a healthy stream (the speculator keeps the session for
   /// ReleaseSession) or cancels a broken one, and waits for the end (at

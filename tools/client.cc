@@ -43,6 +43,13 @@ ABSL_FLAG(double, keep_ratio, -1, "Speculative Prefill keep ratio");
 ABSL_FLAG(int, look_ahead, -1, "Speculative Prefill look-ahead tokens");
 ABSL_FLAG(int, chunk_size, -1, "Speculative Prefill chunk size");
 ABSL_FLAG(int, num_draft_tokens, -1, "speculative decoding drafts per round");
+ABSL_FLAG(std::string, spec_decode_method, "",
+          "draft | ngram | draft_tree (empty = router default)");
+ABSL_FLAG(int, prompt_lookup_min, -1, "ngram: shortest n-gram looked up");
+ABSL_FLAG(int, prompt_lookup_max, -1, "ngram: longest n-gram looked up");
+ABSL_FLAG(std::string, tree_branching, "",
+          "draft_tree: children per node at each depth, e.g. 4,2,2,1,1");
+ABSL_FLAG(int, tree_max_nodes, -1, "draft_tree: node budget");
 ABSL_FLAG(bool, no_spec_prefill, false, "turn Speculative Prefill off");
 ABSL_FLAG(bool, no_spec_decode, false, "turn speculative decoding off");
 ABSL_FLAG(bool, stream, false, "use GenerateStream and print text as it comes");
@@ -114,6 +121,22 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   if (absl::GetFlag(FLAGS_num_draft_tokens) >= 0) {
     sd->set_num_draft_tokens(absl::GetFlag(FLAGS_num_draft_tokens));
   }
+  if (!absl::GetFlag(FLAGS_spec_decode_method).empty()) {
+    sd->set_method(absl::GetFlag(FLAGS_spec_decode_method));
+  }
+  if (absl::GetFlag(FLAGS_prompt_lookup_min) >= 0) {
+    sd->set_prompt_lookup_min(absl::GetFlag(FLAGS_prompt_lookup_min));
+  }
+  if (absl::GetFlag(FLAGS_prompt_lookup_max) >= 0) {
+    sd->set_prompt_lookup_max(absl::GetFlag(FLAGS_prompt_lookup_max));
+  }
+  auto branching =
+      ParseIntList(absl::GetFlag(FLAGS_tree_branching), "--tree_branching");
+  if (!branching.ok()) return branching.status();
+  for (int b : *branching) sd->add_tree_branching(b);
+  if (absl::GetFlag(FLAGS_tree_max_nodes) >= 0) {
+    sd->set_tree_max_nodes(absl::GetFlag(FLAGS_tree_max_nodes));
+  }
   return req;
 }
 
@@ -134,7 +157,10 @@ nlohmann::json StatsJson(const v1::Usage& u, const v1::GenerationStats& s) {
                 {"accepted_per_position",
                  std::vector<int>(s.accepted_per_position().begin(),
                                   s.accepted_per_position().end())},
-                {"fallback_reason", s.fallback_reason()}};
+                {"fallback_reason", s.fallback_reason()},
+                {"spec_decode_method", s.spec_decode_method()},
+                {"num_target_forwards", s.num_target_forwards()},
+                {"tokens_per_target_forward", s.tokens_per_target_forward()}};
   return j;
 }
 
@@ -144,16 +170,22 @@ void PrintSummary(const nlohmann::json& j) {
   std::fprintf(stderr,
                "\n[finish %s] prompt %d tokens, kept %d (%.2f), completion %d; "
                "TTFT %.4f s (speculate %.4f s, target prefill %.4f s), total "
-               "%.3f s; drafts %d rounds / %d tokens, accepted %d, mean "
-               "acceptance length %.2f%s%s\n",
+               "%.3f s; drafting %s: drafts %d rounds / %d tokens, accepted "
+               "%d, mean acceptance length %.2f, %d target forwards, %.2f "
+               "tokens per forward%s%s\n",
                j.value("finish_reason", "").c_str(),
                int(u["prompt_tokens"]), int(u["kept_prompt_tokens"]),
                double(s["keep_ratio"]), int(u["completion_tokens"]),
                double(s["ttft_s"]), double(s["speculate_s"]),
                double(s["target_prefill_s"]), double(s["total_s"]),
+               std::string(s["spec_decode_method"]).empty()
+                   ? "none"
+                   : std::string(s["spec_decode_method"]).c_str(),
                int(s["num_drafts"]), int(s["num_draft_tokens"]),
                int(s["num_accepted_tokens"]),
                double(s["mean_acceptance_length"]),
+               int(s["num_target_forwards"]),
+               double(s["tokens_per_target_forward"]),
                std::string(s["fallback_reason"]).empty() ? "" : "; fallback: ",
                std::string(s["fallback_reason"]).c_str());
 }

@@ -96,8 +96,13 @@ def make_channel(address, tls=False, ca_file=None, cert_file=None,
 def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   temperature=None, seed=None, keep_ratio=None,
                   num_draft_tokens=None, spec_prefill=None, spec_decode=None,
-                  stop=None):
-    """Builds a GenerateTextRequest; None leaves a field to the router."""
+                  stop=None, spec_decode_method=None, prompt_lookup_min=None,
+                  prompt_lookup_max=None, tree_branching=None,
+                  tree_max_nodes=None):
+    """Builds a GenerateTextRequest; None leaves a field to the router.
+
+    spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
+    list of ints (children per node at each depth)."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -119,6 +124,17 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.speculative_decoding.num_draft_tokens = num_draft_tokens
     if spec_decode is not None:
         req.speculative_decoding.enabled = spec_decode
+    sd = req.speculative_decoding
+    if spec_decode_method is not None:
+        sd.method = spec_decode_method
+    if prompt_lookup_min is not None:
+        sd.prompt_lookup_min = prompt_lookup_min
+    if prompt_lookup_max is not None:
+        sd.prompt_lookup_max = prompt_lookup_max
+    if tree_branching:
+        sd.tree_branching.extend(tree_branching)
+    if tree_max_nodes is not None:
+        sd.tree_max_nodes = tree_max_nodes
     return req
 
 
@@ -131,6 +147,16 @@ def main():
     ap.add_argument("--seed", type=int)
     ap.add_argument("--keep_ratio", type=float)
     ap.add_argument("--num_draft_tokens", type=int)
+    ap.add_argument("--spec_decode_method", choices=["draft", "ngram", "draft_tree"],
+                    help="how drafts are proposed (default: the router's)")
+    ap.add_argument("--prompt_lookup_min", type=int,
+                    help="ngram: shortest n-gram looked up")
+    ap.add_argument("--prompt_lookup_max", type=int,
+                    help="ngram: longest n-gram looked up")
+    ap.add_argument("--tree_branching",
+                    help="draft_tree: children per node at each depth, e.g. 4,2,2,1,1")
+    ap.add_argument("--tree_max_nodes", type=int,
+                    help="draft_tree: node budget")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tls", action="store_true",
@@ -161,7 +187,13 @@ def main():
     req = build_request(pb, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, seed=a.seed,
                         keep_ratio=a.keep_ratio,
-                        num_draft_tokens=a.num_draft_tokens)
+                        num_draft_tokens=a.num_draft_tokens,
+                        spec_decode_method=a.spec_decode_method,
+                        prompt_lookup_min=a.prompt_lookup_min,
+                        prompt_lookup_max=a.prompt_lookup_max,
+                        tree_branching=[int(x) for x in a.tree_branching.split(",")]
+                        if a.tree_branching else None,
+                        tree_max_nodes=a.tree_max_nodes)
     try:
         if a.stream:
             last = None
@@ -179,10 +211,13 @@ def main():
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     print()
     print("[finish %s] prompt %d, kept %d, completion %d; TTFT %.4f s; "
-          "mean acceptance length %.2f%s" % (
+          "drafting %s: mean acceptance length %.2f, %d target forwards, "
+          "%.2f tokens per forward%s" % (
               finish, usage.prompt_tokens, usage.kept_prompt_tokens,
               usage.completion_tokens, stats.ttft_s,
-              stats.mean_acceptance_length,
+              stats.spec_decode_method or "none",
+              stats.mean_acceptance_length, stats.num_target_forwards,
+              stats.tokens_per_target_forward,
               ("; fallback: " + stats.fallback_reason) if stats.fallback_reason else ""),
           file=sys.stderr)
     return 0

@@ -1,0 +1,50 @@
+#ifndef SPECSERVE_ROUTER_DRAFT_PROPOSER_H_
+#define SPECSERVE_ROUTER_DRAFT_PROPOSER_H_
+
+// The messages of one request's drafting rounds, by method
+// (request_options.h, SpecDecodeMethod): what the router asks the
+// speculator for ("draft" a chain of k, "draft_tree" a token tree), and
+// how proposals become the target's drafts (protos/target.proto, Drafts):
+// chains and trees from the speculator, deterministic proposals (the
+// speculator's greedy look-ahead, prompt lookup) as point masses.
+// No backend is touched here; request_runner.cc sends the messages.
+
+#include <vector>
+
+#include "absl/status/status.h"
+#include "google/protobuf/repeated_ptr_field.h"
+#include "protos/speculator.pb.h"
+#include "protos/target.pb.h"
+#include "router/request_options.h"
+
+namespace specserve {
+
+/// Appends `ids` to `out` as drafts of a deterministic proposer: greedy
+/// requests send no q (the target accepts while a draft is its argmax);
+/// sampled ones q = a point mass {id: 1.0}, with which speculative
+/// sampling (Leviathan et al. 2023) stays lossless: the target accepts x
+/// with probability p(x) and otherwise resamples from norm(max(0, p - q)).
+void AddPointMassDrafts(
+    const std::vector<int>& ids, bool greedy,
+    google::protobuf::RepeatedPtrField<v1::DraftToken>* out);
+
+/// The speculator's next round: the tokens the target emitted since the
+/// last one, and k drafts as a chain, or for "draft_tree" with the full
+/// k (not cut by the load rule) the tree's shape (opts.tree_branching,
+/// opts.tree_max_nodes); a load-reduced round asks for a chain of k.
+/// `session_id` may be "" after the stream's first message.
+v1::DraftRequest MakeDraftRequest(const ResolvedOptions& opts,
+                                  const std::string& session_id,
+                                  const std::vector<int>& emitted, int k);
+
+/// The target's drafts for a speculator's answer: its drafts, and a tree's
+/// parents (DraftResponse.parents, depth-first preorder) as Drafts.parents.
+/// FAILED_PRECONDITION (and `drafts` left empty) when the parents are not
+/// a tree over the drafts: not one per draft, or parents[i] outside
+/// [-1, i); or when parents come for a request that asked for no tree.
+absl::Status ToTargetDrafts(const v1::DraftResponse& response,
+                            bool tree_requested, v1::Drafts* drafts);
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_ROUTER_DRAFT_PROPOSER_H_

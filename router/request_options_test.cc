@@ -1,0 +1,170 @@
+// ResolveOptions for the speculative decoding method and its shapes (the
+// other fields are covered by request_runner_test's ResolveOptionsTest).
+
+#include "router/request_options.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "protos/router.pb.h"
+
+namespace specserve {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+TEST(SpecDecodeMethodTest, NamesRoundTrip) {
+  for (SpecDecodeMethod m :
+       {SpecDecodeMethod::kDraft, SpecDecodeMethod::kNgram,
+        SpecDecodeMethod::kDraftTree}) {
+    auto back = ParseSpecDecodeMethod(SpecDecodeMethodName(m), "f");
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, m);
+  }
+  EXPECT_EQ(SpecDecodeMethodName(SpecDecodeMethod::kNgram), "ngram");
+  EXPECT_EQ(SpecDecodeMethodName(SpecDecodeMethod::kDraftTree), "draft_tree");
+  auto bad = ParseSpecDecodeMethod("eagle", "speculative_decoding.method");
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("speculative_decoding.method must be one of "
+                        "\"draft\", \"ngram\", \"draft_tree\", got "
+                        "\"eagle\""));
+}
+
+TEST(ResolveOptionsTest, MethodDefaultsAreTheFlagsAndVllms) {
+  auto r = ResolveOptions(v1::GenerateTextRequest(), RequestDefaults());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kDraft);
+  EXPECT_EQ(r->prompt_lookup_min, 5);  // vLLM's
+  EXPECT_EQ(r->prompt_lookup_max, 5);
+  EXPECT_THAT(r->tree_branching, ElementsAre(4, 2, 2, 1, 1));
+  EXPECT_EQ(r->tree_max_nodes, 16);
+
+  RequestDefaults d;
+  d.spec_decode_method = SpecDecodeMethod::kNgram;
+  d.prompt_lookup_min = 2;
+  d.prompt_lookup_max = 4;
+  d.tree_branching = {3, 1};
+  d.tree_max_nodes = 6;
+  r = ResolveOptions(v1::GenerateTextRequest(), d);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kNgram);
+  EXPECT_EQ(r->prompt_lookup_min, 2);
+  EXPECT_EQ(r->prompt_lookup_max, 4);
+  EXPECT_THAT(r->tree_branching, ElementsAre(3, 1));
+  EXPECT_EQ(r->tree_max_nodes, 6);
+}
+
+TEST(ResolveOptionsTest, RequestFieldsOverrideTheDefaults) {
+  v1::GenerateTextRequest req;
+  v1::SpeculativeDecodingConfig* sd = req.mutable_speculative_decoding();
+  sd->set_method("draft_tree");
+  sd->set_prompt_lookup_min(1);
+  sd->set_prompt_lookup_max(16);
+  sd->add_tree_branching(8);
+  sd->add_tree_branching(2);
+  sd->set_tree_max_nodes(64);
+  auto r = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kDraftTree);
+  EXPECT_EQ(r->prompt_lookup_min, 1);
+  EXPECT_EQ(r->prompt_lookup_max, 16);
+  EXPECT_THAT(r->tree_branching, ElementsAre(8, 2));  // replaces the default
+  EXPECT_EQ(r->tree_max_nodes, 64);
+}
+
+// One bound alone: the other keeps its default where that stays valid.
+TEST(ResolveOptionsTest, OneLookupBoundAloneKeepsThePairValid) {
+  v1::GenerateTextRequest req;
+  req.mutable_speculative_decoding()->set_prompt_lookup_max(3);
+  auto r = ResolveOptions(req, RequestDefaults());  // defaults 5..5
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt_lookup_min, 3);
+  EXPECT_EQ(r->prompt_lookup_max, 3);
+
+  req.Clear();
+  req.mutable_speculative_decoding()->set_prompt_lookup_min(8);
+  r = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt_lookup_min, 8);
+  EXPECT_EQ(r->prompt_lookup_max, 8);
+
+  RequestDefaults d;
+  d.prompt_lookup_min = 2;
+  d.prompt_lookup_max = 6;
+  req.Clear();
+  req.mutable_speculative_decoding()->set_prompt_lookup_min(3);
+  r = ResolveOptions(req, d);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt_lookup_min, 3);
+  EXPECT_EQ(r->prompt_lookup_max, 6);
+}
+
+TEST(ResolveOptionsTest, RejectsBadMethodFieldsNamingThem) {
+  struct Case {
+    std::function<void(v1::SpeculativeDecodingConfig*)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* c) { c->set_method("medusa"); },
+       "speculative_decoding.method must be one of"},
+      {[](auto* c) { c->set_method(""); },
+       "speculative_decoding.method must be one of"},
+      {[](auto* c) { c->set_prompt_lookup_min(0); },
+       "speculative_decoding.prompt_lookup_min must be >= 1, got 0"},
+      {[](auto* c) {
+         c->set_prompt_lookup_min(4);
+         c->set_prompt_lookup_max(3);
+       },
+       "speculative_decoding.prompt_lookup_max must be in "
+       "[prompt_lookup_min = 4, 16], got 3"},
+      {[](auto* c) { c->set_prompt_lookup_max(17); },
+       "speculative_decoding.prompt_lookup_max must be in"},
+      {[](auto* c) {
+         for (int i = 0; i < 17; ++i) c->add_tree_branching(1);
+       },
+       "speculative_decoding.tree_branching must be 1 to 16 depths long, "
+       "got 17"},
+      {[](auto* c) {
+         c->add_tree_branching(2);
+         c->add_tree_branching(9);
+       },
+       "speculative_decoding.tree_branching[1] must be in [1, 8], got 9"},
+      {[](auto* c) { c->add_tree_branching(0); },
+       "speculative_decoding.tree_branching[0]"},
+      {[](auto* c) { c->set_tree_max_nodes(0); },
+       "speculative_decoding.tree_max_nodes must be in [1, 64], got 0"},
+      {[](auto* c) { c->set_tree_max_nodes(65); },
+       "speculative_decoding.tree_max_nodes"},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateTextRequest req;
+    c.edit(req.mutable_speculative_decoding());
+    auto r = ResolveOptions(req, RequestDefaults());
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << c.message;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message));
+  }
+}
+
+TEST(ValidateDefaultsTest, NamesTheBadDefault) {
+  RequestDefaults d;
+  d.prompt_lookup_min = 6;
+  d.prompt_lookup_max = 5;
+  absl::Status s = ValidateDefaults(d);
+  EXPECT_TRUE(absl::IsInvalidArgument(s));
+  EXPECT_THAT(s.message(), HasSubstr("prompt_lookup_max"));
+  d = RequestDefaults();
+  d.tree_branching.clear();
+  EXPECT_THAT(ValidateDefaults(d).message(), HasSubstr("tree_branching"));
+  d = RequestDefaults();
+  d.tree_max_nodes = 100;
+  EXPECT_THAT(ValidateDefaults(d).message(), HasSubstr("tree_max_nodes"));
+  EXPECT_TRUE(ValidateDefaults(RequestDefaults()).ok());
+}
+
+}  // namespace
+}  // namespace specserve
