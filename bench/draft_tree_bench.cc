@@ -7,7 +7,7 @@
 // plain greedy decoding (checked: a mismatch is an error).
 //
 //   bazel run -c opt //bench:draft_tree_bench -- --pairs=stories260K
-//   --trees="4,2,2,1,1:16;3,3,2,1,1,1:16"
+//   --trees="3,3,3,3,3,3,3:16;4,2,2,1,1:16"
 //
 // A tree is "b0,b1,...:max_nodes" (DraftTreeShape).
 
@@ -40,7 +40,7 @@ ABSL_FLAG(std::string, prompt_dir, "bench/eval_prompts",
 ABSL_FLAG(int, prompt_tokens, 48, "prompt length (tokens, BOS included)");
 ABSL_FLAG(int, gen, 128, "tokens generated per prompt (EOS ignored)");
 ABSL_FLAG(std::string, chains, "4", "chain lengths k, comma separated");
-ABSL_FLAG(std::string, trees, "4,2,2,1,1:16;2,2,2,2,1,1:16;3,2,2,2,1,1,1:16",
+ABSL_FLAG(std::string, trees, "3,3,3,3,3,3,3:16;4,4,4,4,4,4:16;2,2,2,2,2,2,2,2:16",
           "tree shapes 'b0,b1,...:max_nodes', ';' separated");
 ABSL_FLAG(int, reps, 2, "timed repetitions (the fastest counts)");
 

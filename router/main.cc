@@ -89,10 +89,10 @@ ABSL_FLAG(std::string, default_spec_decode_method, "draft",
           "chain), ngram (prompt lookup in the router), draft_tree (the "
           "speculator's token tree)");
 ABSL_FLAG(int, default_prompt_lookup_min, specserve::kDefaultPromptLookupMin,
-          "ngram: the shortest n-gram looked up when unset (vLLM's default)");
+          "ngram: the shortest n-gram looked up when unset");
 ABSL_FLAG(int, default_prompt_lookup_max, specserve::kDefaultPromptLookupMax,
-          "ngram: the longest n-gram looked up when unset (vLLM's default)");
-ABSL_FLAG(std::string, default_tree_branching, "4,2,2,1,1",
+          "ngram: the longest n-gram looked up when unset");
+ABSL_FLAG(std::string, default_tree_branching, "3,3,3,3,3,3,3",
           "draft_tree: children per node at each depth when unset "
           "(comma-separated)");
 ABSL_FLAG(int, default_tree_max_nodes, specserve::kDefaultTreeMaxNodes,

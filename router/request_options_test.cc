@@ -35,13 +35,13 @@ TEST(SpecDecodeMethodTest, NamesRoundTrip) {
                         "\"eagle\""));
 }
 
-TEST(ResolveOptionsTest, MethodDefaultsAreTheFlagsAndVllms) {
+TEST(ResolveOptionsTest, MethodDefaultsAreTheFlags) {
   auto r = ResolveOptions(v1::GenerateTextRequest(), RequestDefaults());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kDraft);
-  EXPECT_EQ(r->prompt_lookup_min, 5);  // vLLM's
+  EXPECT_EQ(r->prompt_lookup_min, 2);
   EXPECT_EQ(r->prompt_lookup_max, 5);
-  EXPECT_THAT(r->tree_branching, ElementsAre(4, 2, 2, 1, 1));
+  EXPECT_THAT(r->tree_branching, ElementsAre(3, 3, 3, 3, 3, 3, 3));
   EXPECT_EQ(r->tree_max_nodes, 16);
 
   RequestDefaults d;
@@ -80,11 +80,11 @@ TEST(ResolveOptionsTest, RequestFieldsOverrideTheDefaults) {
 // One bound alone: the other keeps its default where that stays valid.
 TEST(ResolveOptionsTest, OneLookupBoundAloneKeepsThePairValid) {
   v1::GenerateTextRequest req;
-  req.mutable_speculative_decoding()->set_prompt_lookup_max(3);
-  auto r = ResolveOptions(req, RequestDefaults());  // defaults 5..5
+  req.mutable_speculative_decoding()->set_prompt_lookup_max(1);
+  auto r = ResolveOptions(req, RequestDefaults());  // defaults 2..5
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->prompt_lookup_min, 3);
-  EXPECT_EQ(r->prompt_lookup_max, 3);
+  EXPECT_EQ(r->prompt_lookup_min, 1);
+  EXPECT_EQ(r->prompt_lookup_max, 1);
 
   req.Clear();
   req.mutable_speculative_decoding()->set_prompt_lookup_min(8);

@@ -20,9 +20,12 @@
 
 namespace specserve {
 
-/// vLLM's defaults when neither prompt_lookup_min nor prompt_lookup_max is
-/// given (its SpeculativeConfig sets both to 5 for method "ngram").
-inline constexpr int kDefaultPromptLookupMin = 5;
+/// Defaults when neither prompt_lookup_min nor prompt_lookup_max is given.
+/// vLLM's SpeculativeConfig sets both to 5 (untuned, it says); on our
+/// copy-heavy evaluation (bench/results/ngram_drafting.md) n = 5 alone gave
+/// 1.89 tokens per target forward and n = 2..5 gave 2.42, so we look down
+/// to bigrams.
+inline constexpr int kDefaultPromptLookupMin = 2;
 inline constexpr int kDefaultPromptLookupMax = 5;
 /// The largest n this server looks up (protos/router.proto).
 inline constexpr int kMaxPromptLookup = 16;

@@ -96,10 +96,5 @@ TEST(NgramProposerTest, OutOfRangeSizesAreClamped) {
   EXPECT_EQ(q.max_n(), 4);
 }
 
-TEST(NgramProposerTest, DefaultsAreVllms) {
-  EXPECT_EQ(kDefaultPromptLookupMin, 5);
-  EXPECT_EQ(kDefaultPromptLookupMax, 5);
-}
-
 }  // namespace
 }  // namespace specserve
