@@ -688,6 +688,59 @@ TEST_F(RequestRunnerTest, NgramSampledIsReproducibleBySeed) {
   EXPECT_GT(a.response.stats().num_drafts(), 0);
 }
 
+// --- Token trees ("draft_tree").
+
+// Greedy trees end to end: the speculator drafts trees, the target
+// verifies them with a tree mask; the output is the target's greedy
+// decoding, and more tokens are accepted per round than a chain of the
+// same speculator gets. Sampled trees reproduce by seed.
+TEST_F(RequestRunnerTest, DraftTreesAreLosslessAndAcceptMoreThanChains) {
+  const std::string text = StoryPrompt(3);
+  const int kNew = 48;
+  const std::vector<int> want = FullReference(text, kNew);
+  auto request = [&](const std::string& method) {
+    v1::GenerateTextRequest r;
+    r.set_text(text);
+    r.mutable_sampling()->set_max_new_tokens(kNew);
+    r.mutable_speculative_prefill()->set_enabled(false);
+    r.mutable_speculative_decoding()->set_enabled(true);
+    r.mutable_speculative_decoding()->set_method(method);
+    r.mutable_speculative_decoding()->set_num_draft_tokens(4);
+    return r;
+  };
+  Outcome chain = Run(request("draft"));
+  Outcome tree = Run(request("draft_tree"));
+  ASSERT_TRUE(chain.status.ok()) << chain.status;
+  ASSERT_TRUE(tree.status.ok()) << tree.status;
+  EXPECT_EQ(Ids(chain.response), want);
+  EXPECT_EQ(Ids(tree.response), want);
+  const v1::GenerationStats& c = chain.response.stats();
+  const v1::GenerationStats& t = tree.response.stats();
+  EXPECT_EQ(t.spec_decode_method(), "draft_tree");
+  EXPECT_EQ(t.fallback_reason(), "");
+  EXPECT_GT(t.num_draft_tokens(), t.num_drafts());  // several nodes a round
+  EXPECT_GT(t.tokens_per_target_forward(), c.tokens_per_target_forward());
+  const std::string m =
+      prometheus::TextSerializer().Serialize(registry_->Collect());
+  EXPECT_EQ(MetricValue(m,
+                        "specserve_router_spec_decode_num_accepted_tokens_total",
+                        {"method=\"draft_tree\""}),
+            t.num_accepted_tokens());
+
+  v1::GenerateTextRequest sampled = request("draft_tree");
+  sampled.mutable_sampling()->set_temperature(0.8f);
+  sampled.mutable_sampling()->set_seed(5);
+  Outcome a = Run(sampled);
+  Outcome b = Run(sampled);
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_TRUE(b.status.ok()) << b.status;
+  EXPECT_EQ(Ids(a.response), Ids(b.response));
+  EXPECT_EQ(a.response.usage().completion_tokens(), kNew);
+  EXPECT_GT(a.response.stats().num_accepted_tokens(), 0);
+  EXPECT_EQ(speculator_->sessions().num_sessions(), 0);
+  EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
+}
+
 TEST(ResolveOptionsTest, AppliesDefaults) {
   RequestDefaults d;
   d.max_new_tokens = 7;
