@@ -28,6 +28,7 @@
 #include "bench/bench_util.h"
 #include "bench/eval_util.h"
 #include "common/engine/cpu_model_runner.h"
+#include "common/engine/thread_pool.h"
 #include "common/speculation/draft_session.h"
 #include "common/speculation/target_session.h"
 #include "common/tokenizer/tokenizer.h"
@@ -43,6 +44,7 @@ ABSL_FLAG(std::string, chains, "4", "chain lengths k, comma separated");
 ABSL_FLAG(std::string, trees, "3,3,3,3,3,3,3:16;4,4,4,4,4,4:16;2,2,2,2,2,2,2,2:16",
           "tree shapes 'b0,b1,...:max_nodes', ';' separated");
 ABSL_FLAG(int, reps, 2, "timed repetitions (the fastest counts)");
+ABSL_FLAG(int, threads, 1, "engine threads (ThreadPool::Default)");
 
 namespace specserve {
 namespace {
@@ -146,6 +148,7 @@ absl::StatusOr<std::vector<Method>> ParseMethods() {
 }
 
 absl::Status Main() {
+  ThreadPool::SetDefaultThreads(absl::GetFlag(FLAGS_threads));
   auto methods = ParseMethods();
   if (!methods.ok()) return methods.status();
   std::vector<std::string> files;
@@ -179,9 +182,10 @@ absl::Status Main() {
       prompts.push_back(*std::move(ids));
     }
     std::printf("\n%s <- %s-draft: %zu prompts of %d tokens, %d generated "
-                "each, greedy, batch 1, 1 thread\n",
+                "each, greedy, batch 1, %d engine thread(s)\n",
                 target_name.c_str(), target_name.c_str(), prompts.size(),
-                absl::GetFlag(FLAGS_prompt_tokens), gen);
+                absl::GetFlag(FLAGS_prompt_tokens), gen,
+                absl::GetFlag(FLAGS_threads));
     std::printf("| method | tokens / target forward | vs chain | "
                 "draft rows / round | draft us / round | verify us / round | "
                 "decode tok/s | vs none |\n"
