@@ -209,6 +209,7 @@ int Run() {
 }  // namespace specserve
 
 int main(int argc, char** argv) {
+  specserve::InitServerProcess();
   absl::ParseCommandLine(argc, argv);
   return specserve::Run();
 }

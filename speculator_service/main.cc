@@ -63,6 +63,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   specserve::MaybeReexecForAvx512(argv);
+  specserve::InitServerProcess();
   absl::ParseCommandLine(argc, argv);
   return specserve::Run();
 }

@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include "absl/synchronization/mutex.h"
+
 namespace specserve {
 namespace {
 
@@ -15,6 +17,10 @@ pthread_t g_signal_thread;
 void ForwardStopSignal(int sig) { pthread_kill(g_signal_thread, sig); }
 
 }  // namespace
+
+void InitServerProcess() {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+}
 
 sigset_t BlockStopSignals() {
   sigset_t stop;

@@ -18,6 +18,13 @@
 
 namespace specserve {
 
+/// Process-wide settings of a server binary; call first in main(). Turns
+/// off Abseil's Mutex deadlock detection: Debian's Abseil is built with it
+/// on, and it then records every lock order in a global graph, with a
+/// stack trace per new edge, under a global lock (measurable in each
+/// scheduler step). Tests keep it on.
+void InitServerProcess();
+
 /// Blocks SIGINT and SIGTERM in the calling thread and in every thread it
 /// starts afterwards, so ServeUntilStopSignal can sigwait for them, and
 /// forwards them to the calling thread from any thread started before
