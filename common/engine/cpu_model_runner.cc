@@ -378,12 +378,11 @@ void CpuModelRunner::Attention(int n, int first, const float* q,
         const int allowed = first + i + 1;  // causal over cache order
         for (int hh = 0; hh < group; ++hh) {
           float* row = &s[(static_cast<size_t>(i - i0) * group + hh) * nk];
-          kernels::SoftmaxPrefix(row, allowed, nk);
           if (!mask.empty() && mask.offsets[i + 1] > mask.offsets[i]) {
-            kernels::MaskSoftmaxRow(row, allowed,
-                                    &mask.masked_keys[mask.offsets[i]],
-                                    mask.offsets[i + 1] - mask.offsets[i]);
+            kernels::MaskScores(row, &mask.masked_keys[mask.offsets[i]],
+                                mask.offsets[i + 1] - mask.offsets[i]);
           }
+          kernels::SoftmaxPrefix(row, allowed, nk);
         }
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, nk, 1.f,

@@ -16,6 +16,9 @@ namespace {
 inline __m256 Exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f);
   const __m256 lo = _mm256_set1_ps(-88.3762626647949f);
+  // exp(x) underflows below lo: 0 there (and for -inf, a masked score),
+  // where the exponent bits built below would wrap to -inf.
+  const __m256 above_lo = _mm256_cmp_ps(x, lo, _CMP_GT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e),
@@ -34,7 +37,7 @@ inline __m256 Exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   __m256i e = _mm256_cvtps_epi32(n);
   e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), above_lo);
 }
 
 inline float HorizontalSum(__m256 v) {
@@ -609,13 +612,8 @@ void WeightedValuesAllHeads(const float* p, size_t stride, const float* v,
 
 }  // namespace
 
-void MaskSoftmaxRow(float* row, int n, const int* keys, int count) {
-  for (int j = 0; j < count; ++j) row[keys[j]] = 0.f;
-  double sum = 0.0;
-  for (int j = 0; j < n; ++j) sum += row[j];
-  if (sum <= 0.0) return;  // cannot happen: a row always sees itself
-  const float inv = static_cast<float>(1.0 / sum);
-  for (int j = 0; j < n; ++j) row[j] *= inv;
+void MaskScores(float* row, const int* keys, int count) {
+  for (int j = 0; j < count; ++j) row[keys[j]] = -INFINITY;
 }
 
 void AttentionRows(const float* q, size_t q_stride, int rows, int first,
@@ -635,15 +633,14 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
     const float* qi = q + size_t(i) * q_stride;
     ScoresAllHeads(qi, k, kv_stride, num_heads, group, D, nk, scale, slot,
                    scores, stride);
-    for (int h = 0; h < num_heads; ++h) {
-      SoftmaxPrefix(scores + size_t(h) * stride, nk, nk);
-    }
     if (mask_offsets != nullptr && mask_offsets[i + 1] > mask_offsets[i]) {
       for (int h = 0; h < num_heads; ++h) {
-        MaskSoftmaxRow(scores + size_t(h) * stride, nk,
-                       mask_keys + mask_offsets[i],
-                       mask_offsets[i + 1] - mask_offsets[i]);
+        MaskScores(scores + size_t(h) * stride, mask_keys + mask_offsets[i],
+                   mask_offsets[i + 1] - mask_offsets[i]);
       }
+    }
+    for (int h = 0; h < num_heads; ++h) {
+      SoftmaxPrefix(scores + size_t(h) * stride, nk, nk);
     }
     WeightedValuesAllHeads(scores, stride, v, kv_stride, num_heads, group, D,
                            nk, slot, out + size_t(i) * out_stride);

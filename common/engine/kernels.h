@@ -39,7 +39,9 @@ void AddBias(float* x, size_t stride, int rows, int cols, const float* bias);
 void SiluMul(const float* gu, int rows, int ffn, float* out);
 
 /// In-place softmax of `row[0, n)`; entries [n, total) are set to 0.
-/// Returns nothing; uses a vectorised exp with ~1e-7 relative error.
+/// Returns nothing; uses a vectorised exp with ~1e-7 relative error that
+/// is exactly 0 below -88.37 (so -inf scores get weight 0). At least one
+/// entry must be finite.
 void SoftmaxPrefix(float* row, int n, int total);
 
 /// y[i] = exp(x[i]) for n floats (vectorised; relative error ~1e-7).
@@ -106,10 +108,10 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    const int* mask_offsets = nullptr,
                    const int* mask_keys = nullptr);
 
-/// Removes keys from a softmax row: row[keys[0..count)] = 0, then the
-/// first n entries are rescaled to sum to 1 again. The same as a softmax
-/// that never saw those keys (their exp terms drop out of the sum).
-void MaskSoftmaxRow(float* row, int n, const int* keys, int count);
+/// Hides keys from a row of attention scores before its softmax:
+/// row[keys[0..count)] = -inf, which SoftmaxPrefix turns into exactly 0
+/// (the same as a softmax that never saw those keys).
+void MaskScores(float* row, const int* keys, int count);
 
 }  // namespace kernels
 }  // namespace specserve

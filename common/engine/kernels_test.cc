@@ -118,6 +118,35 @@ TEST(KernelsTest, ExpAndSoftmaxAccuracy) {
   for (int i = 45; i < 50; ++i) EXPECT_EQ(row[i], 0.f);
 }
 
+// Masked scores (-inf, MaskScores) and scores more than 88 below the
+// maximum get exactly 0, in the vector body and the scalar tail, and the
+// rest is the softmax without them (no NaN, no -inf from the exponent
+// bits).
+TEST(KernelsTest, SoftmaxOfMaskedAndUnderflowingScores) {
+  auto row = Random(37, 8, 2.f);
+  const std::vector<int> masked = {0, 5, 8, 16, 33, 36};
+  row[9] = row[0] - 200.f;  // underflows
+  row[35] = -1e30f;
+  auto ref = row;
+  MaskScores(row.data(), masked.data(), static_cast<int>(masked.size()));
+  SoftmaxPrefix(row.data(), 37, 37);
+  std::vector<bool> hidden(37, false);
+  for (int k : masked) hidden[k] = true;
+  double m = -1e300, s = 0;
+  for (int i = 0; i < 37; ++i) {
+    if (!hidden[i]) m = std::max(m, double(ref[i]));
+  }
+  for (int i = 0; i < 37; ++i) {
+    if (!hidden[i]) s += std::exp(ref[i] - m);
+  }
+  for (int i = 0; i < 37; ++i) {
+    ASSERT_FALSE(std::isnan(row[i])) << i;
+    const double want = hidden[i] ? 0.0 : std::exp(ref[i] - m) / s;
+    EXPECT_NEAR(row[i], want, 1e-6) << i;
+    if (hidden[i] || i == 9 || i == 35) EXPECT_EQ(row[i], 0.f) << i;
+  }
+}
+
 
 using PanelFn = void (*)(const float*, int, int, const float*, int, int,
                          float*, int, int, float);
