@@ -78,10 +78,15 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags
             name = "%s_%s_nvcc" % (name, stem),
             srcs = [src] + hdrs + textual_hdrs,
             outs = [obj],
-            cmd = _nvcc_check() + " ".join(
+            # nvcc names its temporary files after its process id, which
+            # is the same small number in every sandbox's PID namespace:
+            # two nvcc actions at once (Bazel's jobs, or two workspaces on
+            # one machine) would clobber each other's files in a shared
+            # /tmp. Each action gets its own TMPDIR.
+            cmd = _nvcc_check() + "tmp=$$(mktemp -d) && TMPDIR=$$tmp " + " ".join(
                 [NVCC] + NVCC_FLAGS + nvcc_flags +
                 ["-I.", "-I$(GENDIR)", "-c", "$(location %s)" % src, "-o", "$@"],
-            ),
+            ) + "; rc=$$?; rm -rf $$tmp; exit $$rc",
             message = "nvcc %s" % src,
             visibility = ["//visibility:private"],
         )
