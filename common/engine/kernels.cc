@@ -625,9 +625,18 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
   const int group = num_heads / num_kv_heads;
   const int D = head_dim;
   const size_t stride = size_t(first) + rows;  // per head in `scores`
-  auto slot = [&](int j) {
-    return size_t(block_table[j / block_size]) * block_size + j % block_size;
-  };
+  // Physical rows of the logical slots, once per call: computed per key
+  // and per row (a division and a modulo each, in both passes) they cost
+  // more than the arithmetic on a small head_dim.
+  thread_local std::vector<size_t> slots;
+  const int total = first + rows;
+  slots.resize(total);
+  for (int j = 0, b = 0; j < total; ++b) {
+    const size_t base = size_t(block_table[b]) * block_size;
+    for (int o = 0; o < block_size && j < total; ++o) slots[j++] = base + o;
+  }
+  const size_t* slot_of = slots.data();
+  auto slot = [slot_of](int j) { return slot_of[j]; };
   for (int i = 0; i < rows; ++i) {
     const int nk = first + i + 1;  // causal over cache order
     const float* qi = q + size_t(i) * q_stride;
