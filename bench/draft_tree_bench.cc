@@ -41,7 +41,7 @@ ABSL_FLAG(std::string, prompt_dir, "bench/eval_prompts",
 ABSL_FLAG(int, prompt_tokens, 48, "prompt length (tokens, BOS included)");
 ABSL_FLAG(int, gen, 128, "tokens generated per prompt (EOS ignored)");
 ABSL_FLAG(std::string, chains, "4", "chain lengths k, comma separated");
-ABSL_FLAG(std::string, trees, "3,3,3,3,3,3,3:16;4,4,4,4,4,4:16;2,2,2,2,2,2,2,2:16",
+ABSL_FLAG(std::string, trees, "3,2,2,2,2,2:16;3,3,3,3,3,3,3:16;2,2,2,2,2,2,2,2:16",
           "tree shapes 'b0,b1,...:max_nodes', ';' separated");
 ABSL_FLAG(int, reps, 2, "timed repetitions (the fastest counts)");
 ABSL_FLAG(int, threads, 1, "engine threads (ThreadPool::Default)");

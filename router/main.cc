@@ -92,7 +92,7 @@ ABSL_FLAG(int, default_prompt_lookup_min, specserve::kDefaultPromptLookupMin,
           "ngram: the shortest n-gram looked up when unset");
 ABSL_FLAG(int, default_prompt_lookup_max, specserve::kDefaultPromptLookupMax,
           "ngram: the longest n-gram looked up when unset");
-ABSL_FLAG(std::string, default_tree_branching, "3,3,3,3,3,3,3",
+ABSL_FLAG(std::string, default_tree_branching, "3,2,2,2,2,2",
           "draft_tree: children per node at each depth when unset "
           "(comma-separated)");
 ABSL_FLAG(int, default_tree_max_nodes, specserve::kDefaultTreeMaxNodes,

@@ -42,9 +42,10 @@ absl::StatusOr<SpecDecodeMethod> ParseSpecDecodeMethod(absl::string_view name,
 
 /// The default draft tree shape: children per node at each depth (the
 /// roots' first), and the node budget. Measured on the bundled pairs
-/// (bench/draft_tree_bench): 7 depths of 3 keep 16 nodes that accept
-/// 1.35-1.44x the tokens of a chain of 4 per target forward.
-inline constexpr int kDefaultTreeBranching[] = {3, 3, 3, 3, 3, 3, 3};
+/// (bench/draft_tree_bench, bench/results/draft_methods.md): 16 nodes over
+/// 6 depths accept 1.33-1.46x the tokens of a chain of 4 per target
+/// forward, with the fewest speculator rows of the shapes tried.
+inline constexpr int kDefaultTreeBranching[] = {3, 2, 2, 2, 2, 2};
 inline constexpr int kDefaultTreeMaxNodes = 16;
 
 /// What an unset request field means: one --default_* flag each. Defaults

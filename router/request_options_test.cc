@@ -41,7 +41,7 @@ TEST(ResolveOptionsTest, MethodDefaultsAreTheFlags) {
   EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kDraft);
   EXPECT_EQ(r->prompt_lookup_min, 2);
   EXPECT_EQ(r->prompt_lookup_max, 5);
-  EXPECT_THAT(r->tree_branching, ElementsAre(3, 3, 3, 3, 3, 3, 3));
+  EXPECT_THAT(r->tree_branching, ElementsAre(3, 2, 2, 2, 2, 2));
   EXPECT_EQ(r->tree_max_nodes, 16);
 
   RequestDefaults d;

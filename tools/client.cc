@@ -48,7 +48,7 @@ ABSL_FLAG(std::string, spec_decode_method, "",
 ABSL_FLAG(int, prompt_lookup_min, -1, "ngram: shortest n-gram looked up");
 ABSL_FLAG(int, prompt_lookup_max, -1, "ngram: longest n-gram looked up");
 ABSL_FLAG(std::string, tree_branching, "",
-          "draft_tree: children per node at each depth, e.g. 3,3,3,3,3,3,3");
+          "draft_tree: children per node at each depth, e.g. 3,2,2,2,2,2");
 ABSL_FLAG(int, tree_max_nodes, -1, "draft_tree: node budget");
 ABSL_FLAG(bool, no_spec_prefill, false, "turn Speculative Prefill off");
 ABSL_FLAG(bool, no_spec_decode, false, "turn speculative decoding off");

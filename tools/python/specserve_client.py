@@ -154,7 +154,7 @@ def main():
     ap.add_argument("--prompt_lookup_max", type=int,
                     help="ngram: longest n-gram looked up")
     ap.add_argument("--tree_branching",
-                    help="draft_tree: children per node at each depth, e.g. 3,3,3,3,3,3,3")
+                    help="draft_tree: children per node at each depth, e.g. 3,2,2,2,2,2")
     ap.add_argument("--tree_max_nodes", type=int,
                     help="draft_tree: node budget")
     ap.add_argument("--stream", action="store_true")
