@@ -210,12 +210,14 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
 absl::StatusOr<std::unique_ptr<CpuModelRunner>>
 CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
                                    int sequences, int block_size,
-                                   std::optional<WeightDType> weight_dtype) {
+                                   std::optional<WeightDType> weight_dtype,
+                                   KvCacheDType kv_dtype) {
   if (weights == nullptr) {
     return absl::InvalidArgumentError("CpuModelRunner: weights is null");
   }
   KvCacheOptions o;
   o.block_size = block_size;
+  o.dtype = kv_dtype;
   o.pool_bytes = BytesPerToken(weights->config, o.dtype) *
                  PagedKvCache::BlocksForTokens(
                      weights->config.max_position_embeddings, block_size) *

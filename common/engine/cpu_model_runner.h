@@ -112,11 +112,12 @@ class CpuModelRunner : public ModelRunner {
       std::optional<WeightDType> weight_dtype = std::nullopt);
 
   /// A runner whose pool holds `sequences` sequences at the model's max
-  /// context (tools, benchmarks, tests).
+  /// context, K and V in `kv_dtype` (tools, benchmarks, tests).
   static absl::StatusOr<std::unique_ptr<CpuModelRunner>> CreateForSequences(
       std::shared_ptr<const ModelWeights> weights, int sequences,
       int block_size = 16,
-      std::optional<WeightDType> weight_dtype = std::nullopt);
+      std::optional<WeightDType> weight_dtype = std::nullopt,
+      KvCacheDType kv_dtype = KvCacheDType::kF32);
 
   /// `--weight_dtype auto`: bf16 for a BF16 checkpoint, f32 otherwise (F16
   /// widens to f32 exactly; ask for bf16 or int8 to halve or quarter it).
