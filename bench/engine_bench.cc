@@ -13,6 +13,10 @@
 // "x read" is decode time / (weight bytes / triad bandwidth). The batched
 // decode table (--batch_model, --batch_sizes) runs B sequences one row each
 // per forward: the weights are read once per step for all B rows.
+// --kv_cache_dtype f32|bf16 picks the KV cache's element type; the batched
+// table then also reports the pool bytes the sequences hold and the
+// process's resident memory growth over their prefill (--batch_context
+// tokens each: set it high to measure long-context decode).
 
 #include <cblas.h>
 
@@ -22,6 +26,7 @@
 #include <numeric>
 #include <optional>
 #include <cstdlib>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -47,6 +52,8 @@ ABSL_FLAG(std::string, batch_sizes, "1,4,16,64",
 ABSL_FLAG(std::string, weight_dtypes, "auto",
           "comma-separated weight dtypes each model runs in, one after the "
           "other: auto (the checkpoint's), f32, bf16, int8");
+ABSL_FLAG(std::string, kv_cache_dtype, "auto",
+          "KV cache element type: auto (f32), f32 or bf16");
 ABSL_FLAG(int, batch_context, 128,
           "tokens each batched sequence holds before the timed steps");
 
@@ -66,6 +73,28 @@ std::vector<std::optional<WeightDType>> WeightDTypes() {
     out.push_back(*t);
   }
   return out;
+}
+
+// --kv_cache_dtype, parsed (auto = f32, the CPU default).
+KvCacheDType KvDType() {
+  auto t = ParseKvCacheDType(absl::GetFlag(FLAGS_kv_cache_dtype));
+  if (!t.ok()) {
+    std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+    std::exit(2);
+  }
+  return t->value_or(KvCacheDType::kF32);
+}
+
+// Field `key` of /proc/self/status in bytes (the kernel reports kB).
+double ProcStatusBytes(const std::string& key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) {
+      return std::stod(line.substr(key.size() + 1)) * 1024;
+    }
+  }
+  return 0;
 }
 
 std::string DTypeLabel(const CpuModelRunner& r) {
@@ -112,7 +141,8 @@ int RunBatchedDecode(double bw, std::optional<WeightDType> dtype) {
                            c.max_position_embeddings - steps - 1);
   const int max_b = *std::max_element(sizes.begin(), sizes.end());
   KvCacheOptions o;
-  o.pool_bytes = CpuModelRunner::BytesPerToken(c) *
+  o.dtype = KvDType();
+  o.pool_bytes = CpuModelRunner::BytesPerToken(c, o.dtype) *
                  (static_cast<size_t>(max_b) * (ctx + steps + 16) + ctx);
   auto runner = CpuModelRunner::Create(*w, o, dtype);
   if (!runner.ok()) {
@@ -135,6 +165,9 @@ int RunBatchedDecode(double bw, std::optional<WeightDType> dtype) {
   std::vector<int> ids(size_t(max_b) * ctx), pos(ctx);
   for (int& t : ids) t = rng() % c.vocab_size;
   std::iota(pos.begin(), pos.end(), 0);
+  // The pool's pages are committed as blocks are first written: RSS grows
+  // by the KV the prefill stores (plus the first forward's activations).
+  const double rss_before = ProcStatusBytes("VmRSS");
   for (int i0 = 0; i0 < max_b; i0 += 16) {
     std::vector<SequenceForward> prefill;
     for (int i = i0; i < std::min(max_b, i0 + 16); ++i) {
@@ -150,12 +183,18 @@ int RunBatchedDecode(double bw, std::optional<WeightDType> dtype) {
       return 1;
     }
   }
+  const double rss_growth = ProcStatusBytes("VmRSS") - rss_before;
   const double weight_mb = (*runner)->weight_bytes() / 1e6;
+  const PagedKvCache& kv = model.kv_cache();
   std::printf(
-      "\nBatched decode, %s, %s weights (%.0f MB), %d cached tokens per "
-      "sequence, median of %d steps\n\n| batch | step ms | tokens/s (all sequences) | "
-      "x batch 1 | weight reads / s |\n|---|---|---|---|---|\n",
-      spec.c_str(), DTypeLabel(**runner).c_str(), weight_mb, ctx, steps);
+      "\nBatched decode, %s, %s weights (%.0f MB), %s KV cache (%zu bytes "
+      "per token; %d sequences x %d tokens hold %.1f MB of blocks, RSS grew "
+      "%.1f MB over their prefill), median of %d steps\n\n| batch | step "
+      "ms | tokens/s (all sequences) | x batch 1 | weight reads / s "
+      "|\n|---|---|---|---|---|\n",
+      spec.c_str(), DTypeLabel(**runner).c_str(), weight_mb,
+      KvCacheDTypeName(o.dtype).c_str(), kv.bytes_per_token(), max_b, ctx,
+      kv.bytes_used() / 1e6, rss_growth / 1e6, steps);
   double base = 0;
   for (int b : sizes) {
     // Back to the prompt: every batch size decodes at the same context.
@@ -227,7 +266,8 @@ int Run() {
     }
     for (std::optional<WeightDType> dtype : WeightDTypes()) {
       // Room for one prefill or decode sequence at a time.
-      auto runner = CpuModelRunner::CreateForSequences(*w, 1, 16, dtype);
+      auto runner =
+          CpuModelRunner::CreateForSequences(*w, 1, 16, dtype, KvDType());
       if (!runner.ok()) {
         std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
         return 1;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/engine/kernels.h"
 #include "common/engine/thread_pool.h"
@@ -103,6 +104,20 @@ struct CpuModelRunner::ActivationBuffers {
   PackedMatrix::Input input;  // the Linear inputs, converted
 };
 
+std::string KvCacheDTypeName(KvCacheDType t) {
+  return t == KvCacheDType::kBF16 ? "bf16" : "f32";
+}
+
+absl::StatusOr<std::optional<KvCacheDType>> ParseKvCacheDType(
+    const std::string& s) {
+  const std::string v = absl::AsciiStrToLower(s);
+  if (v.empty() || v == "auto") return std::optional<KvCacheDType>();
+  if (v == "f32" || v == "fp32" || v == "float32") return KvCacheDType::kF32;
+  if (v == "bf16" || v == "bfloat16") return KvCacheDType::kBF16;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "kv_cache_dtype must be auto, f32 or bf16, got \"", s, "\""));
+}
+
 absl::Status ValidateKvCacheOptions(const KvCacheOptions& o,
                                     size_t bytes_per_token) {
   if (o.block_size < 1) {
@@ -127,8 +142,9 @@ int KvPoolBlocks(const KvCacheOptions& o, size_t bytes_per_token,
                                             bytes_per_token);
 }
 
-size_t CpuModelRunner::BytesPerToken(const ModelConfig& c) {
-  return 2 * sizeof(float) * static_cast<size_t>(c.num_hidden_layers) *
+size_t CpuModelRunner::BytesPerToken(const ModelConfig& c, KvCacheDType t) {
+  const size_t element = t == KvCacheDType::kBF16 ? 2 : sizeof(float);
+  return 2 * element * static_cast<size_t>(c.num_hidden_layers) *
          c.num_key_value_heads * c.head_dim;
 }
 
@@ -144,7 +160,7 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
     return absl::InvalidArgumentError("CpuModelRunner: weights is null");
   }
   const ModelConfig& c = weights->config;
-  const size_t per_token = BytesPerToken(c);
+  const size_t per_token = BytesPerToken(c, o.dtype);
   if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
   const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
   std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
@@ -157,7 +173,7 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
     ModelWeights&& weights, const KvCacheOptions& o,
     std::optional<WeightDType> weight_dtype) {
   const ModelConfig& c = weights.config;
-  const size_t per_token = BytesPerToken(c);
+  const size_t per_token = BytesPerToken(c, o.dtype);
   if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
   const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
   std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
@@ -181,7 +197,7 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
   absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir, lo);
   if (!w.ok()) return w.status();
   const ModelConfig& c = w->config;
-  const size_t per_token = BytesPerToken(c);
+  const size_t per_token = BytesPerToken(c, o.dtype);
   if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
   const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
   std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
@@ -194,13 +210,15 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
 absl::StatusOr<std::unique_ptr<CpuModelRunner>>
 CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
                                    int sequences, int block_size,
-                                   std::optional<WeightDType> weight_dtype) {
+                                   std::optional<WeightDType> weight_dtype,
+                                   KvCacheDType kv_dtype) {
   if (weights == nullptr) {
     return absl::InvalidArgumentError("CpuModelRunner: weights is null");
   }
   KvCacheOptions o;
   o.block_size = block_size;
-  o.pool_bytes = BytesPerToken(weights->config) *
+  o.dtype = kv_dtype;
+  o.pool_bytes = BytesPerToken(weights->config, o.dtype) *
                  PagedKvCache::BlocksForTokens(
                      weights->config.max_position_embeddings, block_size) *
                  block_size * std::max(sequences, 1);
@@ -210,16 +228,40 @@ CpuModelRunner::CreateForSequences(std::shared_ptr<const ModelWeights> weights,
 CpuModelRunner::CpuModelRunner(const ModelConfig& c, const KvCacheOptions& o,
                                int num_blocks)
     : row_width_(c.num_key_value_heads * c.head_dim),
-      rope_(ComputeRopeFrequencies(c)) {
+      rope_(ComputeRopeFrequencies(c)),
+      kv_dtype_(o.dtype) {
   cache_ = std::make_unique<PagedKvCache>(
-      num_blocks, o.block_size, BytesPerToken(c),
+      num_blocks, o.block_size, BytesPerToken(c, o.dtype),
       [this](int src, int dst) { return CopyBlock(src, dst); });
   cache_->EnablePrefixCaching(o.prefix_caching);
   const size_t n = static_cast<size_t>(num_blocks) * o.block_size * row_width_;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     // Default-initialised: pages are committed only when first written.
-    k_.emplace_back(new float[n]);
-    v_.emplace_back(new float[n]);
+    if (kv_dtype_ == KvCacheDType::kBF16) {
+      kb_.emplace_back(new uint16_t[n]);
+      vb_.emplace_back(new uint16_t[n]);
+    } else {
+      k_.emplace_back(new float[n]);
+      v_.emplace_back(new float[n]);
+    }
+  }
+}
+
+void CpuModelRunner::KeyRow(int layer, size_t row, float* out) const {
+  const size_t at = row * row_width_;
+  if (kv_dtype_ == KvCacheDType::kBF16) {
+    kernels::Bf16ToFloatRow(kb_[layer].get() + at, row_width_, out);
+  } else {
+    std::memcpy(out, k_[layer].get() + at, row_width_ * sizeof(float));
+  }
+}
+
+void CpuModelRunner::ValueRow(int layer, size_t row, float* out) const {
+  const size_t at = row * row_width_;
+  if (kv_dtype_ == KvCacheDType::kBF16) {
+    kernels::Bf16ToFloatRow(vb_[layer].get() + at, row_width_, out);
+  } else {
+    std::memcpy(out, v_[layer].get() + at, row_width_ * sizeof(float));
   }
 }
 
@@ -289,6 +331,12 @@ absl::Status CpuModelRunner::CopyBlock(int src, int dst) {
     std::memcpy(&k_[l][dst * len], &k_[l][src * len], len * sizeof(float));
     std::memcpy(&v_[l][dst * len], &v_[l][src * len], len * sizeof(float));
   }
+  for (size_t l = 0; l < kb_.size(); ++l) {
+    std::memcpy(&kb_[l][dst * len], &kb_[l][src * len],
+                len * sizeof(uint16_t));
+    std::memcpy(&vb_[l][dst * len], &vb_[l][src * len],
+                len * sizeof(uint16_t));
+  }
   return absl::OkStatus();
 }
 
@@ -313,6 +361,23 @@ void CpuModelRunner::DenseKv(int layer, const KvSequence& kv, int count,
     contiguous = table[b] == table[0] + b;
   }
   const size_t base = static_cast<size_t>(table[0]) * bs * row_width_;
+  if (kv_dtype_ == KvCacheDType::kBF16) {
+    // The GEMMs take f32: widen, block by block, into the scratch.
+    k_buf->resize(static_cast<size_t>(count) * row_width_);
+    v_buf->resize(static_cast<size_t>(count) * row_width_);
+    for (int b = 0; b < nb; ++b) {
+      const size_t rows = std::min(bs, count - b * bs);
+      const size_t src = static_cast<size_t>(table[b]) * bs * row_width_;
+      const size_t dst = static_cast<size_t>(b) * bs * row_width_;
+      kernels::Bf16ToFloatRow(kb_[layer].get() + src, rows * row_width_,
+                              k_buf->data() + dst);
+      kernels::Bf16ToFloatRow(vb_[layer].get() + src, rows * row_width_,
+                              v_buf->data() + dst);
+    }
+    *k = k_buf->data();
+    *v = v_buf->data();
+    return;
+  }
   if (contiguous) {
     *k = k_[layer].get() + base;
     *v = v_[layer].get() + base;
@@ -512,8 +577,11 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     // RoPE on q heads and k heads (contiguous: q then k in each row).
     kernels::ApplyRope(qkv.data(), qkv_dim, N, H + KV, D, positions.data(),
                        rope_.inv_freq.data(), rope_.attention_factor);
-    float* kc = k_[l].get();
-    float* vc = v_[l].get();
+    const bool bf16 = kv_dtype_ == KvCacheDType::kBF16;
+    float* kc = bf16 ? nullptr : k_[l].get();
+    float* vc = bf16 ? nullptr : v_[l].get();
+    uint16_t* kh = bf16 ? kb_[l].get() : nullptr;
+    uint16_t* vh = bf16 ? vb_[l].get() : nullptr;
     for (int i = 0; i < S; ++i) {
       const SequenceForward& e = batch[i];
       const std::vector<int>& cap_rows = e.input.capture_query_rows;
@@ -532,8 +600,13 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
       for (int t = 0; t < n; ++t) {
         const float* row = &qkv[(row0[i] + t) * static_cast<size_t>(qkv_dim)];
         const size_t slot = e.kv->PhysicalSlot(first[i] + t);
-        std::memcpy(kc + slot * rw, row + H * D, rw * sizeof(float));
-        std::memcpy(vc + slot * rw, row + (H + KV) * D, rw * sizeof(float));
+        if (bf16) {
+          kernels::FloatToBf16Row(row + H * D, rw, kh + slot * rw);
+          kernels::FloatToBf16Row(row + (H + KV) * D, rw, vh + slot * rw);
+        } else {
+          std::memcpy(kc + slot * rw, row + H * D, rw * sizeof(float));
+          std::memcpy(vc + slot * rw, row + (H + KV) * D, rw * sizeof(float));
+        }
       }
       if (n > kMaxDirectAttentionRows) {
         // Prefill chunks: GEMMs (OpenBLAS's threads) over dense K/V.
@@ -557,13 +630,22 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
           const int i = direct[d];
           const int n = row0[i + 1] - row0[i];
           scores.resize(static_cast<size_t>(H) * (first[i] + n));
-          kernels::AttentionRows(
-              &qkv[row0[i] * static_cast<size_t>(qkv_dim)], qkv_dim, n,
-              first[i], H, KV, D, kc, vc, rw, batch[i].kv->block_table().data(),
-              batch[i].kv->block_size(), scale, scores.data(),
-              &attn[row0[i] * qrow], qrow,
-              masks[i].empty() ? nullptr : masks[i].offsets.data(),
-              masks[i].empty() ? nullptr : masks[i].masked_keys.data());
+          const float* qi = &qkv[row0[i] * static_cast<size_t>(qkv_dim)];
+          const int* table = batch[i].kv->block_table().data();
+          const int bs = batch[i].kv->block_size();
+          const int* mo = masks[i].empty() ? nullptr : masks[i].offsets.data();
+          const int* mk =
+              masks[i].empty() ? nullptr : masks[i].masked_keys.data();
+          float* o = &attn[row0[i] * qrow];
+          if (bf16) {
+            kernels::AttentionRows(qi, qkv_dim, n, first[i], H, KV, D, kh, vh,
+                                   rw, table, bs, scale, scores.data(), o,
+                                   qrow, mo, mk);
+          } else {
+            kernels::AttentionRows(qi, qkv_dim, n, first[i], H, KV, D, kc, vc,
+                                   rw, table, bs, scale, scores.data(), o,
+                                   qrow, mo, mk);
+          }
         }
       };
       if (direct_work < kMinParallelMacs) {

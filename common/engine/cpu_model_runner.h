@@ -1,6 +1,7 @@
 #ifndef SPECSERVE_COMMON_ENGINE_CPU_MODEL_RUNNER_H_
 #define SPECSERVE_COMMON_ENGINE_CPU_MODEL_RUNNER_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,6 +17,23 @@
 
 namespace specserve {
 
+/// Element type of the CPU engine's KV cache (`--kv_cache_dtype`). The
+/// model computes in f32 either way; bf16 rounds each K / V element to
+/// nearest even when its row is stored and halves the bytes per token.
+enum class KvCacheDType {
+  kF32,   ///< 4 bytes per element; exact.
+  kBF16,  ///< 2 bytes per element (the top half of the f32).
+};
+
+/// "f32" or "bf16".
+std::string KvCacheDTypeName(KvCacheDType t);
+
+/// Parses `--kv_cache_dtype`: "f32" (alias "fp32", "float32"), "bf16"
+/// (alias "bfloat16"), or "auto" / "" (nullopt: the backend's default, f32
+/// on CPU). Case-insensitive. INVALID_ARGUMENT naming the value otherwise.
+absl::StatusOr<std::optional<KvCacheDType>> ParseKvCacheDType(
+    const std::string& s);
+
 /// Options of a model runner's paged KV cache.
 struct KvCacheOptions {
   /// Bytes of K + V the pool holds (the pool gets floor(bytes /
@@ -26,6 +44,10 @@ struct KvCacheOptions {
   /// Automatic prefix caching (PrefixCache): sequences whose prompts start
   /// with blocks computed before attach them instead of recomputing.
   bool prefix_caching = false;
+  /// Element type of K and V on the CPU backend (BytesPerToken follows
+  /// it). The CUDA backend stores its cache in its compute dtype and
+  /// ignores this field (the factory refuses a mismatch).
+  KvCacheDType dtype = KvCacheDType::kF32;
 };
 
 /// INVALID_ARGUMENT naming the field for block_size < 1, or a pool smaller
@@ -57,9 +79,10 @@ int KvPoolBlocks(const KvCacheOptions& options, size_t bytes_per_token,
 /// over the engine's threads), longer prefill chunks with sgemm over dense
 /// K/V (in place when the blocks are physically contiguous, else gathered).
 ///
-/// The KV pool is fp32 host memory, [num_blocks * block_size, kv_heads,
-/// head_dim] per layer for K and for V, committed page by page as blocks
-/// are first written. Forward calls on distinct sequences may run
+/// The KV pool is host memory in KvCacheOptions::dtype (f32, or bf16
+/// rounded to nearest even as rows are stored and widened to f32 as they
+/// are read), [num_blocks * block_size, kv_heads, head_dim] per layer for
+/// K and for V, committed page by page as blocks are first written. Forward calls on distinct sequences may run
 /// concurrently.
 class CpuModelRunner : public ModelRunner {
  public:
@@ -89,11 +112,12 @@ class CpuModelRunner : public ModelRunner {
       std::optional<WeightDType> weight_dtype = std::nullopt);
 
   /// A runner whose pool holds `sequences` sequences at the model's max
-  /// context (tools, benchmarks, tests).
+  /// context, K and V in `kv_dtype` (tools, benchmarks, tests).
   static absl::StatusOr<std::unique_ptr<CpuModelRunner>> CreateForSequences(
       std::shared_ptr<const ModelWeights> weights, int sequences,
       int block_size = 16,
-      std::optional<WeightDType> weight_dtype = std::nullopt);
+      std::optional<WeightDType> weight_dtype = std::nullopt,
+      KvCacheDType kv_dtype = KvCacheDType::kF32);
 
   /// `--weight_dtype auto`: bf16 for a BF16 checkpoint, f32 otherwise (F16
   /// widens to f32 exactly; ask for bf16 or int8 to halve or quarter it).
@@ -111,8 +135,12 @@ class CpuModelRunner : public ModelRunner {
   /// once each, once in all when tied) plus the f32 norms and biases.
   size_t weight_bytes() const;
 
-  /// Bytes one token costs across all layers (fp32 K and V).
-  static size_t BytesPerToken(const ModelConfig& config);
+  /// Bytes one token costs across all layers: K and V of every layer in
+  /// `dtype` (4 bytes per element for f32, 2 for bf16).
+  static size_t BytesPerToken(const ModelConfig& config,
+                              KvCacheDType dtype = KvCacheDType::kF32);
+  /// Element type of the KV cache.
+  KvCacheDType kv_cache_dtype() const { return kv_dtype_; }
 
   absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
       int max_rows) override;
@@ -123,10 +151,26 @@ class CpuModelRunner : public ModelRunner {
       const KvSequence& kv, int prompt_len, const QueryCapture& capture,
       const ScoringOptions& options, int num_threads) override;
 
-  /// Layer `layer`'s key (or value) plane: [num_blocks * block_size,
-  /// kv_heads * head_dim]; physical row r at + r * row_width().
-  const float* keys(int layer) const { return k_[layer].get(); }
-  const float* values(int layer) const { return v_[layer].get(); }
+  /// Layer `layer`'s key (or value) plane of an f32 cache: [num_blocks *
+  /// block_size, kv_heads * head_dim]; physical row r at + r *
+  /// row_width(). nullptr when the cache is bf16 (see keys_bf16()).
+  const float* keys(int layer) const {
+    return k_.empty() ? nullptr : k_[layer].get();
+  }
+  const float* values(int layer) const {
+    return v_.empty() ? nullptr : v_[layer].get();
+  }
+  /// The same planes of a bf16 cache (bfloat16 bits); nullptr when f32.
+  const uint16_t* keys_bf16(int layer) const {
+    return kb_.empty() ? nullptr : kb_[layer].get();
+  }
+  const uint16_t* values_bf16(int layer) const {
+    return vb_.empty() ? nullptr : vb_[layer].get();
+  }
+  /// Physical row `row` of layer `layer`'s keys (or values) as f32, either
+  /// dtype (bf16 widened exactly); out: [row_width()].
+  void KeyRow(int layer, size_t row, float* out) const;
+  void ValueRow(int layer, size_t row, float* out) const;
   int row_width() const { return row_width_; }
 
  private:
@@ -137,8 +181,9 @@ class CpuModelRunner : public ModelRunner {
   // Copy-on-write of one block, every layer.
   absl::Status CopyBlock(int src, int dst);
   // Pointers to `kv`'s first `count` keys and values of `layer` as dense
-  // [count, row_width] rows: the pool itself when the blocks are
-  // physically contiguous, else gathered into the scratch.
+  // f32 [count, row_width] rows: the pool itself when it is f32 and the
+  // blocks are physically contiguous, else gathered (and, for bf16,
+  // widened) into the scratch.
   void DenseKv(int layer, const KvSequence& kv, int count,
                std::vector<float>* k_buf, std::vector<float>* v_buf,
                const float** k, const float** v) const;
@@ -171,8 +216,13 @@ class CpuModelRunner : public ModelRunner {
   int row_width_;
   RopeFrequencies rope_;  // from the config's rope_theta / rope_scaling
   std::unique_ptr<PagedKvCache> cache_;
+  KvCacheDType kv_dtype_ = KvCacheDType::kF32;
+  // Per layer K and V planes: k_ / v_ for an f32 cache, kb_ / vb_ (bf16
+  // bits) for a bf16 one; the other pair is empty.
   std::vector<std::unique_ptr<float[]>> k_;
   std::vector<std::unique_ptr<float[]>> v_;
+  std::vector<std::unique_ptr<uint16_t[]>> kb_;
+  std::vector<std::unique_ptr<uint16_t[]>> vb_;
 };
 
 /// Sets the number of threads OpenBLAS and the engine's pool use

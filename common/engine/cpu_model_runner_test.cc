@@ -35,13 +35,15 @@ std::shared_ptr<const ModelWeights> Load(const std::string& model) {
 }
 
 // A runner whose pool holds `blocks` blocks of `block_size` tokens (0 =
-// one max-context sequence).
-std::unique_ptr<CpuModelRunner> Runner(const std::string& model,
-                                       int block_size = 16, int blocks = 0) {
+// one max-context sequence), K and V in `kv_dtype`.
+std::unique_ptr<CpuModelRunner> Runner(
+    const std::string& model, int block_size = 16, int blocks = 0,
+    KvCacheDType kv_dtype = KvCacheDType::kF32) {
   auto w = Load(model);
   KvCacheOptions o;
   o.block_size = block_size;
-  o.pool_bytes = blocks * CpuModelRunner::BytesPerToken(w->config) *
+  o.dtype = kv_dtype;
+  o.pool_bytes = blocks * CpuModelRunner::BytesPerToken(w->config, kv_dtype) *
                  static_cast<size_t>(block_size);
   auto r = CpuModelRunner::Create(w, o);
   EXPECT_TRUE(r.ok()) << r.status();
@@ -521,10 +523,12 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
 // `levels` > 1 grows the tree one depth per forward (the span reaches back
 // into rows earlier forwards appended).
 // `lead` prompt tokens go into the tree's first forward, before the span
-// (causal rows).
+// (causal rows). `kv_dtype`: the cache's element type (tree and chains
+// read the same rounded keys, so bf16 keeps the f32 tolerance).
 void CheckTreeEqualsChains(const std::string& model_name, int nodes,
-                           bool by_level, uint64_t seed, int lead = 0) {
-  auto model_ptr = Runner(model_name);
+                           bool by_level, uint64_t seed, int lead = 0,
+                           KvCacheDType kv_dtype = KvCacheDType::kF32) {
+  auto model_ptr = Runner(model_name, 16, 0, kv_dtype);
   CpuModelRunner& model = *model_ptr;
   const int vocab = model.config().vocab_size;
   std::mt19937_64 gen(seed);
@@ -620,9 +624,11 @@ void CheckTreeEqualsChains(const std::string& model_name, int nodes,
     worst = std::max(worst, diff);
     EXPECT_LT(diff, 1e-5) << model_name << " node " << i << " of " << nodes;
   }
-  std::printf("%s, %d nodes%s: max |logit diff| / max |logit| vs chains %.3g\n",
-              model_name.c_str(), nodes, by_level ? " (by level)" : "",
-              worst);
+  std::printf(
+      "%s, %d nodes%s, %s KV: max |logit diff| / max |logit| vs chains "
+      "%.3g\n",
+      model_name.c_str(), nodes, by_level ? " (by level)" : "",
+      KvCacheDTypeName(kv_dtype).c_str(), worst);
 }
 
 TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChains) {
@@ -640,6 +646,14 @@ TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChains) {
 TEST(CpuModelRunnerTest, TreeGrownOneLevelPerForwardEqualsChains) {
   CheckTreeEqualsChains("tinystories-656K", 14, true, 5);
   CheckTreeEqualsChains("stories260K", 40, true, 6);
+}
+
+TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChainsWithBf16Kv) {
+  const KvCacheDType bf16 = KvCacheDType::kBF16;
+  CheckTreeEqualsChains("tinystories-656K", 9, false, 1, 0, bf16);
+  CheckTreeEqualsChains("stories260K", 24, false, 4, 0, bf16);
+  CheckTreeEqualsChains("tinystories-656K", 7, false, 7, /*lead=*/3, bf16);
+  CheckTreeEqualsChains("stories260K", 40, true, 6, 0, bf16);
 }
 
 // The CUDA kernels' bit form of the mask hides exactly the keys the CPU's
@@ -739,8 +753,11 @@ TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
 // A fork shares the prompt's blocks; each branch then extends differently
 // (copy-on-write of the shared partial block) and gets exactly what a
 // fresh sequence with the same tokens gets.
-TEST(CpuModelRunnerTest, ForkSharesBlocksAndBranchesStayIndependent) {
-  auto model_ptr = Runner("stories260K", /*block_size=*/8, /*blocks=*/64);
+class ForkTest : public ::testing::TestWithParam<KvCacheDType> {};
+
+TEST_P(ForkTest, ForkSharesBlocksAndBranchesStayIndependent) {
+  auto model_ptr = Runner("stories260K", /*block_size=*/8, /*blocks=*/64,
+                          GetParam());
   CpuModelRunner& model = *model_ptr;
   const std::vector<int> prompt = {1, 403, 407, 261, 378, 432, 383, 286,
                                    500, 17, 99, 42, 7};  // 13: partial block
@@ -796,6 +813,14 @@ TEST(CpuModelRunnerTest, ForkSharesBlocksAndBranchesStayIndependent) {
   branch.reset();
   EXPECT_EQ(model.kv_cache().num_free_blocks(), 64);
 }
+
+// The copy-on-write copy moves whole rows in either element type.
+INSTANTIATE_TEST_SUITE_P(KvDTypes, ForkTest,
+                         ::testing::Values(KvCacheDType::kF32,
+                                           KvCacheDType::kBF16),
+                         [](const auto& info) {
+                           return KvCacheDTypeName(info.param);
+                         });
 
 // Out of blocks: RESOURCE_EXHAUSTED and no sequence of the batch changes;
 // truncation (rejected drafts) returns whole blocks to the pool.

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace specserve {
@@ -514,17 +516,35 @@ inline __m256 Sum8x8(const __m256 (&a)[8]) {
 // hardware prefetcher follows it) instead of in one strided pass per head.
 // Each (head, token) result is computed exactly as a per-head pass would
 // (same operations in the same order), so results do not change.
+// Both read an f32 cache or a bf16 one (T = uint16_t, widened to f32 8 at
+// a time by Load8) with the same f32 arithmetic: a bf16 cache gives
+// exactly the f32 result on the bf16-rounded keys and values.
+
+// 8 cache elements widened to f32: f32 as is; bf16 (the top half of an
+// f32) zero-extended to 32 bits and shifted into the high half, exact.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
 
 // scores[h * stride + j] = (q_h . key_j[kv head of h]) * scale for heads
 // h < H and tokens j < nk; q_h = qi + h * D.
-template <typename SlotFn>
-void ScoresAllHeads(const float* qi, const float* k, size_t kv_stride, int H,
+template <typename T, typename SlotFn>
+void ScoresAllHeads(const float* qi, const T* k, size_t kv_stride, int H,
                     int group, int D, int nk, float scale, const SlotFn& slot,
                     float* scores, size_t stride) {
   const int dv = D & ~7;
   int j = 0;
   for (; j + 8 <= nk; j += 8) {
-    const float* kj[8];
+    const T* kj[8];
     for (int t = 0; t < 8; ++t) kj[t] = k + slot(j + t) * kv_stride;
     for (int h = 0; h < H; ++h) {
       const float* qh = qi + size_t(h) * D;
@@ -536,7 +556,7 @@ void ScoresAllHeads(const float* qi, const float* k, size_t kv_stride, int H,
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
           acc[t] =
-              _mm256_fmadd_ps(qv, _mm256_loadu_ps(kj[t] + off + d), acc[t]);
+              _mm256_fmadd_ps(qv, Load8(kj[t] + off + d), acc[t]);
         }
       }
       float* sh = scores + size_t(h) * stride;
@@ -545,24 +565,24 @@ void ScoresAllHeads(const float* qi, const float* k, size_t kv_stride, int H,
       if (dv < D) {
         for (int t = 0; t < 8; ++t) {
           float tail = 0.f;
-          for (int d = dv; d < D; ++d) tail += qh[d] * kj[t][off + d];
+          for (int d = dv; d < D; ++d) tail += qh[d] * ToFloat(kj[t][off + d]);
           sh[j + t] += tail * scale;
         }
       }
     }
   }
   for (; j < nk; ++j) {
-    const float* kj = k + slot(j) * kv_stride;
+    const T* kj = k + slot(j) * kv_stride;
     for (int h = 0; h < H; ++h) {
       const float* qh = qi + size_t(h) * D;
-      const float* kh = kj + size_t(h / group) * D;
+      const T* kh = kj + size_t(h / group) * D;
       __m256 acc = _mm256_setzero_ps();
       for (int d = 0; d < dv; d += 8) {
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d),
-                              _mm256_loadu_ps(kh + d), acc);
+                              Load8(kh + d), acc);
       }
       float sum = HorizontalSum(acc);
-      for (int d = dv; d < D; ++d) sum += qh[d] * kh[d];
+      for (int d = dv; d < D; ++d) sum += qh[d] * ToFloat(kh[d]);
       scores[size_t(h) * stride + j] = sum * scale;
     }
   }
@@ -571,14 +591,14 @@ void ScoresAllHeads(const float* qi, const float* k, size_t kv_stride, int H,
 // out[h * D + d] = sum_j p[h * stride + j] * value_j[kv head of h][d] for
 // heads h < H and tokens j < nk. Per chunk of 8 tokens and per head, the
 // head's 64-float pieces of `out` stay in registers across the chunk.
-template <typename SlotFn>
-void WeightedValuesAllHeads(const float* p, size_t stride, const float* v,
+template <typename T, typename SlotFn>
+void WeightedValuesAllHeads(const float* p, size_t stride, const T* v,
                             size_t kv_stride, int H, int group, int D, int nk,
                             const SlotFn& slot, float* out) {
   std::fill(out, out + size_t(H) * D, 0.f);
   for (int j = 0; j < nk; j += 8) {
     const int count = std::min(8, nk - j);
-    const float* vj[8];
+    const T* vj[8];
     for (int t = 0; t < count; ++t) vj[t] = v + slot(j + t) * kv_stride;
     for (int h = 0; h < H; ++h) {
       const float* ph = p + size_t(h) * stride + j;
@@ -590,18 +610,18 @@ void WeightedValuesAllHeads(const float* p, size_t stride, const float* v,
         __m256 acc[8];
         for (int c = 0; c < nv; ++c) acc[c] = _mm256_loadu_ps(oh + d0 + 8 * c);
         for (int t = 0; t < count; ++t) {
-          const float* vt = vj[t] + off + d0;
+          const T* vt = vj[t] + off + d0;
           const __m256 pt = _mm256_set1_ps(ph[t]);
           if (nv == 8) {
 #pragma GCC unroll 8
             for (int c = 0; c < 8; ++c) {
-              acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+              acc[c] = _mm256_fmadd_ps(pt, Load8(vt + 8 * c), acc[c]);
             }
           } else {
             for (int c = 0; c < nv; ++c) {
-              acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+              acc[c] = _mm256_fmadd_ps(pt, Load8(vt + 8 * c), acc[c]);
             }
-            for (int d = 8 * nv; d < width; ++d) oh[d0 + d] += ph[t] * vt[d];
+            for (int d = 8 * nv; d < width; ++d) oh[d0 + d] += ph[t] * ToFloat(vt[d]);
           }
         }
         for (int c = 0; c < nv; ++c) _mm256_storeu_ps(oh + d0 + 8 * c, acc[c]);
@@ -616,9 +636,12 @@ void MaskScores(float* row, const int* keys, int count) {
   for (int j = 0; j < count; ++j) row[keys[j]] = -INFINITY;
 }
 
-void AttentionRows(const float* q, size_t q_stride, int rows, int first,
+namespace {
+
+template <typename T>
+void AttentionRowsImpl(const float* q, size_t q_stride, int rows, int first,
                    int num_heads, int num_kv_heads, int head_dim,
-                   const float* k, const float* v, size_t kv_stride,
+                   const T* k, const T* v, size_t kv_stride,
                    const int* block_table, int block_size, float scale,
                    float* scores, float* out, size_t out_stride,
                    const int* mask_offsets, const int* mask_keys) {
@@ -654,6 +677,66 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
     WeightedValuesAllHeads(scores, stride, v, kv_stride, num_heads, group, D,
                            nk, slot, out + size_t(i) * out_stride);
   }
+}
+
+}  // namespace
+
+void AttentionRows(const float* q, size_t q_stride, int rows, int first,
+                   int num_heads, int num_kv_heads, int head_dim,
+                   const float* k, const float* v, size_t kv_stride,
+                   const int* block_table, int block_size, float scale,
+                   float* scores, float* out, size_t out_stride,
+                   const int* mask_offsets, const int* mask_keys) {
+  AttentionRowsImpl(q, q_stride, rows, first, num_heads, num_kv_heads,
+                    head_dim, k, v, kv_stride, block_table, block_size, scale,
+                    scores, out, out_stride, mask_offsets, mask_keys);
+}
+
+void AttentionRows(const float* q, size_t q_stride, int rows, int first,
+                   int num_heads, int num_kv_heads, int head_dim,
+                   const uint16_t* k, const uint16_t* v, size_t kv_stride,
+                   const int* block_table, int block_size, float scale,
+                   float* scores, float* out, size_t out_stride,
+                   const int* mask_offsets, const int* mask_keys) {
+  AttentionRowsImpl(q, q_stride, rows, first, num_heads, num_kv_heads,
+                    head_dim, k, v, kv_stride, block_table, block_size, scale,
+                    scores, out, out_stride, mask_offsets, mask_keys);
+}
+
+void FloatToBf16Row(const float* x, size_t n, uint16_t* out) {
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i bias = _mm256_set1_epi32(0x7fff);
+  const __m256i quiet = _mm256_set1_epi32(0x00400000);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 f = _mm256_loadu_ps(x + i);
+    const __m256i u = _mm256_castps_si256(f);
+    // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the
+    // top half. NaN lanes are made quiet instead, so that rounding cannot
+    // carry a NaN's payload into infinity.
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(bias, lsb));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, quiet), nan);
+    r = _mm256_srli_epi32(r, 16);
+    // 8 lanes < 2^16 to 8 uint16 in order (packus works per 128-bit half).
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                            _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+  }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], sizeof(u));
+    out[i] = std::isnan(x[i])
+                 ? static_cast<uint16_t>((u | 0x00400000u) >> 16)
+                 : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+void Bf16ToFloatRow(const uint16_t* x, size_t n, float* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, Load8(x + i));
+  for (; i < n; ++i) out[i] = ToFloat(x[i]);
 }
 
 }  // namespace kernels

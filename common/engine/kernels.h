@@ -6,6 +6,7 @@
 // Prefill-sized GEMMs go through OpenBLAS; these are the rest.
 
 #include <cstddef>
+#include <cstdint>
 
 namespace specserve {
 namespace kernels {
@@ -107,6 +108,25 @@ void AttentionRows(const float* q, size_t q_stride, int rows, int first,
                    float* scores, float* out, size_t out_stride,
                    const int* mask_offsets = nullptr,
                    const int* mask_keys = nullptr);
+
+/// As above over a bf16 cache (each element the top 16 bits of an f32, as
+/// FloatToBf16Row stores it): rows are widened to f32 8 elements at a time
+/// (AVX2) and the arithmetic is the f32 one, so the result equals the f32
+/// overload's on the bf16 values widened, bit for bit.
+void AttentionRows(const float* q, size_t q_stride, int rows, int first,
+                   int num_heads, int num_kv_heads, int head_dim,
+                   const uint16_t* k, const uint16_t* v, size_t kv_stride,
+                   const int* block_table, int block_size, float scale,
+                   float* scores, float* out, size_t out_stride,
+                   const int* mask_offsets = nullptr,
+                   const int* mask_keys = nullptr);
+
+/// out[i] = x[i] as bfloat16 bits (the top half of the f32), rounded to
+/// nearest even; NaN stays (quiet) NaN, as FloatToBFloat16. n floats.
+void FloatToBf16Row(const float* x, size_t n, uint16_t* out);
+
+/// out[i] = the f32 whose top half is x[i] (exact). n elements.
+void Bf16ToFloatRow(const uint16_t* x, size_t n, float* out);
 
 /// Hides keys from a row of attention scores before its softmax:
 /// row[keys[0..count)] = -inf, which SoftmaxPrefix turns into exactly 0

@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
+#include "common/model/safetensors.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
@@ -257,6 +261,92 @@ TEST(KernelsTest, AttentionRowsMatchesNaive) {
           ASSERT_NEAR(out[(i * H + h) * D + d], o, 1e-5) << i << " " << h;
         }
       }
+    }
+  }
+}
+
+
+TEST(KernelsTest, Bf16RowsRoundToNearestEvenAsTheScalarConversion) {
+  // Random magnitudes over many binades, then the cases rounding decides:
+  // exact ties (even and odd kept bit), values that round up into the next
+  // binade or to infinity, subnormals, signed zeros, infinities and NaN.
+  std::vector<float> x = Random(1003, 21, 1e3f);
+  for (uint32_t bits : {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x3fffffffu,
+                        0x7f7fffffu, 0x00000001u, 0x00018000u, 0x80000000u,
+                        0x00000000u, 0x7f800000u, 0xff800000u, 0x7fc00001u,
+                        0x7f800001u, 0xffffffffu}) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    x.push_back(f);
+  }
+  std::vector<uint16_t> b(x.size());
+  FloatToBf16Row(x.data(), x.size(), b.data());
+  std::vector<float> back(x.size());
+  Bf16ToFloatRow(b.data(), b.size(), back.data());
+  for (size_t i = 0; i < x.size(); ++i) {
+    SCOPED_TRACE(i);
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(back[i]));
+      continue;
+    }
+    EXPECT_EQ(b[i], FloatToBFloat16(x[i])) << x[i];
+    EXPECT_EQ(back[i], BFloat16ToFloat(b[i]));
+    if (std::isfinite(back[i]) && x[i] != 0.f) {
+      // 8 significant bits: relative error <= 2^-8 (half an ulp).
+      EXPECT_LE(std::abs(back[i] - x[i]), std::abs(x[i]) * 0x1p-8f + 1e-40f);
+    }
+  }
+}
+
+TEST(KernelsTest, AttentionRowsOverBf16EqualsF32OnRoundedCache) {
+  // The bf16 overload widens the cache and then does the f32 arithmetic:
+  // with the f32 overload given the same bf16 values widened, the outputs
+  // are identical, causal and with a tree mask; and close to the f32
+  // cache's (the rounding of K and V is the only difference).
+  for (int D : {12, 64, 80, 128}) {
+    SCOPED_TRACE(D);
+    const int H = 8, KV = 2, first = 21, rows = 4, bs = 4, blocks = 7;
+    const int qs = H * D + 5, kvs = KV * D + 3;
+    const std::vector<int> table = {3, 6, 0, 5, 1, 2, 4};
+    auto q = Random(size_t(rows) * qs, 31);
+    auto k = Random(size_t(blocks * bs) * kvs, 32);
+    auto v = Random(size_t(blocks * bs) * kvs, 33);
+    std::vector<uint16_t> kb(k.size()), vb(v.size());
+    FloatToBf16Row(k.data(), k.size(), kb.data());
+    FloatToBf16Row(v.data(), v.size(), vb.data());
+    std::vector<float> kr(k.size()), vr(v.size());
+    Bf16ToFloatRow(kb.data(), kb.size(), kr.data());
+    Bf16ToFloatRow(vb.data(), vb.size(), vr.data());
+    // Row i (slot first + i) hides slots first + i - 1 and 2: a tree whose
+    // branches do not see each other, and an arbitrary earlier key.
+    const std::vector<int> offsets = {0, 1, 3, 5, 7};
+    const std::vector<int> masked = {2, 2, first, 2, first + 1, 2, first + 2};
+    const float scale = 1.f / std::sqrt(float(D));
+    for (bool tree : {false, true}) {
+      SCOPED_TRACE(tree);
+      const int* mo = tree ? offsets.data() : nullptr;
+      const int* mk = tree ? masked.data() : nullptr;
+      std::vector<float> scores(size_t(H) * (first + rows));
+      std::vector<float> out_b(size_t(rows) * H * D), out_r(out_b.size()),
+          out_f(out_b.size());
+      AttentionRows(q.data(), qs, rows, first, H, KV, D, kb.data(), vb.data(),
+                    kvs, table.data(), bs, scale, scores.data(), out_b.data(),
+                    H * D, mo, mk);
+      AttentionRows(q.data(), qs, rows, first, H, KV, D, kr.data(), vr.data(),
+                    kvs, table.data(), bs, scale, scores.data(), out_r.data(),
+                    H * D, mo, mk);
+      AttentionRows(q.data(), qs, rows, first, H, KV, D, k.data(), v.data(),
+                    kvs, table.data(), bs, scale, scores.data(), out_f.data(),
+                    H * D, mo, mk);
+      double max_diff = 0;
+      for (size_t i = 0; i < out_b.size(); ++i) {
+        ASSERT_EQ(out_b[i], out_r[i]) << i;
+        max_diff = std::max(max_diff, double(std::abs(out_b[i] - out_f[i])));
+      }
+      // Unit-variance K, V and q: a relative error of 2^-8 per element
+      // moves the outputs by ~1e-2 at most.
+      EXPECT_LT(max_diff, 2e-2);
+      EXPECT_GT(max_diff, 0.0);  // the rounding did happen
     }
   }
 }

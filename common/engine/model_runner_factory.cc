@@ -21,12 +21,15 @@ absl::StatusOr<CudaDType> ParseCudaDType(const std::string& s) {
 // One line on stderr: the pool in tokens, as the services' start log.
 void LogPool(ModelRunner& runner, const std::string& source) {
   const PagedKvCache& kv = runner.kv_cache();
+  const auto* cpu = dynamic_cast<const CpuModelRunner*>(&runner);
+  const std::string dtype =
+      cpu == nullptr ? "" : ", " + KvCacheDTypeName(cpu->kv_cache_dtype());
   std::fprintf(stderr,
-               "kv cache: %lld tokens (%d blocks of %d tokens, %zu bytes) on "
-               "%s, sized by %s\n",
+               "kv cache: %lld tokens (%d blocks of %d tokens, %zu bytes%s) "
+               "on %s, sized by %s\n",
                static_cast<long long>(kv.num_blocks()) * kv.block_size(),
                kv.num_blocks(), kv.block_size(), kv.bytes_capacity(),
-               runner.backend().c_str(), source.c_str());
+               dtype.c_str(), runner.backend().c_str(), source.c_str());
 }
 
 // Where the pool size comes from, for the log line.
@@ -34,9 +37,12 @@ std::string PoolSource(const KvCacheOptions& kv) {
   return kv.pool_bytes > 0 ? "--kv_budget_bytes" : "max context";
 }
 
-// The CPU pool: kv_cache.pool_bytes, or 2 GiB when sized "from the device".
-KvCacheOptions CpuPool(const RunnerOptions& options, std::string* source) {
+// The CPU pool: kv_cache.pool_bytes, or 2 GiB when sized "from the device",
+// in `dtype` (nullopt: kv_cache.dtype).
+KvCacheOptions CpuPool(const RunnerOptions& options,
+                       std::optional<KvCacheDType> dtype, std::string* source) {
   KvCacheOptions kv = options.kv_cache;
+  if (dtype.has_value()) kv.dtype = *dtype;
   *source = PoolSource(kv);
   if (options.kv_pool_from_device) {
     kv.pool_bytes = kDefaultCpuKvBudgetBytes;
@@ -82,9 +88,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
   return std::unique_ptr<ModelRunner>(*std::move(r));
 }
 
-// The device and, for cpu, the weight dtype `options` ask for.
+// The device and, for cpu, the weight and KV cache dtypes `options` ask
+// for.
 absl::StatusOr<DeviceKind> ResolveDevice(
-    const RunnerOptions& options, std::optional<WeightDType>* weight_dtype) {
+    const RunnerOptions& options, std::optional<WeightDType>* weight_dtype,
+    std::optional<KvCacheDType>* kv_dtype) {
   if (!(options.gpu_memory_utilization > 0.0 &&
         options.gpu_memory_utilization <= 1.0)) {
     return absl::InvalidArgumentError(
@@ -102,7 +110,22 @@ absl::StatusOr<DeviceKind> ResolveDevice(
         "weight_dtype \"", options.weight_dtype,
         "\" is for the CPU engine; on cuda use cuda_dtype"));
   }
+  absl::StatusOr<std::optional<KvCacheDType>> kt =
+      ParseKvCacheDType(options.kv_cache_dtype);
+  if (!kt.ok()) return kt.status();
+  if (*kind != DeviceKind::kCpu && kt->has_value()) {
+    // The CUDA cache is in the compute dtype: only a matching request.
+    absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
+    if (!dt.ok()) return dt.status();
+    if (!(**kt == KvCacheDType::kBF16 && *dt == CudaDType::kBF16)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_cache_dtype \"", options.kv_cache_dtype,
+          "\": the CUDA KV cache is stored in cuda_dtype (",
+          options.cuda_dtype, "); use auto"));
+    }
+  }
   *weight_dtype = *wt;
+  *kv_dtype = *kt;
   return kind;
 }
 
@@ -123,11 +146,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> Build(const RunnerOptions& options,
                                                   MakeCpu make_cpu,
                                                   MakeCuda make_cuda) {
   std::optional<WeightDType> wt;
-  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt);
+  std::optional<KvCacheDType> kt;
+  absl::StatusOr<DeviceKind> kind = ResolveDevice(options, &wt, &kt);
   if (!kind.ok()) return kind.status();
   if (*kind != DeviceKind::kCpu) return make_cuda();
   std::string source;
-  const KvCacheOptions kv = CpuPool(options, &source);
+  const KvCacheOptions kv = CpuPool(options, kt, &source);
   absl::StatusOr<std::unique_ptr<CpuModelRunner>> r = make_cpu(kv, wt);
   if (!r.ok()) return r.status();
   LogPool(**r, source);

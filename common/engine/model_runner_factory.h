@@ -12,8 +12,8 @@
 namespace specserve {
 
 /// How a service runs its model (the `--device`, `--kv_budget_bytes`,
-/// `--kv_block_size`, `--cuda_dtype` and `--weight_dtype` flags of both
-/// services).
+/// `--kv_block_size`, `--cuda_dtype`, `--weight_dtype` and
+/// `--kv_cache_dtype` flags of both services).
 struct RunnerOptions {
   /// "cpu", "cuda" (alias "gpu"), or "" / "auto": cuda when a GPU is
   /// present, else cpu (common/cuda/device.h).
@@ -26,6 +26,13 @@ struct RunnerOptions {
   /// "int8" (Q8_0-style blocks, quantized at load). CUDA takes cuda_dtype
   /// and refuses anything but "auto" here.
   std::string weight_dtype = "auto";
+  /// Element type of the KV cache (ParseKvCacheDType): "auto" (f32 on CPU,
+  /// cuda_dtype on CUDA), "f32" or "bf16" (half the bytes per token, so a
+  /// pool of the same bytes holds twice the tokens). Overrides
+  /// kv_cache.dtype. CUDA stores its cache in cuda_dtype and refuses any
+  /// other value with INVALID_ARGUMENT ("bf16" with cuda_dtype bf16 is
+  /// accepted).
+  std::string kv_cache_dtype = "auto";
   /// Size the KV pool from the device instead of kv_cache.pool_bytes (the
   /// services' --kv_budget_bytes 0, their default): on CUDA from
   /// gpu_memory_utilization (KvPoolBytesFromUtilization, with the workspace

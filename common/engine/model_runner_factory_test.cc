@@ -128,6 +128,39 @@ TEST(ModelRunnerFactoryTest, WeightDTypeOption) {
             WeightDType::kF32);
 }
 
+// On CUDA the cache is stored in cuda_dtype: auto works, a matching bf16
+// is accepted, f32 (or bf16 with fp16 compute) is INVALID_ARGUMENT. On CPU
+// bf16 reaches the runner.
+TEST(ModelRunnerFactoryTest, KvCacheDTypeOption) {
+  RunnerOptions o;
+  o.device = "cpu";
+  o.kv_cache_dtype = "bf16";
+  auto cpu = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(dynamic_cast<CpuModelRunner*>(cpu->get())->kv_cache_dtype(),
+            KvCacheDType::kBF16);
+  o.kv_cache_dtype = "f16";
+  EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  if (!CudaAvailable()) GTEST_SKIP() << "no GPU: the CUDA half is skipped";
+  o.device = "cuda";
+  o.kv_cache.pool_bytes = size_t{64} << 20;
+  for (const char* ok : {"auto", "bf16"}) {
+    o.kv_cache_dtype = ok;
+    auto r = CreateModelRunner(Load(), o);
+    EXPECT_TRUE(r.ok()) << ok << ": " << r.status();
+  }
+  o.kv_cache_dtype = "f32";
+  EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.cuda_dtype = "fp16";
+  o.kv_cache_dtype = "bf16";
+  EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.kv_cache_dtype = "auto";
+  EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
+}
+
 TEST(ModelRunnerFactoryTest, LoadModelRunnerPacksLayerByLayerToTheSameModel) {
   for (const char* dtype : {"auto", "int8"}) {
     RunnerOptions o;

@@ -16,6 +16,11 @@ ABSL_FLAG(std::string, weight_dtype, "auto",
           "CPU engine weights: auto (the checkpoint's: bf16 stays bf16, else "
           "f32), f32, bf16, or int8 (8-bit blocks of 32 with f16 scales, "
           "quantized at load)");
+ABSL_FLAG(std::string, kv_cache_dtype, "auto",
+          "KV cache element type: auto (f32 on CPU, --cuda_dtype on CUDA), "
+          "f32, or bf16 (CPU: half the bytes per token, so --kv_budget_bytes "
+          "holds twice the tokens; K/V rounded to nearest even when stored). "
+          "CUDA refuses anything but its own --cuda_dtype");
 ABSL_FLAG(double, gpu_memory_utilization, 0.9,
           "fraction of the GPU's memory this service may hold (weights, "
           "workspace and KV cache), vLLM's meaning: the KV pool gets the "
@@ -31,6 +36,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache.prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   o.cuda_dtype = absl::GetFlag(FLAGS_cuda_dtype);
   o.weight_dtype = absl::GetFlag(FLAGS_weight_dtype);
+  o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   return o;
 }

@@ -11,6 +11,8 @@ namespace specserve {
 ///   --enable_prefix_caching (automatic prefix caching, default on)
 ///   --cuda_dtype bf16|fp16  (weights and KV cache on the GPU)
 ///   --weight_dtype auto|f32|bf16|int8  (CPU engine weights)
+///   --kv_cache_dtype auto|f32|bf16  (KV cache; auto = f32 on CPU, the
+///                                    --cuda_dtype on CUDA)
 ///   --gpu_memory_utilization F  (default 0.9, vLLM's meaning)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the
 /// services set RunnerOptions::kv_pool_from_device) from

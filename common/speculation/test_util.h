@@ -24,11 +24,14 @@ inline std::shared_ptr<const ModelWeights> LoadBundled(const std::string& m) {
   return std::make_shared<const ModelWeights>(*std::move(w));
 }
 
-/// A CPU runner whose KV pool holds `sequences` max-context sequences.
+/// A CPU runner whose KV pool holds `sequences` max-context sequences in
+/// `kv_dtype`.
 inline std::unique_ptr<CpuModelRunner> MakeCpuRunner(
-    std::shared_ptr<const ModelWeights> weights, int sequences = 8) {
+    std::shared_ptr<const ModelWeights> weights, int sequences = 8,
+    KvCacheDType kv_dtype = KvCacheDType::kF32) {
   KvCacheOptions o;
-  o.pool_bytes = CpuModelRunner::BytesPerToken(weights->config) *
+  o.dtype = kv_dtype;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(weights->config, kv_dtype) *
                  weights->config.max_position_embeddings * sequences;
   auto r = CpuModelRunner::Create(std::move(weights), o);
   return r.ok() ? *std::move(r) : nullptr;
