@@ -215,7 +215,9 @@ void CheckBackend(const std::string& device, const std::string& weight_dtype,
         top1_rows);
     EXPECT_EQ(top1_agree, top1_rows);
     EXPECT_LE(cpu ? max_diff : rel, tol);
-    if (cpu) EXPECT_LE(rel, t.rel_l2);
+    if (cpu) {
+      EXPECT_LE(rel, t.rel_l2);
+    }
     // Greedy: token 0 from the last prompt row, then one-token decode steps
     // from the KV cache at start, start + 1, ...
     std::vector<int> greedy = {ArgMax(out.logits_row(n - 1, vocab), vocab)};
