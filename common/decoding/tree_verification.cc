@@ -89,51 +89,51 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
     }
   }
 
-  // Sampled: p is the current node's (residual) distribution, kept dense
-  // so it can be matched against each child's q by id.
-  std::vector<float> p_dense(vocab_size, 0.f);
+  // Sampled: p is the current node's (residual) distribution, mirrored in
+  // p_dense so a child's p(x) is one lookup; q_dense holds a rejected
+  // child's q while the residual is formed. Both are cleared after use.
+  std::vector<float> p_dense(vocab_size, 0.f), q_dense(vocab_size, 0.f);
   SparseDist p;
-  for (;;) {
+  const auto assign_p = [&](SparseDist next) {
     for (const auto& e : p) p_dense[e.first] = 0.f;
-    p = ComputeDistribution(row(slot), params);
+    p = std::move(next);
     for (const auto& e : p) p_dense[e.first] = e.second;
+  };
+  for (;;) {
+    assign_p(ComputeDistribution(row(slot), params));
     int next = -1;
     for (int c : children[slot]) {
       const DraftToken& d = drafts[c];
-      double q_x = 0.0;
-      for (const auto& e : d.q) {
-        if (e.first == d.id) {
-          q_x = e.second;  // > 0, checked by ValidateDrafts
-          break;
+      for (const auto& e : d.q) q_dense[e.first] = e.second;
+      // > 0, checked by ValidateDrafts.
+      const double q_x = q_dense[d.id];
+      // Accept with probability min(1, p/q): u < p/q without division.
+      const bool accepted = rng->Uniform() * q_x < p_dense[d.id];
+      // Rejected: p <- norm(max(0, p - q)), whose support lies in p's. p == q
+      // leaves nothing: then p stays (the next sibling, drawn from q = p, is
+      // accepted for sure).
+      SparseDist residual;
+      double total = 0.0;
+      if (!accepted) {
+        for (const auto& e : p) {
+          const float r = e.second - q_dense[e.first];
+          if (r > 0.f) {
+            residual.emplace_back(e.first, r);
+            total += r;
+          }
         }
       }
-      // Accept with probability min(1, p/q): u < p/q without division.
-      if (rng->Uniform() * q_x < p_dense[d.id]) {
+      for (const auto& e : d.q) q_dense[e.first] = 0.f;
+      if (accepted) {
         next = c;
         break;
       }
-      // Rejected: p <- norm(max(0, p - q)). The residual's support lies in
-      // p's. p == q leaves nothing: then p stays (the next sibling, drawn
-      // from q = p, is accepted for sure).
-      for (const auto& e : d.q) p_dense[e.first] -= e.second;
-      SparseDist residual;
-      double total = 0.0;
-      for (const auto& e : p) {
-        const float r = p_dense[e.first];
-        if (r > 0.f) {
-          residual.emplace_back(e.first, r);
-          total += r;
+      if (total > 0.0) {
+        for (auto& e : residual) {
+          e.second = static_cast<float>(e.second / total);
         }
+        assign_p(std::move(residual));
       }
-      for (const auto& e : d.q) p_dense[e.first] = 0.f;
-      for (const auto& e : p) p_dense[e.first] = 0.f;
-      if (residual.empty() || total <= 0.0) {
-        for (const auto& e : p) p_dense[e.first] = e.second;
-        continue;
-      }
-      for (auto& e : residual) e.second = static_cast<float>(e.second / total);
-      p = std::move(residual);
-      for (const auto& e : p) p_dense[e.first] = e.second;
     }
     if (next < 0) {
       result.tokens.push_back(SampleFrom(p, rng));
