@@ -11,6 +11,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "gtest/gtest.h"
@@ -656,9 +657,10 @@ TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChainsWithBf16Kv) {
   CheckTreeEqualsChains("stories260K", 40, true, 6, 0, bf16);
 }
 
-// The CUDA kernels' bit form of the mask hides exactly the keys the CPU's
-// list form hides.
-TEST(CpuModelRunnerTest, TreeSpanBitsAgreeWithTreeAttentionMask) {
+// Both forms of the mask (the CUDA kernels' bits, the CPU's key lists)
+// hide exactly the keys an independent definition hides: a new row in the
+// span sees the keys before the span, its ancestors and itself.
+TEST(CpuModelRunnerTest, TreeMasksHideExactlyTheNonAncestors) {
   std::mt19937_64 gen(9);
   for (int trial = 0; trial < 200; ++trial) {
     const int span = 1 + static_cast<int>(gen() % kMaxTreeSpan);
@@ -668,24 +670,37 @@ TEST(CpuModelRunnerTest, TreeSpanBitsAgreeWithTreeAttentionMask) {
     for (int j = 0; j < span; ++j) {
       parents[j] = static_cast<int>(gen() % (j + 1)) - 1;
     }
+    const int start = first + n - span;
+    bool chain = true;
+    for (int j = 0; j < span; ++j) chain &= parents[j] == j - 1;
     const TreeMask mask = TreeAttentionMask(parents, first, n);
     std::vector<int> starts(n);
     std::vector<uint64_t> bits(n);
     const bool tree = TreeSpanBits(parents, first, n, starts.data(), bits.data());
-    ASSERT_EQ(tree, !mask.empty());
-    if (!tree) continue;
+    ASSERT_EQ(tree, !chain);
     for (int i = 0; i < n; ++i) {
-      for (int key = 0; key <= first + i; ++key) {
-        const int off = key - starts[i];
-        const bool visible =
-            off < 0 || off >= 64 || ((bits[i] >> off) & 1) != 0;
-        bool hidden = false;
-        if (!mask.empty()) {
-          for (int m = mask.offsets[i]; m < mask.offsets[i + 1]; ++m) {
-            hidden |= mask.masked_keys[m] == key;
-          }
+      const int self = first + i - start;  // span index of row i
+      std::set<int> ancestors;
+      for (int a = self; a >= 0 && self >= 0; a = parents[a]) {
+        ancestors.insert(start + a);
+      }
+      std::set<int> listed;
+      if (!mask.empty()) {
+        for (int m = mask.offsets[i]; m < mask.offsets[i + 1]; ++m) {
+          listed.insert(mask.masked_keys[m]);
         }
-        ASSERT_EQ(visible, !hidden)
+      }
+      for (int key = 0; key <= first + i; ++key) {
+        const bool want_visible =
+            chain || self < 0 || key < start || ancestors.count(key) > 0;
+        bool bit_visible = true;
+        if (tree) {
+          const int off = key - starts[i];
+          bit_visible = off < 0 || off >= 64 || ((bits[i] >> off) & 1) != 0;
+        }
+        ASSERT_EQ(bit_visible, want_visible)
+            << "trial " << trial << " row " << i << " key " << key;
+        ASSERT_EQ(listed.count(key) == 0, want_visible)
             << "trial " << trial << " row " << i << " key " << key;
       }
     }

@@ -69,20 +69,19 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
 TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
                            int n) {
   TreeMask mask;
-  const int span = static_cast<int>(tree_parents.size());
-  bool chain = true;
-  for (int j = 0; j < span && chain; ++j) chain = tree_parents[j] == j - 1;
-  if (chain) return mask;
-  const int start = first + n - span;  // cache index of span entry 0
+  if (tree_parents.empty()) return mask;  // causal: the common case
+  std::vector<int> starts(n);
+  std::vector<uint64_t> bits(n);
+  if (!TreeSpanBits(tree_parents, first, n, starts.data(), bits.data())) {
+    return mask;
+  }
   mask.offsets.assign(n + 1, 0);
-  std::vector<char> visible(span);
   for (int i = 0; i < n; ++i) {
-    const int self = span - n + i;
-    if (self >= 0) {  // else before the span: causal
-      std::fill(visible.begin(), visible.end(), 0);
-      for (int a = self; a >= 0; a = tree_parents[a]) visible[a] = 1;
-      for (int j = 0; j < self; ++j) {
-        if (!visible[j]) mask.masked_keys.push_back(start + j);
+    if (starts[i] != std::numeric_limits<int>::max()) {
+      for (int key = starts[i]; key < first + i; ++key) {
+        if (((bits[i] >> (key - starts[i])) & 1) == 0) {
+          mask.masked_keys.push_back(key);
+        }
       }
     }
     mask.offsets[i + 1] = static_cast<int>(mask.masked_keys.size());

@@ -91,8 +91,9 @@ struct TreeMask {
 };
 
 /// The mask of `tree_parents` (ForwardInput) for n new rows appended at
-/// cache index `first`; an empty mask for causal input. tree_parents must
-/// be valid (ValidateForwardInput with the sequence's size).
+/// cache index `first`, listed from TreeSpanBits; an empty mask for causal
+/// input. tree_parents must be valid (ValidateForwardInput with the
+/// sequence's size: at most kMaxTreeSpan entries).
 TreeMask TreeAttentionMask(absl::Span<const int> tree_parents, int first,
                            int n);
 

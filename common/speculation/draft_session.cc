@@ -298,7 +298,8 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
     thread_local std::vector<float> probs;
     probs.assign(row.begin(), row.end());
     kernels::SoftmaxPrefix(probs.data(), vocab, vocab);
-    std::vector<int> best;
+    thread_local std::vector<int> best;
+    best.clear();
     for (int v = 0; v < vocab; ++v) {
       if (static_cast<int>(best.size()) == count &&
           probs[v] <= probs[best.back()]) {
@@ -548,9 +549,8 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
   if (op_ == Op::kDraftTree) {
     if (planned_level_) {
       const int vocab = c.vocab_size;
-      const std::vector<int> level = level_;
-      for (size_t r = 0; r < level.size(); ++r) {
-        ExpandTreeNode(level[r], out.logits_row(static_cast<int>(r), vocab));
+      for (size_t r = 0; r < level_.size(); ++r) {
+        ExpandTreeNode(level_[r], out.logits_row(static_cast<int>(r), vocab));
       }
     } else {
       ExpandTreeNode(-1, logits);  // the last committed token's logits
