@@ -7,6 +7,7 @@
 
 #include "common/decoding/sampling.h"
 #include "common/decoding/stats.h"
+#include "common/decoding/synthetic_models.h"
 #include "common/decoding/verification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -16,42 +17,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Synthetic "models": logits are a fixed pseudo-random function of the
-// context (as in verification_test), so trees can be checked exactly.
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-std::vector<float> SyntheticLogits(const std::vector<int>& context, int vocab,
-                                   uint64_t salt, float scale) {
-  uint64_t h = SplitMix64(salt);
-  for (int t : context) h = SplitMix64(h ^ static_cast<uint64_t>(t + 1));
-  std::vector<float> logits(vocab);
-  for (int v = 0; v < vocab; ++v) {
-    const double u = (SplitMix64(h + v) >> 11) * 0x1.0p-53;
-    logits[v] = static_cast<float>(scale * (2.0 * u - 1.0));
-  }
-  return logits;
-}
-
-std::vector<float> TargetLogits(const std::vector<int>& ctx, int vocab) {
-  return SyntheticLogits(ctx, vocab, 1, 3.f);
-}
-std::vector<float> DraftLogits(const std::vector<int>& ctx, int vocab) {
-  std::vector<float> l = TargetLogits(ctx, vocab);
-  const std::vector<float> noise = SyntheticLogits(ctx, vocab, 2, 2.f);
-  for (int v = 0; v < vocab; ++v) l[v] += noise[v];
-  return l;
-}
-
-std::vector<double> Dense(const SparseDist& d, int vocab) {
-  std::vector<double> p(vocab, 0.0);
-  for (const auto& e : d) p[e.first] = e.second;
-  return p;
-}
+using testing_models::Dense;
+using testing_models::DraftLogits;
+using testing_models::TargetLogits;
 
 // A drafted tree and the context each node extends.
 struct Tree {

@@ -10,6 +10,7 @@
 
 #include "common/decoding/sampling.h"
 #include "common/decoding/stats.h"
+#include "common/decoding/synthetic_models.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -18,40 +19,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// ---------------------------------------------------------------------------
-// Synthetic "models": logits are a fixed pseudo-random function of the
-// context, so target and draft are deterministic and cheap.
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-std::vector<float> SyntheticLogits(const std::vector<int>& context, int vocab,
-                                   uint64_t salt, float scale) {
-  uint64_t h = SplitMix64(salt);
-  for (int t : context) h = SplitMix64(h ^ static_cast<uint64_t>(t + 1));
-  std::vector<float> logits(vocab);
-  for (int v = 0; v < vocab; ++v) {
-    const double u = (SplitMix64(h + v) >> 11) * 0x1.0p-53;
-    logits[v] = static_cast<float>(scale * (2.0 * u - 1.0));
-  }
-  return logits;
-}
-
-// Target: salt 1. Draft: the target plus independent noise, so the two agree
-// often but not always.
-std::vector<float> TargetLogits(const std::vector<int>& ctx, int vocab) {
-  return SyntheticLogits(ctx, vocab, 1, 3.f);
-}
-std::vector<float> DraftLogits(const std::vector<int>& ctx, int vocab) {
-  std::vector<float> l = TargetLogits(ctx, vocab);
-  const std::vector<float> noise = SyntheticLogits(ctx, vocab, 2, 2.f);
-  for (int v = 0; v < vocab; ++v) l[v] += noise[v];
-  return l;
-}
+using testing_models::Dense;
+using testing_models::DraftLogits;
+using testing_models::TargetLogits;
 
 // Target rows for verification: row j = target after ctx + drafts[0..j).
 std::vector<float> TargetRows(const std::vector<int>& ctx,
@@ -65,12 +35,6 @@ std::vector<float> TargetRows(const std::vector<int>& ctx,
     if (j < drafts.size()) c.push_back(drafts[j].id);
   }
   return rows;
-}
-
-std::vector<double> Dense(const SparseDist& d, int vocab) {
-  std::vector<double> p(vocab, 0.0);
-  for (const auto& e : d) p[e.first] = e.second;
-  return p;
 }
 
 // ---------------------------------------------------------------------------
