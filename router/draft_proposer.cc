@@ -1,6 +1,8 @@
 #include "router/draft_proposer.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "common/decoding/tree_verification.h"
 
 namespace specserve {
 
@@ -44,16 +46,11 @@ absl::Status ToTargetDrafts(const v1::DraftResponse& response,
       return absl::FailedPreconditionError(
           "parents: a tree answered a request for a chain");
     }
-    if (parents.size() != response.drafts_size()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("parents: ", parents.size(), " for ",
-                       response.drafts_size(), " drafts"));
-    }
-    for (int i = 0; i < parents.size(); ++i) {
-      if (parents[i] < -1 || parents[i] >= i) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "parents[", i, "] = ", parents[i], " is outside [-1, ", i, ")"));
-      }
+    if (absl::Status s = ValidateTreeParents(
+            absl::MakeConstSpan(parents.data(), parents.size()),
+            response.drafts_size());
+        !s.ok()) {
+      return absl::FailedPreconditionError(s.message());
     }
   }
   *drafts->mutable_drafts() = response.drafts();
