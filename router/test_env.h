@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/service/grpc_util.h"
 #include "common/service/service_test_util.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"

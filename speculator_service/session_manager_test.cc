@@ -5,7 +5,7 @@
 #include <string>
 
 #include "common/model/weights.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {

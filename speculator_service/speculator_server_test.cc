@@ -25,7 +25,7 @@
 #include "common/engine/cpu_model_runner.h"
 #include "common/service/grpc_util.h"
 #include "common/specprefill/selection.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {

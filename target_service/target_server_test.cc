@@ -19,7 +19,7 @@
 #include "common/service/grpc_util.h"
 #include "common/speculation/draft_session.h"
 #include "common/speculation/target_session.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "common/tokenizer/tokenizer.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"

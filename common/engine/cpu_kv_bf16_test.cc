@@ -12,6 +12,7 @@
 
 #include "common/engine/cpu_model_runner.h"
 #include "common/model/safetensors.h"
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -19,6 +20,7 @@ namespace specserve {
 namespace {
 
 using nlohmann::json;
+using testing_util::ReadJson;
 
 // A golden model and the largest |logit(bf16 KV) - logit(f32 KV)| allowed
 // on its cases: ~1.5x the largest difference measured when the bounds were
@@ -33,17 +35,11 @@ struct Bf16Case {
 // that must equal the f32 cache's: measured 97%, 95%, 88% and 100%.
 constexpr double kMinGreedyAgreement = 0.8;
 
-json ReadJson(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return json::parse(ss.str());
-}
-
-std::shared_ptr<const ModelWeights> Load(const std::string& model) {
-  auto w = LoadModelWeights("models/" + model);
-  EXPECT_TRUE(w.ok()) << w.status();
-  return std::make_shared<const ModelWeights>(*std::move(w));
+// The bundled model `name`; fails the test if it does not load.
+std::shared_ptr<const ModelWeights> Load(const std::string& name) {
+  std::shared_ptr<const ModelWeights> w = testing_util::LoadBundled(name);
+  EXPECT_NE(w, nullptr) << name;
+  return w;
 }
 
 // A runner whose pool holds four max-context sequences, K/V in `t`.

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -21,18 +22,13 @@ namespace specserve {
 namespace {
 
 using nlohmann::json;
+using testing_util::ReadJson;
 
-json ReadJson(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return json::parse(ss.str());
-}
-
-std::shared_ptr<const ModelWeights> Load(const std::string& model) {
-  auto w = LoadModelWeights("models/" + model);
-  EXPECT_TRUE(w.ok()) << w.status();
-  return std::make_shared<const ModelWeights>(*std::move(w));
+// The bundled model `name`; fails the test if it does not load.
+std::shared_ptr<const ModelWeights> Load(const std::string& name) {
+  std::shared_ptr<const ModelWeights> w = testing_util::LoadBundled(name);
+  EXPECT_NE(w, nullptr) << name;
+  return w;
 }
 
 // A runner whose pool holds `blocks` blocks of `block_size` tokens (0 =

@@ -8,7 +8,7 @@
 #include "absl/synchronization/notification.h"
 #include "common/speculation/draft_session.h"
 #include "common/scheduling/session_work.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {

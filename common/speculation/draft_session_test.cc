@@ -7,7 +7,7 @@
 #include <numeric>
 #include <random>
 
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {

@@ -5,7 +5,7 @@
 #include <random>
 
 #include "common/decoding/stats.h"
-#include "common/speculation/test_util.h"
+#include "common/engine/test_util.h"
 #include "gtest/gtest.h"
 
 namespace specserve {

@@ -1,8 +1,9 @@
-#ifndef SPECSERVE_COMMON_SPECULATION_TEST_UTIL_H_
-#define SPECSERVE_COMMON_SPECULATION_TEST_UTIL_H_
+#ifndef SPECSERVE_COMMON_ENGINE_TEST_UTIL_H_
+#define SPECSERVE_COMMON_ENGINE_TEST_UTIL_H_
 
-// Helpers shared by the speculation tests: load bundled models and compute
-// reference greedy continuations token by token from a fresh cache.
+// Helpers shared by the engine's and the services' tests: load bundled
+// models, read golden JSON, and compute reference greedy continuations
+// token by token from a fresh cache.
 
 #include <fstream>
 #include <memory>
@@ -81,4 +82,4 @@ inline std::vector<int> GreedyReference(ModelRunner& model,
 }  // namespace testing_util
 }  // namespace specserve
 
-#endif  // SPECSERVE_COMMON_SPECULATION_TEST_UTIL_H_
+#endif  // SPECSERVE_COMMON_ENGINE_TEST_UTIL_H_
