@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -104,6 +105,17 @@ double AttentionFlops(const ModelConfig& c, int n) {
   // q.k and p.v over the causal triangle: 2 * 2 * n^2/2 * H * D per layer.
   return 2.0 * double(n) * n * c.num_attention_heads * c.head_dim *
          c.num_hidden_layers;
+}
+
+double ProcStatusBytes(const std::string& key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key + ":", 0) == 0) {
+      return std::stod(line.substr(key.size() + 1)) * 1024;
+    }
+  }
+  return 0;
 }
 
 }  // namespace bench

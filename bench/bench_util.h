@@ -39,6 +39,10 @@ double LayerFlopsPerToken(const ModelConfig& c);
 /// Attention FLOPs (q.k and p.v) of a causal prefill of n tokens.
 double AttentionFlops(const ModelConfig& c, int n);
 
+/// Field `key` of /proc/self/status ("VmRSS", "VmHWM") in bytes (the
+/// kernel reports kB); 0 if absent.
+double ProcStatusBytes(const std::string& key);
+
 /// The OpenBLAS core type in use (openblas_get_corename()).
 
 }  // namespace bench

@@ -85,18 +85,6 @@ KvCacheDType KvDType() {
   return t->value_or(KvCacheDType::kF32);
 }
 
-// Field `key` of /proc/self/status in bytes (the kernel reports kB).
-double ProcStatusBytes(const std::string& key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key + ":", 0) == 0) {
-      return std::stod(line.substr(key.size() + 1)) * 1024;
-    }
-  }
-  return 0;
-}
-
 std::string DTypeLabel(const CpuModelRunner& r) {
   return WeightDTypeName(r.weight_dtype()) + " (" +
          PackedKernelName(r.weight_dtype()) + ")";

@@ -31,18 +31,6 @@ namespace specserve {
 namespace bench {
 namespace {
 
-// Field `key` of /proc/self/status in bytes (the kernel reports kB).
-double ProcStatusBytes(const std::string& key) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key + ":", 0) == 0) {
-      return std::stod(line.substr(key.size() + 1)) * 1024;
-    }
-  }
-  return 0;
-}
-
 double DirBytes(const std::string& dir) {
   double total = 0;
   for (const char* f : {"model.safetensors"}) {
