@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/engine/huge_page_arena.h"
 #include "common/model/synthetic.h"
 
 namespace specserve {
@@ -64,7 +65,12 @@ double SgemmGflops(int m, int n, int k, int reps) {
 
 double TriadGBps(int threads, int mib) {
   const size_t n = size_t(mib) * 1024 * 1024 / sizeof(float);
-  std::unique_ptr<float[]> a(new float[n]), b(new float[n]), c(new float[n]);
+  // Huge pages, like the engine's weights and KV planes (HugePageArena):
+  // the ceiling is measured on the memory the engine streams.
+  HugePageArena& arena = HugePageArena::Default();
+  std::shared_ptr<float[]> a = arena.AllocateArray<float>(n),
+                           b = arena.AllocateArray<float>(n),
+                           c = arena.AllocateArray<float>(n);
   auto run = [&](auto fn) {
     std::vector<std::thread> ts;
     for (int t = 0; t < threads; ++t) {

@@ -11,6 +11,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/engine/huge_page_arena.h"
 #include "common/engine/kernels.h"
 #include "common/engine/thread_pool.h"
 
@@ -236,13 +237,14 @@ CpuModelRunner::CpuModelRunner(const ModelConfig& c, const KvCacheOptions& o,
   cache_->EnablePrefixCaching(o.prefix_caching);
   const size_t n = static_cast<size_t>(num_blocks) * o.block_size * row_width_;
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    // Default-initialised: pages are committed only when first written.
+    // Fresh mappings: pages are committed only when first written.
+    HugePageArena& arena = HugePageArena::Default();
     if (kv_dtype_ == KvCacheDType::kBF16) {
-      kb_.emplace_back(new uint16_t[n]);
-      vb_.emplace_back(new uint16_t[n]);
+      kb_.push_back(arena.AllocateArray<uint16_t>(n));
+      vb_.push_back(arena.AllocateArray<uint16_t>(n));
     } else {
-      k_.emplace_back(new float[n]);
-      v_.emplace_back(new float[n]);
+      k_.push_back(arena.AllocateArray<float>(n));
+      v_.push_back(arena.AllocateArray<float>(n));
     }
   }
 }

@@ -218,11 +218,12 @@ class CpuModelRunner : public ModelRunner {
   std::unique_ptr<PagedKvCache> cache_;
   KvCacheDType kv_dtype_ = KvCacheDType::kF32;
   // Per layer K and V planes: k_ / v_ for an f32 cache, kb_ / vb_ (bf16
-  // bits) for a bf16 one; the other pair is empty.
-  std::vector<std::unique_ptr<float[]>> k_;
-  std::vector<std::unique_ptr<float[]>> v_;
-  std::vector<std::unique_ptr<uint16_t[]>> kb_;
-  std::vector<std::unique_ptr<uint16_t[]>> vb_;
+  // bits) for a bf16 one; the other pair is empty. HugePageArena memory:
+  // untouched pages cost nothing, and attention streams them.
+  std::vector<std::shared_ptr<float[]>> k_;
+  std::vector<std::shared_ptr<float[]>> v_;
+  std::vector<std::shared_ptr<uint16_t[]>> kb_;
+  std::vector<std::shared_ptr<uint16_t[]>> vb_;
 };
 
 /// Sets the number of threads OpenBLAS and the engine's pool use

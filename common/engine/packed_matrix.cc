@@ -9,6 +9,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/engine/huge_page_arena.h"
 #include "common/engine/kernels.h"
 #include "common/engine/thread_pool.h"
 #include "common/model/safetensors.h"
@@ -374,7 +375,7 @@ PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
     case WeightDType::kF32: {
       m.in_padded_ = in;
       const size_t n = kernels::PackedPanelFloats(out, in);
-      m.f32_.reset(new float[n]);
+      m.f32_ = HugePageArena::Default().AllocateArray<float>(n);
       kernels::PackPanels(w, out, in, m.f32_.get());
       m.bytes_ = n * sizeof(float);
       break;
@@ -383,7 +384,7 @@ PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
       const int in2 = RoundUp(in, 2);
       m.in_padded_ = in2;
       const size_t n = P * in2 * kW;
-      m.bf16_.reset(new uint16_t[n]());
+      m.bf16_ = HugePageArena::Default().AllocateArray<uint16_t>(n);
       for (int o = 0; o < out; ++o) {
         uint16_t* panel = m.bf16_.get() + size_t(o / kW) * in2 * kW;
         const int c = o % kW;
@@ -400,9 +401,10 @@ PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
       const int nb = in32 / kQBlock;
       m.in_padded_ = in32;
       const size_t n = P * in32 * kW;
-      m.q8_.reset(new uint8_t[n]);
+      m.q8_ = HugePageArena::Default().AllocateArray<uint8_t>(n);
       std::memset(m.q8_.get(), 128, n);  // q = 0
-      m.scales_.reset(new uint16_t[P * nb * kW]());
+      m.scales_ =
+          HugePageArena::Default().AllocateArray<uint16_t>(P * nb * kW);
       for (int o = 0; o < out; ++o) {
         const size_t p = o / kW;
         const int c = o % kW;

@@ -110,10 +110,12 @@ class PackedMatrix {
   int out_ = 0, in_ = 0, panels_ = 0;
   int in_padded_ = 0;  // in (f32), in2 (bf16) or in32 (int8)
   size_t bytes_ = 0;
-  std::unique_ptr<float[]> f32_;
-  std::unique_ptr<uint16_t[]> bf16_;
-  std::unique_ptr<uint8_t[]> q8_;
-  std::unique_ptr<uint16_t[]> scales_;  // f16
+  // Storage from HugePageArena (huge pages: a decode step streams it all);
+  // shared so that copies of an immutable matrix are cheap.
+  std::shared_ptr<float[]> f32_;
+  std::shared_ptr<uint16_t[]> bf16_;
+  std::shared_ptr<uint8_t[]> q8_;
+  std::shared_ptr<uint16_t[]> scales_;  // f16
 };
 
 /// y[n, out] = x[n, in] W^T + beta * y for the matrix `w` (y row stride
