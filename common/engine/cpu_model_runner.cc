@@ -186,13 +186,35 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Create(
 absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
     const std::string& model_dir, const KvCacheOptions& o,
     std::optional<WeightDType> weight_dtype) {
+  // Every Linear weight (and the embedding table) is packed straight from
+  // the mapped checkpoint, 32 rows at a time: no f32 copy of the model
+  // exists at any point, and each tensor's file pages are dropped once it
+  // is packed.
   std::vector<PackedLayer> layers;
-  std::optional<WeightDType> chosen = weight_dtype;
+  PackedMatrix lm_head, embed;
+  WeightDType t = WeightDType::kF32;
+  auto pack = [&t](const LinearView& v) {
+    return PackedMatrix::PackRows(
+        [&v](int begin, int end, float* dst) { v.RowsToFloat(begin, end, dst); },
+        static_cast<int>(v.rows()), static_cast<int>(v.cols), t);
+  };
   LoadWeightsOptions lo;
-  lo.on_layer = [&](const ModelWeights& partial, int l, LayerWeights* lw) {
-    if (!chosen.has_value()) chosen = WeightDTypeFor(partial);
+  lo.on_embeddings = [&](const ModelWeights& partial, const LinearView& e,
+                         const LinearView* head) {
+    t = weight_dtype.value_or(WeightDTypeFor(partial));
+    if (head == nullptr) {  // tied: lm_head's rows are the table
+      lm_head = pack(e);
+    } else {
+      lm_head = pack(*head);
+      embed = pack(e);
+    }
+    return absl::OkStatus();
+  };
+  lo.on_linear_layer = [&](const ModelWeights& partial, int l,
+                           const LayerLinearViews& v) {
     layers.resize(partial.layers.size());
-    layers[l] = PackLayer(partial.config, *lw, *chosen, lw);
+    layers[l] = PackedLayer{pack(v.wqkv), pack(v.wo), pack(v.w_gate_up),
+                            pack(v.w_down)};
     return absl::OkStatus();
   };
   absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir, lo);
@@ -202,9 +224,11 @@ absl::StatusOr<std::unique_ptr<CpuModelRunner>> CpuModelRunner::Load(
   if (absl::Status s = ValidateKvCacheOptions(o, per_token); !s.ok()) return s;
   const int num_blocks = KvPoolBlocks(o, per_token, c.max_position_embeddings);
   std::unique_ptr<CpuModelRunner> r(new CpuModelRunner(c, o, num_blocks));
-  r->weight_dtype_ = chosen.value_or(WeightDTypeFor(*w));
+  r->weight_dtype_ = t;
   r->packed_ = std::move(layers);
-  r->PackWeights(*w, &*w);
+  r->lm_head_ = std::move(lm_head);
+  r->embed_ = std::move(embed);
+  r->weights_ = std::make_shared<const ModelWeights>(SmallParameters(*w));
   return r;
 }
 

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "common/engine/test_util.h"
+#include "common/model/synthetic.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -291,6 +292,55 @@ TEST(CpuModelRunnerTest, PositionsChangeLogitsAndShiftInvarianceHolds) {
   // every position leaves the logits unchanged (up to fp32 rounding).
   const auto d = LastLogits(model, ids, {17, 18, 19, 20, 21, 22});
   EXPECT_LT(MaxAbsDiff(a, d), 2e-3);
+}
+
+// Load packs straight from the checkpoint's bytes (LinearView, 32 rows at
+// a time); Create packs an f32 copy. Both must give the same matrices, so
+// the same logits bit for bit, for every stored and every weight dtype,
+// tied and untied.
+TEST(CpuModelRunnerTest, LoadFromFileEqualsCreateFromWeights) {
+  const std::string tmp = std::getenv("TEST_TMPDIR");
+  std::vector<std::string> dirs = {"models/tinystories-656K",  // BF16, tied
+                                   "models/stories260K"};      // F32, tied
+  {
+    auto c = PresetConfig("qwen2-tiny");  // q/k/v biases
+    ASSERT_TRUE(c.ok());
+    c->tie_word_embeddings = false;
+    dirs.push_back(tmp + "/untied_bf16");
+    ASSERT_TRUE(WriteSyntheticCheckpointForConfig(*c, dirs.back(), 7,
+                                                  DType::kBF16)
+                    .ok());
+    dirs.push_back(tmp + "/llama_f16");
+    ASSERT_TRUE(
+        WriteSyntheticCheckpoint("llama-tiny", dirs.back(), 9, "F16").ok());
+  }
+  const std::vector<int> ids = {1, 20, 31, 95, 40, 7, 19, 12, 300, 2};
+  std::vector<int> pos(ids.size());
+  std::iota(pos.begin(), pos.end(), 0);
+  for (const std::string& dir : dirs) {
+    auto w = LoadModelWeights(dir);
+    ASSERT_TRUE(w.ok()) << w.status();
+    auto shared = std::make_shared<const ModelWeights>(*std::move(w));
+    for (WeightDType t :
+         {WeightDType::kF32, WeightDType::kBF16, WeightDType::kInt8}) {
+      SCOPED_TRACE(dir + " " + WeightDTypeName(t));
+      KvCacheOptions o;
+      o.pool_bytes = 64 * CpuModelRunner::BytesPerToken(shared->config);
+      auto loaded = CpuModelRunner::Load(dir, o, t);
+      auto created = CpuModelRunner::Create(shared, o, t);
+      ASSERT_TRUE(loaded.ok()) << loaded.status();
+      ASSERT_TRUE(created.ok()) << created.status();
+      EXPECT_EQ((*loaded)->weight_bytes(), (*created)->weight_bytes());
+      EXPECT_EQ((*loaded)->weight_dtype(), t);
+      EXPECT_EQ(LastLogits(**loaded, ids, pos), LastLogits(**created, ids, pos));
+    }
+    // auto keeps a BF16 checkpoint in bf16, anything else in f32.
+    auto a = CpuModelRunner::Load(dir, KvCacheOptions(), std::nullopt);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ((*a)->weight_dtype(), shared->checkpoint_dtype == DType::kBF16
+                                        ? WeightDType::kBF16
+                                        : WeightDType::kF32);
+  }
 }
 
 TEST(CpuModelRunnerTest, IncrementalEqualsOneShot) {

@@ -363,60 +363,79 @@ std::string PackedKernelName(WeightDType t) {
   return "?";
 }
 
-PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
-                                WeightDType dtype) {
+PackedMatrix PackedMatrix::Allocate(int out, int in, WeightDType dtype) {
   PackedMatrix m;
   m.dtype_ = dtype;
   m.out_ = out;
   m.in_ = in;
   m.panels_ = (out + kW - 1) / kW;
   const size_t P = m.panels_;
+  HugePageArena& arena = HugePageArena::Default();
   switch (dtype) {
     case WeightDType::kF32: {
       m.in_padded_ = in;
       const size_t n = kernels::PackedPanelFloats(out, in);
-      m.f32_ = HugePageArena::Default().AllocateArray<float>(n);
-      kernels::PackPanels(w, out, in, m.f32_.get());
+      m.f32_ = arena.AllocateArray<float>(n);
       m.bytes_ = n * sizeof(float);
       break;
     }
     case WeightDType::kBF16: {
-      const int in2 = RoundUp(in, 2);
-      m.in_padded_ = in2;
-      const size_t n = P * in2 * kW;
-      m.bf16_ = HugePageArena::Default().AllocateArray<uint16_t>(n);
-      for (int o = 0; o < out; ++o) {
-        uint16_t* panel = m.bf16_.get() + size_t(o / kW) * in2 * kW;
-        const int c = o % kW;
-        const float* row = w + size_t(o) * in;
-        for (int k = 0; k < in; ++k) {
-          panel[size_t(k / 2) * 2 * kW + c * 2 + (k & 1)] = ToBf16(row[k]);
-        }
-      }
+      m.in_padded_ = RoundUp(in, 2);
+      const size_t n = P * m.in_padded_ * kW;
+      m.bf16_ = arena.AllocateArray<uint16_t>(n);  // zeros: the padding
       m.bytes_ = n * sizeof(uint16_t);
       break;
     }
     case WeightDType::kInt8: {
-      const int in32 = RoundUp(in, kQBlock);
-      const int nb = in32 / kQBlock;
-      m.in_padded_ = in32;
-      const size_t n = P * in32 * kW;
-      m.q8_ = HugePageArena::Default().AllocateArray<uint8_t>(n);
+      m.in_padded_ = RoundUp(in, kQBlock);
+      const int nb = m.in_padded_ / kQBlock;
+      const size_t n = P * m.in_padded_ * kW;
+      m.q8_ = arena.AllocateArray<uint8_t>(n);
       std::memset(m.q8_.get(), 128, n);  // q = 0
-      m.scales_ =
-          HugePageArena::Default().AllocateArray<uint16_t>(P * nb * kW);
-      for (int o = 0; o < out; ++o) {
-        const size_t p = o / kW;
-        const int c = o % kW;
-        uint8_t* panel = m.q8_.get() + p * in32 * kW;
-        const float* row = w + size_t(o) * in;
+      m.scales_ = arena.AllocateArray<uint16_t>(P * nb * kW);
+      m.bytes_ = n + P * nb * kW * sizeof(uint16_t);
+      break;
+    }
+  }
+  return m;
+}
+
+void PackedMatrix::PackPanel(const float* rows, int valid, int p) {
+  const int in = in_;
+  const int ip = in_padded_;
+  switch (dtype_) {
+    case WeightDType::kF32: {
+      float* dst = f32_.get() + size_t(p) * in * kW;
+      for (int k = 0; k < in; ++k) {
+        for (int j = 0; j < kW; ++j) {
+          dst[size_t(k) * kW + j] = j < valid ? rows[size_t(j) * in + k] : 0.f;
+        }
+      }
+      return;
+    }
+    case WeightDType::kBF16: {
+      uint16_t* panel = bf16_.get() + size_t(p) * ip * kW;
+      for (int c = 0; c < valid; ++c) {
+        const float* row = rows + size_t(c) * in;
+        for (int k = 0; k < in; ++k) {
+          panel[size_t(k / 2) * 2 * kW + c * 2 + (k & 1)] = ToBf16(row[k]);
+        }
+      }
+      return;
+    }
+    case WeightDType::kInt8: {
+      const int nb = ip / kQBlock;
+      uint8_t* panel = q8_.get() + size_t(p) * ip * kW;
+      uint16_t* scales = scales_.get() + size_t(p) * nb * kW;
+      for (int c = 0; c < valid; ++c) {
+        const float* row = rows + size_t(c) * in;
         for (int b = 0; b < nb; ++b) {
           const int k0 = b * kQBlock, k1 = std::min(in, k0 + kQBlock);
           float amax = 0.f;
           for (int k = k0; k < k1; ++k)
             amax = std::max(amax, std::fabs(row[k]));
           const uint16_t h = FloatToHalf(amax / 127.f);
-          m.scales_[(p * nb + b) * kW + c] = h;
+          scales[b * kW + c] = h;
           const float d = HalfToFloat(h);
           const float id = d > 0.f ? 1.f / d : 0.f;
           for (int k = k0; k < k1; ++k) {
@@ -426,10 +445,33 @@ PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
           }
         }
       }
-      m.bytes_ = n + P * nb * kW * sizeof(uint16_t);
-      break;
+      return;
     }
   }
+}
+
+PackedMatrix PackedMatrix::Pack(const float* w, int out, int in,
+                                WeightDType dtype) {
+  PackedMatrix m = Allocate(out, in, dtype);
+  for (int p = 0; p < m.panels_; ++p) {
+    m.PackPanel(w + size_t(p) * kW * in, std::min(kW, out - p * kW), p);
+  }
+  return m;
+}
+
+PackedMatrix PackedMatrix::PackRows(const RowSource& rows, int out, int in,
+                                    WeightDType dtype) {
+  PackedMatrix m = Allocate(out, in, dtype);
+  // A panel's rows (at most 32 x in floats) stay in L2 between the
+  // conversion and the packing.
+  ThreadPool::Default().ParallelFor(m.panels_, 1, [&](int begin, int end) {
+    std::vector<float> tmp(size_t(kW) * in);
+    for (int p = begin; p < end; ++p) {
+      const int valid = std::min(kW, out - p * kW);
+      rows(p * kW, p * kW + valid, tmp.data());
+      m.PackPanel(tmp.data(), valid, p);
+    }
+  });
   return m;
 }
 

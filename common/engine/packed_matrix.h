@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -71,8 +72,20 @@ class PackedMatrix {
 
   PackedMatrix() = default;
 
-  /// Packs w [out, in] (row-major f32) into `dtype`. out, in >= 1.
+  /// Packs w [out, in] (row-major f32) into `dtype`. out, in >= 1. Runs on
+  /// the calling thread (safe inside a ThreadPool job).
   static PackedMatrix Pack(const float* w, int out, int in, WeightDType dtype);
+
+  /// Writes rows [begin, end) of a [out, in] weight as f32 to dst [end -
+  /// begin, in]; called with at most 32 rows at a time.
+  using RowSource = std::function<void(int begin, int end, float* dst)>;
+
+  /// As Pack, fetching the weight 32 rows at a time from `rows` (e.g. a
+  /// checkpoint's BF16 bytes widened in place), so no f32 copy of the whole
+  /// matrix exists. Panels are spread over ThreadPool::Default(): do not
+  /// call from inside one of its jobs. `rows` must be thread-safe.
+  static PackedMatrix PackRows(const RowSource& rows, int out, int in,
+                               WeightDType dtype);
 
   WeightDType dtype() const { return dtype_; }
   int out() const { return out_; }
@@ -106,6 +119,11 @@ class PackedMatrix {
   void DequantizeRow(int row, float* dst) const;
 
  private:
+  // Zeroed storage for a [out, in] matrix in `dtype`.
+  static PackedMatrix Allocate(int out, int in, WeightDType dtype);
+  // Packs panel p from its `valid` (<= 32) rows [valid, in] f32.
+  void PackPanel(const float* rows, int valid, int p);
+
   WeightDType dtype_ = WeightDType::kF32;
   int out_ = 0, in_ = 0, panels_ = 0;
   int in_padded_ = 0;  // in (f32), in2 (bf16) or in32 (int8)

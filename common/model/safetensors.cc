@@ -530,9 +530,9 @@ absl::Status SafetensorsFile::CheckView(const TensorInfo& info, size_t size,
 // ---------------------------------------------------------------------------
 // Reading as fp32
 
-absl::Status ReadTensorInto(const SafetensorsFile& file, std::string_view name,
-                            absl::Span<const int64_t> expected_shape,
-                            absl::Span<float> dst) {
+absl::StatusOr<RawTensor> ViewTensor(const SafetensorsFile& file,
+                                     std::string_view name,
+                                     absl::Span<const int64_t> expected_shape) {
   const TensorInfo* t = file.Find(name);
   if (t == nullptr) {
     return absl::NotFoundError(
@@ -550,34 +550,45 @@ absl::Status ReadTensorInto(const SafetensorsFile& file, std::string_view name,
                      AV(DTypeName(t->dtype)),
                      "; only F32, F16 and BF16 can be read as weights"));
   }
-  const size_t n = static_cast<size_t>(t->num_elements());
-  if (dst.size() != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(file.path(), ": tensor '", AV(name), "' has ", n,
-                     " elements but the destination holds ", dst.size()));
-  }
-  absl::Span<const uint8_t> raw = file.RawBytes(*t);
-  switch (t->dtype) {
+  return RawTensor{file.RawBytes(*t), t->dtype};
+}
+
+void ConvertToFloat(const uint8_t* src, DType dtype, size_t n, float* dst) {
+  switch (dtype) {
     case DType::kF32:
-      if (n > 0) std::memcpy(dst.data(), raw.data(), n * sizeof(float));
+      if (n > 0) std::memcpy(dst, src, n * sizeof(float));
       break;
     case DType::kF16:
       for (size_t i = 0; i < n; ++i) {
         uint16_t h;
-        std::memcpy(&h, raw.data() + 2 * i, 2);
+        std::memcpy(&h, src + 2 * i, 2);
         dst[i] = HalfToFloat(h);
       }
       break;
     case DType::kBF16:
       for (size_t i = 0; i < n; ++i) {
         uint16_t b;
-        std::memcpy(&b, raw.data() + 2 * i, 2);
+        std::memcpy(&b, src + 2 * i, 2);
         dst[i] = BFloat16ToFloat(b);
       }
       break;
     default:
-      break;  // excluded above
+      break;  // callers pass weight types only (ViewTensor checks)
   }
+}
+
+absl::Status ReadTensorInto(const SafetensorsFile& file, std::string_view name,
+                            absl::Span<const int64_t> expected_shape,
+                            absl::Span<float> dst) {
+  absl::StatusOr<RawTensor> t = ViewTensor(file, name, expected_shape);
+  if (!t.ok()) return t.status();
+  const size_t n = t->bytes.size() / DTypeSize(t->dtype);
+  if (dst.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": tensor '", AV(name), "' has ", n,
+                     " elements but the destination holds ", dst.size()));
+  }
+  ConvertToFloat(t->bytes.data(), t->dtype, n, dst.data());
   return absl::OkStatus();
 }
 
@@ -711,6 +722,16 @@ absl::Status Checkpoint::ReadTensorAsFloat(
         absl::StrCat(source_, ": tensor '", AV(name), "' not found"));
   }
   return specserve::ReadTensorAsFloat(*f, name, expected_shape, out);
+}
+
+absl::StatusOr<RawTensor> Checkpoint::ViewTensor(
+    std::string_view name, absl::Span<const int64_t> expected_shape) const {
+  const SafetensorsFile* f = FileFor(name);
+  if (f == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(source_, ": tensor '", AV(name), "' not found"));
+  }
+  return specserve::ViewTensor(*f, name, expected_shape);
 }
 
 absl::Status Checkpoint::ReadTensorInto(

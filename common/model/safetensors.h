@@ -185,6 +185,24 @@ absl::Status ReadTensorInto(const SafetensorsFile& file, std::string_view name,
                             absl::Span<const int64_t> expected_shape,
                             absl::Span<float> dst);
 
+/// A weight tensor's stored bytes, read in place from a mapped file (valid
+/// while the file is open; possibly unaligned: read with memcpy).
+struct RawTensor {
+  absl::Span<const uint8_t> bytes;  ///< num_elements * DTypeSize(dtype)
+  DType dtype = DType::kF32;        ///< kF32, kF16 or kBF16
+};
+
+/// Tensor `name` of `file` in place, after the checks of ReadTensorInto
+/// (NOT_FOUND if absent; INVALID_ARGUMENT for a shape other than
+/// `expected_shape` or a dtype other than F32 / F16 / BF16).
+absl::StatusOr<RawTensor> ViewTensor(const SafetensorsFile& file,
+                                     std::string_view name,
+                                     absl::Span<const int64_t> expected_shape);
+
+/// Converts n stored elements of `dtype` (F32, F16 or BF16; `src` possibly
+/// unaligned) to fp32 dst[n]. F16 and BF16 widen exactly.
+void ConvertToFloat(const uint8_t* src, DType dtype, size_t n, float* dst);
+
 /// The tensors of a HF model directory: `model.safetensors`, or the shards
 /// that `model.safetensors.index.json` lists in its `weight_map`
 /// (name -> shard file in the same directory; each shard opened once).
@@ -222,6 +240,9 @@ class Checkpoint {
   absl::Status ReadTensorInto(std::string_view name,
                               absl::Span<const int64_t> expected_shape,
                               absl::Span<float> dst) const;
+  /// ViewTensor on the file holding `name`.
+  absl::StatusOr<RawTensor> ViewTensor(
+      std::string_view name, absl::Span<const int64_t> expected_shape) const;
   /// SafetensorsFile::ReleasePages of tensor `name`; no-op if absent.
   void ReleaseTensor(std::string_view name) const;
 

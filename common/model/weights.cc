@@ -1,5 +1,7 @@
 #include "common/model/weights.h"
 
+#include <algorithm>
+
 #include <cstdint>
 #include <set>
 #include <string>
@@ -51,6 +53,30 @@ class Reader {
     return s;
   }
 
+  // Tensor `name` of `shape` in place (checked as Read checks it); its
+  // pages are released by Release().
+  absl::StatusOr<RawTensor> View(const std::string& name,
+                                 std::vector<int64_t> shape) {
+    used_.insert(name);
+    viewed_.push_back(name);
+    return ckpt_.ViewTensor(name, shape);
+  }
+
+  // Appends tensor `name` [rows, view->cols] to `view`'s blocks.
+  absl::Status ViewInto(const std::string& name, int64_t rows,
+                        LinearView* view) {
+    absl::StatusOr<RawTensor> t = View(name, {rows, view->cols});
+    if (!t.ok()) return t.status();
+    view->blocks.push_back(*t);
+    return absl::OkStatus();
+  }
+
+  // Drops the mapped pages of every tensor View returned so far.
+  void Release() {
+    for (const std::string& name : viewed_) ckpt_.ReleaseTensor(name);
+    viewed_.clear();
+  }
+
   void MarkUsed(const std::string& name) { used_.insert(name); }
 
   // INVALID_ARGUMENT naming the first tensor nothing read. Older HF exports
@@ -69,9 +95,33 @@ class Reader {
  private:
   const Checkpoint& ckpt_;
   std::set<std::string> used_;
+  std::vector<std::string> viewed_;
 };
 
 }  // namespace
+
+int64_t LinearView::rows() const {
+  int64_t n = 0;
+  for (const RawTensor& b : blocks) {
+    n += static_cast<int64_t>(b.bytes.size() / DTypeSize(b.dtype)) / cols;
+  }
+  return n;
+}
+
+void LinearView::RowsToFloat(int64_t begin, int64_t end, float* dst) const {
+  int64_t first = 0;  // first row of the current block
+  for (const RawTensor& b : blocks) {
+    const size_t es = DTypeSize(b.dtype);
+    const int64_t n = static_cast<int64_t>(b.bytes.size() / es) / cols;
+    const int64_t lo = std::max(begin, first), hi = std::min(end, first + n);
+    if (lo < hi) {
+      ConvertToFloat(b.bytes.data() + static_cast<size_t>(lo - first) * cols * es,
+                     b.dtype, static_cast<size_t>(hi - lo) * cols,
+                     dst + static_cast<size_t>(lo - begin) * cols);
+    }
+    first += n;
+  }
+}
 
 size_t ModelWeights::bytes() const {
   size_t n = embed.size() + final_norm.size() + lm_head_weight.size();
@@ -115,7 +165,37 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
 
   // Embeddings and output head. A tied checkpoint may keep either copy
   // (tinystories-656K stores only lm_head.weight).
-  if (config->tie_word_embeddings) {
+  if (options.on_embeddings) {
+    LinearView embed, head;
+    embed.cols = head.cols = hidden;
+    const bool tied = config->tie_word_embeddings;
+    std::string name = kEmbed;
+    if (tied && c.Find(kEmbed) == nullptr && c.Find(kLmHead) != nullptr) {
+      name = kLmHead;
+    }
+    if ((s = r.ViewInto(name, vocab, &embed)); !s.ok()) {
+      if (tied && s.code() == absl::StatusCode::kNotFound) {
+        return absl::NotFoundError(absl::StrCat(c.source(), ": tensor '", kEmbed,
+                                                "' not found (nor '", kLmHead,
+                                                "'; config.json ties them)"));
+      }
+      return s;
+    }
+    if (tied) {
+      r.MarkUsed(kLmHead);
+    } else if ((s = r.ViewInto(kLmHead, vocab, &head)); !s.ok()) {
+      if (s.code() == absl::StatusCode::kNotFound) {
+        return absl::NotFoundError(absl::StrCat(
+            s.message(), " (config.json has tie_word_embeddings false)"));
+      }
+      return s;
+    }
+    if ((s = options.on_embeddings(w, embed, tied ? nullptr : &head));
+        !s.ok()) {
+      return s;
+    }
+    r.Release();
+  } else if (config->tie_word_embeddings) {
     std::string name = kEmbed;
     if (c.Find(kEmbed) == nullptr && c.Find(kLmHead) != nullptr) {
       name = kLmHead;
@@ -137,6 +217,7 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
     }
   }
 
+  const bool use_views = static_cast<bool>(options.on_linear_layer);
   w.layers.resize(config->num_hidden_layers);
   for (int i = 0; i < config->num_hidden_layers; ++i) {
     LayerWeights& l = w.layers[i];
@@ -146,25 +227,49 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
       return s;
     }
     // [q; k; v] rows so one GEMM yields all three projections.
-    l.wqkv.resize(static_cast<size_t>((q_rows + 2 * kv_rows) * hidden));
-    if ((s = r.ReadSlice(p + "self_attn.q_proj.weight", {q_rows, hidden},
-                         &l.wqkv, 0));
-        !s.ok()) {
-      return s;
-    }
-    if ((s = r.ReadSlice(p + "self_attn.k_proj.weight", {kv_rows, hidden},
-                         &l.wqkv, q_rows * hidden));
-        !s.ok()) {
-      return s;
-    }
-    if ((s = r.ReadSlice(p + "self_attn.v_proj.weight", {kv_rows, hidden},
-                         &l.wqkv, (q_rows + kv_rows) * hidden));
-        !s.ok()) {
-      return s;
-    }
-    if ((s = r.Read(p + "self_attn.o_proj.weight", {hidden, q_rows}, &l.wo));
-        !s.ok()) {
-      return s;
+    LayerLinearViews views;
+    if (use_views) {
+      views.wqkv.cols = hidden;
+      views.wo.cols = q_rows;
+      if ((s = r.ViewInto(p + "self_attn.q_proj.weight", q_rows, &views.wqkv));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ViewInto(p + "self_attn.k_proj.weight", kv_rows,
+                          &views.wqkv));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ViewInto(p + "self_attn.v_proj.weight", kv_rows,
+                          &views.wqkv));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ViewInto(p + "self_attn.o_proj.weight", hidden, &views.wo));
+          !s.ok()) {
+        return s;
+      }
+    } else {
+      l.wqkv.resize(static_cast<size_t>((q_rows + 2 * kv_rows) * hidden));
+      if ((s = r.ReadSlice(p + "self_attn.q_proj.weight", {q_rows, hidden},
+                           &l.wqkv, 0));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ReadSlice(p + "self_attn.k_proj.weight", {kv_rows, hidden},
+                           &l.wqkv, q_rows * hidden));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ReadSlice(p + "self_attn.v_proj.weight", {kv_rows, hidden},
+                           &l.wqkv, (q_rows + kv_rows) * hidden));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.Read(p + "self_attn.o_proj.weight", {hidden, q_rows}, &l.wo));
+          !s.ok()) {
+        return s;
+      }
     }
     if (config->has_qkv_bias()) {  // same [q; k; v] order as wqkv's rows
       l.bqkv.resize(static_cast<size_t>(q_rows + 2 * kv_rows));
@@ -206,23 +311,44 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
       return s;
     }
     // [gate; up] rows, likewise.
-    l.w_gate_up.resize(static_cast<size_t>(2 * ffn * hidden));
-    if ((s = r.ReadSlice(p + "mlp.gate_proj.weight", {ffn, hidden},
-                         &l.w_gate_up, 0));
-        !s.ok()) {
-      return s;
-    }
-    if ((s = r.ReadSlice(p + "mlp.up_proj.weight", {ffn, hidden}, &l.w_gate_up,
-                         ffn * hidden));
-        !s.ok()) {
-      return s;
-    }
-    if ((s = r.Read(p + "mlp.down_proj.weight", {hidden, ffn}, &l.w_down));
-        !s.ok()) {
-      return s;
+    if (use_views) {
+      views.w_gate_up.cols = hidden;
+      views.w_down.cols = ffn;
+      if ((s = r.ViewInto(p + "mlp.gate_proj.weight", ffn, &views.w_gate_up));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ViewInto(p + "mlp.up_proj.weight", ffn, &views.w_gate_up));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ViewInto(p + "mlp.down_proj.weight", hidden, &views.w_down));
+          !s.ok()) {
+        return s;
+      }
+    } else {
+      l.w_gate_up.resize(static_cast<size_t>(2 * ffn * hidden));
+      if ((s = r.ReadSlice(p + "mlp.gate_proj.weight", {ffn, hidden},
+                           &l.w_gate_up, 0));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.ReadSlice(p + "mlp.up_proj.weight", {ffn, hidden},
+                           &l.w_gate_up, ffn * hidden));
+          !s.ok()) {
+        return s;
+      }
+      if ((s = r.Read(p + "mlp.down_proj.weight", {hidden, ffn}, &l.w_down));
+          !s.ok()) {
+        return s;
+      }
     }
     if (options.on_layer) {
       if ((s = options.on_layer(w, i, &l)); !s.ok()) return s;
+    }
+    if (use_views) {
+      if ((s = options.on_linear_layer(w, i, views)); !s.ok()) return s;
+      r.Release();
     }
   }
   if ((s = r.Read(kFinalNorm, {hidden}, &w.final_norm)); !s.ok()) return s;

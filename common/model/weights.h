@@ -53,6 +53,28 @@ struct ModelWeights {
   size_t bytes() const;
 };
 
+/// A Linear weight [rows(), cols] in the checkpoint's own bytes: row-major
+/// blocks stacked top to bottom (e.g. q, k and v of a fused wqkv), each in
+/// its stored dtype. Valid only while the loader's callback runs (it views
+/// the mapped file). Lets a caller pack straight from the file instead of
+/// through an fp32 copy.
+struct LinearView {
+  std::vector<RawTensor> blocks;  ///< each [rows_i, cols], rows_i >= 0
+  int64_t cols = 0;
+
+  /// Sum of the blocks' rows.
+  int64_t rows() const;
+  /// Writes rows [begin, end) (end <= rows()) as fp32 to dst [end - begin,
+  /// cols]; F16 and BF16 widen exactly.
+  void RowsToFloat(int64_t begin, int64_t end, float* dst) const;
+};
+
+/// The four Linear weights of a decoder layer as views, in LayerWeights'
+/// fused layouts: wqkv [q; k; v], wo, w_gate_up [gate; up], w_down.
+struct LayerLinearViews {
+  LinearView wqkv, wo, w_gate_up, w_down;
+};
+
 /// Loads config.json and model.safetensors (or the shards listed in
 /// model.safetensors.index.json) from `model_dir`, converting F16/BF16 to
 /// fp32. Tied checkpoints may store either `model.embed_tokens.weight` or
@@ -75,6 +97,22 @@ struct LoadWeightsOptions {
   std::function<absl::Status(const ModelWeights& partial, int layer,
                              LayerWeights* weights)>
       on_layer;
+  /// When set, the loader converts no Linear weight to fp32: each layer's
+  /// four projections are handed to on_linear_layer as views of the file
+  /// (after the same shape and dtype checks), right after on_layer, and
+  /// LayerWeights' wqkv, wo, w_gate_up and w_down stay empty. The views'
+  /// file pages are released (madvise) once it returns.
+  std::function<absl::Status(const ModelWeights& partial, int layer,
+                             const LayerLinearViews& views)>
+      on_linear_layer;
+  /// Likewise for the embedding table and, when untied, lm_head (nullptr
+  /// when tied): with on_embeddings set, `embed` and `lm_head_weight` stay
+  /// empty. Called before the first layer, with `partial` holding the
+  /// config and checkpoint_dtype.
+  std::function<absl::Status(const ModelWeights& partial,
+                             const LinearView& embed,
+                             const LinearView* lm_head)>
+      on_embeddings;
 };
 
 /// As above, with `options`.

@@ -282,6 +282,104 @@ TEST(LoadModelWeightsTest, OnLayerSeesEachLayerInOrderAndMayTakeIt) {
   EXPECT_EQ(w.status().code(), absl::StatusCode::kCancelled);
 }
 
+// Every row range of a view, converted, equals the same rows of the f32
+// load (ranges cross the q / k / v and gate / up block boundaries).
+void ExpectViewEquals(const LinearView& v, const std::vector<float>& want,
+                      const char* what) {
+  ASSERT_EQ(static_cast<size_t>(v.rows() * v.cols), want.size()) << what;
+  for (int64_t b = 0; b < v.rows(); ++b) {
+    for (int64_t e = b + 1; e <= v.rows(); e += 3) {
+      std::vector<float> got((e - b) * v.cols, -1.f);
+      v.RowsToFloat(b, e, got.data());
+      ASSERT_EQ(got, std::vector<float>(want.begin() + b * v.cols,
+                                        want.begin() + e * v.cols))
+          << what << " rows " << b << ".." << e;
+    }
+  }
+}
+
+TEST(LoadModelWeightsTest, LinearViewsEqualTheFloatLoad) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const std::string dir = WriteTiny(tied ? "views_tied" : "views_untied",
+                                      tied, /*with_lm_head=*/!tied);
+    absl::StatusOr<ModelWeights> whole = LoadModelWeights(dir);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    std::vector<int> seen;
+    int embeddings_calls = 0;
+    LoadWeightsOptions o;
+    o.on_embeddings = [&](const ModelWeights& partial, const LinearView& e,
+                          const LinearView* head) {
+      ++embeddings_calls;
+      EXPECT_TRUE(seen.empty());  // before the first layer
+      EXPECT_EQ(partial.config.vocab_size, kVocab);
+      ExpectViewEquals(e, whole->embed, "embed");
+      EXPECT_EQ(head == nullptr, tied);
+      if (head != nullptr) ExpectViewEquals(*head, whole->lm_head_weight, "head");
+      return absl::OkStatus();
+    };
+    o.on_linear_layer = [&](const ModelWeights& partial, int layer,
+                            const LayerLinearViews& v) {
+      seen.push_back(layer);
+      // on_layer's part (norms) is already read; no f32 projection is.
+      EXPECT_EQ(partial.layers[layer].attn_norm, whole->layers[layer].attn_norm);
+      EXPECT_TRUE(partial.layers[layer].wqkv.empty());
+      EXPECT_EQ(v.wqkv.blocks.size(), 3u);
+      EXPECT_EQ(v.w_gate_up.blocks.size(), 2u);
+      const LayerWeights& f = whole->layers[layer];
+      ExpectViewEquals(v.wqkv, f.wqkv, "wqkv");
+      ExpectViewEquals(v.wo, f.wo, "wo");
+      ExpectViewEquals(v.w_gate_up, f.w_gate_up, "w_gate_up");
+      ExpectViewEquals(v.w_down, f.w_down, "w_down");
+      return absl::OkStatus();
+    };
+    absl::StatusOr<ModelWeights> w = LoadModelWeights(dir, o);
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(embeddings_calls, 1);
+    EXPECT_EQ(seen, (std::vector<int>{0, 1}));
+    EXPECT_TRUE(w->embed.empty());
+    EXPECT_TRUE(w->lm_head_weight.empty());
+    EXPECT_TRUE(w->layers[1].w_down.empty());
+    EXPECT_EQ(w->layers[1].mlp_norm, whole->layers[1].mlp_norm);
+    EXPECT_EQ(w->final_norm, whole->final_norm);
+    // A callback's error stops loading and is returned.
+    seen.clear();
+    o.on_linear_layer = [](const ModelWeights&, int layer,
+                           const LayerLinearViews&) {
+      return layer == 1 ? absl::CancelledError("stop") : absl::OkStatus();
+    };
+    EXPECT_EQ(LoadModelWeights(dir, o).status().code(),
+              absl::StatusCode::kCancelled);
+  }
+}
+
+TEST(LoadModelWeightsTest, LinearViewsKeepTheChecks) {
+  // A wrong shape is caught before any callback sees a view.
+  const std::string dir =
+      WriteTiny("views_bad_shape", true, false, [](std::vector<NamedTensor>* ts) {
+        for (NamedTensor& t : *ts) {
+          if (t.name == "model.layers.1.mlp.up_proj.weight") {
+            t = Tensor(t.name, {kFfn - 1, kHidden}, 27);
+          }
+        }
+      });
+  LoadWeightsOptions o;
+  int layers = 0;
+  o.on_embeddings = [](const ModelWeights&, const LinearView&,
+                       const LinearView*) { return absl::OkStatus(); };
+  o.on_linear_layer = [&](const ModelWeights&, int, const LayerLinearViews&) {
+    ++layers;
+    return absl::OkStatus();
+  };
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(dir, o);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(w.status()),
+              AllOf(HasSubstr("model.layers.1.mlp.up_proj.weight"),
+                    HasSubstr("[11, 8]")));
+  EXPECT_EQ(layers, 1);  // layer 0 only
+}
+
 TEST(LoadModelWeightsTest, UntiedNeedsAndUsesLmHead) {
   absl::StatusOr<ModelWeights> w =
       LoadModelWeights(WriteTiny("untied", /*tied=*/false, true));
