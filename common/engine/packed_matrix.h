@@ -95,6 +95,12 @@ class PackedMatrix {
   /// Bytes held (data and scales).
   size_t bytes() const { return bytes_; }
 
+  /// True when Gemm runs this dtype's own dot-product instructions
+  /// (vdpbf16ps for bf16, vpdpbusd for int8: 2x / 4x the MACs per
+  /// instruction of f32 FMA), so it beats dequantize + sgemm at any batch;
+  /// false for f32 and for the AVX2 fallbacks.
+  bool HasNativeKernel() const;
+
   /// Converts n rows of x [n, in] (row stride in) for Gemm; `input` keeps
   /// a pointer to x for the f32 format, so x must outlive the products.
   void PrepareInput(const float* x, int n, Input* input) const;
@@ -137,9 +143,10 @@ class PackedMatrix {
 };
 
 /// y[n, out] = x[n, in] W^T + beta * y for the matrix `w` (y row stride
-/// out): panels spread over the engine's thread pool for n <= max_gemv_rows
-/// (PackedMatrix::Gemm), else tiles of W unpacked to f32 and multiplied by
-/// OpenBLAS sgemm (its threads). `input` is scratch reused across calls.
+/// out): panels spread over the engine's thread pool (PackedMatrix::Gemm)
+/// for n <= max_gemv_rows or when w.HasNativeKernel(), else tiles of W
+/// unpacked to f32 and multiplied by OpenBLAS sgemm (its threads). `input`
+/// is scratch reused across calls.
 void PackedLinear(const PackedMatrix& w, const float* x, int n, float* y,
                   float beta, int max_gemv_rows, PackedMatrix::Input* input);
 
