@@ -16,8 +16,14 @@ tg=${TG:-128} btg=${BATCH_TG:-32}
 ours=bazel-bin/bench/engine_bench
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 for r in $(seq 1 "$rounds"); do
+  # Prefill at 512 tokens; decode from a 1-token prompt, as llama-bench's
+  # tg test decodes from an empty context (a 512-token context would add
+  # 38 MB of f32 KV reads to every step); batched decode at 128 cached
+  # tokens per sequence, as llama-batched-bench -npp 128.
   echo "### round $r ours $(date +%T) load $(load)"
-  "$ours" --models=synthetic:llama2-110m --lengths=512 --decode_tokens "$tg" \
+  "$ours" --models=synthetic:llama2-110m --lengths=512 --decode_tokens 1 \
+    --reps 2 --weight_dtypes=f32,bf16,int8 --batch_model=
+  "$ours" --models=synthetic:llama2-110m --lengths=1 --decode_tokens "$tg" \
     --reps 2 --weight_dtypes=f32,bf16,int8 --batch_sizes=1,16
   if [ -n "$base" ]; then
     echo "### round $r base $(date +%T) load $(load)"
