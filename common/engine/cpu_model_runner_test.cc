@@ -25,8 +25,18 @@ namespace {
 using nlohmann::json;
 using testing_util::ReadJson;
 
-// The bundled model `name`; fails the test if it does not load.
+// The bundled model `name`, or "synthetic:<preset>" written to the test's
+// temporary directory; fails the test if it does not load.
 std::shared_ptr<const ModelWeights> Load(const std::string& name) {
+  const std::string prefix = "synthetic:";
+  if (name.rfind(prefix, 0) == 0) {
+    const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/" +
+                            name.substr(prefix.size());
+    EXPECT_TRUE(WriteSyntheticCheckpoint(name.substr(prefix.size()), dir, 5).ok());
+    auto w = LoadModelWeights(dir);
+    EXPECT_TRUE(w.ok()) << w.status();
+    return w.ok() ? std::make_shared<const ModelWeights>(*std::move(w)) : nullptr;
+  }
   std::shared_ptr<const ModelWeights> w = testing_util::LoadBundled(name);
   EXPECT_NE(w, nullptr) << name;
   return w;
@@ -679,8 +689,14 @@ void CheckTreeEqualsChains(const std::string& model_name, int nodes,
 }
 
 TEST(CpuModelRunnerTest, TreeAttentionEqualsSeparateChains) {
-  // Few rows attend straight from the blocks; more than 16 take the GEMM
-  // path. GQA (tinystories-656K: 8 heads over 4 KV heads) and MHA.
+  // With head_dim >= 32 up to 16 rows attend straight from the blocks and
+  // more take the GEMM path; with smaller heads (the bundled models, 8)
+  // every multi-row sequence takes the GEMM path. GQA (tinystories-656K: 8
+  // heads over 4 KV heads; llama3-tiny: 4 over 2, head_dim 32) and MHA.
+  CheckTreeEqualsChains("synthetic:llama3-tiny", 9, false, 11);
+  CheckTreeEqualsChains("synthetic:llama3-tiny", 16, false, 12, /*lead=*/0);
+  CheckTreeEqualsChains("synthetic:llama3-tiny", 24, false, 13);
+  CheckTreeEqualsChains("synthetic:llama3-tiny", 8, false, 14, /*lead=*/4);
   CheckTreeEqualsChains("tinystories-656K", 9, false, 1);
   CheckTreeEqualsChains("tinystories-656K", 30, false, 2);
   CheckTreeEqualsChains("stories260K", 12, false, 3);
