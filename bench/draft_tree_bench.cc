@@ -9,7 +9,7 @@
 //   bazel run -c opt //bench:draft_tree_bench -- --pairs=stories260K
 //   --trees="3,3,3,3,3,3,3:16;4,2,2,1,1:16"
 //
-// A tree is "b0,b1,...:max_nodes" (DraftTreeShape).
+// A tree is "b0,b1,...:max_nodes[:min_path_prob]" (DraftTreeShape).
 
 #include <algorithm>
 #include <cstdio>
@@ -42,7 +42,7 @@ ABSL_FLAG(int, prompt_tokens, 48, "prompt length (tokens, BOS included)");
 ABSL_FLAG(int, gen, 128, "tokens generated per prompt (EOS ignored)");
 ABSL_FLAG(std::string, chains, "4", "chain lengths k, comma separated");
 ABSL_FLAG(std::string, trees, "3,2,2,2,2,2:16;3,3,3,3,3,3,3:16;2,2,2,2,2,2,2,2:16",
-          "tree shapes 'b0,b1,...:max_nodes', ';' separated");
+          "tree shapes 'b0,b1,...:max_nodes[:min_path_prob]', ';' separated");
 ABSL_FLAG(int, reps, 2, "timed repetitions (the fastest counts)");
 ABSL_FLAG(int, threads, 1, "engine threads (ThreadPool::Default)");
 
@@ -137,7 +137,10 @@ absl::StatusOr<std::vector<Method>> ParseMethods() {
       }
       m.tree.branching.push_back(v);
     }
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[1], &m.tree.max_nodes)) {
+    if (parts.size() < 2 || parts.size() > 3 ||
+        !absl::SimpleAtoi(parts[1], &m.tree.max_nodes) ||
+        (parts.size() == 3 &&
+         !absl::SimpleAtod(parts[2], &m.tree.min_path_prob))) {
       return absl::InvalidArgumentError(absl::StrCat("bad tree ", spec));
     }
     if (absl::Status s = ValidateDraftTreeShape(m.tree); !s.ok()) return s;

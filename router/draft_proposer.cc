@@ -1,5 +1,7 @@
 #include "router/draft_proposer.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/decoding/tree_verification.h"
@@ -20,9 +22,14 @@ void AddPointMassDrafts(
   }
 }
 
+double TreeMinPathProbUnderLoad(double min_path_prob, int running) {
+  return std::min(0.5, min_path_prob * std::max(running, 1));
+}
+
 v1::DraftRequest MakeDraftRequest(const ResolvedOptions& opts,
                                   const std::string& session_id,
-                                  const std::vector<int>& emitted, int k) {
+                                  const std::vector<int>& emitted, int k,
+                                  int running) {
   v1::DraftRequest req;
   req.set_session_id(session_id);
   req.mutable_emitted_token_ids()->Add(emitted.begin(), emitted.end());
@@ -33,6 +40,8 @@ v1::DraftRequest MakeDraftRequest(const ResolvedOptions& opts,
     tree->mutable_branching()->Add(opts.tree_branching.begin(),
                                    opts.tree_branching.end());
     tree->set_max_nodes(opts.tree_max_nodes);
+    tree->set_min_path_prob(
+        TreeMinPathProbUnderLoad(opts.tree_min_path_prob, running));
   }
   return req;
 }

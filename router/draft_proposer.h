@@ -28,14 +28,25 @@ void AddPointMassDrafts(
     const std::vector<int>& ids, bool greedy,
     google::protobuf::RepeatedPtrField<v1::DraftToken>* out);
 
+/// The confidence threshold of a draft tree's nodes with `running`
+/// requests in flight: min(0.5, min_path_prob * running) (running < 1
+/// counts as 1). A node with path probability p adds p tokens per round in
+/// expectation and one verify row; with more requests sharing the
+/// machine a row costs more of everyone's throughput, so fewer, likelier
+/// nodes pay (Sequoia, Chen et al. 2024, sizes trees to the hardware the
+/// same way). 0 stays 0.
+double TreeMinPathProbUnderLoad(double min_path_prob, int running);
+
 /// The speculator's next round: the tokens the target emitted since the
 /// last one, and k drafts as a chain, or for "draft_tree" with the full
 /// k (not cut by the load rule) the tree's shape (opts.tree_branching,
-/// opts.tree_max_nodes); a load-reduced round asks for a chain of k.
-/// `session_id` may be "" after the stream's first message.
+/// opts.tree_max_nodes, and the node threshold TreeMinPathProbUnderLoad(
+/// opts.tree_min_path_prob, running)); a load-reduced round asks for a
+/// chain of k. `session_id` may be "" after the stream's first message.
 v1::DraftRequest MakeDraftRequest(const ResolvedOptions& opts,
                                   const std::string& session_id,
-                                  const std::vector<int>& emitted, int k);
+                                  const std::vector<int>& emitted, int k,
+                                  int running = 1);
 
 /// The target's drafts for a speculator's answer: its drafts, and a tree's
 /// parents (DraftResponse.parents, depth-first preorder) as Drafts.parents.

@@ -37,6 +37,7 @@ ResolvedOptions Opts(SpecDecodeMethod method) {
   o.spec_decode_method = method;
   o.tree_branching = {3, 2, 1};
   o.tree_max_nodes = 10;
+  o.tree_min_path_prob = 0.02;
   return o;
 }
 
@@ -55,10 +56,22 @@ TEST(MakeDraftRequestTest, TreeShapeForDraftTreeUnlessLoadCutK) {
   ASSERT_TRUE(r.has_tree());
   EXPECT_THAT(r.tree().branching(), ElementsAre(3, 2, 1));
   EXPECT_EQ(r.tree().max_nodes(), 10);
+  EXPECT_DOUBLE_EQ(r.tree().min_path_prob(), 0.02);  // one request running
+  r = MakeDraftRequest(o, "", {3}, 4, /*running=*/8);
+  EXPECT_DOUBLE_EQ(r.tree().min_path_prob(), 0.16);
   // Under load (k cut to 2) the round is a plain chain of 2.
   r = MakeDraftRequest(o, "", {3}, 2);
   EXPECT_FALSE(r.has_tree());
   EXPECT_EQ(r.num_draft_tokens(), 2);
+}
+
+TEST(TreeMinPathProbUnderLoadTest, GrowsWithTheRequestsInFlightUpToAHalf) {
+  EXPECT_EQ(TreeMinPathProbUnderLoad(0.0, 100), 0.0);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 0), 0.01);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 1), 0.01);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 16), 0.16);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 1000), 0.5);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.9, 1), 0.5);
 }
 
 v1::DraftResponse Response(std::vector<int> ids, std::vector<int> parents) {

@@ -97,6 +97,12 @@ ABSL_FLAG(std::string, default_tree_branching, "3,2,2,2,2,2",
           "(comma-separated)");
 ABSL_FLAG(int, default_tree_max_nodes, specserve::kDefaultTreeMaxNodes,
           "draft_tree: the tree's node budget when unset");
+ABSL_FLAG(double, default_tree_min_path_prob,
+          specserve::kDefaultTreeMinPathProb,
+          "draft_tree: with one request in flight, the speculator's path "
+          "probability a node needs to grow children (greedy: to be kept), "
+          "when unset; raised with the requests in flight "
+          "(TreeMinPathProbUnderLoad); 0 = the full shape");
 
 namespace specserve {
 namespace {
@@ -183,6 +189,7 @@ int Run() {
     d.tree_branching.push_back(b);
   }
   d.tree_max_nodes = absl::GetFlag(FLAGS_default_tree_max_nodes);
+  d.tree_min_path_prob = absl::GetFlag(FLAGS_default_tree_min_path_prob);
 
   EnableHealthAndReflection();
   auto server = RouterServer::Create(o);

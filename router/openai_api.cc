@@ -277,9 +277,9 @@ absl::Status ParseSampling(const json& body,
 
 // Our extensions: speculative_prefill {...}, speculative_decoding {...}
 // (enabled, num_draft_tokens, method, prompt_lookup_min, prompt_lookup_max,
-// tree_branching: [int], tree_max_nodes). Only types are checked here;
-// ranges and method names by the router (ResolveOptions) with the same
-// names.
+// tree_branching: [int], tree_max_nodes, tree_min_path_prob). Only types
+// are checked here; ranges and method names by the router (ResolveOptions)
+// with the same names.
 absl::Status ParseExtensions(const json& body, v1::GenerateTextRequest* r) {
   if (const json* p = Member(body, "speculative_prefill"); p != nullptr) {
     if (!p->is_object()) {
@@ -368,6 +368,10 @@ absl::Status ParseExtensions(const json& body, v1::GenerateTextRequest* r) {
                                        "speculative_decoding.tree_max_nodes",
                                        -kInt32Max, kInt32Max));
     if (max_nodes) c->set_tree_max_nodes(static_cast<int32_t>(*max_nodes));
+    SPECSERVE_ASSIGN(min_prob,
+                     GetNumber(*d, "tree_min_path_prob",
+                               "speculative_decoding.tree_min_path_prob"));
+    if (min_prob) c->set_tree_min_path_prob(*min_prob);
   }
   return absl::OkStatus();
 }

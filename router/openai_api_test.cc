@@ -53,7 +53,8 @@ TEST(ParseRequestTest, MapsEveryField) {
                          {"prompt_lookup_min", 2},
                          {"prompt_lookup_max", 7},
                          {"tree_branching", {4, 2, 1}},
-                         {"tree_max_nodes", 12}}}});
+                         {"tree_max_nodes", 12},
+                         {"tree_min_path_prob", 0.05}}}});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->model, "m");
   EXPECT_TRUE(p->stream);
@@ -91,6 +92,7 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_EQ(sd.tree_branching(0), 4);
   EXPECT_EQ(sd.tree_branching(2), 1);
   EXPECT_EQ(sd.tree_max_nodes(), 12);
+  EXPECT_DOUBLE_EQ(sd.tree_min_path_prob(), 0.05);
 }
 
 TEST(ParseRequestTest, UnsetFieldsStayUnset) {
@@ -168,6 +170,9 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"},
         {"speculative_decoding", {{"tree_max_nodes", true}}}},
        "speculative_decoding.tree_max_nodes"},
+      {{{"prompt", "a"},
+        {"speculative_decoding", {{"tree_min_path_prob", "0.1"}}}},
+       "speculative_decoding.tree_min_path_prob"},
       {{{"prompt", "a"}, {"speculative_prefill", {{"chunk_size", 2.5}}}},
        "speculative_prefill.chunk_size"},
       {{{"prompt", "a"}, {"speculative_prefill", true}}, "speculative_prefill"},

@@ -244,6 +244,12 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
     return Bad("speculative_decoding.tree_max_nodes",
                absl::StrCat("in [1, ", kMaxTreeNodes, "]"), o.tree_max_nodes);
   }
+  o.tree_min_path_prob = sd.has_tree_min_path_prob() ? sd.tree_min_path_prob()
+                                                     : d.tree_min_path_prob;
+  if (!(o.tree_min_path_prob >= 0.0 && o.tree_min_path_prob < 1.0)) {
+    return Bad("speculative_decoding.tree_min_path_prob", "in [0, 1)",
+               o.tree_min_path_prob);
+  }
   return o;
 }
 

@@ -47,6 +47,10 @@ absl::StatusOr<SpecDecodeMethod> ParseSpecDecodeMethod(absl::string_view name,
 /// forward, with the fewest speculator rows of the shapes tried.
 inline constexpr int kDefaultTreeBranching[] = {3, 2, 2, 2, 2, 2};
 inline constexpr int kDefaultTreeMaxNodes = 16;
+/// The default confidence threshold of tree nodes with one request in
+/// flight (DraftTreeShape.min_path_prob; TreeMinPathProbUnderLoad scales
+/// it with the load). 0 = the full shape.
+inline constexpr double kDefaultTreeMinPathProb = 0.0;
 
 /// What an unset request field means: one --default_* flag each. Defaults
 /// of Speculative Prefill follow the official code (keep 0.3, chunk 32,
@@ -68,6 +72,7 @@ struct RequestDefaults {
   std::vector<int> tree_branching{std::begin(kDefaultTreeBranching),
                                   std::end(kDefaultTreeBranching)};
   int tree_max_nodes = kDefaultTreeMaxNodes;
+  double tree_min_path_prob = kDefaultTreeMinPathProb;
 };
 /// A request's options with every default applied and every value valid.
 /// The prompt is not part of it (it needs the tokenizer and the target).
@@ -87,6 +92,7 @@ struct ResolvedOptions {
   int prompt_lookup_max = 0;  ///< in [prompt_lookup_min, 16].
   std::vector<int> tree_branching;  ///< 1..16 depths, each 1..8 children.
   int tree_max_nodes = 0;           ///< in [1, 64].
+  double tree_min_path_prob = 0.0;  ///< in [0, 1), at one request in flight.
 };
 
 /// Applies `defaults` to the unset fields of `request` and validates the
@@ -99,7 +105,8 @@ struct ResolvedOptions {
 /// 0, num_draft_tokens outside [1, 64], an unknown method, prompt_lookup_min
 /// < 1, prompt_lookup_max < prompt_lookup_min or > 16, tree_branching of no
 /// or more than 16 depths or with an entry outside [1, 8], tree_max_nodes
-/// outside [1, 64]. The lookup and tree fields are checked whatever the
+/// outside [1, 64], tree_min_path_prob outside [0, 1) or not finite. The
+/// lookup and tree fields are checked whatever the
 /// method. A request that sets only one of prompt_lookup_min / max gets the
 /// default of the other clamped to stay valid (min = min(default, max),
 /// max = max(default, min)); a request's tree_branching replaces the

@@ -3,6 +3,8 @@
 
 #include "router/request_options.h"
 
+#include <cmath>
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -43,6 +45,7 @@ TEST(ResolveOptionsTest, MethodDefaultsAreTheFlags) {
   EXPECT_EQ(r->prompt_lookup_max, 5);
   EXPECT_THAT(r->tree_branching, ElementsAre(3, 2, 2, 2, 2, 2));
   EXPECT_EQ(r->tree_max_nodes, 16);
+  EXPECT_EQ(r->tree_min_path_prob, kDefaultTreeMinPathProb);
 
   RequestDefaults d;
   d.spec_decode_method = SpecDecodeMethod::kNgram;
@@ -50,6 +53,7 @@ TEST(ResolveOptionsTest, MethodDefaultsAreTheFlags) {
   d.prompt_lookup_max = 4;
   d.tree_branching = {3, 1};
   d.tree_max_nodes = 6;
+  d.tree_min_path_prob = 0.03;
   r = ResolveOptions(v1::GenerateTextRequest(), d);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kNgram);
@@ -57,6 +61,7 @@ TEST(ResolveOptionsTest, MethodDefaultsAreTheFlags) {
   EXPECT_EQ(r->prompt_lookup_max, 4);
   EXPECT_THAT(r->tree_branching, ElementsAre(3, 1));
   EXPECT_EQ(r->tree_max_nodes, 6);
+  EXPECT_EQ(r->tree_min_path_prob, 0.03);
 }
 
 TEST(ResolveOptionsTest, RequestFieldsOverrideTheDefaults) {
@@ -68,13 +73,17 @@ TEST(ResolveOptionsTest, RequestFieldsOverrideTheDefaults) {
   sd->add_tree_branching(8);
   sd->add_tree_branching(2);
   sd->set_tree_max_nodes(64);
-  auto r = ResolveOptions(req, RequestDefaults());
+  sd->set_tree_min_path_prob(0.0);  // set, even to 0, overrides
+  RequestDefaults d;
+  d.tree_min_path_prob = 0.1;
+  auto r = ResolveOptions(req, d);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->spec_decode_method, SpecDecodeMethod::kDraftTree);
   EXPECT_EQ(r->prompt_lookup_min, 1);
   EXPECT_EQ(r->prompt_lookup_max, 16);
   EXPECT_THAT(r->tree_branching, ElementsAre(8, 2));  // replaces the default
   EXPECT_EQ(r->tree_max_nodes, 64);
+  EXPECT_EQ(r->tree_min_path_prob, 0.0);
 }
 
 // One bound alone: the other keeps its default where that stays valid.
@@ -140,6 +149,12 @@ TEST(ResolveOptionsTest, RejectsBadMethodFieldsNamingThem) {
        "speculative_decoding.tree_max_nodes must be in [1, 64], got 0"},
       {[](auto* c) { c->set_tree_max_nodes(65); },
        "speculative_decoding.tree_max_nodes"},
+      {[](auto* c) { c->set_tree_min_path_prob(1.0); },
+       "speculative_decoding.tree_min_path_prob must be in [0, 1), got 1"},
+      {[](auto* c) { c->set_tree_min_path_prob(-0.01); },
+       "speculative_decoding.tree_min_path_prob"},
+      {[](auto* c) { c->set_tree_min_path_prob(std::nan("")); },
+       "speculative_decoding.tree_min_path_prob"},
   };
   for (const Case& c : cases) {
     v1::GenerateTextRequest req;
@@ -163,6 +178,9 @@ TEST(ValidateDefaultsTest, NamesTheBadDefault) {
   d = RequestDefaults();
   d.tree_max_nodes = 100;
   EXPECT_THAT(ValidateDefaults(d).message(), HasSubstr("tree_max_nodes"));
+  d = RequestDefaults();
+  d.tree_min_path_prob = 2;
+  EXPECT_THAT(ValidateDefaults(d).message(), HasSubstr("tree_min_path_prob"));
   EXPECT_TRUE(ValidateDefaults(RequestDefaults()).ok());
 }
 

@@ -341,8 +341,9 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
             std::make_unique<DraftStream>(plan.speculator->channel, deadline);
         calls_->Add(draft->context());
       }
-      const v1::DraftRequest dreq =
-          MakeDraftRequest(opts, session_id, unsent_emitted, k);
+      const v1::DraftRequest dreq = MakeDraftRequest(
+          opts, session_id, unsent_emitted, k,
+          b.running_requests ? b.running_requests() : 1);
       unsent_emitted.clear();
       auto proposed = draft->Round(dreq, b.speculator_deadline);
       if (calls_->cancelled()) return absl::CancelledError("cancelled");

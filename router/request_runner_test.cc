@@ -727,9 +727,22 @@ TEST_F(RequestRunnerTest, DraftTreesAreLosslessAndAcceptMoreThanChains) {
                         {"method=\"draft_tree\""}),
             t.num_accepted_tokens());
 
+  // A confidence-sized tree (min_path_prob) is as lossless, with fewer
+  // nodes a round.
+  v1::GenerateTextRequest sized = request("draft_tree");
+  sized.mutable_speculative_decoding()->set_tree_min_path_prob(0.05);
+  Outcome s = Run(sized);
+  ASSERT_TRUE(s.status.ok()) << s.status;
+  EXPECT_EQ(Ids(s.response), want);
+  const v1::GenerationStats& st = s.response.stats();
+  EXPECT_LT(double(st.num_draft_tokens()) / st.num_drafts(),
+            double(t.num_draft_tokens()) / t.num_drafts());
+  EXPECT_GT(st.num_accepted_tokens(), 0);
+
   v1::GenerateTextRequest sampled = request("draft_tree");
   sampled.mutable_sampling()->set_temperature(0.8f);
   sampled.mutable_sampling()->set_seed(5);
+  sampled.mutable_speculative_decoding()->set_tree_min_path_prob(0.02);
   Outcome a = Run(sampled);
   Outcome b = Run(sampled);
   ASSERT_TRUE(a.status.ok()) << a.status;

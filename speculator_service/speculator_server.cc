@@ -220,6 +220,7 @@ class DraftReactor final
       shape.branching.assign(req_.tree().branching().begin(),
                              req_.tree().branching().end());
       shape.max_nodes = req_.tree().max_nodes();
+      shape.min_path_prob = req_.tree().min_path_prob();
     }
     if (s.ok()) {
       s = tree ? ValidateDraftTreeShape(shape)

@@ -50,6 +50,9 @@ ABSL_FLAG(int, prompt_lookup_max, -1, "ngram: longest n-gram looked up");
 ABSL_FLAG(std::string, tree_branching, "",
           "draft_tree: children per node at each depth, e.g. 3,2,2,2,2,2");
 ABSL_FLAG(int, tree_max_nodes, -1, "draft_tree: node budget");
+ABSL_FLAG(double, tree_min_path_prob, -1,
+          "draft_tree: path probability a node needs to grow, with one "
+          "request in flight (< 0 = router default)");
 ABSL_FLAG(bool, no_spec_prefill, false, "turn Speculative Prefill off");
 ABSL_FLAG(bool, no_spec_decode, false, "turn speculative decoding off");
 ABSL_FLAG(bool, stream, false, "use GenerateStream and print text as it comes");
@@ -136,6 +139,9 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   for (int b : *branching) sd->add_tree_branching(b);
   if (absl::GetFlag(FLAGS_tree_max_nodes) >= 0) {
     sd->set_tree_max_nodes(absl::GetFlag(FLAGS_tree_max_nodes));
+  }
+  if (absl::GetFlag(FLAGS_tree_min_path_prob) >= 0) {
+    sd->set_tree_min_path_prob(absl::GetFlag(FLAGS_tree_min_path_prob));
   }
   return req;
 }

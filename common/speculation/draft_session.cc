@@ -184,6 +184,10 @@ absl::Status ValidateDraftTreeShape(const DraftTreeShape& shape) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tree.max_nodes must be in [1, 64], got ", shape.max_nodes));
   }
+  if (!(shape.min_path_prob >= 0.0 && shape.min_path_prob < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tree.min_path_prob must be in [0, 1), got ", shape.min_path_prob));
+  }
   return absl::OkStatus();
 }
 
@@ -291,6 +295,10 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   const int count = std::min(tree_shape_.branching[depth], budget);
   if (count <= 0) return;
   const double base = parent < 0 ? 1.0 : nodes_[parent].path_prob;
+  // Only confident enough nodes grow (decided by the parent's path alone,
+  // so a sampled node's children stay i.i.d. draws from q).
+  const double min_prob = tree_shape_.min_path_prob;
+  if (base < min_prob) return;
   const absl::Span<const float> row = absl::MakeConstSpan(logits, vocab);
   if (sampling_.greedy()) {
     // The top `count` tokens (lowest id first on ties, as Argmax); their
@@ -312,6 +320,7 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
       if (static_cast<int>(best.size()) > count) best.pop_back();
     }
     for (int id : best) {
+      if (base * probs[id] < min_prob) break;  // best is sorted
       TreeNode n;
       n.token.id = id;
       n.parent = parent;
@@ -547,6 +556,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
     return FinishScore();
   }
   if (op_ == Op::kDraftTree) {
+    const size_t before = nodes_.size();
     if (planned_level_) {
       const int vocab = c.vocab_size;
       for (size_t r = 0; r < level_.size(); ++r) {
@@ -556,7 +566,13 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
       ExpandTreeNode(-1, logits);  // the last committed token's logits
     }
     planned_level_ = false;
-    NextTreeLevel();
+    // A depth that added no node (every child below min_path_prob) ends
+    // the tree; NextTreeLevel would otherwise pick the same depth again.
+    if (nodes_.size() == before) {
+      level_.clear();
+    } else {
+      NextTreeLevel();
+    }
     if (level_.empty()) {
       EmitTree();
       finished_op_ = true;

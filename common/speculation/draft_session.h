@@ -27,6 +27,14 @@ namespace specserve {
 struct DraftTreeShape {
   std::vector<int> branching;  ///< size = depth in [1, 16]; each in [1, 8]
   int max_nodes = 16;          ///< [1, 64]
+  /// [0, 1). A node grows children only if its path probability (the
+  /// product of the speculator's probabilities along its path, the
+  /// expected number of times it is accepted if the speculator is
+  /// calibrated) is at least this, and greedy trees also leave out
+  /// children below it: a confidence-sized tree (EAGLE-2's dynamic tree,
+  /// Li et al. 2024) that spends verify rows only where they are likely to
+  /// pay. 0 = the full shape.
+  double min_path_prob = 0.0;
 };
 
 /// INVALID_ARGUMENT naming the field unless `shape` is in the ranges above.

@@ -6,6 +6,7 @@
 #include <iterator>
 #include <numeric>
 #include <random>
+#include <set>
 
 #include "common/engine/test_util.h"
 #include "gtest/gtest.h"
@@ -124,6 +125,87 @@ TEST_F(DraftSessionTest, GreedyTreeNodesAreTopTokensOfTheirPaths) {
   EXPECT_EQ(got_ids, want);
 }
 
+// The root-to-node token paths of a tree (parents in preorder).
+std::set<std::vector<int>> TreePaths(const std::vector<DraftToken>& drafts,
+                                     const std::vector<int>& parents) {
+  std::set<std::vector<int>> paths;
+  for (size_t i = 0; i < drafts.size(); ++i) {
+    std::vector<int> path;
+    for (int a = static_cast<int>(i); a >= 0; a = parents[a]) {
+      path.push_back(drafts[a].id);
+    }
+    paths.insert(std::vector<int>(path.rbegin(), path.rend()));
+  }
+  return paths;
+}
+
+// The speculator's probability (softmax at temperature 1) of `path` after
+// `committed`, from fresh forwards.
+double PathProb(ModelRunner& model, const std::vector<int>& committed,
+                const std::vector<int>& path) {
+  double p = 1.0;
+  std::vector<int> ctx = committed;
+  for (int id : path) {
+    std::vector<float> l = ContextLogits(model, ctx);
+    const float m = *std::max_element(l.begin(), l.end());
+    double z = 0;
+    for (float v : l) z += std::exp(double(v) - m);
+    p *= std::exp(double(l[id]) - m) / z;
+    ctx.push_back(id);
+  }
+  return p;
+}
+
+// min_path_prob sizes a greedy tree by confidence: its nodes are exactly
+// those of the full tree whose path probability reaches the threshold, a
+// threshold no root child reaches gives an empty tree, and the session
+// goes on drafting after either.
+TEST_F(DraftSessionTest, GreedyTreeKeepsExactlyTheConfidentNodes) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432, 383, 286};
+  ScoreOptions opt;
+  opt.look_ahead = 1;
+  for (double tau : {0.02, 0.1, 0.3, 0.999}) {
+    SCOPED_TRACE(tau);
+    auto full = NewSession();
+    auto pruned = NewSession();
+    auto a = full->Score(prompt, opt);
+    auto b = pruned->Score(prompt, opt);
+    ASSERT_TRUE(a.ok() && b.ok());
+    std::vector<int> committed = prompt;
+    std::vector<int> emitted = {a->look_ahead_tokens[0]};
+    const DraftTreeShape shape{{3, 2, 2, 2}, 64, 0.0};
+    DraftTreeShape sized = shape;
+    sized.min_path_prob = tau;
+    for (int round = 0; round < 3; ++round) {
+      std::vector<int> pf, pp;
+      auto df = full->DraftTree(emitted, shape, &pf);
+      auto dp = pruned->DraftTree(emitted, sized, &pp);
+      ASSERT_TRUE(df.ok()) << df.status();
+      ASSERT_TRUE(dp.ok()) << dp.status();
+      committed.insert(committed.end(), emitted.begin(), emitted.end());
+      std::set<std::vector<int>> want;
+      for (const std::vector<int>& path : TreePaths(*df, pf)) {
+        if (PathProb(*model_, committed, path) >= tau) want.insert(path);
+      }
+      EXPECT_EQ(TreePaths(*dp, pp), want) << "round " << round;
+      if (tau > 0.99) EXPECT_TRUE(dp->empty());
+      // Accept the full tree's first root-to-leaf path, then a bonus token.
+      emitted.clear();
+      for (size_t i = 0; i < df->size(); ++i) {
+        if (pf[i] != static_cast<int>(i) - 1) break;
+        emitted.push_back((*df)[i].id);
+      }
+      emitted.push_back(static_cast<int>(3 + 37 * round));
+    }
+  }
+  DraftTreeShape bad{{2}, 4, 1.0};
+  std::vector<int> parents;
+  auto s = NewSession();
+  ASSERT_TRUE(s->Score(prompt, opt).ok());
+  EXPECT_EQ(s->DraftTree({5}, bad, &parents).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(DraftSessionTest, SampledTreeChildrenAreDrawsFromQ) {
   const std::vector<int> prompt = {1, 403, 407, 261, 378, 432};
   ScoreOptions opt;
@@ -153,6 +235,60 @@ TEST_F(DraftSessionTest, SampledTreeChildrenAreDrawsFromQ) {
     }
   }
   EXPECT_TRUE(ValidateDrafts(*drafts, model_->config().vocab_size, false).ok());
+}
+
+// With min_path_prob a sampled tree still draws every expanded node's full
+// set of children from q (dropping unlikely draws would bias them): only
+// nodes whose own path probability (the product of q along the path)
+// falls below the threshold stay leaves.
+TEST_F(DraftSessionTest, SampledTreeWithThresholdExpandsOnlyLikelyNodes) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432};
+  ScoreOptions opt;
+  opt.look_ahead = 1;
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.seed = 5;
+  int leaves_below = 0, expanded = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    p.seed = 5 + trial;
+    auto session = NewSession(p);
+    ASSERT_TRUE(session->Score(prompt, opt).ok());
+    std::vector<int> parents;
+    const double tau = 0.05;
+    auto drafts =
+        session->DraftTree({407}, DraftTreeShape{{3, 3, 3}, 40, tau}, &parents);
+    ASSERT_TRUE(drafts.ok()) << drafts.status();
+    const int n = static_cast<int>(drafts->size());
+    std::vector<double> path_q(n);
+    std::vector<int> kids(n + 1, 0);
+    for (int i = 0; i < n; ++i) {
+      const DraftToken& d = (*drafts)[i];
+      double own = 0;
+      for (const auto& [id, prob] : d.q) {
+        if (id == d.id) own = prob;
+      }
+      path_q[i] = (parents[i] < 0 ? 1.0 : path_q[parents[i]]) * own;
+      ++kids[parents[i] + 1];
+    }
+    EXPECT_EQ(kids[0], 3);  // the root's path probability is 1
+    for (int i = 0; i < n; ++i) {
+      const int depth_left = [&] {
+        int d = 0;
+        for (int a = i; a >= 0; a = parents[a]) ++d;
+        return 3 - d;
+      }();
+      if (depth_left == 0) continue;  // at the last depth
+      if (path_q[i] < tau - 1e-6) {
+        EXPECT_EQ(kids[i + 1], 0) << "node " << i;
+        ++leaves_below;
+      } else if (path_q[i] >= tau + 1e-6) {
+        EXPECT_EQ(kids[i + 1], 3) << "node " << i;  // all of them, drawn
+        ++expanded;
+      }
+    }
+  }
+  EXPECT_GT(leaves_below, 0);  // the threshold did cut
+  EXPECT_GT(expanded, 0);
 }
 
 TEST_F(DraftSessionTest, BadTreeShapesAreRejected) {

@@ -98,11 +98,13 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   num_draft_tokens=None, spec_prefill=None, spec_decode=None,
                   stop=None, spec_decode_method=None, prompt_lookup_min=None,
                   prompt_lookup_max=None, tree_branching=None,
-                  tree_max_nodes=None):
+                  tree_max_nodes=None, tree_min_path_prob=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
-    list of ints (children per node at each depth)."""
+    list of ints (children per node at each depth); tree_min_path_prob in
+    [0, 1), the path probability a tree node needs to grow with one request
+    in flight."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -135,6 +137,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         sd.tree_branching.extend(tree_branching)
     if tree_max_nodes is not None:
         sd.tree_max_nodes = tree_max_nodes
+    if tree_min_path_prob is not None:
+        sd.tree_min_path_prob = tree_min_path_prob
     return req
 
 
@@ -157,6 +161,9 @@ def main():
                     help="draft_tree: children per node at each depth, e.g. 3,2,2,2,2,2")
     ap.add_argument("--tree_max_nodes", type=int,
                     help="draft_tree: node budget")
+    ap.add_argument("--tree_min_path_prob", type=float,
+                    help="draft_tree: path probability a node needs to grow "
+                         "(one request in flight)")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tls", action="store_true",
@@ -193,7 +200,8 @@ def main():
                         prompt_lookup_max=a.prompt_lookup_max,
                         tree_branching=[int(x) for x in a.tree_branching.split(",")]
                         if a.tree_branching else None,
-                        tree_max_nodes=a.tree_max_nodes)
+                        tree_max_nodes=a.tree_max_nodes,
+                        tree_min_path_prob=a.tree_min_path_prob)
     try:
         if a.stream:
             last = None
