@@ -16,10 +16,16 @@
 // handshake is UNAVAILABLE).
 
 #include <cstdio>
+#include <fstream>
+#include <iostream>
 #include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/service/tls.h"
 #include "common/util/cli.h"
@@ -32,6 +38,13 @@
 ABSL_FLAG(std::string, router, "localhost:50050", "router host:port");
 ABSL_FLAG(std::string, prompt, "", "prompt text");
 ABSL_FLAG(std::string, token_ids, "", "prompt token ids instead of --prompt");
+ABSL_FLAG(std::string, prompt_file, "",
+          "read the prompt text from this file (\"-\" = stdin) instead of "
+          "--prompt");
+ABSL_FLAG(std::string, token_ids_file, "",
+          "read the prompt's token ids (separated by commas and/or "
+          "whitespace) from this file (\"-\" = stdin): long prompts exceed "
+          "the command line's length limit");
 ABSL_FLAG(int, max_new_tokens, -1, "tokens to generate (-1 = router default)");
 ABSL_FLAG(double, temperature, -1, "sampling temperature (-1 = default)");
 ABSL_FLAG(int, top_k, -1, "top-k (-1 = default)");
@@ -80,12 +93,49 @@ int Fail(const grpc::Status& s) {
   return s.error_code() == grpc::StatusCode::INVALID_ARGUMENT ? 2 : 1;
 }
 
+// The whole of `path` ("-" = stdin). NOT_FOUND if it cannot be read.
+absl::StatusOr<std::string> ReadAll(const std::string& path) {
+  std::ifstream file;
+  std::istream* in = &std::cin;
+  if (path != "-") {
+    file.open(ResolveUserPath(path), std::ios::binary);
+    if (!file) return absl::NotFoundError("cannot read " + path);
+    in = &file;
+  }
+  std::ostringstream all;
+  all << in->rdbuf();
+  return all.str();
+}
+
 absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   v1::GenerateTextRequest req;
-  if (!absl::GetFlag(FLAGS_token_ids).empty()) {
+  const int sources = !absl::GetFlag(FLAGS_prompt).empty() +
+                      !absl::GetFlag(FLAGS_token_ids).empty() +
+                      !absl::GetFlag(FLAGS_prompt_file).empty() +
+                      !absl::GetFlag(FLAGS_token_ids_file).empty();
+  if (sources > 1) {
+    return absl::InvalidArgumentError(
+        "give one of --prompt, --token_ids, --prompt_file, --token_ids_file");
+  }
+  if (!absl::GetFlag(FLAGS_token_ids_file).empty()) {
+    auto text = ReadAll(absl::GetFlag(FLAGS_token_ids_file));
+    if (!text.ok()) return text.status();
+    // Whitespace (newlines included) separates ids as commas do.
+    for (char& c : *text) {
+      if (c == ' ' || c == '\n' || c == '\r' || c == '\t') c = ',';
+    }
+    std::vector<std::string> parts = absl::StrSplit(*text, ',', absl::SkipEmpty());
+    auto ids = ParseIntList(absl::StrJoin(parts, ","), "--token_ids_file");
+    if (!ids.ok()) return ids.status();
+    for (int id : *ids) req.mutable_token_ids()->add_ids(id);
+  } else if (!absl::GetFlag(FLAGS_token_ids).empty()) {
     auto ids = ParseIntList(absl::GetFlag(FLAGS_token_ids), "--token_ids");
     if (!ids.ok()) return ids.status();
     for (int id : *ids) req.mutable_token_ids()->add_ids(id);
+  } else if (!absl::GetFlag(FLAGS_prompt_file).empty()) {
+    auto text = ReadAll(absl::GetFlag(FLAGS_prompt_file));
+    if (!text.ok()) return text.status();
+    req.set_text(*text);
   } else {
     req.set_text(absl::GetFlag(FLAGS_prompt));
   }

@@ -6,12 +6,17 @@ by make_synthetic_checkpoint) into transformers' LlamaForCausalLM in bf16
 with SDPA attention, and measures, on the same GPU as gpu_bench:
   * full prefill time per prompt length (logits for the last row only, like
     the engine; median of --reps after a warm-up);
-  * greedy decode tokens/s after each prefill (KV cache, one token per step).
+  * greedy decode tokens/s after each prefill (KV cache, one token per step);
+  * with --batch_sizes, `generate` over a static batch of B random prompts
+    of --batch_prompt_tokens tokens, --batch_new_tokens new tokens each
+    (greedy, EOS ignored): output tokens/s of the whole batch (the anchor
+    of tools/gpu/run_stack_bench.sh's concurrent-streams table).
 Prompts are random token ids from --seed, like gpu_bench (not the same ids;
 speed does not depend on them).
 
   python3 bench/gpu/torch_bench.py --model DIR [--prompt_lens 4096,...]
-      [--decode_tokens 32] [--reps 3] [--json_out FILE]
+      [--decode_tokens 32] [--reps 3] [--batch_sizes 1,16,64,128]
+      [--batch_prompt_tokens 256] [--batch_new_tokens 128] [--json_out FILE]
 """
 
 import argparse
@@ -28,6 +33,10 @@ def main() -> int:
     p.add_argument("--decode_tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch_sizes", default="",
+                   help="static-batch generate at these batch sizes")
+    p.add_argument("--batch_prompt_tokens", type=int, default=256)
+    p.add_argument("--batch_new_tokens", type=int, default=128)
     p.add_argument("--json_out", default="")
     args = p.parse_args()
 
@@ -103,12 +112,40 @@ def main() -> int:
             print(f"prompt {n:6d}: full prefill {prefill_s:.4f} s, "
                   f"decode {1.0 / decode_s:.1f} tok/s")
 
+        batch_rows = []
+        batches = [int(x) for x in args.batch_sizes.split(",") if x]
+        if batches:
+            print("| batch | output tok/s | x batch 1 |")
+            print("|---|---|---|")
+        first = None
+        for b in batches:
+            ids = torch.randint(3, cfg.vocab_size, (b, args.batch_prompt_tokens),
+                                generator=gen).to(dev)
+            mask = torch.ones_like(ids)
+            kwargs = dict(attention_mask=mask, do_sample=False,
+                          max_new_tokens=args.batch_new_tokens,
+                          min_new_tokens=args.batch_new_tokens,
+                          pad_token_id=0)
+            model.generate(ids[:, :8], attention_mask=mask[:, :8],
+                           do_sample=False, max_new_tokens=2,
+                           pad_token_id=0)  # warm-up at this batch
+            t, out = sync_time(lambda: model.generate(ids, **kwargs))
+            new = int(out.shape[1] - ids.shape[1]) * b
+            rate = new / t
+            first = first or rate
+            batch_rows.append({"batch": b, "output_tok_s": rate,
+                               "secs": t})
+            print(f"| {b} | {rate:.1f} | {rate / first:.1f}x |", flush=True)
+            del out
+            torch.cuda.empty_cache()
+
     result = {"device": torch.cuda.get_device_name(0),
               "torch": torch.__version__,
               "transformers": transformers.__version__,
               "attn_implementation": "sdpa", "dtype": "bfloat16",
               "model": args.model, "load_s": load_s,
-              "command": " ".join(sys.argv), "rows": rows}
+              "command": " ".join(sys.argv), "rows": rows,
+              "batch_rows": batch_rows}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,7 +3,9 @@
 # bundles the five binaries, checks that every library the binaries need
 # (but glibc) resolves from the bundle, then runs the stack from the bundle
 # in an empty environment on the CPU with the bundled models and checks
-# that the TTFT and decode tables come back with numbers.
+# that the TTFT, decode and concurrent-streams tables come back with
+# numbers (the prompts go through the client's --token_ids_file, the
+# streams through the router's OpenAI HTTP API).
 set -euo pipefail
 ROOT="$PWD"
 STACK="${TEST_TMPDIR:-$(mktemp -d)}/stack"
@@ -25,16 +27,23 @@ test -e "$STACK/lib/libcudart.so.13"
 
 OUT=$(env -i PATH=/usr/bin:/bin HOME="$STACK" STACK="$STACK" DEVICE=cpu \
   SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
-  LENGTHS="96 300" REPS=1 NEW_TOKENS=12 bash tools/gpu/run_stack_bench.sh)
+  LENGTHS="96 300" REPS=1 NEW_TOKENS=12 STREAMS="1 3" STREAM_PROMPT_TOKENS=40 \
+  STREAM_NEW_TOKENS=8 STREAM_REQUESTS=2 ANCHOR=off \
+  bash tools/gpu/run_stack_bench.sh)
 echo "$OUT"
-# Two TTFT rows and one decode row, every cell a positive number.
+# Two TTFT rows and one decode row, every cell a positive number; then
+# one row per stream count: positive tokens/s, every request served.
 python3 - "$OUT" <<'PY'
 import sys
-rows = [l for l in sys.argv[1].splitlines()
+rows = [[c.strip() for c in l.strip().strip("|").split("|")]
+        for l in sys.argv[1].splitlines()
         if l.startswith("| ") and l[2].isdigit()]
-assert len(rows) == 3, rows
-for r in rows:
-    cells = [c.strip() for c in r.strip("|").split("|")]
-    assert all(float(c) > 0 for c in cells), r
+assert len(rows) == 5, rows
+for cells in rows[:3]:
+    assert all(float(c) > 0 for c in cells), cells
+assert [r[0] for r in rows[3:]] == ["1", "3"], rows
+for streams, rate, ratio, requests, failed in rows[3:]:
+    assert float(rate) > 0 and ratio.endswith("x"), rows
+    assert int(requests) == 2 * int(streams) and int(failed) == 0, rows
 print("ok")
 PY

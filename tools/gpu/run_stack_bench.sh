@@ -4,8 +4,12 @@
 # and the router in front, and measures through the router: TTFT at each
 # prompt length with Speculative Prefill at keep
 # 0.1 and 0.3 and with full prefill, then decode tokens/s with speculative
-# decoding on and off. Prints a Markdown table; exits non-zero if a
-# service fails to start or a request fails.
+# decoding on and off, then output tokens/s of 1 / 16 / 64 / 128
+# concurrent streams through the router's OpenAI HTTP API (plain decode:
+# tools/gpu/http_load.py), and, where PyTorch with CUDA is installed,
+# transformers' static-batch `generate` on the same target as the anchor
+# (bench/gpu/torch_bench.py --batch_sizes). Prints Markdown tables; exits
+# non-zero if a service fails to start or a request fails.
 #
 #   tools/gpu/run_stack_bench.sh          (from the repository root)
 # With the device tool:
@@ -18,7 +22,11 @@
 # /tmp/specserve_synthetic), LENGTHS (default "4096 8192 16384 32768"),
 # REPS (default 3; the median is reported), NEW_TOKENS (default 64),
 # SPECULATOR_GPU_UTIL / TARGET_GPU_UTIL (--gpu_memory_utilization of each,
-# default 0.15 / 0.75).
+# default 0.15 / 0.75), STREAMS (default "1 16 64 128"; empty skips the
+# concurrency table), STREAM_PROMPT_TOKENS (default 256),
+# STREAM_NEW_TOKENS (default 128), STREAM_REQUESTS (requests per stream,
+# default 2), ANCHOR (auto | off, default auto: the transformers anchor
+# runs when python3 imports torch with a CUDA device).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STACK=${STACK:-.device/stack}
@@ -91,18 +99,24 @@ SPORT=$(start speculator_service --model "$SPECULATOR" --port 0 \
   --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}")
 TPORT=$(start target_service --model "$TARGET" --port 0 --metrics_port 0 \
   --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}")
-RPORT=$(start router --port 0 --metrics_port 0 \
+HPORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); \
+print(s.getsockname()[1]); s.close()")
+RPORT=$(start router --port 0 --metrics_port 0 --http_port "$HPORT" \
   --speculator "127.0.0.1:$SPORT" --target "127.0.0.1:$TPORT")
 echo "stack up: speculator :$SPORT, target :$TPORT, router :$RPORT" \
-     "(device $DEVICE)" >&2
+     "(HTTP :$HPORT, device $DEVICE)" >&2
 
 VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
   "$TARGET/config.json")
-# ids LEN: LEN random token ids (seeded), comma-separated, BOS-free.
+# ids LEN: the path of a file of LEN random token ids (seeded),
+# comma-separated, BOS-free. A file, not an argument: a 32K-token prompt
+# exceeds the kernel's argument-length limit.
 ids() {
-  python3 -c "import random,sys; r=random.Random(int(sys.argv[1])); \
+  local f="$LOGS/prompt_$1.txt"
+  [ -e "$f" ] || python3 -c "import random,sys; r=random.Random(int(sys.argv[1])); \
 print(','.join(str(r.randrange(3, int(sys.argv[2]))) for _ in range(int(sys.argv[1]))))" \
-    "$1" "$VOCAB"
+    "$1" "$VOCAB" > "$f"
+  echo "$f"
 }
 # ask LEN NEW FLAGS...: the median over REPS of the client's JSON field
 # FIELD (env), printed with 4 decimals.
@@ -113,7 +127,7 @@ ask() {
   prompt=$(ids "$len")
   for ((r = 0; r < REPS; ++r)); do
     vals+=("$("$STACK/bin/client" --router "127.0.0.1:$RPORT" \
-      --token_ids "$prompt" --max_new_tokens "$new" --temperature 0 \
+      --token_ids_file "$prompt" --max_new_tokens "$new" --temperature 0 \
       --deadline_ms 600000 --json "$@" |
       python3 -c "import json,sys; j=json.load(sys.stdin); s=j['stats']; \
 u=j['usage']; d=max(1e-9, s['total_s']-s['ttft_s']); \
@@ -139,3 +153,32 @@ FIELD=decode
 plain=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --no_spec_decode)
 spec=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --num_draft_tokens 4)
 echo "| $L | $plain | $spec |"
+
+STREAMS=${STREAMS-"1 16 64 128"}
+if [ -n "$STREAMS" ]; then
+  echo
+  echo "Concurrent streams through the OpenAI HTTP API (plain decode," \
+       "${STREAM_PROMPT_TOKENS:-256}-token prompts, ${STREAM_NEW_TOKENS:-128}" \
+       "new tokens, ignore_eos):"
+  echo
+  python3 tools/gpu/http_load.py --url "http://127.0.0.1:$HPORT" \
+    --vocab "$VOCAB" --streams "${STREAMS// /,}" \
+    --prompt_tokens "${STREAM_PROMPT_TOKENS:-256}" \
+    --new_tokens "${STREAM_NEW_TOKENS:-128}" \
+    --requests_per_stream "${STREAM_REQUESTS:-2}"
+fi
+
+if [ "${ANCHOR:-auto}" != off ] && [ -n "$STREAMS" ] &&
+   python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+     2>/dev/null; then
+  # Our services hold most of the GPU's memory: stop them first.
+  cleanup
+  sleep 3
+  echo
+  echo "Anchor: transformers generate, static batch, same target, bf16 SDPA:"
+  echo
+  python3 bench/gpu/torch_bench.py --model "$TARGET" --prompt_lens "" \
+    --batch_sizes "${STREAMS// /,}" \
+    --batch_prompt_tokens "${STREAM_PROMPT_TOKENS:-256}" \
+    --batch_new_tokens "${STREAM_NEW_TOKENS:-128}"
+fi

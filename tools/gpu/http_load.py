@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Closed-loop load through the router's OpenAI HTTP API, standard library
+only (the GPU machine has no gRPC Python): at each concurrency level, N
+streams each send requests back to back to /v1/completions with a prompt of
+random token ids, `ignore_eos`, and Speculative Prefill and speculative
+decoding off unless --spec; prints a Markdown table of output tokens/s (all
+streams), its ratio to the first level, requests, and failures.
+
+  tools/gpu/http_load.py --url http://127.0.0.1:8000 --vocab 128256 \
+      [--streams 1,16,64,128] [--prompt_tokens 256] [--new_tokens 128] \
+      [--requests_per_stream 2] [--spec]
+
+Exit status 1 if any request failed.
+"""
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+def completion(url, body, timeout):
+    """POSTs one /v1/completions request; its usage.completion_tokens."""
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)["usage"]["completion_tokens"]
+
+
+def run_level(a, streams):
+    """`streams` threads, each sending a.requests_per_stream requests."""
+    lock = threading.Lock()
+    done = {"tokens": 0, "requests": 0, "failed": 0, "error": ""}
+
+    def stream(s):
+        rng = random.Random(1000 * streams + s)
+        for _ in range(a.requests_per_stream):
+            body = {  # no "model": the router then serves its own
+                "prompt": [rng.randrange(3, a.vocab)
+                           for _ in range(a.prompt_tokens)],
+                "max_tokens": a.new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            if not a.spec:
+                body["speculative_prefill"] = {"enabled": False}
+                body["speculative_decoding"] = {"enabled": False}
+            try:
+                n = completion(a.url, body, a.timeout)
+                with lock:
+                    done["tokens"] += n
+                    done["requests"] += 1
+            except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+                with lock:
+                    done["failed"] += 1
+                    done["error"] = str(e)
+
+    threads = [threading.Thread(target=stream, args=(s,))
+               for s in range(streams)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done["secs"] = time.time() - t0
+    return done
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", required=True, help="router HTTP base URL")
+    ap.add_argument("--vocab", type=int, required=True,
+                    help="the target's vocab_size (ids are drawn below it)")
+    ap.add_argument("--streams", default="1,16,64,128")
+    ap.add_argument("--prompt_tokens", type=int, default=256)
+    ap.add_argument("--new_tokens", type=int, default=128)
+    ap.add_argument("--requests_per_stream", type=int, default=2)
+    ap.add_argument("--spec", action="store_true",
+                    help="leave Speculative Prefill and decoding to the "
+                         "router's defaults")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    a = ap.parse_args()
+    print("| concurrent streams | output tok/s | x first level | requests "
+          "| failed |")
+    print("|---|---|---|---|---|")
+    first = None
+    failed = 0
+    for n in [int(x) for x in a.streams.split(",") if x]:
+        r = run_level(a, n)
+        rate = r["tokens"] / max(r["secs"], 1e-9)
+        first = first or rate
+        failed += r["failed"]
+        print("| %d | %.1f | %.1fx | %d | %d |" % (
+            n, rate, rate / first if first else 0.0, r["requests"],
+            r["failed"]), flush=True)
+        if r["failed"]:
+            print("  last error: %s" % r["error"], file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
