@@ -167,6 +167,36 @@ class E2ETest(unittest.TestCase):
         self.assertEqual(chunks[-1].usage.completion_tokens,
                          unary.usage.completion_tokens)
 
+    def test_i_cli_reads_prompts_from_files(self):
+        # //tools:client: --prompt_file and --token_ids_file (ids split by
+        # commas and whitespace) give what --prompt / --token_ids give.
+        client = find_binary("tools/client")
+        base = [client, "--router", self.stack.router.address,
+                "--max_new_tokens", "8", "--temperature", "0", "--json",
+                "--no_spec_prefill"]
+        tmp = os.environ.get("TEST_TMPDIR", tempfile.gettempdir())
+        text_file = os.path.join(tmp, "prompt.txt")
+        ids_file = os.path.join(tmp, "ids.txt")
+        with open(text_file, "w") as f:
+            f.write(PROMPT)
+        with open(ids_file, "w") as f:
+            f.write(",".join(map(str, self.ids[:10])) + "\n " +
+                    " ".join(map(str, self.ids[10:])))
+        by_arg = run_json(base + ["--prompt", PROMPT])
+        by_file = run_json(base + ["--prompt_file", text_file])
+        self.assertEqual(by_file["token_ids"], by_arg["token_ids"])
+        ids_arg = run_json(base + ["--token_ids", ",".join(map(str, self.ids))])
+        ids_by_file = run_json(base + ["--token_ids_file", ids_file])
+        self.assertEqual(ids_by_file["token_ids"], ids_arg["token_ids"])
+        self.assertEqual(ids_by_file["usage"]["prompt_tokens"], len(self.ids))
+        both = subprocess.run(base + ["--prompt", "a", "--prompt_file",
+                                      text_file], capture_output=True,
+                              text=True, timeout=60)
+        self.assertEqual(both.returncode, 2, both.stderr)
+        missing = subprocess.run(base + ["--token_ids_file", "/no/such/file"],
+                                 capture_output=True, text=True, timeout=60)
+        self.assertEqual(missing.returncode, 2, missing.stderr)
+
     def test_h_client_cancel_frees_both_sessions(self):
         call = self.stub.GenerateStream(
             self.request(max_new_tokens=400, keep_ratio=1.0, num_draft_tokens=2,
