@@ -102,11 +102,13 @@ class CpuModelRunner : public ModelRunner {
       ModelWeights&& weights, const KvCacheOptions& cache_options = {},
       std::optional<WeightDType> weight_dtype = std::nullopt);
 
-  /// Loads `model_dir` (LoadModelWeights) and packs each decoder layer into
-  /// `weight_dtype` (nullopt: the checkpoint's) as soon as it is read, so
-  /// loading peaks near the packed weights plus the f32 embedding table and
-  /// one f32 layer, not the whole model in f32. Errors: LoadModelWeights'
-  /// and Create's.
+  /// Loads `model_dir` (LoadModelWeights with LinearViews) and packs every
+  /// Linear weight and the embedding table into `weight_dtype` (nullopt:
+  /// the checkpoint's) straight from the mapped file, 32 rows at a time,
+  /// panels spread over the engine's threads: no f32 copy of the model
+  /// exists, so loading peaks near the packed weights (1.05x for a BF16
+  /// llama-3.2-1b in bf16). The result equals Create on the f32 weights bit
+  /// for bit. Errors: LoadModelWeights' and Create's.
   static absl::StatusOr<std::unique_ptr<CpuModelRunner>> Load(
       const std::string& model_dir, const KvCacheOptions& cache_options = {},
       std::optional<WeightDType> weight_dtype = std::nullopt);
