@@ -1,6 +1,7 @@
 // Resident memory and start-up time of the CPU engine's weights: loads a
 // checkpoint directory the way the services do (LoadModelRunner with
-// --weight_dtype: each layer packed as it is read), runs one forward, and
+// --weight_dtype: every weight packed from the mapped file, 32 rows at a
+// time), runs one forward, and
 // prints the process's peak and current resident set against the bytes
 // the runner holds and the checkpoint's size on disk.
 //
@@ -25,7 +26,7 @@ ABSL_FLAG(std::string, weight_dtype, "auto", "auto | f32 | bf16 | int8");
 ABSL_FLAG(int, threads, 2, "engine threads");
 ABSL_FLAG(bool, whole, false,
           "load the whole model in f32 first (LoadModelWeights, then the "
-          "consuming CreateModelRunner) instead of layer by layer");
+          "consuming CreateModelRunner) instead of packing from the file");
 
 namespace specserve {
 namespace bench {
@@ -82,7 +83,7 @@ int Run() {
       "| %s | %s | %s (%s) | %.2f | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | "
       "%.1f | %.1f |\n",
       dir.substr(dir.find_last_of('/') + 1).c_str(),
-      absl::GetFlag(FLAGS_whole) ? "whole f32, then pack" : "layer by layer",
+      absl::GetFlag(FLAGS_whole) ? "whole f32, then pack" : "from the file",
       WeightDTypeName(cpu->weight_dtype()).c_str(),
       PackedKernelName(cpu->weight_dtype()).c_str(), disk / 1e9, held / 1e9,
       rss / 1e9, rss / held, peak / 1e9, peak / held, t_load, t_ready);
