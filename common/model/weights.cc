@@ -71,6 +71,33 @@ class Reader {
     return absl::OkStatus();
   }
 
+  // Reads the Linear tensors `parts` ((name, rows), each [rows, cols]) as
+  // one matrix, stacked top to bottom: as views appended to `view` when
+  // `as_view`, else converted to f32 into `dst` (resized).
+  absl::Status Linear(
+      const std::vector<std::pair<std::string, int64_t>>& parts,
+      int64_t cols, bool as_view, LinearView* view, std::vector<float>* dst) {
+    if (as_view) {
+      view->cols = cols;
+      for (const auto& [name, rows] : parts) {
+        if (absl::Status s = ViewInto(name, rows, view); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    }
+    int64_t total = 0;
+    for (const auto& part : parts) total += part.second;
+    dst->resize(static_cast<size_t>(total * cols));
+    int64_t at = 0;
+    for (const auto& [name, rows] : parts) {
+      if (absl::Status s = ReadSlice(name, {rows, cols}, dst, at * cols);
+          !s.ok()) {
+        return s;
+      }
+      at += rows;
+    }
+    return absl::OkStatus();
+  }
+
   // Drops the mapped pages of every tensor View returned so far.
   void Release() {
     for (const std::string& name : viewed_) ckpt_.ReleaseTensor(name);
@@ -165,56 +192,40 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
 
   // Embeddings and output head. A tied checkpoint may keep either copy
   // (tinystories-656K stores only lm_head.weight).
-  if (options.on_embeddings) {
-    LinearView embed, head;
-    embed.cols = head.cols = hidden;
-    const bool tied = config->tie_word_embeddings;
-    std::string name = kEmbed;
-    if (tied && c.Find(kEmbed) == nullptr && c.Find(kLmHead) != nullptr) {
-      name = kLmHead;
-    }
-    if ((s = r.ViewInto(name, vocab, &embed)); !s.ok()) {
-      if (tied && s.code() == absl::StatusCode::kNotFound) {
-        return absl::NotFoundError(absl::StrCat(c.source(), ": tensor '", kEmbed,
-                                                "' not found (nor '", kLmHead,
-                                                "'; config.json ties them)"));
-      }
-      return s;
-    }
-    if (tied) {
-      r.MarkUsed(kLmHead);
-    } else if ((s = r.ViewInto(kLmHead, vocab, &head)); !s.ok()) {
-      if (s.code() == absl::StatusCode::kNotFound) {
-        return absl::NotFoundError(absl::StrCat(
-            s.message(), " (config.json has tie_word_embeddings false)"));
-      }
-      return s;
-    }
-    if ((s = options.on_embeddings(w, embed, tied ? nullptr : &head));
-        !s.ok()) {
-      return s;
-    }
-    r.Release();
-  } else if (config->tie_word_embeddings) {
-    std::string name = kEmbed;
-    if (c.Find(kEmbed) == nullptr && c.Find(kLmHead) != nullptr) {
-      name = kLmHead;
-    } else if (c.Find(kEmbed) == nullptr) {
+  const bool tied = config->tie_word_embeddings;
+  std::string embed_name = kEmbed;
+  if (tied && c.Find(kEmbed) == nullptr) {
+    if (c.Find(kLmHead) == nullptr) {
       return absl::NotFoundError(absl::StrCat(c.source(), ": tensor '", kEmbed,
                                               "' not found (nor '", kLmHead,
                                               "'; config.json ties them)"));
     }
-    if ((s = r.Read(name, {vocab, hidden}, &w.embed)); !s.ok()) return s;
+    embed_name = kLmHead;
+  }
+  const bool embed_views = static_cast<bool>(options.on_embeddings);
+  LinearView embed_view, head_view;
+  if ((s = r.Linear({{embed_name, vocab}}, hidden, embed_views, &embed_view,
+                    &w.embed));
+      !s.ok()) {
+    return s;
+  }
+  if (tied) {
     r.MarkUsed(kLmHead);  // a redundant stored copy is ignored, as in HF
-  } else {
-    if ((s = r.Read(kEmbed, {vocab, hidden}, &w.embed)); !s.ok()) return s;
-    if ((s = r.Read(kLmHead, {vocab, hidden}, &w.lm_head_weight)); !s.ok()) {
-      if (s.code() == absl::StatusCode::kNotFound) {
-        return absl::NotFoundError(absl::StrCat(
-            s.message(), " (config.json has tie_word_embeddings false)"));
-      }
+  } else if ((s = r.Linear({{kLmHead, vocab}}, hidden, embed_views,
+                           &head_view, &w.lm_head_weight));
+             !s.ok()) {
+    if (s.code() == absl::StatusCode::kNotFound) {
+      return absl::NotFoundError(absl::StrCat(
+          s.message(), " (config.json has tie_word_embeddings false)"));
+    }
+    return s;
+  }
+  if (embed_views) {
+    if ((s = options.on_embeddings(w, embed_view, tied ? nullptr : &head_view));
+        !s.ok()) {
       return s;
     }
+    r.Release();
   }
 
   const bool use_views = static_cast<bool>(options.on_linear_layer);
@@ -228,48 +239,17 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
     }
     // [q; k; v] rows so one GEMM yields all three projections.
     LayerLinearViews views;
-    if (use_views) {
-      views.wqkv.cols = hidden;
-      views.wo.cols = q_rows;
-      if ((s = r.ViewInto(p + "self_attn.q_proj.weight", q_rows, &views.wqkv));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ViewInto(p + "self_attn.k_proj.weight", kv_rows,
-                          &views.wqkv));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ViewInto(p + "self_attn.v_proj.weight", kv_rows,
-                          &views.wqkv));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ViewInto(p + "self_attn.o_proj.weight", hidden, &views.wo));
-          !s.ok()) {
-        return s;
-      }
-    } else {
-      l.wqkv.resize(static_cast<size_t>((q_rows + 2 * kv_rows) * hidden));
-      if ((s = r.ReadSlice(p + "self_attn.q_proj.weight", {q_rows, hidden},
-                           &l.wqkv, 0));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ReadSlice(p + "self_attn.k_proj.weight", {kv_rows, hidden},
-                           &l.wqkv, q_rows * hidden));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ReadSlice(p + "self_attn.v_proj.weight", {kv_rows, hidden},
-                           &l.wqkv, (q_rows + kv_rows) * hidden));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.Read(p + "self_attn.o_proj.weight", {hidden, q_rows}, &l.wo));
-          !s.ok()) {
-        return s;
-      }
+    if ((s = r.Linear({{p + "self_attn.q_proj.weight", q_rows},
+                       {p + "self_attn.k_proj.weight", kv_rows},
+                       {p + "self_attn.v_proj.weight", kv_rows}},
+                      hidden, use_views, &views.wqkv, &l.wqkv));
+        !s.ok()) {
+      return s;
+    }
+    if ((s = r.Linear({{p + "self_attn.o_proj.weight", hidden}}, q_rows,
+                      use_views, &views.wo, &l.wo));
+        !s.ok()) {
+      return s;
     }
     if (config->has_qkv_bias()) {  // same [q; k; v] order as wqkv's rows
       l.bqkv.resize(static_cast<size_t>(q_rows + 2 * kv_rows));
@@ -311,37 +291,16 @@ absl::StatusOr<ModelWeights> LoadModelWeights(
       return s;
     }
     // [gate; up] rows, likewise.
-    if (use_views) {
-      views.w_gate_up.cols = hidden;
-      views.w_down.cols = ffn;
-      if ((s = r.ViewInto(p + "mlp.gate_proj.weight", ffn, &views.w_gate_up));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ViewInto(p + "mlp.up_proj.weight", ffn, &views.w_gate_up));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ViewInto(p + "mlp.down_proj.weight", hidden, &views.w_down));
-          !s.ok()) {
-        return s;
-      }
-    } else {
-      l.w_gate_up.resize(static_cast<size_t>(2 * ffn * hidden));
-      if ((s = r.ReadSlice(p + "mlp.gate_proj.weight", {ffn, hidden},
-                           &l.w_gate_up, 0));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.ReadSlice(p + "mlp.up_proj.weight", {ffn, hidden},
-                           &l.w_gate_up, ffn * hidden));
-          !s.ok()) {
-        return s;
-      }
-      if ((s = r.Read(p + "mlp.down_proj.weight", {hidden, ffn}, &l.w_down));
-          !s.ok()) {
-        return s;
-      }
+    if ((s = r.Linear({{p + "mlp.gate_proj.weight", ffn},
+                       {p + "mlp.up_proj.weight", ffn}},
+                      hidden, use_views, &views.w_gate_up, &l.w_gate_up));
+        !s.ok()) {
+      return s;
+    }
+    if ((s = r.Linear({{p + "mlp.down_proj.weight", hidden}}, ffn, use_views,
+                      &views.w_down, &l.w_down));
+        !s.ok()) {
+      return s;
     }
     if (options.on_layer) {
       if ((s = options.on_layer(w, i, &l)); !s.ok()) return s;
