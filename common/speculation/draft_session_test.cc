@@ -305,6 +305,19 @@ TEST_F(DraftSessionTest, BadTreeShapesAreRejected) {
       session->DraftTree({5}, DraftTreeShape{{2}, 65}, &parents).status()));
 }
 
+// The scoring options of a golden specprefill_case*.json's "params" (the
+// reference keeps no first / last tokens).
+ScoreOptions GoldenScoreOptions(const nlohmann::json& p) {
+  ScoreOptions opt;
+  opt.look_ahead = p["lookahead_N"];
+  opt.scoring.pool_kernel_size = p.value("pool_kernel", 1);
+  opt.selection.chunk_size = p["chunk_size"];
+  opt.selection.keep_ratio = p["keep_fraction"];
+  opt.selection.keep_first = 0;
+  opt.selection.keep_last = 0;
+  return opt;
+}
+
 // End to end against the independent reference: the model's own queries
 // and keys -> importance -> kept chunks (golden specprefill_case*.json).
 TEST_F(DraftSessionTest, ScoreMatchesGoldenSpecPrefillCases) {
@@ -313,14 +326,7 @@ TEST_F(DraftSessionTest, ScoreMatchesGoldenSpecPrefillCases) {
     const auto g =
         ReadJson(std::string("tests/data/golden/") + name + ".json");
     ASSERT_EQ(g["speculator_model_dir"], "stories260K-draft");
-    const auto& p = g["params"];
-    ScoreOptions opt;
-    opt.look_ahead = p["lookahead_N"];
-    opt.scoring.pool_kernel_size = p.value("pool_kernel", 1);
-    opt.selection.chunk_size = p["chunk_size"];
-    opt.selection.keep_ratio = p["keep_fraction"];
-    opt.selection.keep_first = 0;
-    opt.selection.keep_last = 0;
+    const ScoreOptions opt = GoldenScoreOptions(g["params"]);
     const std::vector<int> prompt = g["prompt_token_ids"];
     auto session = NewSession();
     auto r = session->Score(prompt, opt);
@@ -362,14 +368,7 @@ TEST_F(DraftSessionTest, ScoreWithBf16KvCacheKeepsTheF32Selection) {
     SCOPED_TRACE(name);
     const auto g =
         ReadJson(std::string("tests/data/golden/") + name + ".json");
-    const auto& p = g["params"];
-    ScoreOptions opt;
-    opt.look_ahead = p["lookahead_N"];
-    opt.scoring.pool_kernel_size = p.value("pool_kernel", 1);
-    opt.selection.chunk_size = p["chunk_size"];
-    opt.selection.keep_ratio = p["keep_fraction"];
-    opt.selection.keep_first = 0;
-    opt.selection.keep_last = 0;
+    const ScoreOptions opt = GoldenScoreOptions(g["params"]);
     const std::vector<int> prompt = g["prompt_token_ids"];
     auto want = NewSession()->Score(prompt, opt);
     ASSERT_TRUE(want.ok()) << want.status();
