@@ -52,9 +52,9 @@ inline constexpr int kDefaultTreeMaxNodes = 16;
 /// it with the load: 0.16 at 16 requests). Measured through the router on
 /// the bundled pair (bench/results/draft_methods.md): at one client the
 /// tree keeps nearly its full size (4.23 tokens per target forward against
-/// 4.29), at 16 it shrinks to the chain's 3.2 tokens per forward with half
-/// the full tree's verify rows; 0 (the full shape) lost to the chain at 16
-/// clients (0.82x), 0.005 and 0.02-0.05 did no better than 0.01.
+/// 4.29), at 16 it shrinks to 3.2 tokens per forward (the full tree: 4.34,
+/// the chain: 3.16); 0 (the full shape) lost to the chain at 16 clients
+/// (0.82x), 0.005 and 0.02-0.05 did no better than 0.01.
 inline constexpr double kDefaultTreeMinPathProb = 0.01;
 
 /// What an unset request field means: one --default_* flag each. Defaults
