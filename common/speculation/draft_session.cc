@@ -351,17 +351,18 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   }
 }
 
-void DraftSession::NextTreeLevel() {
+void DraftSession::NextTreeLevel(int first_new) {
   level_.clear();
-  if (nodes_.empty()) return;
-  const int depth = nodes_.back().depth;  // the newest depth
+  // The frontier is what the last expansion added (all of one depth); a
+  // depth that added nothing (every child below min_path_prob) ends the
+  // tree.
+  if (first_new >= static_cast<int>(nodes_.size())) return;
+  const int depth = nodes_[first_new].depth;
   const int budget = tree_shape_.max_nodes - static_cast<int>(nodes_.size());
   if (depth + 1 >= tree_depth_limit_) return;
   if (!sampling_.greedy() && budget <= 0) return;
-  std::vector<int> frontier;
-  for (int i = 0; i < static_cast<int>(nodes_.size()); ++i) {
-    if (nodes_[i].depth == depth) frontier.push_back(i);
-  }
+  std::vector<int> frontier(nodes_.size() - first_new);
+  std::iota(frontier.begin(), frontier.end(), first_new);
   std::stable_sort(frontier.begin(), frontier.end(), [&](int a, int b) {
     return nodes_[a].path_prob > nodes_[b].path_prob;
   });
@@ -556,7 +557,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
     return FinishScore();
   }
   if (op_ == Op::kDraftTree) {
-    const size_t before = nodes_.size();
+    const int first_new = static_cast<int>(nodes_.size());
     if (planned_level_) {
       const int vocab = c.vocab_size;
       for (size_t r = 0; r < level_.size(); ++r) {
@@ -566,13 +567,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
       ExpandTreeNode(-1, logits);  // the last committed token's logits
     }
     planned_level_ = false;
-    // A depth that added no node (every child below min_path_prob) ends
-    // the tree; NextTreeLevel would otherwise pick the same depth again.
-    if (nodes_.size() == before) {
-      level_.clear();
-    } else {
-      NextTreeLevel();
-    }
+    NextTreeLevel(first_new);
     if (level_.empty()) {
       EmitTree();
       finished_op_ = true;

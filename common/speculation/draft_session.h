@@ -188,8 +188,9 @@ class DraftSession : public Session {
   // Adds the children of `parent` (-1 = root) from its logits; false when
   // the budget is spent.
   void ExpandTreeNode(int parent, const float* logits);
-  // Picks the next depth's nodes to forward (level_); none = finished.
-  void NextTreeLevel();
+  // Picks the next depth's nodes to forward (level_) among those the last
+  // expansion added, nodes_[first_new..]; none = finished.
+  void NextTreeLevel(int first_new);
   // The finished tree in depth-first preorder.
   void EmitTree();
   // Appends the planned tokens to cached_ after their forward.
