@@ -10,6 +10,15 @@ BlockPool::BlockPool(int num_blocks)
   // Block 0 on top of the stack: fresh pools hand out ascending ids.
   for (int b = num_blocks_ - 1; b >= 0; --b) free_.push_back(b);
   refs_.assign(num_blocks_, 0);
+  cached_refs_.assign(num_blocks_, 0);
+}
+
+void BlockPool::Change(int block, int delta_refs, int delta_cached) {
+  num_cached_idle_ -= CachedIdle(block);
+  refs_[block] += delta_refs;
+  cached_refs_[block] += delta_cached;
+  num_cached_idle_ += CachedIdle(block);
+  if (refs_[block] == 0) free_.push_back(block);
 }
 
 absl::StatusOr<std::vector<int>> BlockPool::Allocate(int n) {
@@ -34,7 +43,27 @@ absl::Status BlockPool::Ref(int block) {
     return absl::InvalidArgumentError(
         absl::StrCat("Ref of block ", block, " which is not allocated"));
   }
-  ++refs_[block];
+  Change(block, 1, 0);
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::RefCached(int block) {
+  absl::MutexLock lock(&mu_);
+  if (block < 0 || block >= num_blocks_ || refs_[block] == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Ref of block ", block, " which is not allocated"));
+  }
+  Change(block, 1, 1);
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::UnrefCached(int block) {
+  absl::MutexLock lock(&mu_);
+  if (block < 0 || block >= num_blocks_ || cached_refs_[block] == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Unref of block ", block, " which no cache holds"));
+  }
+  Change(block, -1, -1);
   return absl::OkStatus();
 }
 
@@ -44,7 +73,12 @@ absl::Status BlockPool::Unref(int block) {
     return absl::InvalidArgumentError(
         absl::StrCat("Unref of block ", block, " which is not allocated"));
   }
-  if (--refs_[block] == 0) free_.push_back(block);
+  if (refs_[block] == cached_refs_[block]) {
+    // The remaining references are a cache's: only UnrefCached drops them.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Unref of block ", block, " which only a cache holds"));
+  }
+  Change(block, -1, 0);
   return absl::OkStatus();
 }
 
@@ -52,6 +86,11 @@ int BlockPool::ref_count(int block) const {
   absl::MutexLock lock(&mu_);
   if (block < 0 || block >= num_blocks_) return -1;
   return refs_[block];
+}
+
+int BlockPool::num_cached_idle() const {
+  absl::MutexLock lock(&mu_);
+  return num_cached_idle_;
 }
 
 int BlockPool::num_free() const {

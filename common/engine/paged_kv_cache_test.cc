@@ -36,6 +36,54 @@ TEST(BlockPoolTest, AllocateRefUnrefAndExhaustion) {
   EXPECT_EQ((*b)[0], 1);  // most recently freed first
 }
 
+// The pool's O(1) count of blocks held by a cache alone equals a scan of
+// the reference counts after every random Ref / Unref / RefCached /
+// UnrefCached; Unref never drops a cache's reference.
+TEST(BlockPoolTest, CachedIdleCountEqualsAScan) {
+  const int n = 12;
+  BlockPool pool(n);
+  std::vector<int> refs(n, 0), cached(n, 0);
+  std::mt19937 rng(7);
+  for (int op = 0; op < 5000; ++op) {
+    const int b = rng() % n;
+    switch (rng() % 5) {
+      case 0:
+        if (refs[b] == 0 && pool.num_free() > 0) {
+          auto got = pool.Allocate(1);
+          ASSERT_TRUE(got.ok());
+          refs[(*got)[0]] = 1;
+        }
+        break;
+      case 1:
+        ASSERT_EQ(pool.Ref(b).ok(), refs[b] > 0);
+        if (refs[b] > 0) ++refs[b];
+        break;
+      case 2:
+        ASSERT_EQ(pool.RefCached(b).ok(), refs[b] > 0);
+        if (refs[b] > 0) ++refs[b], ++cached[b];
+        break;
+      case 3: {
+        const bool ok = refs[b] > cached[b];
+        ASSERT_EQ(pool.Unref(b).ok(), ok);
+        if (ok) --refs[b];
+        break;
+      }
+      case 4:
+        ASSERT_EQ(pool.UnrefCached(b).ok(), cached[b] > 0);
+        if (cached[b] > 0) --refs[b], --cached[b];
+        break;
+    }
+    int idle = 0, free_blocks = 0;
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(pool.ref_count(i), refs[i]);
+      idle += cached[i] > 0 && refs[i] == 1;
+      free_blocks += refs[i] == 0;
+    }
+    ASSERT_EQ(pool.num_cached_idle(), idle) << "op " << op;
+    ASSERT_EQ(pool.num_free(), free_blocks);
+  }
+}
+
 // Random append / truncate / fork / free against a simple model: each
 // sequence is a vector of token values; the "storage" is one int per
 // physical slot, written on append and copied by the copier. After every

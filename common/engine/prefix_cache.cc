@@ -7,7 +7,9 @@
 namespace specserve {
 
 PrefixCache::~PrefixCache() {
-  for (const auto& [key, e] : entries_) pool_->Unref(e.block).IgnoreError();
+  for (const auto& [key, e] : entries_) {
+    pool_->UnrefCached(e.block).IgnoreError();
+  }
 }
 
 uint64_t PrefixCache::Key(uint64_t parent, absl::Span<const int> tokens,
@@ -34,7 +36,7 @@ bool PrefixCache::Insert(uint64_t parent, absl::Span<const int> tokens,
                          absl::Span<const int> positions, int block) {
   const uint64_t key = Key(parent, tokens, positions);
   if (entries_.contains(key)) return false;
-  if (!pool_->Ref(block).ok()) return false;
+  if (!pool_->RefCached(block).ok()) return false;
   lru_.push_back(key);
   entries_.emplace(key, Entry{parent,
                               std::vector<int>(tokens.begin(), tokens.end()),
@@ -53,7 +55,7 @@ int PrefixCache::EvictForFree(int n) {
       ++it;
       continue;
     }
-    pool_->Unref(block).IgnoreError();
+    pool_->UnrefCached(block).IgnoreError();
     entries_.erase(e);
     it = lru_.erase(it);
     ++freed;
@@ -61,10 +63,6 @@ int PrefixCache::EvictForFree(int n) {
   return freed;
 }
 
-int PrefixCache::num_evictable() const {
-  int n = 0;
-  for (const auto& [key, e] : entries_) n += pool_->ref_count(e.block) == 1;
-  return n;
-}
+int PrefixCache::num_evictable() const { return pool_->num_cached_idle(); }
 
 }  // namespace specserve

@@ -57,7 +57,7 @@ class PrefixCache {
   /// blocks freed.
   int EvictForFree(int n);
   /// Listed blocks that only the cache holds (EvictForFree could free
-  /// them). O(size()).
+  /// them). O(1): the pool counts them (one cache per pool).
   int num_evictable() const;
 
   /// Blocks listed.
