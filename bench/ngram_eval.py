@@ -159,6 +159,25 @@ def run(stub, prompts, concurrency, method, a):
     return out, time.time() - t0, failures
 
 
+def round_times(st):
+    """Sum and count of the target's verify rounds and the speculator's draft
+    rounds so far (their Prometheus histograms), seconds."""
+    out = {}
+    for key, svc, name in (
+            ("target_round", st.target, "specserve_target_round_seconds"),
+            ("draft", st.speculator, "specserve_speculator_draft_seconds")):
+        out[key] = (svc.metric_value(name + "_sum") or 0.0,
+                    svc.metric_value(name + "_count") or 0.0)
+    return out
+
+
+def mean_ms(before, after, key):
+    """Mean milliseconds per round of `key` between two round_times()."""
+    s = after[key][0] - before[key][0]
+    n = after[key][1] - before[key][1]
+    return "%.3f" % (1e3 * s / n) if n > 0 else "-"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--speculator_model", default="models/stories260K-draft")
@@ -180,14 +199,19 @@ def main():
     ap.add_argument("--prompt_lookup_max", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router_args", default="")
+    ap.add_argument("--target_args", default="")
+    ap.add_argument("--speculator_args", default="")
     a = ap.parse_args()
     methods = a.methods.split(",")
     print("| method | clients | output tok/s | tokens / target forward | "
-          "mean acceptance length | identical to none | failed |")
-    print("|---|---|---|---|---|---|---|")
+          "mean acceptance length | identical to none | failed | "
+          "round ms | target round ms | draft ms / round |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with Stack(speculator_model=a.speculator_model,
                target_model=a.target_model, tokenizer=a.tokenizer,
-               router_args=a.router_args.split()) as st:
+               router_args=a.router_args.split(),
+               target_args=a.target_args.split(),
+               speculator_args=a.speculator_args.split()) as st:
         stub = pb_grpc.RouterStub(grpc.insecure_channel(st.router.address))
         if a.workload == "repeat":
             prompts = repeat_prompts(stub, a.num_prompts, a.story_tokens,
@@ -199,7 +223,9 @@ def main():
             reference = None
             for method in methods:
                 run(stub, prompts[:2], 1, method, a)  # warm-up
+                before = round_times(st)
                 res, wall, failures = run(stub, prompts, c, method, a)
+                after = round_times(st)
                 ok = [r for r in res if r is not None]
                 tokens = sum(r.usage.completion_tokens for r in ok)
                 forwards = sum(r.stats.num_target_forwards for r in ok)
@@ -213,10 +239,12 @@ def main():
                         1 for r, ref in zip(res, reference)
                         if r is not None and ref is not None and
                         list(r.token_ids) == list(ref.token_ids)), len(res))
-                print("| %s | %d | %.1f | %.2f | %s | %s | %d |" % (
+                print("| %s | %d | %.1f | %.2f | %s | %s | %d | %.3f | %s | %s |" % (
                     method, c, tokens / wall, tokens / max(1, forwards),
                     "%.2f" % (sum(drafted) / len(drafted)) if drafted else "-",
-                    same, len(failures)))
+                    same, len(failures), 1e3 * wall * c / max(1, forwards),
+                    mean_ms(before, after, "target_round"),
+                    mean_ms(before, after, "draft")))
                 sys.stdout.flush()
     return 0
 
