@@ -3,10 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "common/model/safetensors.h"
 #include "gtest/gtest.h"
@@ -151,6 +155,48 @@ TEST(KernelsTest, SoftmaxOfMaskedAndUnderflowingScores) {
   }
 }
 
+
+// Every length from 1 to 70 (the AVX-512 path's masked tail and the AVX2
+// path's scalar one), against a double softmax; the max agrees exactly.
+TEST(KernelsTest, SoftmaxAtEveryLength) {
+  for (int n = 1; n <= 70; ++n) {
+    auto row = Random(n, 100 + n, 4.f);
+    row.resize(n + 3, 7.f);
+    const auto ref = row;
+    const float m = *std::max_element(ref.begin(), ref.begin() + n);
+    EXPECT_EQ(MaxOf(ref.data(), n), m) << n;
+    SoftmaxPrefix(row.data(), n, n + 3);
+    double s = 0;
+    for (int i = 0; i < n; ++i) s += std::exp(double(ref[i]) - m);
+    for (int i = 0; i < n; ++i) {
+      ASSERT_NEAR(row[i], std::exp(double(ref[i]) - m) / s, 1e-6)
+          << "n " << n << " i " << i;
+    }
+    for (int i = n; i < n + 3; ++i) EXPECT_EQ(row[i], 0.f);
+  }
+}
+
+// The AVX2 softmax: the softmax tests again in a child process with
+// SPECSERVE_DISABLE_AVX512 set (the dispatch is decided once per process).
+TEST(KernelsTest, Avx2PathPassesTheSoftmaxTests) {
+  if (std::getenv("SPECSERVE_DISABLE_AVX512") != nullptr) {
+    EXPECT_FALSE(UseAvx512());
+    return;
+  }
+  setenv("SPECSERVE_DISABLE_AVX512", "1", 1);
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(len, 0);
+  self[len] = 0;
+  const int rc = std::system(
+      (std::string(self) +
+       " --gtest_filter='KernelsTest.ExpAndSoftmaxAccuracy:KernelsTest."
+       "SoftmaxOfMaskedAndUnderflowingScores:KernelsTest.SoftmaxAtEveryLength:"
+       "KernelsTest.Avx2PathPassesTheSoftmaxTests'")
+          .c_str());
+  unsetenv("SPECSERVE_DISABLE_AVX512");
+  EXPECT_EQ(rc, 0);
+}
 
 using PanelFn = void (*)(const float*, int, int, const float*, int, int,
                          float*, int, int, float);
