@@ -80,14 +80,17 @@ void BatchScheduler::Loop() {
         mu_.AwaitWithTimeout(arrived, absl::Milliseconds(1));
       }
       // Give the previous step's requests a moment to send their next
-      // work, so that they share this step instead of the next one.
+      // work, so that they share this step instead of the next one; but
+      // only when every work of that step has ended: a work still in flight
+      // (a draft's next depth, a prompt's next chunk) must not stall for
+      // the others' round trips.
       const size_t want = static_cast<size_t>(last_sequences);
-      if (!stop_ && works.size() + incoming_.size() < want &&
+      if (!stop_ && works.empty() && incoming_.size() < want &&
           options_.max_batch_wait > absl::ZeroDuration()) {
         struct Arg {
           BatchScheduler* s;
           size_t need;
-        } arg{this, want - std::min(want, works.size())};
+        } arg{this, want};
         mu_.AwaitWithTimeout(
             absl::Condition(
                 +[](Arg* a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a->s->mu_) {

@@ -92,10 +92,12 @@ class BatchScheduler {
     /// Rows (tokens) per batched forward, >= every work's largest
     /// min_forward_rows() (else that work fails RESOURCE_EXHAUSTED).
     int max_num_batched_tokens = 2048;
-    /// Before a step, wait up to this long for the works of the previous
-    /// step to come back (a stream's next round arrives one client round
-    /// trip after its last one ended): without it the running requests
-    /// split into alternating half-size batches. 0 = never wait.
+    /// Before a step, when every work of the previous step has ended, wait
+    /// up to this long for them to come back (a stream's next round
+    /// arrives one client round trip after its last one ended): without it
+    /// the running requests split into alternating half-size batches. A
+    /// work still in flight (a draft's next depth, a prompt's next chunk)
+    /// never waits. 0 = never wait.
     absl::Duration max_batch_wait = absl::Milliseconds(2);
     /// Fraction of the KV pool kept free when a work whose sequence holds
     /// no blocks (a new or preempted request) starts: vLLM's watermark,
