@@ -24,8 +24,11 @@ prompt, so outputs are comparable) under three methods:
 at each concurrency level (clients sending the prompts from one queue).
 Reported per method and level: output tokens/s (all clients), tokens per
 target forward (completion tokens / target forwards, from the responses'
-stats), mean acceptance length, and how many outputs are token-identical
-to "none" at the same level.
+stats), mean acceptance length, how many outputs are token-identical
+to "none" at the same level, draft tokens (verify rows past the first) per
+drafted round, and where a round's time goes: the round as a client sees
+it (clients x wall / target forwards), the target's mean verify round and
+the speculator's mean draft round (their Prometheus histograms).
 
     bazel build -c opt //router //speculator_service //target_service \
         //tools:tokenize
@@ -205,8 +208,8 @@ def main():
     methods = a.methods.split(",")
     print("| method | clients | output tok/s | tokens / target forward | "
           "mean acceptance length | identical to none | failed | "
-          "round ms | target round ms | draft ms / round |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "drafts / round | round ms | target round ms | draft ms / round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with Stack(speculator_model=a.speculator_model,
                target_model=a.target_model, tokenizer=a.tokenizer,
                router_args=a.router_args.split(),
@@ -239,10 +242,14 @@ def main():
                         1 for r, ref in zip(res, reference)
                         if r is not None and ref is not None and
                         list(r.token_ids) == list(ref.token_ids)), len(res))
-                print("| %s | %d | %.1f | %.2f | %s | %s | %d | %.3f | %s | %s |" % (
+                draft_tokens = sum(r.stats.num_draft_tokens for r in ok)
+                rounds = sum(r.stats.num_drafts for r in ok)
+                print("| %s | %d | %.1f | %.2f | %s | %s | %d | %s | %.3f | %s | %s |" % (
                     method, c, tokens / wall, tokens / max(1, forwards),
                     "%.2f" % (sum(drafted) / len(drafted)) if drafted else "-",
-                    same, len(failures), 1e3 * wall * c / max(1, forwards),
+                    same, len(failures),
+                    "%.2f" % (draft_tokens / rounds) if rounds else "-",
+                    1e3 * wall * c / max(1, forwards),
                     mean_ms(before, after, "target_round"),
                     mean_ms(before, after, "draft")))
                 sys.stdout.flush()

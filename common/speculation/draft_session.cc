@@ -320,7 +320,12 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
       if (static_cast<int>(best.size()) > count) best.pop_back();
     }
     for (int id : best) {
-      if (base * probs[id] < min_prob) break;  // best is sorted
+      // best is sorted. The root's likeliest child stays whatever its
+      // probability: a round without drafts would still pay the
+      // speculator's round trip for one token.
+      if (base * probs[id] < min_prob && !(parent < 0 && id == best[0])) {
+        break;
+      }
       TreeNode n;
       n.token.id = id;
       n.parent = parent;

@@ -31,9 +31,10 @@ struct DraftTreeShape {
   /// product of the speculator's probabilities along its path, the
   /// expected number of times it is accepted if the speculator is
   /// calibrated) is at least this, and greedy trees also leave out
-  /// children below it: a confidence-sized tree (EAGLE-2's dynamic tree,
-  /// Li et al. 2024) that spends verify rows only where they are likely to
-  /// pay. 0 = the full shape.
+  /// children below it, except the root's likeliest child (an empty tree
+  /// would cost the round trip for one token): a confidence-sized tree
+  /// (EAGLE-2's dynamic tree, Li et al. 2024) that spends verify rows only
+  /// where they are likely to pay. 0 = the full shape.
   double min_path_prob = 0.0;
 };
 
