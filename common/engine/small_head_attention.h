@@ -1,0 +1,48 @@
+#ifndef SPECSERVE_COMMON_ENGINE_SMALL_HEAD_ATTENTION_H_
+#define SPECSERVE_COMMON_ENGINE_SMALL_HEAD_ATTENTION_H_
+
+#include <cstddef>
+#include <vector>
+
+namespace specserve {
+namespace kernels {
+
+/// Whether AttentionRowsSmallHead runs on this CPU for `head_dim`: 8 or 16
+/// with AVX-512 (and not disabled by SPECSERVE_DISABLE_AVX512).
+bool HasSmallHeadAttention(int head_dim);
+
+/// Causal grouped-query attention (GQA) of `rows` new rows straight from
+/// the paged f32 cache, for the small heads (8 or 16 dims) of the bundled
+/// test-size models, where kernels::AttentionRows reduces each 8-dim dot
+/// product across lanes and the GEMM path copies the whole context and
+/// pays two library calls per KV head. Works on 16 keys at a time for
+/// every query head of a KV group: the chunk's keys are transposed once
+/// (one vector per dimension, 16 keys wide), so a query's 16 scores are
+/// head_dim FMAs; the values are read as they lie (two 8-dim tokens per
+/// vector) and weighted by the softmax in 16-key slices.
+///
+/// Same contract as kernels::AttentionRows over an f32 cache: q [rows]
+/// rows of num_heads * head_dim (stride q_stride) at cache slots first ..
+/// first + rows - 1; k, v paged planes of num_kv_heads * head_dim floats
+/// per token (row stride kv_stride, PagedAttention's block tables); row i
+/// attends to slots [0, first + i] minus mask_keys[mask_offsets[i] ..
+/// mask_offsets[i + 1]) when mask_offsets is set (tree attention). out:
+/// [rows] rows of num_heads * head_dim (stride out_stride). scratch grows
+/// to rows * (num_heads / num_kv_heads) * (first + rows + 32) floats.
+/// Requires HasSmallHeadAttention(head_dim) and the cache's
+/// (slot * kv_stride) offsets below 2^31 floats; results agree with
+/// AttentionRows to float rounding (the sums are associated differently).
+void AttentionRowsSmallHead(const float* q, size_t q_stride, int rows,
+                            int first, int num_heads, int num_kv_heads,
+                            int head_dim, const float* k, const float* v,
+                            size_t kv_stride, const int* block_table,
+                            int block_size, float scale,
+                            std::vector<float>* scratch, float* out,
+                            size_t out_stride,
+                            const int* mask_offsets = nullptr,
+                            const int* mask_keys = nullptr);
+
+}  // namespace kernels
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_ENGINE_SMALL_HEAD_ATTENTION_H_
