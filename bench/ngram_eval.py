@@ -110,8 +110,9 @@ def repeat_prompts(stub, n, story_tokens, seed):
     prompts = []
     for i in range(n):
         first = tokenize(firsts[i % len(firsts)])
-        # Later rounds vary the story length, so repeats differ.
-        length = story_tokens - 40 * (i // len(firsts))
+        # Later rounds vary the story length, so repeats differ (cycling
+        # back to the longest after the fifth).
+        length = story_tokens - 40 * ((i // len(firsts)) % 5)
         req = specserve_client.build_request(
             pb, token_ids=first, max_new_tokens=length, temperature=0.0,
             spec_prefill=False, spec_decode=False)

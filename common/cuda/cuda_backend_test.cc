@@ -672,6 +672,49 @@ TEST_F(CudaTest, GatherKvRowsFollowsTheBlockTable) {
   }
 }
 
+// Greedy's argmax on the device follows specserve::Argmax: ties to the
+// lowest id, NaN never wins (all NaN: 0), -inf is an ordinary value; rows
+// shorter and longer than a block, and a 128K vocabulary.
+TEST_F(CudaTest, ArgmaxRowsFollowsHostArgmax) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int vocab : {1, 37, 256, 1000, 128256}) {
+    SCOPED_TRACE(vocab);
+    const int rows = 7;
+    std::vector<float> x(static_cast<size_t>(rows) * vocab);
+    for (float& v : x) v = std::round(4.f * Normal(1)[0]);  // many ties
+    float* r = x.data();
+    r[vocab - 1] = 1e9f;                                 // row 0: the last id
+    std::fill(r + vocab, r + 2 * vocab, nan);            // row 1: all NaN
+    std::fill(r + 2 * vocab, r + 3 * vocab, -inf);       // row 2: all -inf
+    r[3 * vocab + vocab / 2] = nan;                      // row 3: one NaN
+    std::fill(r + 4 * vocab, r + 5 * vocab, 2.f);        // row 4: all tied
+    std::vector<int> want(rows);
+    for (int i = 0; i < rows; ++i) {
+      int best = 0;
+      float bv = nan;
+      for (int j = 0; j < vocab; ++j) {
+        const float v = r[static_cast<size_t>(i) * vocab + j];
+        if (std::isnan(v)) continue;
+        if (std::isnan(bv) || v > bv) bv = v, best = j;
+      }
+      want[i] = best;
+    }
+    EXPECT_EQ(want[1], 0);
+    EXPECT_EQ(want[4], 0);
+    DeviceBuffer d_x = Upload(x);
+    DeviceBuffer d_out = Upload(std::vector<int>(rows, -1));
+    EXPECT_LAUNCH_OK(ck::ArgmaxRows(d_x.as<float>(), rows, vocab,
+                                    d_out.as<int>(), nullptr));
+    std::vector<int> got(rows);
+    EXPECT_CUDA_OK(cudaMemcpy(got.data(), d_out.get(), rows * sizeof(int),
+                              cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got, want);
+  }
+  EXPECT_EQ(ck::ArgmaxRows(nullptr, 1, 0, nullptr, nullptr),
+            cudaErrorInvalidValue);
+}
+
 TEST_F(CudaTest, SiluMulMatchesCpu) {
   const int rows = 5, ffn = 1000;
   const std::vector<float> gu = Normal(static_cast<size_t>(rows) * 2 * ffn, 2.0f);
@@ -1662,6 +1705,47 @@ TEST_P(ModelTest, PrefillDecodeVerifyAndQueriesMatchCpu) {
       SCOPED_TRACE("verify round");
       ExpectLogitsMatch(cv, gv, vocab, rows_tol, 0.0);
     }
+  }
+}
+
+// argmax_only: the runner reduces on the device and returns each logit
+// row's argmax, equal to the argmax of the logits it returns otherwise;
+// a mixed batch keeps the other sequence's logits.
+TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size, n = 40;
+  std::vector<int> ids(n);
+  for (int& id : ids) id = Uniform(0, vocab - 1);
+  const std::vector<int> pos = Iota(0, n);
+  std::vector<std::unique_ptr<KvSequence>> kv;
+  for (int i = 0; i < 3; ++i) {
+    kv.push_back(NewSeq(*e.gpu, c.max_position_embeddings));
+    ASSERT_NE(kv.back(), nullptr);
+  }
+  ForwardOutput full;
+  ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), kv[0].get(), &full));
+  std::vector<SequenceForward> batch(2);
+  batch[0].kv = kv[1].get();
+  batch[0].input = AllRows(ids, pos);
+  batch[0].input.argmax_only = true;
+  batch[1].kv = kv[2].get();
+  batch[1].input = AllRows(ids, pos);
+  std::vector<ForwardOutput> out;
+  ASSERT_OK(e.gpu->Forward(batch, &out));
+  EXPECT_TRUE(out[0].logits.empty());
+  ASSERT_EQ(out[0].argmax.size(), static_cast<size_t>(n));
+  EXPECT_TRUE(out[1].argmax.empty());
+  ASSERT_EQ(out[1].logits.size(), static_cast<size_t>(n) * vocab);
+  // The same rows in the same batch: the device's argmax is the argmax of
+  // the logits it hands out (and, across forwards, a near-top id).
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(out[0].argmax[r], Argmax(out[1].logits_row(r, vocab), vocab))
+        << "row " << r;
+    const float* row = full.logits_row(r, vocab);
+    EXPECT_GE(row[out[0].argmax[r]], *std::max_element(row, row + vocab) - 0.05f)
+        << "row " << r;
   }
 }
 

@@ -341,6 +341,7 @@ absl::Status CudaModelRunner::Run(
     void* gu;   // T [N, 2 * ffn]
     void* act;  // T [N, ffn]
     float* logits;    // fp32 [R, vocab]
+    int* argmax;      // [R] (argmax_only sequences' rows)
     float* captured;  // fp32 [L, NQ, H * D] (host capture only)
     void* split_ws;   // batched attention's split partials
     int* tree_start;  // [N] tree attention span starts (trees only)
@@ -375,6 +376,7 @@ absl::Status CudaModelRunner::Run(
     reg->act = cv.Take(tb * NN * ffn);
     reg->logits = static_cast<float*>(
         cv.Take(sizeof(float) * static_cast<size_t>(R) * vocab));
+    reg->argmax = static_cast<int*>(cv.Take(sizeof(int) * R));
     reg->captured = static_cast<float*>(
         cv.Take(sizeof(float) * L * static_cast<size_t>(NQ) * qrow));
     reg->split_ws = cv.Take(split_ws);
@@ -541,10 +543,30 @@ absl::Status CudaModelRunner::Run(
   SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
                                          weights_->lm_head(), vocab,
                                          reg.logits, CudaDType::kF32, 0.0f));
-  std::vector<float> logits(static_cast<size_t>(R) * vocab);
-  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-      logits.data(), reg.logits, sizeof(float) * logits.size(),
-      cudaMemcpyDeviceToHost, stream_));
+  // argmax_only sequences get their rows' ids, reduced on the device; the
+  // others their fp32 logits. Only what is read crosses to the host.
+  bool any_argmax = false, any_logits = false;
+  for (int i = 0; i < S; ++i) {
+    any_argmax |= batch[i].input.argmax_only;
+    any_logits |= !batch[i].input.argmax_only;
+  }
+  std::vector<int> argmax(any_argmax ? R : 0);
+  if (any_argmax) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ArgmaxRows(
+        reg.logits, R, vocab, reg.argmax, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(argmax.data(), reg.argmax, sizeof(int) * R,
+                        cudaMemcpyDeviceToHost, stream_));
+  }
+  std::vector<float> logits(any_logits ? static_cast<size_t>(R) * vocab : 0);
+  for (int i = 0; i < S; ++i) {
+    if (batch[i].input.argmax_only || lr0[i + 1] == lr0[i]) continue;
+    const size_t at = static_cast<size_t>(lr0[i]) * vocab;
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        logits.data() + at, reg.logits + at,
+        sizeof(float) * (lr0[i + 1] - lr0[i]) * vocab,
+        cudaMemcpyDeviceToHost, stream_));
+  }
   std::vector<float> queries(static_cast<size_t>(L) * NQ * qrow);
   if (!queries.empty()) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
@@ -558,8 +580,12 @@ absl::Status CudaModelRunner::Run(
   for (int i = 0; i < S; ++i) {
     ForwardOutput& o = (*out)[i];
     o.logit_rows = logit_rows[i];
-    o.logits.assign(logits.begin() + static_cast<size_t>(lr0[i]) * vocab,
-                    logits.begin() + static_cast<size_t>(lr0[i + 1]) * vocab);
+    if (batch[i].input.argmax_only) {
+      o.argmax.assign(argmax.begin() + lr0[i], argmax.begin() + lr0[i + 1]);
+    } else {
+      o.logits.assign(logits.begin() + static_cast<size_t>(lr0[i]) * vocab,
+                      logits.begin() + static_cast<size_t>(lr0[i + 1]) * vocab);
+    }
     const int nq = static_cast<int>(batch[i].input.capture_query_rows.size());
     if (batch[i].capture != nullptr) {
       static_cast<CudaQueryCapture*>(batch[i].capture)->rows_ += nq;

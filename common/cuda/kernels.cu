@@ -211,6 +211,46 @@ __global__ void SiluMulKernel(const T* __restrict__ gu, int rows, int ffn,
   }
 }
 
+// Whether (v, i) beats (best_v, best_i) under Argmax's rule: larger
+// value, then lower id; NaN never beats anything, anything beats NaN.
+__device__ __forceinline__ bool ArgmaxBeats(float v, int i, float best_v,
+                                            int best_i) {
+  if (isnan(v)) return false;
+  if (isnan(best_v)) return true;
+  return v > best_v || (v == best_v && i < best_i);
+}
+
+__global__ void ArgmaxRowsKernel(const float* __restrict__ logits, int vocab,
+                                 int* __restrict__ out) {
+  const float* row = logits + static_cast<size_t>(blockIdx.x) * vocab;
+  float best_v = nanf("");
+  int best_i = 0;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float v = row[i];
+    if (ArgmaxBeats(v, i, best_v, best_i)) best_v = v, best_i = i;
+  }
+  // Warp, then block: the (value, id) pairs reduce with the same rule, so
+  // the order of the reduction does not change the winner.
+  for (int off = 16; off > 0; off >>= 1) {
+    const float v = __shfl_down_sync(0xffffffffu, best_v, off);
+    const int i = __shfl_down_sync(0xffffffffu, best_i, off);
+    if (ArgmaxBeats(v, i, best_v, best_i)) best_v = v, best_i = i;
+  }
+  __shared__ float warp_v[kThreads / 32];
+  __shared__ int warp_i[kThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_v[warp] = best_v, warp_i[warp] = best_i;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) {
+      if (ArgmaxBeats(warp_v[w], warp_i[w], best_v, best_i)) {
+        best_v = warp_v[w], best_i = warp_i[w];
+      }
+    }
+    out[blockIdx.x] = best_i;
+  }
+}
+
 }  // namespace
 
 cudaError_t ConvertFromF32(const float* src, void* dst, CudaDType dst_dtype,
@@ -306,6 +346,14 @@ cudaError_t SiluMul(const void* gu, int rows, int ffn, void* out,
                            <<<GridFor(total), kThreads, 0, stream>>>(
                                static_cast<const T*>(gu), rows, ffn,
                                static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t ArgmaxRows(const float* logits, int rows, int vocab, int* out,
+                       cudaStream_t stream) {
+  if (rows < 0 || vocab <= 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaGetLastError();
+  ArgmaxRowsKernel<<<rows, kThreads, 0, stream>>>(logits, vocab, out);
   return cudaGetLastError();
 }
 

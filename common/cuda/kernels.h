@@ -101,6 +101,13 @@ cudaError_t RopeQkvStore(const RopeArgs& args, cudaStream_t stream);
 cudaError_t AddBias(float* x, size_t stride, int rows, int cols,
                     const float* bias, cudaStream_t stream);
 
+/// out[r] = the id of row r's largest logit, specserve::Argmax's rule: ties
+/// go to the lowest id, NaN never wins (an all-NaN row gives 0). One block
+/// per row. logits: fp32 [rows, vocab]; out: int [rows]. Greedy decoding
+/// and verification read these instead of copying the logits to the host.
+cudaError_t ArgmaxRows(const float* logits, int rows, int vocab, int* out,
+                       cudaStream_t stream);
+
 /// Qwen3's q_norm / k_norm, in place: in each of the `n` rows of `qkv`
 /// (fp32 [n, (H + 2*KV) * head_dim], q heads then k heads then v heads),
 /// every q head becomes RMSNorm(head) * q_weight and every k head

@@ -38,6 +38,36 @@ absl::Status ValidateTreeParents(absl::Span<const int> parents,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Greedy: from the root, move to the first child (index order) whose id is
+// the target's argmax at the current node, while one exists. children[s]:
+// slot s's children (slot 0 the root, 1 + i node i); best_of(slot): the
+// argmax of that slot's row, asked only along the walked path.
+template <typename BestOf>
+TreeVerifyResult WalkGreedy(absl::Span<const DraftToken> drafts,
+                            const std::vector<std::vector<int>>& children,
+                            const BestOf& best_of) {
+  TreeVerifyResult result;
+  int slot = 0;
+  for (;;) {
+    const int best = best_of(slot);
+    int next = -1;
+    for (int c : children[slot]) {
+      if (drafts[c].id == best) {
+        next = c;
+        break;
+      }
+    }
+    result.tokens.push_back(best);
+    if (next < 0) return result;
+    result.path.push_back(next);
+    slot = next + 1;
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
     absl::Span<const DraftToken> drafts, absl::Span<const int> parents,
     absl::Span<const float> target_logits, int vocab_size,
@@ -70,24 +100,13 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
                                  vocab_size);
   };
 
+  if (greedy) {
+    return WalkGreedy(drafts, children,
+                      [&](int slot) { return Argmax(row(slot)); });
+  }
+
   TreeVerifyResult result;
   int slot = 0;  // the current node: 0 = root, 1 + i = node i
-  if (greedy) {
-    for (;;) {
-      const int best = Argmax(row(slot));
-      int next = -1;
-      for (int c : children[slot]) {
-        if (drafts[c].id == best) {
-          next = c;
-          break;
-        }
-      }
-      result.tokens.push_back(best);
-      if (next < 0) return result;
-      result.path.push_back(next);
-      slot = next + 1;
-    }
-  }
 
   // Sampled: p is the current node's (residual) distribution, mirrored in
   // p_dense so a child's p(x) is one lookup; q_dense holds a rejected
@@ -143,6 +162,37 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
     result.path.push_back(next);
     slot = next + 1;
   }
+}
+
+absl::StatusOr<TreeVerifyResult> VerifyDraftTreeGreedy(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> parents,
+    absl::Span<const int> target_argmax, int vocab_size) {
+  if (vocab_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size must be > 0, got ", vocab_size));
+  }
+  const int n = static_cast<int>(drafts.size());
+  if (absl::Status s = ValidateTreeParents(parents, n); !s.ok()) return s;
+  if (absl::Status s = ValidateDrafts(drafts, vocab_size, /*greedy=*/true);
+      !s.ok()) {
+    return s;
+  }
+  if (target_argmax.size() != static_cast<size_t>(n) + 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_argmax has ", target_argmax.size(),
+                     " ids; expected 1 + n = ", n + 1));
+  }
+  for (int r = 0; r <= n; ++r) {
+    if (target_argmax[r] < 0 || target_argmax[r] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "target_argmax[", r, "] = ", target_argmax[r],
+          " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  std::vector<std::vector<int>> children(n + 1);
+  for (int i = 0; i < n; ++i) children[parents[i] + 1].push_back(i);
+  return WalkGreedy(drafts, children,
+                    [&](int slot) { return target_argmax[slot]; });
 }
 
 }  // namespace specserve

@@ -71,6 +71,16 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
     absl::Span<const float> target_logits, int vocab_size,
     const SamplingParams& params, Rng* rng);
 
+/// Greedy tree verification from the target's argmax per row (what a
+/// backend returns for ForwardInput::argmax_only): target_argmax [1 + n],
+/// row 0 the root's, row 1 + i node i's. The same result as VerifyDraftTree
+/// with greedy params on the rows' logits. INVALID_ARGUMENT for bad
+/// parents, vocab_size <= 0, target_argmax.size() != 1 + n, or an id
+/// outside [0, vocab_size).
+absl::StatusOr<TreeVerifyResult> VerifyDraftTreeGreedy(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> parents,
+    absl::Span<const int> target_argmax, int vocab_size);
+
 }  // namespace specserve
 
 #endif  // SPECSERVE_COMMON_DECODING_TREE_VERIFICATION_H_

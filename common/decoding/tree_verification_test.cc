@@ -132,6 +132,41 @@ TEST(TreeVerifyTest, GreedyTreesReproduceTargetGreedy) {
   EXPECT_GT(accepted, rounds / 2);  // the trees do get accepted
 }
 
+// From the rows' argmax ids (a backend's argmax_only output) greedy tree
+// verification gives what it gives from the logits, over random shapes.
+TEST(TreeVerifyTest, GreedyFromArgmaxEqualsFromLogits) {
+  constexpr int kVocab = 24;
+  const std::vector<std::vector<int>> shapes = {
+      {1}, {3}, {2, 2}, {4, 2, 1}, {1, 1, 1, 1}, {3, 1, 1, 1}};
+  std::mt19937_64 gen(9);
+  std::vector<int> ctx = {3, 1, 4};
+  for (int round = 0; round < 200; ++round) {
+    const std::vector<int>& shape = shapes[gen() % shapes.size()];
+    Tree t = DraftTree(ctx, shape, kVocab, SamplingParams{}, nullptr);
+    const std::vector<float> rows = TreeRows(ctx, t, kVocab);
+    std::vector<int> best(t.drafts.size() + 1);
+    for (size_t r = 0; r < best.size(); ++r) {
+      best[r] = Argmax(absl::MakeConstSpan(rows).subspan(r * kVocab, kVocab));
+    }
+    auto a = VerifyDraftTree(t.drafts, t.parents, rows, kVocab,
+                             SamplingParams{}, nullptr);
+    auto b = VerifyDraftTreeGreedy(t.drafts, t.parents, best, kVocab);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->tokens, b->tokens);
+    EXPECT_EQ(a->path, b->path);
+    ctx.insert(ctx.end(), a->tokens.begin(), a->tokens.end());
+  }
+  EXPECT_EQ(VerifyDraftTreeGreedy({{1, {}}}, {-1}, {1}, kVocab).status().code(),
+            absl::StatusCode::kInvalidArgument);  // needs 1 + n ids
+  EXPECT_EQ(
+      VerifyDraftTreeGreedy({{1, {}}}, {0}, {1, 1}, kVocab).status().code(),
+      absl::StatusCode::kInvalidArgument);  // a node its own parent
+  EXPECT_EQ(VerifyDraftTreeGreedy({{1, {}}}, {-1}, {1, -3}, kVocab)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // A chain given as a tree verifies exactly as VerifyDrafts does (same rng
 // draws), greedy and sampled.
 TEST(TreeVerifyTest, ChainTreeMatchesChainVerification) {

@@ -93,18 +93,19 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
     return target_logits.subspan(j * vocab_size, vocab_size);
   };
 
+  if (greedy) {
+    // Only the rows up to the first mismatch matter; the argmax of later
+    // ones is never read.
+    std::vector<int> best(k + 1, 0);
+    for (size_t j = 0; j <= k; ++j) {
+      best[j] = Argmax(row(j));
+      if (j < k && drafts[j].id != best[j]) break;
+    }
+    return VerifyDraftsGreedy(drafts, best, vocab_size);
+  }
+
   VerifyResult result;
   result.tokens.reserve(k + 1);
-  if (greedy) {
-    for (size_t j = 0; j < k; ++j) {
-      const int best = Argmax(row(j));
-      result.tokens.push_back(best);  // == draft id when accepted
-      if (drafts[j].id != best) return result;
-      ++result.num_accepted;
-    }
-    result.tokens.push_back(Argmax(row(k)));
-    return result;
-  }
 
   // Dense view of the current q_j, so p and q can be matched by id in
   // O(|p| + |q|); entries are cleared again after each position.
@@ -143,6 +144,37 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
   }
   result.tokens.push_back(
       SampleFrom(ComputeDistribution(row(k), params), rng));
+  return result;
+}
+
+absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> target_argmax,
+    int vocab_size) {
+  if (absl::Status s = ValidateDrafts(drafts, vocab_size, /*greedy=*/true);
+      !s.ok()) {
+    return s;
+  }
+  const size_t k = drafts.size();
+  if (target_argmax.size() != k + 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_argmax has ", target_argmax.size(),
+                     " ids; expected k + 1 = ", k + 1));
+  }
+  for (size_t j = 0; j <= k; ++j) {
+    if (target_argmax[j] < 0 || target_argmax[j] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "target_argmax[", j, "] = ", target_argmax[j],
+          " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  VerifyResult result;
+  result.tokens.reserve(k + 1);
+  for (size_t j = 0; j < k; ++j) {
+    result.tokens.push_back(target_argmax[j]);  // == draft id when accepted
+    if (drafts[j].id != target_argmax[j]) return result;
+    ++result.num_accepted;
+  }
+  result.tokens.push_back(target_argmax[k]);
   return result;
 }
 

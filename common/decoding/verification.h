@@ -60,6 +60,15 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
                                           const SamplingParams& params,
                                           Rng* rng);
 
+/// Greedy verification from the target's argmax per row (what a backend
+/// returns for ForwardInput::argmax_only): target_argmax [k+1], row j's
+/// argmax. The same result as VerifyDrafts with greedy params on the rows'
+/// logits. INVALID_ARGUMENT if vocab_size <= 0, target_argmax.size() !=
+/// k + 1, or an id (draft or argmax) is outside [0, vocab_size).
+absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> target_argmax,
+    int vocab_size);
+
 }  // namespace specserve
 
 #endif  // SPECSERVE_COMMON_DECODING_VERIFICATION_H_

@@ -121,6 +121,39 @@ TEST(VerifyDraftsGreedyTest, HandExample) {
   EXPECT_EQ(plain->tokens, (std::vector<int>{2}));
 }
 
+// From the rows' argmax ids (a backend's argmax_only output) greedy
+// verification gives what it gives from the logits; bad ids and sizes are
+// INVALID_ARGUMENT.
+TEST(VerifyDraftsGreedyTest, FromArgmaxEqualsFromLogits) {
+  constexpr int kVocab = 7;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int k = trial % 6;
+    std::vector<float> rows((k + 1) * kVocab);
+    for (float& x : rows) x = std::round(u(rng));  // ties on purpose
+    std::vector<int> best(k + 1);
+    for (int j = 0; j <= k; ++j) {
+      best[j] = Argmax(absl::MakeConstSpan(rows).subspan(j * kVocab, kVocab));
+    }
+    std::vector<DraftToken> d(k);
+    // Mostly the target's own choice, so rounds run deep.
+    for (int j = 0; j < k; ++j) d[j].id = rng() % 4 ? best[j] : rng() % kVocab;
+    auto a = VerifyDrafts(d, rows, kVocab, SamplingParams{}, nullptr);
+    auto b = VerifyDraftsGreedy(d, best, kVocab);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->tokens, b->tokens);
+    EXPECT_EQ(a->num_accepted, b->num_accepted);
+  }
+  const std::vector<DraftToken> one = {{1, {}}};
+  EXPECT_EQ(VerifyDraftsGreedy(one, {1}, kVocab).status().code(),
+            absl::StatusCode::kInvalidArgument);  // needs k + 1 ids
+  EXPECT_EQ(VerifyDraftsGreedy(one, {1, kVocab}, kVocab).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(VerifyDraftsGreedy({{-1, {}}}, {1, 1}, kVocab).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // ---------------------------------------------------------------------------
 // Sampled: the first emitted token is distributed as p_1 (lossless).
 

@@ -750,6 +750,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     (*out)[i].logit_rows = std::move(logit_rows[i]);
     off += len;
   }
+  ReduceToArgmax(batch, c.vocab_size, out);
   return absl::OkStatus();
 }
 

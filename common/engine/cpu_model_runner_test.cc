@@ -569,6 +569,31 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
     EXPECT_EQ(a->size(), 29);
     EXPECT_EQ(b->size(), 38);
     EXPECT_EQ(c->size(), 28);
+
+    // argmax_only in a mixed batch: those sequences get each row's argmax
+    // and no logits; the others are unchanged.
+    auto a2 = Seq(model, 512), b2 = Seq(model, 512), c2 = Seq(model, 512);
+    prefill(b2.get(), hb, pb);
+    prefill(c2.get(), hc, pc);
+    batch[0].kv = a2.get();
+    batch[1].kv = b2.get();
+    batch[1].input.argmax_only = true;
+    batch[2].kv = c2.get();
+    batch[2].input.argmax_only = true;
+    std::vector<ForwardOutput> reduced;
+    ASSERT_TRUE(model.Forward(batch, &reduced).ok());
+    EXPECT_LT(MaxAbsDiff(reduced[0].logits, alone[0].logits), 1e-5);
+    EXPECT_TRUE(reduced[0].argmax.empty());
+    for (int i = 1; i < 3; ++i) {
+      EXPECT_TRUE(reduced[i].logits.empty()) << i;
+      ASSERT_EQ(reduced[i].argmax.size(), alone[i].logit_rows.size()) << i;
+      for (size_t r = 0; r < reduced[i].argmax.size(); ++r) {
+        EXPECT_EQ(reduced[i].argmax[r],
+                  Argmax(alone[i].logits_row(static_cast<int>(r), vocab),
+                         vocab))
+            << i << " row " << r;
+      }
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/decoding/sampling.h"
 
 namespace specserve {
 
@@ -131,6 +132,21 @@ absl::Status ModelRunner::Forward(const ForwardInput& in, KvSequence* kv,
   absl::Status s = Forward(absl::MakeConstSpan(&entry, 1), &outs);
   if (s.ok()) *out = std::move(outs[0]);
   return s;
+}
+
+void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
+                    std::vector<ForwardOutput>* out) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (!batch[i].input.argmax_only) continue;
+    ForwardOutput& o = (*out)[i];
+    const size_t rows = o.logits.size() / vocab;
+    o.argmax.resize(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      o.argmax[r] =
+          Argmax(absl::MakeConstSpan(o.logits.data() + r * vocab, vocab));
+    }
+    o.logits.clear();
+  }
 }
 
 absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(

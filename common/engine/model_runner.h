@@ -41,14 +41,23 @@ struct ForwardInput {
   /// span, to its ancestors in the span and to itself; new rows before the
   /// span are causal. A chain (parents j - 1) is causal attention.
   std::vector<int> tree_parents;
+  /// The caller needs only each logit row's argmax (greedy decoding and
+  /// verification, the speculator's look-ahead): ForwardOutput::argmax is
+  /// set and ForwardOutput::logits left empty. The CUDA backend reduces on
+  /// the device and copies [rows] ids back instead of [rows, vocab] fp32
+  /// logits (32 MB per step at 64 rows of a 128K vocabulary).
+  bool argmax_only = false;
 };
 
 /// One sequence's output of a forward pass.
 struct ForwardOutput {
   /// The rows `logits` holds, in order (resolved from logit_rows).
   std::vector<int> logit_rows;
-  /// [logit_rows.size(), vocab] fp32 logits.
+  /// [logit_rows.size(), vocab] fp32 logits; empty with argmax_only.
   std::vector<float> logits;
+  /// [logit_rows.size()] with ForwardInput::argmax_only: each row's largest
+  /// logit's id (specserve::Argmax: ties -> lowest id, NaN never wins).
+  std::vector<int> argmax;
   /// [num_layers, capture_query_rows.size(), num_heads, head_dim] post-RoPE
   /// queries, layer-major; empty when no rows were captured or they went
   /// to a QueryCapture.
@@ -191,6 +200,12 @@ class ModelRunner {
 absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
     const ModelConfig& config, const PagedKvCache& cache,
     absl::Span<const SequenceForward> batch);
+
+/// For the host backends: each output whose input asked argmax_only gets
+/// its rows' argmax (specserve::Argmax) and drops its logits. out:
+/// [batch.size()] outputs of `batch`, logits [rows, vocab] each.
+void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
+                    std::vector<ForwardOutput>* out);
 
 /// Shared checks of ScoreImportance's arguments. `capture` is the caller's
 /// capture cast to the backend's own type (nullptr when it belongs to

@@ -80,13 +80,26 @@ absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
       new DraftSession(model, *std::move(cache), sampling));
 }
 
-DraftToken DraftSession::Propose(const float* logits) {
+namespace {
+
+// The last logit row's argmax: ForwardOutput::argmax when the forward was
+// argmax_only, else from the logits.
+int LastArgmax(const ForwardOutput& out, int vocab) {
+  if (!out.argmax.empty()) return out.argmax.back();
+  return Argmax(absl::MakeConstSpan(
+      out.logits.data() + out.logits.size() - vocab, vocab));
+}
+
+}  // namespace
+
+DraftToken DraftSession::Propose(const ForwardOutput& out) {
   const int vocab = model_->config().vocab_size;
   DraftToken d;
   if (sampling_.greedy()) {
-    d.id = Argmax(absl::MakeConstSpan(logits, vocab));
+    d.id = LastArgmax(out, vocab);
   } else {
-    d.q = ComputeDistribution(absl::MakeConstSpan(logits, vocab), sampling_);
+    d.q = ComputeDistribution(absl::MakeConstSpan(out.logits.data(), vocab),
+                              sampling_);
     d.id = SampleFrom(d.q, &rng_);
   }
   return d;
@@ -487,6 +500,7 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
     entry->input.token_ids = plan_tokens_;
     entry->input.position_ids = plan_positions_;
     entry->input.capture_query_rows.clear();
+    entry->input.argmax_only = false;  // the children need probabilities
     entry->capture = nullptr;
     return absl::OkStatus();
   }
@@ -504,6 +518,10 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.position_ids = plan_positions_;
   entry->input.logit_rows.clear();  // the last row
   entry->input.capture_query_rows.clear();
+  // The look-ahead is greedy, and so is a greedy chain's next draft: the
+  // argmax is all they read. A tree's root needs probabilities.
+  entry->input.argmax_only =
+      op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy());
   entry->capture = nullptr;
   // Speculative Prefill scores the last prompt row and every look-ahead
   // row: capture them.
@@ -550,7 +568,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
     // Greedy look-ahead, stopping at EOS or after `wanted_` tokens.
     const int have = static_cast<int>(score_.look_ahead_tokens.size());
     if (have < wanted_) {
-      const int tok = Argmax(absl::MakeConstSpan(logits, c.vocab_size));
+      const int tok = LastArgmax(out, c.vocab_size);
       const std::vector<int>& eos = c.eos_token_ids;
       if (std::find(eos.begin(), eos.end(), tok) == eos.end()) {
         score_.look_ahead_tokens.push_back(tok);
@@ -579,7 +597,7 @@ absl::Status DraftSession::CompleteForward(const ForwardOutput& out) {
     }
     return absl::OkStatus();
   }
-  drafts_.push_back(Propose(logits));
+  drafts_.push_back(Propose(out));
   if (static_cast<int>(drafts_.size()) >= wanted_) {
     next_token_ = -1;
     finished_op_ = true;

@@ -156,7 +156,9 @@ class DraftSession : public Session {
  private:
   DraftSession(ModelRunner* model, std::unique_ptr<KvSequence> cache,
                const SamplingParams& sampling);
-  DraftToken Propose(const float* logits);
+  // The next chain draft from the forward's last logit row: greedy, its
+  // argmax; sampled, a draw from q (kept in the draft).
+  DraftToken Propose(const ForwardOutput& out);
   // On an empty cache: attaches the cached full blocks of `tokens` (at
   // positions 0..) but the last token, sets cached_; returns the tokens.
   int AttachCachedPrefix(absl::Span<const int> tokens);

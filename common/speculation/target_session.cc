@@ -275,6 +275,9 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->capture = nullptr;
   entry->input.token_ids = plan_tokens_;
   entry->input.position_ids = plan_positions_;
+  // Greedy rounds need each row's argmax only (on CUDA it stays on the
+  // device).
+  entry->input.argmax_only = request_.sampling.greedy();
   planned_at_ = MonotonicNowNs();
   return absl::OkStatus();
 }
@@ -289,11 +292,15 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     return absl::OkStatus();
   }
   const int k = static_cast<int>(drafts_.size());
-  if (out.logits.size() != static_cast<size_t>(k + 1) * c.vocab_size) {
+  const bool greedy = request_.sampling.greedy();
+  const size_t want =
+      greedy ? static_cast<size_t>(k + 1) : static_cast<size_t>(k + 1) * c.vocab_size;
+  const size_t got = greedy ? out.argmax.size() : out.logits.size();
+  if (got != want) {
     Abort();
-    return absl::InternalError(absl::StrCat(
-        "forward returned ", out.logits.size(), " logits, expected ",
-        static_cast<size_t>(k + 1) * c.vocab_size));
+    return absl::InternalError(absl::StrCat("forward returned ", got,
+                                            greedy ? " argmax ids" : " logits",
+                                            ", expected ", want));
   }
   std::vector<int> tokens;
   int accepted = 0;
@@ -301,8 +308,10 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   // consecutive slots after the context (path[d] == node d).
   int kept = 0;
   if (parents_.empty()) {
-    auto verdict = VerifyDrafts(drafts_, out.logits, c.vocab_size,
-                                request_.sampling, &rng_);
+    auto verdict =
+        greedy ? VerifyDraftsGreedy(drafts_, out.argmax, c.vocab_size)
+               : VerifyDrafts(drafts_, out.logits, c.vocab_size,
+                              request_.sampling, &rng_);
     if (!verdict.ok()) {
       Abort();
       return verdict.status();
@@ -310,8 +319,11 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     tokens = std::move(verdict->tokens);
     accepted = kept = verdict->num_accepted;
   } else {
-    auto verdict = VerifyDraftTree(drafts_, parents_, out.logits,
-                                   c.vocab_size, request_.sampling, &rng_);
+    auto verdict =
+        greedy ? VerifyDraftTreeGreedy(drafts_, parents_, out.argmax,
+                                       c.vocab_size)
+               : VerifyDraftTree(drafts_, parents_, out.logits, c.vocab_size,
+                                 request_.sampling, &rng_);
     if (!verdict.ok()) {
       Abort();
       return verdict.status();
