@@ -40,7 +40,8 @@ using namespace router_test;  // NOLINT: test helpers
 using json = nlohmann::json;
 
 // A Target that emits token 400 every 20 ms, forever, until its stream is
-// cancelled; counts open streams (its "sessions"). With `silent` it never
+// cancelled (a message per round, or none with Prefill.continuous); counts
+// open streams (its "sessions"). With `silent` it never
 // answers the prefill (a request stuck before its first token).
 class SlowTarget final : public v1::Target::Service {
  public:
@@ -59,6 +60,7 @@ class SlowTarget final : public v1::Target::Service {
     ++started_;
     v1::GenerateRequest req;
     bool ok = s->Read(&req);
+    const bool continuous = ok && req.prefill().continuous();
     while (ok && silent && !ctx->IsCancelled()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
@@ -66,7 +68,7 @@ class SlowTarget final : public v1::Target::Service {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       v1::GenerateResponse r;
       r.add_token_ids(400);
-      ok = s->Write(r) && s->Read(&req);
+      ok = s->Write(r) && (continuous || s->Read(&req));
     }
     --open_;
     return grpc::Status::CANCELLED;

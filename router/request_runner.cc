@@ -276,6 +276,10 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
                                 prefill.mutable_drafts());
   const int kept_count = prefill.token_ids_size();
   prefill.set_next_position(n);
+  // Nothing will draft for this request: the target decodes round after
+  // round without a message from here per token.
+  const bool continuous = !draft_alive && !ngram;
+  prefill.set_continuous(continuous);
   *prefill.mutable_sampling() = opts.sampling;
   v1::StopConditions* stop = prefill.mutable_stop();
   stop->set_max_new_tokens(opts.max_new_tokens);
@@ -320,6 +324,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     if (absl::Status s = output.AddRound(resp, now, &chunk); !s.ok()) return s;
     if (output.finished()) break;
     sink(chunk);
+    if (continuous) continue;
     // Next drafts. Prompt lookup reads the emitted tokens itself; the
     // speculator gets them in its next round (it rolls back its rejected
     // drafts and proposes more). Both learn every emitted token, also

@@ -175,7 +175,9 @@ struct TargetServer::Metrics {
 // One Generate stream. At any moment exactly one of these is outstanding:
 // a read, a forward on the executor (busy_), a write, or the Finish; so reads
 // and writes never race and the session is only touched by whoever holds
-// that turn. OnCancel may arrive at any time: it frees the session unless a
+// that turn. A continuous stream (Prefill.continuous) goes from a write's
+// completion straight to its next forward, and reads again only for the
+// half-close after its last round. OnCancel may arrive at any time: it frees the session unless a
 // forward is running (that forward frees it when it returns), and the
 // outstanding read/write then fails and finishes the stream.
 class TargetServer::GenerateReactor
@@ -261,7 +263,19 @@ class TargetServer::GenerateReactor
       FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
       return;
     }
-    StartRead(&request_);
+    bool next_round = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // Continuous decoding: the next round needs no message. After the
+      // last one, the read below waits for the half-close.
+      next_round = continuous_ && phase_ == Phase::kGenerating;
+      if (next_round) busy_ = true;
+    }
+    if (next_round) {
+      SubmitRound({});
+    } else {
+      StartRead(&request_);
+    }
   }
 
   void OnCancel() override {
@@ -351,6 +365,7 @@ class TargetServer::GenerateReactor
         if (!ticket.ok()) return ticket.status();
         session_ = *std::move(session);
         prefill_tokens_ = request_.prefill().token_ids_size();
+        continuous_ = request_.prefill().continuous();
         *drafts = ToDrafts(request_.prefill().drafts());
         phase_ = Phase::kGenerating;
         if (*ticket == 0) {
@@ -478,6 +493,7 @@ class TargetServer::GenerateReactor
   int prefill_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kAwaitPrefill;
   bool first_round_ ABSL_GUARDED_BY(mu_) = true;
+  bool continuous_ ABSL_GUARDED_BY(mu_) = false;  // Prefill.continuous
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;

@@ -268,6 +268,70 @@ TEST_F(TargetServerTest, GreedyWithDraftModelDraftsEqualsPlainGreedy) {
   EXPECT_EQ(Metric(s, "specserve_target_kv_cache_bytes"), 0);
 }
 
+// Prefill.continuous: one message, then a response per round (one token
+// each) to the greedy reference; a message sent meanwhile is read after
+// the last round (FAILED_PRECONDITION, as after any finish); a
+// cancellation mid-way frees the session.
+TEST_F(TargetServerTest, ContinuousStreamsDecodeWithoutMessages) {
+  const int kNew = 40;
+  const std::vector<int> want =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  v1::GenerateRequest req;
+  *req.mutable_prefill() = MakePrefill(kPrompt, kNew);
+  req.mutable_prefill()->set_continuous(true);
+  {
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    ASSERT_TRUE(rw->Write(req));
+    std::vector<int> got;
+    v1::GenerateResponse resp;
+    int responses = 0;
+    while (rw->Read(&resp)) {
+      ++responses;
+      EXPECT_EQ(resp.token_ids_size(), 1);
+      got.insert(got.end(), resp.token_ids().begin(), resp.token_ids().end());
+      if (!resp.finish_reason().empty()) break;
+    }
+    EXPECT_EQ(resp.finish_reason(), "length");
+    EXPECT_EQ(responses, kNew);
+    EXPECT_EQ(got, want);
+    rw->WritesDone();
+    EXPECT_TRUE(rw->Finish().ok());
+  }
+  {  // A drafts message meanwhile: every round still runs, then the error.
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    v1::GenerateRequest drafts;
+    drafts.mutable_drafts();
+    *req.mutable_prefill() = MakePrefill(kPrompt, 3);
+    req.mutable_prefill()->set_continuous(true);
+    ASSERT_TRUE(rw->Write(req));
+    rw->Write(drafts);
+    v1::GenerateResponse resp;
+    int tokens = 0;
+    while (rw->Read(&resp)) tokens += resp.token_ids_size();
+    EXPECT_EQ(tokens, 3);
+    EXPECT_EQ(rw->Finish().error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  {  // Cancelled mid-way: the session is freed.
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    *req.mutable_prefill() = MakePrefill(kPrompt, 400);
+    req.mutable_prefill()->set_continuous(true);
+    ASSERT_TRUE(rw->Write(req));
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(rw->Read(&resp));
+    ASSERT_TRUE(rw->Read(&resp));
+    ctx->TryCancel();
+    while (rw->Read(&resp)) {
+    }
+    EXPECT_EQ(rw->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    ASSERT_TRUE(WaitFor([&] { return server_->active_sessions() == 0; }));
+    EXPECT_EQ(server_->kv_used_bytes(), 0);
+  }
+}
+
 TEST_F(TargetServerTest, ConcurrentStreamsAreIndependent) {
   const int kNew = 30;
   const std::vector<int> want =
