@@ -177,17 +177,10 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTreeGreedy(
       !s.ok()) {
     return s;
   }
-  if (target_argmax.size() != static_cast<size_t>(n) + 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target_argmax has ", target_argmax.size(),
-                     " ids; expected 1 + n = ", n + 1));
-  }
-  for (int r = 0; r <= n; ++r) {
-    if (target_argmax[r] < 0 || target_argmax[r] >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "target_argmax[", r, "] = ", target_argmax[r],
-          " is outside the vocabulary [0, ", vocab_size, ")"));
-    }
+  if (absl::Status s = ValidateTargetArgmax(
+          target_argmax, static_cast<size_t>(n) + 1, vocab_size);
+      !s.ok()) {
+    return s;
   }
   std::vector<std::vector<int>> children(n + 1);
   for (int i = 0; i < n; ++i) children[parents[i] + 1].push_back(i);

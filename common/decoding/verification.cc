@@ -147,6 +147,23 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
   return result;
 }
 
+absl::Status ValidateTargetArgmax(absl::Span<const int> target_argmax,
+                                  size_t rows, int vocab_size) {
+  if (target_argmax.size() != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_argmax has ", target_argmax.size(),
+                     " ids; expected one per logit row, ", rows));
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    if (target_argmax[r] < 0 || target_argmax[r] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "target_argmax[", r, "] = ", target_argmax[r],
+          " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
     absl::Span<const DraftToken> drafts, absl::Span<const int> target_argmax,
     int vocab_size) {
@@ -155,17 +172,9 @@ absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
     return s;
   }
   const size_t k = drafts.size();
-  if (target_argmax.size() != k + 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target_argmax has ", target_argmax.size(),
-                     " ids; expected k + 1 = ", k + 1));
-  }
-  for (size_t j = 0; j <= k; ++j) {
-    if (target_argmax[j] < 0 || target_argmax[j] >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "target_argmax[", j, "] = ", target_argmax[j],
-          " is outside the vocabulary [0, ", vocab_size, ")"));
-    }
+  if (absl::Status s = ValidateTargetArgmax(target_argmax, k + 1, vocab_size);
+      !s.ok()) {
+    return s;
   }
   VerifyResult result;
   result.tokens.reserve(k + 1);

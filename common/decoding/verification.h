@@ -60,6 +60,12 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
                                           const SamplingParams& params,
                                           Rng* rng);
 
+/// Checks a backend's argmax ids (ForwardInput::argmax_only) for `rows`
+/// logit rows: INVALID_ARGUMENT unless target_argmax.size() == rows and
+/// every id is in [0, vocab_size).
+absl::Status ValidateTargetArgmax(absl::Span<const int> target_argmax,
+                                  size_t rows, int vocab_size);
+
 /// Greedy verification from the target's argmax per row (what a backend
 /// returns for ForwardInput::argmax_only): target_argmax [k+1], row j's
 /// argmax. The same result as VerifyDrafts with greedy params on the rows'

@@ -37,23 +37,17 @@ absl::StatusOr<std::vector<int>> BlockPool::Allocate(int n) {
   return out;
 }
 
-absl::Status BlockPool::Ref(int block) {
-  absl::MutexLock lock(&mu_);
-  if (block < 0 || block >= num_blocks_ || refs_[block] == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("Ref of block ", block, " which is not allocated"));
-  }
-  Change(block, 1, 0);
-  return absl::OkStatus();
-}
+absl::Status BlockPool::Ref(int block) { return AddRef(block, 0); }
 
-absl::Status BlockPool::RefCached(int block) {
+absl::Status BlockPool::RefCached(int block) { return AddRef(block, 1); }
+
+absl::Status BlockPool::AddRef(int block, int cached) {
   absl::MutexLock lock(&mu_);
   if (block < 0 || block >= num_blocks_ || refs_[block] == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("Ref of block ", block, " which is not allocated"));
   }
-  Change(block, 1, 1);
+  Change(block, 1, cached);
   return absl::OkStatus();
 }
 

@@ -55,6 +55,8 @@ class BlockPool {
   bool CachedIdle(int block) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return cached_refs_[block] > 0 && refs_[block] == 1;
   }
+  // Ref (cached = 0) or RefCached (cached = 1).
+  absl::Status AddRef(int block, int cached);
   // Applies `delta_refs` / `delta_cached` to an allocated block, keeping
   // the free list and num_cached_idle_ in step.
   void Change(int block, int delta_refs, int delta_cached)

@@ -3,15 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
-#include <string>
 #include <vector>
 
-#include <unistd.h>
-
+#include "common/engine/avx2_rerun.h"
 #include "common/model/safetensors.h"
 #include "gtest/gtest.h"
 
@@ -179,23 +176,16 @@ TEST(KernelsTest, SoftmaxAtEveryLength) {
 // The AVX2 softmax: the softmax tests again in a child process with
 // SPECSERVE_DISABLE_AVX512 set (the dispatch is decided once per process).
 TEST(KernelsTest, Avx2PathPassesTheSoftmaxTests) {
-  if (std::getenv("SPECSERVE_DISABLE_AVX512") != nullptr) {
+  if (testing_util::InAvx2Rerun()) {
     EXPECT_FALSE(UseAvx512());
     return;
   }
-  setenv("SPECSERVE_DISABLE_AVX512", "1", 1);
-  char self[4096];
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ASSERT_GT(len, 0);
-  self[len] = 0;
-  const int rc = std::system(
-      (std::string(self) +
-       " --gtest_filter='KernelsTest.ExpAndSoftmaxAccuracy:KernelsTest."
-       "SoftmaxOfMaskedAndUnderflowingScores:KernelsTest.SoftmaxAtEveryLength:"
-       "KernelsTest.Avx2PathPassesTheSoftmaxTests'")
-          .c_str());
-  unsetenv("SPECSERVE_DISABLE_AVX512");
-  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(testing_util::RerunWithoutAvx512(
+                "KernelsTest.ExpAndSoftmaxAccuracy:KernelsTest."
+                "SoftmaxOfMaskedAndUnderflowingScores:KernelsTest."
+                "SoftmaxAtEveryLength:KernelsTest."
+                "Avx2PathPassesTheSoftmaxTests"),
+            0);
 }
 
 using PanelFn = void (*)(const float*, int, int, const float*, int, int,

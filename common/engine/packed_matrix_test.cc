@@ -1,7 +1,5 @@
 #include "common/engine/packed_matrix.h"
 
-#include <unistd.h>
-
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/engine/avx2_rerun.h"
 #include "common/engine/thread_pool.h"
 #include "gtest/gtest.h"
 
@@ -217,7 +216,7 @@ TEST(PackedMatrixTest, NativeKernelIsTheLowPrecisionInstructionPath) {
 // The AVX2 fallbacks: the same tests in a child process with
 // SPECSERVE_DISABLE_AVX512 set (the dispatch is decided once per process).
 TEST(PackedMatrixTest, Avx2FallbacksPassTheSameTests) {
-  if (std::getenv("SPECSERVE_DISABLE_AVX512") != nullptr) {
+  if (testing_util::InAvx2Rerun()) {
     for (WeightDType t : kAll) EXPECT_EQ(PackedKernelName(t), "avx2");
     return;
   }
@@ -225,15 +224,7 @@ TEST(PackedMatrixTest, Avx2FallbacksPassTheSameTests) {
     std::printf("%s kernel: %s\n", WeightDTypeName(t).c_str(),
                 PackedKernelName(t).c_str());
   }
-  setenv("SPECSERVE_DISABLE_AVX512", "1", 1);
-  char self[4096];
-  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ASSERT_GT(len, 0);
-  self[len] = 0;
-  const int rc = std::system(
-      (std::string(self) + " --gtest_filter='PackedMatrixTest.*'").c_str());
-  unsetenv("SPECSERVE_DISABLE_AVX512");
-  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(testing_util::RerunWithoutAvx512("PackedMatrixTest.*"), 0);
 }
 
 }  // namespace
