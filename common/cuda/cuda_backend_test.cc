@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -1739,14 +1740,25 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
   EXPECT_TRUE(out[1].argmax.empty());
   ASSERT_EQ(out[1].logits.size(), static_cast<size_t>(n) * vocab);
   // The same rows in the same batch: the device's argmax is the argmax of
-  // the logits it hands out (and, across forwards, a near-top id).
+  // the logits it hands out wherever the top two are apart (and, across
+  // forwards, a near-top id).
+  int clear = 0;
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(out[0].argmax[r], Argmax(out[1].logits_row(r, vocab), vocab))
-        << "row " << r;
-    const float* row = full.logits_row(r, vocab);
-    EXPECT_GE(row[out[0].argmax[r]], *std::max_element(row, row + vocab) - 0.05f)
+    const float* row = out[1].logits_row(r, vocab);
+    std::vector<float> sorted(row, row + vocab);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
+                      std::greater<float>());
+    if (sorted[0] - sorted[1] > 1e-3f) {
+      EXPECT_EQ(out[0].argmax[r], Argmax(row, vocab)) << "row " << r;
+      ++clear;
+    }
+    EXPECT_GE(row[out[0].argmax[r]], sorted[0] - 1e-3f) << "row " << r;
+    const float* alone = full.logits_row(r, vocab);
+    EXPECT_GE(alone[out[0].argmax[r]],
+              *std::max_element(alone, alone + vocab) - 0.05f)
         << "row " << r;
   }
+  EXPECT_GT(clear, n / 2);
 }
 
 TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {
