@@ -148,7 +148,9 @@ TEST(KernelsTest, SoftmaxOfMaskedAndUnderflowingScores) {
     ASSERT_FALSE(std::isnan(row[i])) << i;
     const double want = hidden[i] ? 0.0 : std::exp(ref[i] - m) / s;
     EXPECT_NEAR(row[i], want, 1e-6) << i;
-    if (hidden[i] || i == 9 || i == 35) EXPECT_EQ(row[i], 0.f) << i;
+    if (hidden[i] || i == 9 || i == 35) {
+      EXPECT_EQ(row[i], 0.f) << i;
+    }
   }
 }
 
