@@ -209,8 +209,9 @@ def main():
     methods = a.methods.split(",")
     print("| method | clients | output tok/s | tokens / target forward | "
           "mean acceptance length | identical to none | failed | "
-          "drafts / round | round ms | target round ms | draft ms / round |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "drafts / round | round ms | target round ms | draft ms / round | "
+          "mean TTFT ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with Stack(speculator_model=a.speculator_model,
                target_model=a.target_model, tokenizer=a.tokenizer,
                router_args=a.router_args.split(),
@@ -245,14 +246,16 @@ def main():
                         list(r.token_ids) == list(ref.token_ids)), len(res))
                 draft_tokens = sum(r.stats.num_draft_tokens for r in ok)
                 rounds = sum(r.stats.num_drafts for r in ok)
-                print("| %s | %d | %.1f | %.2f | %s | %s | %d | %s | %.3f | %s | %s |" % (
+                ttft = [r.stats.ttft_s for r in ok]
+                print("| %s | %d | %.1f | %.2f | %s | %s | %d | %s | %.3f | %s | %s | %s |" % (
                     method, c, tokens / wall, tokens / max(1, forwards),
                     "%.2f" % (sum(drafted) / len(drafted)) if drafted else "-",
                     same, len(failures),
                     "%.2f" % (draft_tokens / rounds) if rounds else "-",
                     1e3 * wall * c / max(1, forwards),
                     mean_ms(before, after, "target_round"),
-                    mean_ms(before, after, "draft")))
+                    mean_ms(before, after, "draft"),
+                    "%.2f" % (1e3 * sum(ttft) / len(ttft)) if ttft else "-"))
                 sys.stdout.flush()
     return 0
 

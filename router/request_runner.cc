@@ -201,9 +201,13 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     }
   }
 
-  // --- Speculator: Score (prefill + look-ahead + selection).
+  // --- Speculator: Score (prefill + look-ahead + selection). Without
+  // pruning the target needs nothing from it to start: both prefill at
+  // once (Score runs after the target's prefill is sent), and its
+  // look-ahead drafts wait for the first round instead of riding along.
+  const bool overlap = use_speculator && !opts.spec_prefill;
   Plan plan;
-  if (use_speculator) {
+  if (use_speculator && !overlap) {
     if (absl::Status s = Speculate(opts, prompt, deadline, &plan); !s.ok()) {
       return s;
     }
@@ -233,10 +237,13 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   const bool greedy = opts.sampling.temperature() == 0.f;
   // The method that drafts this request ("" = none: speculative decoding
   // off, or its speculator unavailable from the start).
-  output.SetSpecDecodeMethod(
-      draft_alive || ngram
-          ? std::string(SpecDecodeMethodName(opts.spec_decode_method))
-          : "");
+  const auto set_method = [&] {
+    output.SetSpecDecodeMethod(
+        draft_alive || ngram
+            ? std::string(SpecDecodeMethodName(opts.spec_decode_method))
+            : "");
+  };
+  set_method();
   // Draft tokens for the next round under the load rule (--spec_decode_
   // disable_by_batch_size): fewer or none, counted in the stats.
   const auto draft_budget = [&]() {
@@ -278,7 +285,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   prefill.set_next_position(n);
   // Nothing will draft for this request: the target decodes round after
   // round without a message from here per token.
-  const bool continuous = !draft_alive && !ngram;
+  const bool continuous = !overlap && !draft_alive && !ngram;
   prefill.set_continuous(continuous);
   *prefill.mutable_sampling() = opts.sampling;
   v1::StopConditions* stop = prefill.mutable_stop();
@@ -314,6 +321,15 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     if (!stream->Write(greq)) return fail();
   }
   const absl::Time prefill_sent = absl::Now();
+  if (overlap) {  // the speculator's prefill while the target's runs
+    if (absl::Status s = Speculate(opts, prompt, deadline, &plan); !s.ok()) {
+      return s;
+    }
+    fallback = plan.fallback;
+    stats.set_speculate_s(plan.speculate_s);
+    draft_alive = ModelDrafts(opts) && !session_id.empty() && fallback.empty();
+    set_method();
+  }
   std::vector<int> unsent_emitted;  // emitted, not yet sent to the speculator
   v1::GenerateTextChunk chunk;
   v1::GenerateResponse resp;

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/tokenizer/tokenizer.h"
@@ -378,6 +379,40 @@ TEST_F(RequestRunnerTest, SpeculatorPastItsDeadlineFallsBack) {
   EXPECT_EQ(Ids(o.response), FullReference(text, 16));
   EXPECT_GE(took, absl::Milliseconds(100));
   EXPECT_LT(took, absl::Seconds(3));
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+// Drafting without pruning: the target's prefill does not wait for
+// Speculator.Score (both prefill at once). With Score hanging, the target
+// holds the request's session well before the speculator's deadline; the
+// request then falls back and stays exact.
+TEST_F(RequestRunnerTest, TargetPrefillsWhileTheSpeculatorScores) {
+  HangingSpeculator hanging;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = Serve(&hanging, &port);
+  Connect(Addr(port), Addr(target_->port()));
+  backends_.speculator_deadline = absl::Milliseconds(1500);
+  const std::string text = StoryPrompt(2);
+  v1::GenerateTextRequest req = Request(text, 16, 1.f, true);
+  req.mutable_speculative_prefill()->set_enabled(false);
+  const absl::Time t0 = absl::Now();
+  absl::Time target_started = absl::InfiniteFuture();
+  std::thread watch([&] {
+    while (absl::Now() - t0 < absl::Seconds(5)) {
+      if (target_->active_sessions() > 0) {
+        target_started = absl::Now();
+        return;
+      }
+      absl::SleepFor(absl::Microseconds(200));
+    }
+  });
+  Outcome o = Run(req);
+  watch.join();
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(o.response.stats().fallback_reason(), "speculator_deadline");
+  EXPECT_EQ(Ids(o.response), FullReference(text, 16));
+  EXPECT_LT(target_started - t0, absl::Milliseconds(1000));
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(1500));
   server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
 
