@@ -177,9 +177,10 @@ struct TargetServer::Metrics {
 // and writes never race and the session is only touched by whoever holds
 // that turn. A continuous stream (Prefill.continuous) goes from a write's
 // completion straight to its next forward, and reads again only for the
-// half-close after its last round. OnCancel may arrive at any time: it frees the session unless a
-// forward is running (that forward frees it when it returns), and the
-// outstanding read/write then fails and finishes the stream.
+// half-close after its last round. OnCancel may arrive at any time: it
+// frees the session unless a forward is running (that forward frees it
+// when it returns), and the outstanding read/write then fails and
+// finishes the stream.
 class TargetServer::GenerateReactor
     : public grpc::ServerBidiReactor<v1::GenerateRequest,
                                      v1::GenerateResponse> {

@@ -193,8 +193,8 @@ SPECSERVE_AVX512_SOFTMAX inline __m512 Exp16(__m512 x) {
   const __mmask16 above_lo = _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.9875691500E-4f);

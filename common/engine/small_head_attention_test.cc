@@ -26,7 +26,9 @@ std::vector<float> Random(size_t n, uint32_t seed, float scale = 1.f) {
 void RandomTreeMask(int rows, int first, std::mt19937* rng,
                     std::vector<int>* offsets, std::vector<int>* keys) {
   std::vector<int> parent(rows, -1);
-  for (int j = 1; j < rows; ++j) parent[j] = static_cast<int>((*rng)() % (j + 1)) - 1;
+  for (int j = 1; j < rows; ++j) {
+    parent[j] = static_cast<int>((*rng)() % (j + 1)) - 1;
+  }
   offsets->assign(1, 0);
   keys->clear();
   for (int i = 0; i < rows; ++i) {

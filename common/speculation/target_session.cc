@@ -293,8 +293,7 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   }
   const int k = static_cast<int>(drafts_.size());
   const bool greedy = request_.sampling.greedy();
-  const size_t want =
-      greedy ? static_cast<size_t>(k + 1) : static_cast<size_t>(k + 1) * c.vocab_size;
+  const size_t want = static_cast<size_t>(k + 1) * (greedy ? 1 : c.vocab_size);
   const size_t got = greedy ? out.argmax.size() : out.logits.size();
   if (got != want) {
     Abort();
