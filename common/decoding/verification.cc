@@ -66,6 +66,29 @@ absl::Status ValidateDrafts(absl::Span<const DraftToken> drafts,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Greedy acceptance: drafts while each equals the target's argmax at its
+// row, then that row's argmax (the correction, or the bonus after all k).
+// best_of(j): row j's argmax, asked only up to the first mismatch.
+template <typename BestOf>
+VerifyResult AcceptGreedy(absl::Span<const DraftToken> drafts,
+                          const BestOf& best_of) {
+  const size_t k = drafts.size();
+  VerifyResult result;
+  result.tokens.reserve(k + 1);
+  for (size_t j = 0; j < k; ++j) {
+    const int best = best_of(j);
+    result.tokens.push_back(best);  // == draft id when accepted
+    if (drafts[j].id != best) return result;
+    ++result.num_accepted;
+  }
+  result.tokens.push_back(best_of(k));
+  return result;
+}
+
+}  // namespace
+
 absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
                                           absl::Span<const float> target_logits,
                                           int vocab_size,
@@ -94,14 +117,7 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
   };
 
   if (greedy) {
-    // Only the rows up to the first mismatch matter; the argmax of later
-    // ones is never read.
-    std::vector<int> best(k + 1, 0);
-    for (size_t j = 0; j <= k; ++j) {
-      best[j] = Argmax(row(j));
-      if (j < k && drafts[j].id != best[j]) break;
-    }
-    return VerifyDraftsGreedy(drafts, best, vocab_size);
+    return AcceptGreedy(drafts, [&](size_t j) { return Argmax(row(j)); });
   }
 
   VerifyResult result;
@@ -176,15 +192,7 @@ absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
       !s.ok()) {
     return s;
   }
-  VerifyResult result;
-  result.tokens.reserve(k + 1);
-  for (size_t j = 0; j < k; ++j) {
-    result.tokens.push_back(target_argmax[j]);  // == draft id when accepted
-    if (drafts[j].id != target_argmax[j]) return result;
-    ++result.num_accepted;
-  }
-  result.tokens.push_back(target_argmax[k]);
-  return result;
+  return AcceptGreedy(drafts, [&](size_t j) { return target_argmax[j]; });
 }
 
 }  // namespace specserve

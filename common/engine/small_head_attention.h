@@ -28,7 +28,8 @@ bool HasSmallHeadAttention(int head_dim);
 /// attends to slots [0, first + i] minus mask_keys[mask_offsets[i] ..
 /// mask_offsets[i + 1]) when mask_offsets is set (tree attention). out:
 /// [rows] rows of num_heads * head_dim (stride out_stride). scratch grows
-/// to rows * (num_heads / num_kv_heads) * (first + rows + 32) floats.
+/// to at most rows * (num_heads / num_kv_heads) * (first + rows + 47)
+/// floats (scores padded to whole chunks, accumulators, scaled queries).
 /// Requires HasSmallHeadAttention(head_dim) and the cache's
 /// (slot * kv_stride) offsets below 2^31 floats; results agree with
 /// AttentionRows to float rounding (the sums are associated differently).
