@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -33,12 +34,12 @@ constexpr int kMaxGemvRows = 64;
 constexpr int kMaxDirectAttentionRows = 16;
 constexpr int kMaxDirectAttentionRowsSmallHead = 1;
 constexpr int kSmallHeadDim = 32;
-// 8- and 16-dim heads on AVX-512 (kernels::AttentionRowsSmallHead): up to
-// this many rows straight from the blocks. On stories260K at 350 cached
-// tokens (bench/target_bench, 1 thread) a decode step takes 0.07-0.10 ms
-// there against 0.12-0.19 with AttentionRows; 2-5 rows tie with the GEMMs
-// and 13 rows are 5-10% slower, so longer verify rounds keep the GEMMs.
-constexpr int kMaxSmallHeadKernelRows = 8;
+// 8- and 16-dim heads on AVX-512 (kernels::AttentionRowsSmallHead) take
+// every row straight from the blocks: on stories260K at 350-414 cached
+// tokens (bench/draft_tree_bench, 1 thread) a decode step 70 -> 46-54 us
+// against the previous kernel, a 17-row tree verify 397-474 us with the
+// GEMMs -> 330-376 us, and a 432-token prefill 14 -> 8.5-10 ms against
+// the GEMMs on 2 threads (bench/target_bench; tinystories-656K at parity).
 // Below this many multiply-adds a Linear runs on the calling thread.
 constexpr int64_t kMinParallelMacs = int64_t{1} << 18;
 // Caps the attention score block at ~16M floats (64 MiB) per call.
@@ -564,7 +565,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
       static_cast<int64_t>(cache_->num_blocks()) * cache_->block_size() *
               rw <
           (int64_t{1} << 31);
-  const int max_direct = small_head          ? kMaxSmallHeadKernelRows
+  const int max_direct = small_head          ? std::numeric_limits<int>::max()
                          : D < kSmallHeadDim ? kMaxDirectAttentionRowsSmallHead
                                              : kMaxDirectAttentionRows;
   for (int i = 0; i < S; ++i) {

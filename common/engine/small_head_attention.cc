@@ -3,8 +3,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
+#include "common/engine/exp_avx512.h"
 #include "common/engine/kernels.h"
 
 namespace specserve {
@@ -15,75 +17,157 @@ namespace {
 
 constexpr int kChunk = 16;  // keys per step: one AVX-512 vector of scores
 
-// scores[m * stride + j] = qs_m . key_j for the group's M query vectors
-// (already scaled) and the keys of one chunk: D gathers build the chunk's
-// keys one dimension per vector, then each query is D FMAs.
+// Transposes 8 dimensions of one chunk's 16 tokens (token t's floats at
+// base + off[t]) into dst[d * 16 + t]: two 8 x 8 transposes side by side
+// in the vectors' 256-bit halves (unpack, shuffle, then one two-source
+// permute per output), 16 loads and 24 shuffles where gathers would take
+// 128 loads.
+SPECSERVE_SMALL_HEAD void Transpose8(const float* base, const int32_t* off,
+                                     float* dst) {
+  __m512 z[8];
+  #pragma GCC unroll 16
+  for (int i = 0; i < 8; ++i) {
+    // Masked forms with a defined source: GCC 12's unmasked intrinsics
+    // start from an "undefined" vector and warn (-Wuninitialized).
+    const __m256d lo = _mm256_castps_pd(_mm256_loadu_ps(base + off[i]));
+    const __m256d hi = _mm256_castps_pd(_mm256_loadu_ps(base + off[i + 8]));
+    z[i] = _mm512_castpd_ps(_mm512_mask_broadcast_f64x4(
+        _mm512_maskz_broadcast_f64x4(0x0f, lo), 0xf0, hi));
+  }
+  __m512 t[8], u[8];
+  #pragma GCC unroll 16
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_maskz_unpacklo_ps(0xffff, z[2 * i], z[2 * i + 1]);
+    t[2 * i + 1] =
+        _mm512_maskz_unpackhi_ps(0xffff, z[2 * i], z[2 * i + 1]);
+  }
+  #pragma GCC unroll 16
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 and 4-7 of each half
+    const __m512* th = t + 4 * h;
+    u[4 * h + 0] = _mm512_shuffle_ps(th[0], th[2], 0x44);
+    u[4 * h + 1] = _mm512_shuffle_ps(th[0], th[2], 0xee);
+    u[4 * h + 2] = _mm512_shuffle_ps(th[1], th[3], 0x44);
+    u[4 * h + 3] = _mm512_shuffle_ps(th[1], th[3], 0xee);
+  }
+  // u[d] holds dimension d (128-bit lanes 0 and 2) and d + 4 (lanes 1, 3)
+  // of rows 0-3 of each half; u[d + 4] the same of rows 4-7.
+  const __m512i lo =
+      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
+                                       15, 28, 29, 30, 31);
+  #pragma GCC unroll 16
+  for (int d = 0; d < 4; ++d) {
+    _mm512_storeu_ps(dst + d * kChunk,
+                     _mm512_permutex2var_ps(u[d], lo, u[d + 4]));
+    _mm512_storeu_ps(dst + (d + 4) * kChunk,
+                     _mm512_permutex2var_ps(u[d], hi, u[d + 4]));
+  }
+}
+
+// The lower and upper 256 bits of x (masked forms, see Transpose8: GCC
+// 12's _mm512_castps512_ps256 is an unmasked extract).
+SPECSERVE_SMALL_HEAD __m256 Low256(__m512 x) {
+  return _mm256_castpd_ps(
+      _mm512_maskz_extractf64x4_pd(0x0f, _mm512_castps_pd(x), 0));
+}
+
+SPECSERVE_SMALL_HEAD __m256 High256(__m512 x) {
+  return _mm256_castpd_ps(
+      _mm512_maskz_extractf64x4_pd(0x0f, _mm512_castps_pd(x), 1));
+}
+
+// Horizontal max and sum of 16 lanes, through 256- and 128-bit halves
+// (GCC 12's _mm512_reduce_* warn as above).
+SPECSERVE_SMALL_HEAD float ReduceMax16(__m512 x) {
+  const __m256 a = _mm256_max_ps(Low256(x), High256(x));
+  __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_max_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+SPECSERVE_SMALL_HEAD float ReduceAdd16(__m512 x) {
+  const __m256 a = _mm256_add_ps(Low256(x), High256(x));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// The 8 lane sums of acc[0..7], in order: halves added, then three
+// rounds of pairwise horizontal adds.
+SPECSERVE_SMALL_HEAD __m256 LaneSums8(const __m512* acc) {
+  __m256 a[8];
+  #pragma GCC unroll 16
+  for (int d = 0; d < 8; ++d) {
+    a[d] = _mm256_add_ps(Low256(acc[d]), High256(acc[d]));
+  }
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23);  // 0-3 | 0-3, two halves
+  const __m256 h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// One query head's attention over the transposed chunks of its KV head:
+// kt, vt [chunks][D][16]; the query (D floats, already scaled) sees keys
+// [0, allowed) minus `masked` (tree attention). srow: chunks * 16 scratch
+// floats for the scores; out: D floats. Two passes: scores and their max,
+// then exp, sum and the weighted values together, normalised once.
 template <int D>
-SPECSERVE_SMALL_HEAD void ChunkScores(const float* kbase, const int32_t* off,
-                                      const float* qs, int M, float* scores,
-                                      size_t stride) {
-  const __m512i idx = _mm512_loadu_si512(off);
-  __m512 kt[D];
-  // The masked forms with a defined source: GCC 12's unmasked intrinsics
-  // start from an "undefined" vector and warn (-Wuninitialized).
-  for (int d = 0; d < D; ++d) {
-    kt[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, idx,
-                                     kbase + d, 4);
-  }
-  for (int m = 0; m < M; ++m) {
-    const float* qm = qs + m * D;
-    __m512 s = _mm512_mul_ps(_mm512_set1_ps(qm[0]), kt[0]);
+SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs, const float* kt,
+                                      const float* vt, int allowed,
+                                      const int* masked, int num_masked,
+                                      float* srow, float* out) {
+  const int chunks = (allowed + kChunk - 1) / kChunk;
+  const int rem = allowed % kChunk;
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  __m512 qv[D];
+  #pragma GCC unroll 16
+  for (int d = 0; d < D; ++d) qv[d] = _mm512_set1_ps(qs[d]);
+  __m512 mx = neg_inf;
+  for (int c = 0; c < chunks; ++c) {
+    const float* kc = kt + c * D * kChunk;
+    __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kc));
+    #pragma GCC unroll 16
     for (int d = 1; d < D; ++d) {
-      s = _mm512_fmadd_ps(_mm512_set1_ps(qm[d]), kt[d], s);
+      s = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kc + d * kChunk), s);
     }
-    _mm512_storeu_ps(scores + m * stride, s);
-  }
-}
-
-// acc_m += sum_j p[m][j] * value_j over one chunk; 8-dim values two
-// tokens per vector (acc lanes 0-7 even tokens, 8-15 odd ones).
-SPECSERVE_SMALL_HEAD void ChunkValues8(const float* vbase, const int32_t* off,
-                                       const float* p, size_t stride, int M,
-                                       float* acc) {
-  __m512 vp[kChunk / 2];
-  for (int j = 0; j < kChunk / 2; ++j) {
-    const __m256 lo = _mm256_loadu_ps(vbase + off[2 * j]);
-    const __m256 hi = _mm256_loadu_ps(vbase + off[2 * j + 1]);
-    // lo in the low half, hi broadcast into the high one (AVX512F only).
-    vp[j] = _mm512_castpd_ps(_mm512_mask_broadcast_f64x4(
-        _mm512_maskz_broadcast_f64x4(0x0f, _mm256_castps_pd(lo)), 0xf0,
-        _mm256_castps_pd(hi)));
-  }
-  // Lane l of pick[j]: token 2j for l < 8, token 2j + 1 above.
-  __m512i pick[kChunk / 2];
-  for (int j = 0; j < kChunk / 2; ++j) {
-    pick[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xff00,
-                                     2 * j + 1);
-  }
-  for (int m = 0; m < M; ++m) {
-    const __m512 pm = _mm512_loadu_ps(p + m * stride);
-    __m512 a = _mm512_loadu_ps(acc + m * kChunk);
-    for (int j = 0; j < kChunk / 2; ++j) {
-      a = _mm512_fmadd_ps(_mm512_mask_permutexvar_ps(pm, 0xffff, pick[j], pm),
-                          vp[j], a);
+    if (c == chunks - 1 && rem != 0) {  // later rows' keys and padding
+      s = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << rem) - 1),
+                             s);
     }
-    _mm512_storeu_ps(acc + m * kChunk, a);
+    _mm512_storeu_ps(srow + c * kChunk, s);
+    mx = _mm512_maskz_max_ps(0xffff, mx, s);
   }
-}
-
-// The same for 16-dim values: one token per vector.
-SPECSERVE_SMALL_HEAD void ChunkValues16(const float* vbase, const int32_t* off,
-                                        const float* p, size_t stride, int M,
-                                        float* acc) {
-  __m512 vt[kChunk];
-  for (int t = 0; t < kChunk; ++t) vt[t] = _mm512_loadu_ps(vbase + off[t]);
-  for (int m = 0; m < M; ++m) {
-    const float* pm = p + m * stride;
-    __m512 a = _mm512_loadu_ps(acc + m * kChunk);
-    for (int t = 0; t < kChunk; ++t) {
-      a = _mm512_fmadd_ps(_mm512_set1_ps(pm[t]), vt[t], a);
+  if (num_masked > 0) {
+    for (int j = 0; j < num_masked; ++j) srow[masked[j]] = -INFINITY;
+    mx = neg_inf;  // the row's own key is never masked: the max stays finite
+    for (int c = 0; c < chunks; ++c) {
+      mx = _mm512_maskz_max_ps(0xffff, mx, _mm512_loadu_ps(srow + c * kChunk));
     }
-    _mm512_storeu_ps(acc + m * kChunk, a);
+  }
+  const __m512 m = _mm512_set1_ps(ReduceMax16(mx));
+  __m512 acc[D];
+  #pragma GCC unroll 16
+  for (int d = 0; d < D; ++d) acc[d] = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < chunks; ++c) {
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + c * kChunk), m));
+    sum = _mm512_add_ps(sum, e);
+    const float* vc = vt + c * D * kChunk;
+    #pragma GCC unroll 16
+    for (int d = 0; d < D; ++d) {
+      acc[d] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vc + d * kChunk), acc[d]);
+    }
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / ReduceAdd16(sum));
+  #pragma GCC unroll 16
+  for (int d0 = 0; d0 < D; d0 += 8) {
+    _mm256_storeu_ps(out + d0, _mm256_mul_ps(LaneSums8(acc + d0), inv));
   }
 }
 
@@ -96,58 +180,37 @@ SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
                                  const int* mask_offsets,
                                  const int* mask_keys) {
   const int group = H / KV;
-  const int M = rows * group;  // query vectors per KV head
   const int total = first + rows;
   const int chunks = (total + kChunk - 1) / kChunk;
-  const size_t stride = static_cast<size_t>(chunks) * kChunk;
-  scratch->resize(M * stride + static_cast<size_t>(M) * (kChunk + D));
-  float* scores = scratch->data();
-  float* acc = scores + M * stride;
-  float* qs = acc + static_cast<size_t>(M) * kChunk;
+  const size_t plane = static_cast<size_t>(chunks) * D * kChunk;
+  scratch->resize(2 * plane + static_cast<size_t>(chunks) * kChunk + D);
+  float* kt = scratch->data();
+  float* vt = kt + plane;
+  float* srow = vt + plane;
+  float* qs = srow + static_cast<size_t>(chunks) * kChunk;
   for (int g = 0; g < KV; ++g) {
-    for (int i = 0; i < rows; ++i) {
-      for (int hh = 0; hh < group; ++hh) {
-        const float* src = q + i * q_stride + (g * group + hh) * D;
-        float* dst = qs + (i * group + hh) * D;
-        for (int d = 0; d < D; ++d) dst[d] = src[d] * scale;
-      }
-    }
-    const float* kg = k + g * D;
-    const float* vg = v + g * D;
+    // The KV head's keys and values, transposed once for all its queries.
     for (int c = 0; c < chunks; ++c) {
-      ChunkScores<D>(kg, off + c * kChunk, qs, M, scores + c * kChunk, stride);
-    }
-    for (int i = 0; i < rows; ++i) {
-      const int allowed = first + i + 1;  // causal over cache order
-      for (int hh = 0; hh < group; ++hh) {
-        float* row = scores + (i * group + hh) * stride;
-        if (mask_offsets != nullptr && mask_offsets[i + 1] > mask_offsets[i]) {
-          MaskScores(row, mask_keys + mask_offsets[i],
-                     mask_offsets[i + 1] - mask_offsets[i]);
-        }
-        // Zeroes [allowed, stride): later rows' keys and the padding.
-        SoftmaxPrefix(row, allowed, static_cast<int>(stride));
-      }
-    }
-    std::fill(acc, acc + static_cast<size_t>(M) * kChunk, 0.f);
-    for (int c = 0; c < chunks; ++c) {
-      if (D == 8) {
-        ChunkValues8(vg, off + c * kChunk, scores + c * kChunk, stride, M, acc);
-      } else {
-        ChunkValues16(vg, off + c * kChunk, scores + c * kChunk, stride, M,
-                      acc);
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        Transpose8(k + g * D + d0, off + c * kChunk,
+                   kt + (c * D + d0) * kChunk);
+        Transpose8(v + g * D + d0, off + c * kChunk,
+                   vt + (c * D + d0) * kChunk);
       }
     }
     for (int i = 0; i < rows; ++i) {
+      const int* masked = nullptr;
+      int num_masked = 0;
+      if (mask_offsets != nullptr) {
+        masked = mask_keys + mask_offsets[i];
+        num_masked = mask_offsets[i + 1] - mask_offsets[i];
+      }
       for (int hh = 0; hh < group; ++hh) {
-        const float* a = acc + (i * group + hh) * kChunk;
-        float* o = out + i * out_stride + (g * group + hh) * D;
-        if (D == 8) {
-          _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(a),
-                                            _mm256_loadu_ps(a + 8)));
-        } else {
-          _mm512_storeu_ps(o, _mm512_loadu_ps(a));
-        }
+        const int head = g * group + hh;
+        const float* src = q + i * q_stride + head * D;
+        for (int d = 0; d < D; ++d) qs[d] = src[d] * scale;
+        AttendQuery<D>(qs, kt, vt, first + i + 1, masked, num_masked, srow,
+                       out + i * out_stride + head * D);
       }
     }
   }

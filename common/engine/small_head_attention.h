@@ -15,11 +15,12 @@ bool HasSmallHeadAttention(int head_dim);
 /// the paged f32 cache, for the small heads (8 or 16 dims) of the bundled
 /// test-size models, where kernels::AttentionRows reduces each 8-dim dot
 /// product across lanes and the GEMM path copies the whole context and
-/// pays two library calls per KV head. Works on 16 keys at a time for
-/// every query head of a KV group: the chunk's keys are transposed once
-/// (one vector per dimension, 16 keys wide), so a query's 16 scores are
-/// head_dim FMAs; the values are read as they lie (two 8-dim tokens per
-/// vector) and weighted by the softmax in 16-key slices.
+/// pays two library calls per KV head. Per KV head, the keys and values
+/// are transposed once into 16-token chunks (one vector per dimension, by
+/// in-register 8 x 8 transposes), shared by all the head's queries; a
+/// query's 16 scores are then head_dim FMAs, and a second pass does the
+/// exponentials, their sum and the weighted values together (softmax
+/// normalised once per query, FlashAttention-style).
 ///
 /// Same contract as kernels::AttentionRows over an f32 cache: q [rows]
 /// rows of num_heads * head_dim (stride q_stride) at cache slots first ..
@@ -28,8 +29,9 @@ bool HasSmallHeadAttention(int head_dim);
 /// attends to slots [0, first + i] minus mask_keys[mask_offsets[i] ..
 /// mask_offsets[i + 1]) when mask_offsets is set (tree attention). out:
 /// [rows] rows of num_heads * head_dim (stride out_stride). scratch grows
-/// to at most rows * (num_heads / num_kv_heads) * (first + rows + 47)
-/// floats (scores padded to whole chunks, accumulators, scaled queries).
+/// to (2 * head_dim + 1) * P + head_dim floats, P = first + rows rounded
+/// up to 16 (transposed keys and values, one query's scores, the scaled
+/// query).
 /// Requires HasSmallHeadAttention(head_dim) and the cache's
 /// (slot * kv_stride) offsets below 2^31 floats; results agree with
 /// AttentionRows to float rounding (the sums are associated differently).

@@ -44,7 +44,7 @@ void RandomTreeMask(int rows, int first, std::mt19937* rng,
 // Against a float64 softmax attention and against AttentionRows, over
 // shuffled blocks (block sizes below, at and above the 16-key chunk),
 // context lengths around chunk edges, GQA groups 1-3, decode (1 row),
-// verify (5, 17 rows) and tree masks.
+// verify (5, 17 rows), a 64-row prefill chunk and tree masks.
 TEST(SmallHeadAttentionTest, MatchesReferenceAndAttentionRows) {
   if (!HasSmallHeadAttention(8)) GTEST_SKIP() << "no AVX-512";
   EXPECT_FALSE(HasSmallHeadAttention(12));
@@ -55,7 +55,7 @@ TEST(SmallHeadAttentionTest, MatchesReferenceAndAttentionRows) {
     for (int bs : {3, 16, 32}) {
       for (auto [H, KV] : {std::pair{4, 4}, std::pair{8, 4}, std::pair{6, 2}}) {
         for (int first : {0, 1, 15, 16, 47, 130}) {
-          for (int rows : {1, 5, 17}) {
+          for (int rows : {1, 5, 17, 64}) {
             for (bool tree : {false, true}) {
               if (tree && rows == 1) continue;
               SCOPED_TRACE(::testing::Message()
