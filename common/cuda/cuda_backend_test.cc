@@ -1422,10 +1422,10 @@ std::vector<float> CpuKeys(const CpuModelRunner& cpu, const KvSequence& kv,
   const int rw = cpu.row_width();
   std::vector<float> out;
   out.reserve(static_cast<size_t>(count) * rw);
+  std::vector<float> row(rw);
   for (int t = 0; t < count; ++t) {
-    const float* row =
-        cpu.keys(layer) + static_cast<size_t>(kv.PhysicalSlot(t)) * rw;
-    out.insert(out.end(), row, row + rw);
+    cpu.KeyRow(layer, kv.PhysicalSlot(t), row.data());
+    out.insert(out.end(), row.begin(), row.end());
   }
   return out;
 }

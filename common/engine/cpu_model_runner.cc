@@ -268,7 +268,9 @@ CpuModelRunner::CpuModelRunner(const ModelConfig& c, const KvCacheOptions& o,
                                int num_blocks)
     : row_width_(c.num_key_value_heads * c.head_dim),
       rope_(ComputeRopeFrequencies(c)),
-      kv_dtype_(o.dtype) {
+      kv_dtype_(o.dtype),
+      chunk_major_(o.dtype == KvCacheDType::kF32 &&
+                   kernels::UsesChunkMajorKv(c.head_dim, o.block_size)) {
   cache_ = std::make_unique<PagedKvCache>(
       num_blocks, o.block_size, BytesPerToken(c, o.dtype),
       [this](int src, int dst) { return CopyBlock(src, dst); });
@@ -292,7 +294,7 @@ void CpuModelRunner::KeyRow(int layer, size_t row, float* out) const {
   if (kv_dtype_ == KvCacheDType::kBF16) {
     kernels::Bf16ToFloatRow(kb_[layer].get() + at, row_width_, out);
   } else {
-    std::memcpy(out, k_[layer].get() + at, row_width_ * sizeof(float));
+    ReadRow(k_[layer].get(), row, out);
   }
 }
 
@@ -301,7 +303,35 @@ void CpuModelRunner::ValueRow(int layer, size_t row, float* out) const {
   if (kv_dtype_ == KvCacheDType::kBF16) {
     kernels::Bf16ToFloatRow(vb_[layer].get() + at, row_width_, out);
   } else {
-    std::memcpy(out, v_[layer].get() + at, row_width_ * sizeof(float));
+    ReadRow(v_[layer].get(), row, out);
+  }
+}
+
+void CpuModelRunner::ReadRow(const float* plane, size_t slot,
+                             float* out) const {
+  if (!chunk_major_) {
+    std::memcpy(out, plane + slot * row_width_, row_width_ * sizeof(float));
+    return;
+  }
+  const int D = weights_->config.head_dim, KV = row_width_ / D;
+  const int bs = cache_->block_size();
+  for (int g = 0; g < KV; ++g) {
+    const float* src = plane + kernels::ChunkMajorKvOffset(slot, g, 0, KV, D, bs);
+    for (int d = 0; d < D; ++d) out[g * D + d] = src[d * bs];
+  }
+}
+
+void CpuModelRunner::WriteRow(const float* row, size_t slot,
+                              float* plane) const {
+  if (!chunk_major_) {
+    std::memcpy(plane + slot * row_width_, row, row_width_ * sizeof(float));
+    return;
+  }
+  const int D = weights_->config.head_dim, KV = row_width_ / D;
+  const int bs = cache_->block_size();
+  for (int g = 0; g < KV; ++g) {
+    float* dst = plane + kernels::ChunkMajorKvOffset(slot, g, 0, KV, D, bs);
+    for (int d = 0; d < D; ++d) dst[d * bs] = row[g * D + d];
   }
 }
 
@@ -418,13 +448,23 @@ void CpuModelRunner::DenseKv(int layer, const KvSequence& kv, int count,
     *v = v_buf->data();
     return;
   }
-  if (contiguous) {
+  if (contiguous && !chunk_major_) {
     *k = k_[layer].get() + base;
     *v = v_[layer].get() + base;
     return;
   }
   k_buf->resize(static_cast<size_t>(count) * row_width_);
   v_buf->resize(static_cast<size_t>(count) * row_width_);
+  if (chunk_major_) {  // back to rows (Speculative Prefill's scoring)
+    for (int t = 0; t < count; ++t) {
+      const size_t slot = static_cast<size_t>(table[t / bs]) * bs + t % bs;
+      ReadRow(k_[layer].get(), slot, k_buf->data() + t * row_width_);
+      ReadRow(v_[layer].get(), slot, v_buf->data() + t * row_width_);
+    }
+    *k = k_buf->data();
+    *v = v_buf->data();
+    return;
+  }
   for (int b = 0; b < nb; ++b) {
     const int rows = std::min(bs, count - b * bs);
     const size_t src = static_cast<size_t>(table[b]) * bs * row_width_;
@@ -560,11 +600,13 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
   std::vector<int> direct;
   int64_t direct_work = 0;
   // The small-head kernel addresses the planes with 32-bit offsets.
+  // (The chunk-major kernel uses 64-bit offsets.)
   const bool small_head =
-      kv_dtype_ == KvCacheDType::kF32 && kernels::HasSmallHeadAttention(D) &&
-      static_cast<int64_t>(cache_->num_blocks()) * cache_->block_size() *
-              rw <
-          (int64_t{1} << 31);
+      chunk_major_ ||
+      (kv_dtype_ == KvCacheDType::kF32 && kernels::HasSmallHeadAttention(D) &&
+       static_cast<int64_t>(cache_->num_blocks()) * cache_->block_size() *
+               rw <
+           (int64_t{1} << 31));
   const int max_direct = small_head          ? std::numeric_limits<int>::max()
                          : D < kSmallHeadDim ? kMaxDirectAttentionRowsSmallHead
                                              : kMaxDirectAttentionRows;
@@ -653,8 +695,8 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
           kernels::FloatToBf16Row(row + H * D, rw, kh + slot * rw);
           kernels::FloatToBf16Row(row + (H + KV) * D, rw, vh + slot * rw);
         } else {
-          std::memcpy(kc + slot * rw, row + H * D, rw * sizeof(float));
-          std::memcpy(vc + slot * rw, row + (H + KV) * D, rw * sizeof(float));
+          WriteRow(row + H * D, slot, kc);
+          WriteRow(row + (H + KV) * D, slot, vc);
         }
       }
       if (n > max_direct) {
@@ -686,7 +728,11 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
           const int* mk =
               masks[i].empty() ? nullptr : masks[i].masked_keys.data();
           float* o = &attn[row0[i] * qrow];
-          if (small_head) {
+          if (chunk_major_) {
+            kernels::AttentionRowsSmallHeadChunkMajor(
+                qi, qkv_dim, n, first[i], H, KV, D, kc, vc, table, bs, scale,
+                &scores, o, qrow, mo, mk);
+          } else if (small_head) {
             kernels::AttentionRowsSmallHead(qi, qkv_dim, n, first[i], H, KV,
                                             D, kc, vc, rw, table, bs, scale,
                                             &scores, o, qrow, mo, mk);

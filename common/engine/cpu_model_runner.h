@@ -155,7 +155,9 @@ class CpuModelRunner : public ModelRunner {
 
   /// Layer `layer`'s key (or value) plane of an f32 cache: [num_blocks *
   /// block_size, kv_heads * head_dim]; physical row r at + r *
-  /// row_width(). nullptr when the cache is bf16 (see keys_bf16()).
+  /// row_width(), or chunk-major when kv_chunk_major() (small heads, see
+  /// kernels::ChunkMajorKvOffset). nullptr when the cache is bf16 (see
+  /// keys_bf16()). KeyRow / ValueRow read a row in either layout.
   const float* keys(int layer) const {
     return k_.empty() ? nullptr : k_[layer].get();
   }
@@ -174,17 +176,24 @@ class CpuModelRunner : public ModelRunner {
   void KeyRow(int layer, size_t row, float* out) const;
   void ValueRow(int layer, size_t row, float* out) const;
   int row_width() const { return row_width_; }
+  /// Whether the f32 planes are chunk-major (kernels::UsesChunkMajorKv:
+  /// 8/16-dim heads on AVX-512, block_size a multiple of 16), so
+  /// attention reads 16 keys of a dimension as one vector.
+  bool kv_chunk_major() const { return chunk_major_; }
 
  private:
   struct Scratch;
   struct ActivationBuffers;
   CpuModelRunner(const ModelConfig& config, const KvCacheOptions& options,
                  int num_blocks);
+  // Row `slot` of an f32 plane (either layout) to / from [row_width] floats.
+  void ReadRow(const float* plane, size_t slot, float* out) const;
+  void WriteRow(const float* row, size_t slot, float* plane) const;
   // Copy-on-write of one block, every layer.
   absl::Status CopyBlock(int src, int dst);
   // Pointers to `kv`'s first `count` keys and values of `layer` as dense
-  // f32 [count, row_width] rows: the pool itself when it is f32 and the
-  // blocks are physically contiguous, else gathered (and, for bf16,
+  // f32 [count, row_width] rows: the pool itself when it is f32 row-major
+  // and the blocks are physically contiguous, else gathered (and, for bf16,
   // widened) into the scratch.
   void DenseKv(int layer, const KvSequence& kv, int count,
                std::vector<float>* k_buf, std::vector<float>* v_buf,
@@ -219,6 +228,7 @@ class CpuModelRunner : public ModelRunner {
   RopeFrequencies rope_;  // from the config's rope_theta / rope_scaling
   std::unique_ptr<PagedKvCache> cache_;
   KvCacheDType kv_dtype_ = KvCacheDType::kF32;
+  bool chunk_major_ = false;  // f32 planes in ChunkMajorKvOffset's layout
   // Per layer K and V planes: k_ / v_ for an f32 cache, kb_ / vb_ (bf16
   // bits) for a bf16 one; the other pair is empty. HugePageArena memory:
   // untouched pages cost nothing, and attention streams them.

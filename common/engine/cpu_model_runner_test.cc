@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/engine/small_head_attention.h"
 #include "common/engine/test_util.h"
 #include "common/model/synthetic.h"
 #include "gtest/gtest.h"
@@ -446,10 +447,10 @@ TEST(CpuModelRunnerTest, QueryCaptureMatchesRowsAndKeysAreCached) {
     // Cached keys of the shared prefix agree too.
     for (int t = 0; t < 3; ++t) {
       const int rw = model.row_width();
-      for (int j = 0; j < rw; ++j) {
-        ASSERT_NEAR(model.keys(l)[cache->PhysicalSlot(t) * rw + j],
-                    model.keys(l)[cache2->PhysicalSlot(t) * rw + j], 1e-5);
-      }
+      std::vector<float> k1(rw), k2(rw);
+      model.KeyRow(l, cache->PhysicalSlot(t), k1.data());
+      model.KeyRow(l, cache2->PhysicalSlot(t), k2.data());
+      for (int j = 0; j < rw; ++j) ASSERT_NEAR(k1[j], k2[j], 1e-5);
     }
   }
 }
@@ -820,9 +821,15 @@ TEST(CpuModelRunnerTest, BadTreeParentsAreRejected) {
   EXPECT_LT(MaxAbsDiff(out.logits, LastLogits(model, ids, pos)), 1e-6);
 }
 
+// Also across the f32 layouts: with AVX-512, 16-dim heads in blocks of 16
+// or 512 are kept chunk-major, blocks of 1 row-major.
 TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
   auto paged = Runner("tinystories-656K", /*block_size=*/1, /*blocks=*/2048);
   auto dense = Runner("tinystories-656K", /*block_size=*/512, /*blocks=*/1);
+  auto blocks16 = Runner("tinystories-656K", /*block_size=*/16, /*blocks=*/64);
+  EXPECT_FALSE(paged->kv_chunk_major());
+  EXPECT_EQ(dense->kv_chunk_major(), kernels::HasSmallHeadAttention(16));
+  EXPECT_EQ(blocks16->kv_chunk_major(), kernels::HasSmallHeadAttention(16));
   std::mt19937 rng(11);
   std::vector<int> ids(300);
   for (int& x : ids) x = 1 + rng() % 2000;
@@ -830,7 +837,8 @@ TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
   std::iota(pos.begin(), pos.end(), 0);
   auto sp = Seq(*paged, 512), other = Seq(*paged, 512);
   auto sd = Seq(*dense, 512);
-  std::vector<float> lp, ld;
+  auto s16 = Seq(*blocks16, 512), other16 = Seq(*blocks16, 512);
+  std::vector<float> lp, ld, l16;
   for (size_t i = 0; i < ids.size(); i += 50) {
     ForwardInput in;
     in.token_ids = absl::MakeConstSpan(&ids[i], 50);
@@ -840,10 +848,15 @@ TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
     ASSERT_TRUE(paged->Forward(in, sp.get(), &op).ok());
     ASSERT_TRUE(paged->Forward(in, other.get(), &oo).ok());  // interleave
     ASSERT_TRUE(dense->Forward(in, sd.get(), &od).ok());
+    ForwardOutput o16, oo16;
+    ASSERT_TRUE(blocks16->Forward(in, other16.get(), &oo16).ok());
+    ASSERT_TRUE(blocks16->Forward(in, s16.get(), &o16).ok());
     lp.insert(lp.end(), op.logits.begin(), op.logits.end());
     ld.insert(ld.end(), od.logits.begin(), od.logits.end());
+    l16.insert(l16.end(), o16.logits.begin(), o16.logits.end());
   }
   EXPECT_LT(MaxAbsDiff(lp, ld), 1e-5);
+  EXPECT_LT(MaxAbsDiff(l16, ld), 1e-5);
   // The paged sequence's blocks really are scattered.
   int jumps = 0;
   for (size_t b = 1; b < sp->block_table().size(); ++b) {

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/engine/exp_avx512.h"
 #include "common/engine/kernels.h"
 
 namespace specserve {
@@ -16,6 +15,8 @@ namespace {
 #define SPECSERVE_SMALL_HEAD __attribute__((target("avx512f")))
 
 constexpr int kChunk = 16;  // keys per step: one AVX-512 vector of scores
+// Queries per KV head from which chunk-major chunks are copied before use.
+constexpr int kCopyQueries = 8;
 
 // Transposes 8 dimensions of one chunk's 16 tokens (token t's floats at
 // base + off[t]) into dst[d * 16 + t]: two 8 x 8 transposes side by side
@@ -112,16 +113,40 @@ SPECSERVE_SMALL_HEAD __m256 LaneSums8(const __m512* acc) {
                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
+// exp(x) per lane for the attention weights, cheaper than Exp16: 2^t with
+// t = x log2(e) split as n + f, |f| <= 1/2, 2^f by its degree-6 Taylor
+// polynomial (relative error below 2e-7) and the scaling by 2^n in one
+// vscalefps. Lanes below -87 (a masked key's -inf included) give 0.
+SPECSERVE_SMALL_HEAD __m512 ExpForWeights(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f),
+                                            _CMP_GT_OQ);
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(
+      t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);  // ln2^6 / 6!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
 // One query head's attention over the transposed chunks of its KV head:
-// kt, vt [chunks][D][16]; the query (D floats, already scaled) sees keys
+// chunk c's 16 keys (values) of dimension d at kchunk[c] (vchunk[c]) +
+// d * stride; the query (D floats, already scaled) sees keys
 // [0, allowed) minus `masked` (tree attention). srow: chunks * 16 scratch
 // floats for the scores; out: D floats. Two passes: scores and their max,
 // then exp, sum and the weighted values together, normalised once.
 template <int D>
-SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs, const float* kt,
-                                      const float* vt, int allowed,
-                                      const int* masked, int num_masked,
-                                      float* srow, float* out) {
+SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs,
+                                      const float* const* kchunk,
+                                      const float* const* vchunk, int stride,
+                                      int allowed, const int* masked,
+                                      int num_masked, float* srow,
+                                      float* out) {
   const int chunks = (allowed + kChunk - 1) / kChunk;
   const int rem = allowed % kChunk;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
@@ -130,11 +155,11 @@ SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs, const float* kt,
   for (int d = 0; d < D; ++d) qv[d] = _mm512_set1_ps(qs[d]);
   __m512 mx = neg_inf;
   for (int c = 0; c < chunks; ++c) {
-    const float* kc = kt + c * D * kChunk;
+    const float* kc = kchunk[c];
     __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kc));
     #pragma GCC unroll 16
     for (int d = 1; d < D; ++d) {
-      s = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kc + d * kChunk), s);
+      s = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kc + d * stride), s);
     }
     if (c == chunks - 1 && rem != 0) {  // later rows' keys and padding
       s = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << rem) - 1),
@@ -156,12 +181,13 @@ SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs, const float* kt,
   for (int d = 0; d < D; ++d) acc[d] = _mm512_setzero_ps();
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < chunks; ++c) {
-    const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + c * kChunk), m));
+    const __m512 e =
+        ExpForWeights(_mm512_sub_ps(_mm512_loadu_ps(srow + c * kChunk), m));
     sum = _mm512_add_ps(sum, e);
-    const float* vc = vt + c * D * kChunk;
+    const float* vc = vchunk[c];
     #pragma GCC unroll 16
     for (int d = 0; d < D; ++d) {
-      acc[d] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vc + d * kChunk), acc[d]);
+      acc[d] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vc + d * stride), acc[d]);
     }
   }
   const __m256 inv = _mm256_set1_ps(1.f / ReduceAdd16(sum));
@@ -171,6 +197,34 @@ SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs, const float* kt,
   }
 }
 
+// Runs every query head of KV head g over its chunks (see AttendQuery).
+template <int D>
+SPECSERVE_SMALL_HEAD void AttendGroup(const float* q, size_t q_stride,
+                                      int rows, int first, int g, int group,
+                                      const float* const* kchunk,
+                                      const float* const* vchunk, int stride,
+                                      float scale, float* srow, float* qs,
+                                      float* out, size_t out_stride,
+                                      const int* mask_offsets,
+                                      const int* mask_keys) {
+  for (int i = 0; i < rows; ++i) {
+    const int* masked = nullptr;
+    int num_masked = 0;
+    if (mask_offsets != nullptr) {
+      masked = mask_keys + mask_offsets[i];
+      num_masked = mask_offsets[i + 1] - mask_offsets[i];
+    }
+    for (int hh = 0; hh < group; ++hh) {
+      const int head = g * group + hh;
+      const float* src = q + i * q_stride + head * D;
+      for (int d = 0; d < D; ++d) qs[d] = src[d] * scale;
+      AttendQuery<D>(qs, kchunk, vchunk, stride, first + i + 1, masked,
+                     num_masked, srow, out + i * out_stride + head * D);
+    }
+  }
+}
+
+// Row-major planes: each KV head's chunks transposed into the scratch.
 template <int D>
 SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
                                  int first, int H, int KV, const float* k,
@@ -188,6 +242,13 @@ SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
   float* vt = kt + plane;
   float* srow = vt + plane;
   float* qs = srow + static_cast<size_t>(chunks) * kChunk;
+  thread_local std::vector<const float*> kchunk, vchunk;
+  kchunk.resize(chunks);
+  vchunk.resize(chunks);
+  for (int c = 0; c < chunks; ++c) {
+    kchunk[c] = kt + c * D * kChunk;
+    vchunk[c] = vt + c * D * kChunk;
+  }
   for (int g = 0; g < KV; ++g) {
     // The KV head's keys and values, transposed once for all its queries.
     for (int c = 0; c < chunks; ++c) {
@@ -198,21 +259,60 @@ SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
                    vt + (c * D + d0) * kChunk);
       }
     }
-    for (int i = 0; i < rows; ++i) {
-      const int* masked = nullptr;
-      int num_masked = 0;
-      if (mask_offsets != nullptr) {
-        masked = mask_keys + mask_offsets[i];
-        num_masked = mask_offsets[i + 1] - mask_offsets[i];
+    AttendGroup<D>(q, q_stride, rows, first, g, group, kchunk.data(),
+                   vchunk.data(), kChunk, scale, srow, qs, out, out_stride,
+                   mask_offsets, mask_keys);
+  }
+}
+
+// Chunk-major planes: the chunks are read in place.
+template <int D>
+SPECSERVE_SMALL_HEAD void AttendChunkMajor(
+    const float* q, size_t q_stride, int rows, int first, int H, int KV,
+    const float* k, const float* v, const int* block_table, int block_size,
+    float scale, std::vector<float>* scratch, float* out, size_t out_stride,
+    const int* mask_offsets, const int* mask_keys) {
+  const int group = H / KV;
+  const int total = first + rows;
+  const int chunks = (total + kChunk - 1) / kChunk;
+  // Read in place, the chunks of a KV head sit one block apart, so they
+  // share few L1 sets: from kCopyQueries queries on, each is re-read often
+  // enough to pay for a copy into contiguous scratch (64-byte lines).
+  const bool copy = rows * group >= kCopyQueries;
+  const size_t plane = copy ? static_cast<size_t>(chunks) * D * kChunk : 0;
+  scratch->resize(2 * plane + static_cast<size_t>(chunks) * kChunk + D);
+  float* kt = scratch->data();
+  float* vt = kt + plane;
+  float* srow = vt + plane;
+  float* qs = srow + static_cast<size_t>(chunks) * kChunk;
+  thread_local std::vector<const float*> kchunk, vchunk;
+  kchunk.resize(chunks);
+  vchunk.resize(chunks);
+  for (int g = 0; g < KV; ++g) {
+    for (int c = 0; c < chunks; ++c) {
+      const int key = c * kChunk;
+      const size_t at = ChunkMajorKvOffset(
+          static_cast<size_t>(block_table[key / block_size]) * block_size +
+              key % block_size,
+          g, 0, KV, D, block_size);
+      if (!copy) {
+        kchunk[c] = k + at;
+        vchunk[c] = v + at;
+        continue;
       }
-      for (int hh = 0; hh < group; ++hh) {
-        const int head = g * group + hh;
-        const float* src = q + i * q_stride + head * D;
-        for (int d = 0; d < D; ++d) qs[d] = src[d] * scale;
-        AttendQuery<D>(qs, kt, vt, first + i + 1, masked, num_masked, srow,
-                       out + i * out_stride + head * D);
+      kchunk[c] = kt + c * D * kChunk;
+      vchunk[c] = vt + c * D * kChunk;
+#pragma GCC unroll 16
+      for (int d = 0; d < D; ++d) {
+        _mm512_storeu_ps(kt + (c * D + d) * kChunk,
+                         _mm512_loadu_ps(k + at + d * block_size));
+        _mm512_storeu_ps(vt + (c * D + d) * kChunk,
+                         _mm512_loadu_ps(v + at + d * block_size));
       }
     }
+    AttendGroup<D>(q, q_stride, rows, first, g, group, kchunk.data(),
+                   vchunk.data(), copy ? kChunk : block_size, scale, srow,
+                   qs, out, out_stride, mask_offsets, mask_keys);
   }
 }
 
@@ -251,6 +351,23 @@ void AttentionRowsSmallHead(const float* q, size_t q_stride, int rows,
     Attend<16>(q, q_stride, rows, first, num_heads, num_kv_heads, k, v,
                off.data(), scale, scratch, out, out_stride, mask_offsets,
                mask_keys);
+  }
+}
+
+void AttentionRowsSmallHeadChunkMajor(
+    const float* q, size_t q_stride, int rows, int first, int num_heads,
+    int num_kv_heads, int head_dim, const float* k, const float* v,
+    const int* block_table, int block_size, float scale,
+    std::vector<float>* scratch, float* out, size_t out_stride,
+    const int* mask_offsets, const int* mask_keys) {
+  if (head_dim == 8) {
+    AttendChunkMajor<8>(q, q_stride, rows, first, num_heads, num_kv_heads, k,
+                        v, block_table, block_size, scale, scratch, out,
+                        out_stride, mask_offsets, mask_keys);
+  } else {
+    AttendChunkMajor<16>(q, q_stride, rows, first, num_heads, num_kv_heads,
+                         k, v, block_table, block_size, scale, scratch, out,
+                         out_stride, mask_offsets, mask_keys);
   }
 }
 

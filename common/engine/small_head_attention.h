@@ -45,6 +45,38 @@ void AttentionRowsSmallHead(const float* q, size_t q_stride, int rows,
                             const int* mask_offsets = nullptr,
                             const int* mask_keys = nullptr);
 
+/// The chunk-major layout of an f32 K (or V) plane for small heads: the
+/// element (cache slot `slot`, KV head g, dimension d) at this offset, i.e.
+/// per block [num_kv_heads][head_dim][block_size]. With block_size a
+/// multiple of 16, 16 consecutive keys of one dimension are one vector, so
+/// AttentionRowsSmallHeadChunkMajor needs no transposes (a block occupies
+/// the same floats as in the row-major layout, so block copies do not
+/// change).
+inline size_t ChunkMajorKvOffset(size_t slot, int g, int d, int num_kv_heads,
+                                 int head_dim, int block_size) {
+  const size_t block = slot / block_size;
+  return ((block * num_kv_heads + g) * head_dim + d) * block_size +
+         slot % block_size;
+}
+
+/// Whether an f32 cache of `head_dim`-dim heads in blocks of `block_size`
+/// tokens can be kept chunk-major on this CPU: HasSmallHeadAttention and
+/// block_size a multiple of 16.
+inline bool UsesChunkMajorKv(int head_dim, int block_size) {
+  return HasSmallHeadAttention(head_dim) && block_size % 16 == 0;
+}
+
+/// AttentionRowsSmallHead over chunk-major planes k, v (see
+/// ChunkMajorKvOffset; requires UsesChunkMajorKv(head_dim, block_size)):
+/// the same arguments less kv_stride, the same results bit for bit.
+/// scratch grows to P + head_dim floats (P as above).
+void AttentionRowsSmallHeadChunkMajor(
+    const float* q, size_t q_stride, int rows, int first, int num_heads,
+    int num_kv_heads, int head_dim, const float* k, const float* v,
+    const int* block_table, int block_size, float scale,
+    std::vector<float>* scratch, float* out, size_t out_stride,
+    const int* mask_offsets = nullptr, const int* mask_keys = nullptr);
+
 }  // namespace kernels
 }  // namespace specserve
 

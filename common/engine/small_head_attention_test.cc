@@ -159,6 +159,72 @@ TEST(SmallHeadAttentionTest, RowsAreIndependentOfTheirCall) {
   }
 }
 
+// The chunk-major planes (the runner's layout for small heads) give the
+// row-major kernel's results bit for bit: the same values reach the same
+// lanes; stale slots past the sequence only ever get weight 0.
+TEST(SmallHeadAttentionTest, ChunkMajorEqualsRowMajor) {
+  if (!HasSmallHeadAttention(8)) GTEST_SKIP() << "no AVX-512";
+  EXPECT_FALSE(UsesChunkMajorKv(8, 8));
+  EXPECT_FALSE(UsesChunkMajorKv(32, 16));
+  std::mt19937 rng(9);
+  int cases = 0;
+  for (int D : {8, 16}) {
+    for (int bs : {16, 32}) {
+      for (auto [H, KV] : {std::pair{8, 4}, std::pair{6, 2}}) {
+        for (int first : {0, 15, 16, 130}) {
+          for (int rows : {1, 5, 17}) {
+            for (bool tree : {false, true}) {
+              if (tree && rows == 1) continue;
+              SCOPED_TRACE(::testing::Message()
+                           << "D " << D << " bs " << bs << " H " << H
+                           << " first " << first << " rows " << rows);
+              ASSERT_TRUE(UsesChunkMajorKv(D, bs));
+              const int total = first + rows;
+              const int nb = (total + bs - 1) / bs + 2;
+              std::vector<int> table(nb);
+              std::iota(table.begin(), table.end(), 0);
+              std::shuffle(table.begin(), table.end(), rng);
+              const int qs = H * D, kvs = KV * D;
+              auto q = Random(size_t(rows) * qs, rng(), 2.f);
+              auto kp = Random(size_t(nb) * bs * kvs, rng());
+              auto vp = Random(size_t(nb) * bs * kvs, rng());
+              // Slots past `total` hold whatever an earlier owner left.
+              std::vector<float> kc(kp.size()), vc(vp.size());
+              for (size_t slot = 0; slot < size_t(nb) * bs; ++slot) {
+                for (int g = 0; g < KV; ++g) {
+                  for (int d = 0; d < D; ++d) {
+                    const size_t at = ChunkMajorKvOffset(slot, g, d, KV, D, bs);
+                    kc[at] = kp[slot * kvs + g * D + d];
+                    vc[at] = vp[slot * kvs + g * D + d];
+                  }
+                }
+              }
+              std::vector<int> mo, mk;
+              if (tree) RandomTreeMask(rows, first, &rng, &mo, &mk);
+              const int* mo_p = tree ? mo.data() : nullptr;
+              const int* mk_p = tree ? mk.data() : nullptr;
+              std::vector<float> scratch;
+              std::vector<float> want(size_t(rows) * H * D, -7.f);
+              std::vector<float> got(size_t(rows) * H * D, -9.f);
+              AttentionRowsSmallHead(q.data(), qs, rows, first, H, KV, D,
+                                     kp.data(), vp.data(), kvs, table.data(),
+                                     bs, 0.35f, &scratch, want.data(), H * D,
+                                     mo_p, mk_p);
+              AttentionRowsSmallHeadChunkMajor(
+                  q.data(), qs, rows, first, H, KV, D, kc.data(), vc.data(),
+                  table.data(), bs, 0.35f, &scratch, got.data(), H * D, mo_p,
+                  mk_p);
+              ASSERT_EQ(got, want);
+              ++cases;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 160);
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace specserve
