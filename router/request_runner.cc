@@ -273,19 +273,31 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     // before its first message never bound it. Idempotent on the speculator.
     ReleaseSessionAsync(plan.speculator->channel, session_id);
   });
-  if (prefill.token_ids().empty()) {  // no pruning
+  const bool pruned = !prefill.token_ids().empty();
+  if (!pruned) {
     prefill.mutable_token_ids()->Add(prompt.begin(), prompt.end());
     for (int i = 0; i < n; ++i) prefill.add_position_ids(i);
   }
   if (!draft_alive) prefill.clear_drafts();
   // Prompt lookup's first drafts are verified in the prefill forward.
-  if (ngram) AddPointMassDrafts(ngram->Propose(draft_budget()), greedy,
+  const int lookup_k = ngram ? draft_budget() : 0;
+  if (ngram) AddPointMassDrafts(ngram->Propose(lookup_k), greedy,
                                 prefill.mutable_drafts());
   const int kept_count = prefill.token_ids_size();
   prefill.set_next_position(n);
-  // Nothing will draft for this request: the target decodes round after
-  // round without a message from here per token.
-  const bool continuous = !overlap && !draft_alive && !ngram;
+  // Over a whole prompt, prompt lookup runs in the target itself
+  // (Prefill.prompt_lookup), with this request's draft budget from now on.
+  const bool target_lookup = ngram && !pruned;
+  if (target_lookup && lookup_k > 0) {
+    v1::PromptLookup* l = prefill.mutable_prompt_lookup();
+    l->set_min_n(opts.prompt_lookup_min);
+    l->set_max_n(opts.prompt_lookup_max);
+    l->set_num_draft_tokens(lookup_k);
+  }
+  // Nothing here drafts for this request: the target decodes round after
+  // round without a message from here per round.
+  const bool continuous =
+      !overlap && !draft_alive && (!ngram || target_lookup);
   prefill.set_continuous(continuous);
   *prefill.mutable_sampling() = opts.sampling;
   v1::StopConditions* stop = prefill.mutable_stop();

@@ -2,6 +2,8 @@
 
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
+#include "common/decoding/ngram_proposer.h"
 #include "common/service/wire_options.h"
 
 namespace specserve {
@@ -37,6 +39,37 @@ std::vector<DraftToken> ToDrafts(
     for (const v1::TokenProb& tp : in[j].q()) {
       out[j].q.emplace_back(tp.id(), tp.prob());
     }
+  }
+  return out;
+}
+
+absl::Status ValidatePromptLookup(const v1::Prefill& p, int max_drafts) {
+  if (!p.has_prompt_lookup()) return absl::OkStatus();
+  const v1::PromptLookup& l = p.prompt_lookup();
+  if (!p.continuous()) {
+    return absl::InvalidArgumentError(
+        "prefill.prompt_lookup needs prefill.continuous");
+  }
+  if (l.min_n() < 1 || l.max_n() < l.min_n() ||
+      l.max_n() > kMaxPromptLookup) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill.prompt_lookup: need 1 <= min_n <= max_n <= ",
+        kMaxPromptLookup, ", got min_n ", l.min_n(), ", max_n ", l.max_n()));
+  }
+  if (l.num_draft_tokens() < 1 || l.num_draft_tokens() > max_drafts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill.prompt_lookup.num_draft_tokens must be in [1, ", max_drafts,
+        "], got ", l.num_draft_tokens()));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<DraftToken> PointMassDrafts(const std::vector<int>& ids,
+                                        bool greedy) {
+  std::vector<DraftToken> out(ids.size());
+  for (size_t j = 0; j < ids.size(); ++j) {
+    out[j].id = ids[j];
+    if (!greedy) out[j].q = {{ids[j], 1.f}};
   }
   return out;
 }

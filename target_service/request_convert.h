@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "absl/status/status.h"
 #include "common/speculation/target_session.h"
 #include "protos/target.pb.h"
 
@@ -22,6 +23,17 @@ TargetRequest ToTargetRequest(const v1::Prefill& prefill,
 /// Drafts (token id + optional draft distribution q) as sent.
 std::vector<DraftToken> ToDrafts(
     const google::protobuf::RepeatedPtrField<v1::DraftToken>& drafts);
+
+/// Checks Prefill.prompt_lookup when set (INVALID_ARGUMENT naming the
+/// field): it needs continuous, min_n >= 1, max_n in [min_n,
+/// kMaxPromptLookup], num_draft_tokens in [1, max_drafts].
+absl::Status ValidatePromptLookup(const v1::Prefill& prefill, int max_drafts);
+
+/// Prompt lookup's proposals as drafts: a point mass q = 1 at each id when
+/// sampled (lossless verification of a deterministic proposal), no q when
+/// greedy.
+std::vector<DraftToken> PointMassDrafts(const std::vector<int>& ids,
+                                        bool greedy);
 
 }  // namespace specserve
 

@@ -41,6 +41,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   specserve::v1::GenerateRequest req;
   if (!req.ParseFromArray(data, static_cast<int>(size))) return 0;
   if (!req.has_prefill()) return 0;
+  if (absl::Status s =
+          specserve::ValidatePromptLookup(req.prefill(), /*max_drafts=*/8);
+      !s.ok()) {
+    if (!absl::IsInvalidArgument(s)) std::abort();
+    return 0;
+  }
   auto session = specserve::TargetSession::Create(
       Model(), specserve::ToTargetRequest(req.prefill(),
                                           /*default_max_new_tokens=*/4,

@@ -1,12 +1,14 @@
 #include "target_service/target_server.h"
 
 #include <atomic>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/decoding/ngram_proposer.h"
 #include "common/model/weights.h"
 #include "common/service/grpc_util.h"
 #include "common/service/metrics_util.h"
@@ -273,7 +275,11 @@ class TargetServer::GenerateReactor
       if (next_round) busy_ = true;
     }
     if (next_round) {
-      SubmitRound({});
+      std::vector<DraftToken> drafts;
+      if (lookup_ != nullptr) {  // reactor state: only this turn's holder
+        drafts = PointMassDrafts(lookup_->Propose(lookup_k_), lookup_greedy_);
+      }
+      SubmitRound(std::move(drafts));
     } else {
       StartRead(&request_);
     }
@@ -353,6 +359,11 @@ class TargetServer::GenerateReactor
           return absl::InvalidArgumentError(
               "the first message must be a prefill");
         }
+        if (absl::Status s = ValidatePromptLookup(
+                request_.prefill(), server_->options_.max_drafts);
+            !s.ok()) {
+          return s;
+        }
         auto session = TargetSession::Create(
             server_->model_.get(),
             ToTargetRequest(request_.prefill(),
@@ -367,6 +378,15 @@ class TargetServer::GenerateReactor
         session_ = *std::move(session);
         prefill_tokens_ = request_.prefill().token_ids_size();
         continuous_ = request_.prefill().continuous();
+        if (request_.prefill().has_prompt_lookup()) {
+          const v1::PromptLookup& l = request_.prefill().prompt_lookup();
+          lookup_ = std::make_unique<NgramProposer>(l.min_n(), l.max_n());
+          lookup_->Append(absl::MakeConstSpan(
+              request_.prefill().token_ids().data(),
+              request_.prefill().token_ids_size()));
+          lookup_k_ = l.num_draft_tokens();
+          lookup_greedy_ = request_.prefill().sampling().temperature() == 0.f;
+        }
         *drafts = ToDrafts(request_.prefill().drafts());
         phase_ = Phase::kGenerating;
         if (*ticket == 0) {
@@ -407,6 +427,9 @@ class TargetServer::GenerateReactor
                             : ToGrpcStatus(round.status());
       } else {
         FillResponse(*round);
+        if (lookup_ != nullptr) {
+          lookup_->Append(absl::MakeConstSpan(round->tokens));
+        }
         if (session_->finished()) {
           phase_ = Phase::kDone;
           ReleaseSession();  // free the KV cache before the client closes
@@ -495,6 +518,12 @@ class TargetServer::GenerateReactor
   Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kAwaitPrefill;
   bool first_round_ ABSL_GUARDED_BY(mu_) = true;
   bool continuous_ ABSL_GUARDED_BY(mu_) = false;  // Prefill.continuous
+  // Prefill.prompt_lookup: the proposer over the prompt and every emitted
+  // token, and its drafts per round. Touched only by the turn's holder
+  // (the round's completion, then the write's), never concurrently.
+  std::unique_ptr<NgramProposer> lookup_;
+  int lookup_k_ = 0;
+  bool lookup_greedy_ = true;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;

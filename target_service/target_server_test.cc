@@ -332,6 +332,88 @@ TEST_F(TargetServerTest, ContinuousStreamsDecodeWithoutMessages) {
   }
 }
 
+// Prefill.prompt_lookup: the target drafts each later round itself by
+// n-gram lookup over the prompt and its output. On a prompt that holds its
+// own greedy continuation, rounds accept drafts and the output is still
+// exactly greedy decoding; a bad lookup is INVALID_ARGUMENT.
+TEST_F(TargetServerTest, PromptLookupInTheTargetDraftsItsOwnRounds) {
+  const int kNew = 40;
+  const std::vector<int> once =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  std::vector<int> prompt = kPrompt;
+  prompt.insert(prompt.end(), once.begin(), once.end());
+  prompt.insert(prompt.end(), kPrompt.begin(), kPrompt.end());
+  const std::vector<int> want =
+      GreedyReference(*target_, prompt, {}, prompt.size(), kNew);
+  for (float temperature : {0.f, 0.8f}) {
+    SCOPED_TRACE(temperature);
+    v1::GenerateRequest req;
+    *req.mutable_prefill() = MakePrefill(prompt, kNew);
+    req.mutable_prefill()->set_continuous(true);
+    req.mutable_prefill()->mutable_sampling()->set_temperature(temperature);
+    req.mutable_prefill()->mutable_sampling()->set_seed(7);
+    v1::PromptLookup* l = req.mutable_prefill()->mutable_prompt_lookup();
+    l->set_min_n(2);
+    l->set_max_n(5);
+    l->set_num_draft_tokens(4);
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    ASSERT_TRUE(rw->Write(req));
+    std::vector<int> got;
+    v1::GenerateResponse resp;
+    int responses = 0, drafts = 0, accepted = 0;
+    while (rw->Read(&resp)) {
+      ++responses;
+      drafts += resp.num_drafts();
+      accepted += resp.num_accepted();
+      EXPECT_LE(resp.num_drafts(), 4);
+      EXPECT_EQ(resp.token_ids_size(), resp.num_accepted() + 1);
+      got.insert(got.end(), resp.token_ids().begin(), resp.token_ids().end());
+      if (!resp.finish_reason().empty()) break;
+    }
+    rw->WritesDone();
+    EXPECT_TRUE(rw->Finish().ok());
+    ASSERT_EQ(got.size(), static_cast<size_t>(kNew));
+    EXPECT_EQ(accepted, kNew - responses);
+    if (temperature == 0.f) {
+      EXPECT_EQ(got, want);
+      EXPECT_GT(accepted, kNew / 4) << drafts << " drafts";
+    }
+  }
+  const auto status_of = [&](auto edit) {
+    v1::GenerateRequest req;
+    *req.mutable_prefill() = MakePrefill(kPrompt, 4);
+    req.mutable_prefill()->set_continuous(true);
+    v1::PromptLookup* l = req.mutable_prefill()->mutable_prompt_lookup();
+    l->set_min_n(2);
+    l->set_max_n(5);
+    l->set_num_draft_tokens(4);
+    edit(req.mutable_prefill());
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    rw->Write(req);
+    v1::GenerateResponse resp;
+    while (rw->Read(&resp)) {
+    }
+    return rw->Finish().error_code();
+  };
+  EXPECT_EQ(status_of([](v1::Prefill* p) { p->set_continuous(false); }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status_of([](v1::Prefill* p) {
+              p->mutable_prompt_lookup()->set_min_n(0);
+            }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status_of([](v1::Prefill* p) {
+              p->mutable_prompt_lookup()->set_max_n(17);
+            }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status_of([](v1::Prefill* p) {
+              p->mutable_prompt_lookup()->set_num_draft_tokens(65);
+            }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(server_->active_sessions(), 0);
+}
+
 TEST_F(TargetServerTest, ConcurrentStreamsAreIndependent) {
   const int kNew = 30;
   const std::vector<int> want =
