@@ -121,8 +121,8 @@ SPECSERVE_SMALL_HEAD __m512 ExpForWeights(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f),
                                             _CMP_GT_OQ);
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(
-      t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_maskz_roundscale_ps(  // masked form: see Transpose8
+      0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);  // ln2^6 / 6!
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
