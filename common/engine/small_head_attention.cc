@@ -224,6 +224,35 @@ SPECSERVE_SMALL_HEAD void AttendGroup(const float* q, size_t q_stride,
   }
 }
 
+// One call's scratch: with `planes`, one KV head's chunks of keys and
+// values (kt, vt: [chunks][D][16]); one query's scores (srow, chunks * 16)
+// and the scaled query (qs, D); the chunk pointers AttendQuery reads.
+struct CallScratch {
+  float* kt = nullptr;
+  float* vt = nullptr;
+  float* srow = nullptr;
+  float* qs = nullptr;
+  std::vector<const float*>* kchunk = nullptr;
+  std::vector<const float*>* vchunk = nullptr;
+};
+
+CallScratch CarveScratch(std::vector<float>* scratch, int chunks, int D,
+                         bool planes) {
+  const size_t plane = planes ? static_cast<size_t>(chunks) * D * kChunk : 0;
+  scratch->resize(2 * plane + static_cast<size_t>(chunks) * kChunk + D);
+  thread_local std::vector<const float*> kchunk, vchunk;
+  kchunk.resize(chunks);
+  vchunk.resize(chunks);
+  CallScratch cs;
+  cs.kt = scratch->data();
+  cs.vt = cs.kt + plane;
+  cs.srow = cs.vt + plane;
+  cs.qs = cs.srow + static_cast<size_t>(chunks) * kChunk;
+  cs.kchunk = &kchunk;
+  cs.vchunk = &vchunk;
+  return cs;
+}
+
 // Row-major planes: each KV head's chunks transposed into the scratch.
 template <int D>
 SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
@@ -234,17 +263,11 @@ SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
                                  const int* mask_offsets,
                                  const int* mask_keys) {
   const int group = H / KV;
-  const int total = first + rows;
-  const int chunks = (total + kChunk - 1) / kChunk;
-  const size_t plane = static_cast<size_t>(chunks) * D * kChunk;
-  scratch->resize(2 * plane + static_cast<size_t>(chunks) * kChunk + D);
-  float* kt = scratch->data();
-  float* vt = kt + plane;
-  float* srow = vt + plane;
-  float* qs = srow + static_cast<size_t>(chunks) * kChunk;
-  thread_local std::vector<const float*> kchunk, vchunk;
-  kchunk.resize(chunks);
-  vchunk.resize(chunks);
+  const int chunks = (first + rows + kChunk - 1) / kChunk;
+  const CallScratch cs = CarveScratch(scratch, chunks, D, /*planes=*/true);
+  float *kt = cs.kt, *vt = cs.vt;
+  std::vector<const float*>& kchunk = *cs.kchunk;
+  std::vector<const float*>& vchunk = *cs.vchunk;
   for (int c = 0; c < chunks; ++c) {
     kchunk[c] = kt + c * D * kChunk;
     vchunk[c] = vt + c * D * kChunk;
@@ -260,8 +283,8 @@ SPECSERVE_SMALL_HEAD void Attend(const float* q, size_t q_stride, int rows,
       }
     }
     AttendGroup<D>(q, q_stride, rows, first, g, group, kchunk.data(),
-                   vchunk.data(), kChunk, scale, srow, qs, out, out_stride,
-                   mask_offsets, mask_keys);
+                   vchunk.data(), kChunk, scale, cs.srow, cs.qs, out,
+                   out_stride, mask_offsets, mask_keys);
   }
 }
 
@@ -273,21 +296,15 @@ SPECSERVE_SMALL_HEAD void AttendChunkMajor(
     float scale, std::vector<float>* scratch, float* out, size_t out_stride,
     const int* mask_offsets, const int* mask_keys) {
   const int group = H / KV;
-  const int total = first + rows;
-  const int chunks = (total + kChunk - 1) / kChunk;
+  const int chunks = (first + rows + kChunk - 1) / kChunk;
   // Read in place, the chunks of a KV head sit one block apart, so they
   // share few L1 sets: from kCopyQueries queries on, each is re-read often
   // enough to pay for a copy into contiguous scratch (64-byte lines).
   const bool copy = rows * group >= kCopyQueries;
-  const size_t plane = copy ? static_cast<size_t>(chunks) * D * kChunk : 0;
-  scratch->resize(2 * plane + static_cast<size_t>(chunks) * kChunk + D);
-  float* kt = scratch->data();
-  float* vt = kt + plane;
-  float* srow = vt + plane;
-  float* qs = srow + static_cast<size_t>(chunks) * kChunk;
-  thread_local std::vector<const float*> kchunk, vchunk;
-  kchunk.resize(chunks);
-  vchunk.resize(chunks);
+  const CallScratch cs = CarveScratch(scratch, chunks, D, copy);
+  float *kt = cs.kt, *vt = cs.vt;
+  std::vector<const float*>& kchunk = *cs.kchunk;
+  std::vector<const float*>& vchunk = *cs.vchunk;
   for (int g = 0; g < KV; ++g) {
     for (int c = 0; c < chunks; ++c) {
       const int key = c * kChunk;
@@ -311,8 +328,8 @@ SPECSERVE_SMALL_HEAD void AttendChunkMajor(
       }
     }
     AttendGroup<D>(q, q_stride, rows, first, g, group, kchunk.data(),
-                   vchunk.data(), copy ? kChunk : block_size, scale, srow,
-                   qs, out, out_stride, mask_offsets, mask_keys);
+                   vchunk.data(), copy ? kChunk : block_size, scale, cs.srow,
+                   cs.qs, out, out_stride, mask_offsets, mask_keys);
   }
 }
 
