@@ -267,18 +267,18 @@ class TargetServer::GenerateReactor
       return;
     }
     bool next_round = false;
+    std::vector<DraftToken> drafts;
     {
       absl::MutexLock lock(&mu_);
       // Continuous decoding: the next round needs no message. After the
       // last one, the read below waits for the half-close.
       next_round = continuous_ && phase_ == Phase::kGenerating;
       if (next_round) busy_ = true;
-    }
-    if (next_round) {
-      std::vector<DraftToken> drafts;
-      if (lookup_ != nullptr) {  // reactor state: only this turn's holder
+      if (next_round && lookup_ != nullptr) {
         drafts = PointMassDrafts(lookup_->Propose(lookup_k_), lookup_greedy_);
       }
+    }
+    if (next_round) {
       SubmitRound(std::move(drafts));
     } else {
       StartRead(&request_);
@@ -519,11 +519,10 @@ class TargetServer::GenerateReactor
   bool first_round_ ABSL_GUARDED_BY(mu_) = true;
   bool continuous_ ABSL_GUARDED_BY(mu_) = false;  // Prefill.continuous
   // Prefill.prompt_lookup: the proposer over the prompt and every emitted
-  // token, and its drafts per round. Touched only by the turn's holder
-  // (the round's completion, then the write's), never concurrently.
-  std::unique_ptr<NgramProposer> lookup_;
-  int lookup_k_ = 0;
-  bool lookup_greedy_ = true;
+  // token, and its drafts per round.
+  std::unique_ptr<NgramProposer> lookup_ ABSL_GUARDED_BY(mu_);
+  int lookup_k_ ABSL_GUARDED_BY(mu_) = 0;
+  bool lookup_greedy_ ABSL_GUARDED_BY(mu_) = true;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
