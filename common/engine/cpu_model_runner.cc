@@ -316,7 +316,8 @@ void CpuModelRunner::ReadRow(const float* plane, size_t slot,
   const int D = weights_->config.head_dim, KV = row_width_ / D;
   const int bs = cache_->block_size();
   for (int g = 0; g < KV; ++g) {
-    const float* src = plane + kernels::ChunkMajorKvOffset(slot, g, 0, KV, D, bs);
+    const float* src =
+        plane + kernels::ChunkMajorKvOffset(slot, g, 0, KV, D, bs);
     for (int d = 0; d < D; ++d) out[g * D + d] = src[d * bs];
   }
 }

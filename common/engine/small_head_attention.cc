@@ -52,8 +52,8 @@ SPECSERVE_SMALL_HEAD void Transpose8(const float* base, const int32_t* off,
   }
   // u[d] holds dimension d (128-bit lanes 0 and 2) and d + 4 (lanes 1, 3)
   // of rows 0-3 of each half; u[d + 4] the same of rows 4-7.
-  const __m512i lo =
-      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                       11, 24, 25, 26, 27);
   const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
                                        15, 28, 29, 30, 31);
   #pragma GCC unroll 16
