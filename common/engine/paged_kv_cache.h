@@ -27,7 +27,9 @@ class KvSequence;
 /// BlockPool of `num_blocks` blocks of `block_size` tokens. This class is
 /// the bookkeeping only, identical on every backend; the backend's storage
 /// holds, per layer, K and V planes of [num_blocks * block_size, kv_heads,
-/// head_dim] rows, and logical slot t of a sequence lives at physical row
+/// head_dim] rows (the CPU backend's f32 planes for 8/16-dim heads are
+/// chunk-major within each block instead: kernels::ChunkMajorKvOffset),
+/// and logical slot t of a sequence lives at physical row (slot)
 /// block_table[t / block_size] * block_size + t % block_size.
 /// Thread-safe (sequences are not: one owner each).
 class PagedKvCache {
