@@ -19,7 +19,9 @@ prompt, so outputs are comparable) under three methods:
 
     none   speculative decoding disabled (one target forward per token)
     draft  the speculator model drafts k tokens per round
-    ngram  prompt lookup in the router proposes up to k tokens per round
+    ngram  prompt lookup proposes up to k tokens per round (in the target
+           itself here: the prompt is never pruned)
+    draft_tree  the speculator model drafts a token tree
 
 at each concurrency level (clients sending the prompts from one queue).
 Reported per method and level: output tokens/s (all clients), tokens per
@@ -28,7 +30,10 @@ stats), mean acceptance length, how many outputs are token-identical
 to "none" at the same level, draft tokens (verify rows past the first) per
 drafted round, and where a round's time goes: the round as a client sees
 it (clients x wall / target forwards), the target's mean verify round and
-the speculator's mean draft round (their Prometheus histograms).
+the speculator's mean draft round (their Prometheus histograms). A method
+listed more than once (--methods draft,draft_tree,draft_tree,draft: runs
+alternated against the box's drift, in one stack) also gets the mean,
+standard deviation and range of its output tokens/s.
 
     bazel build -c opt //router //speculator_service //target_service \
         //tools:tokenize
@@ -42,6 +47,7 @@ import glob
 import os
 import random
 import re
+import statistics
 import sys
 import threading
 import time
@@ -207,6 +213,7 @@ def main():
     ap.add_argument("--speculator_args", default="")
     a = ap.parse_args()
     methods = a.methods.split(",")
+    rates = {}  # (method, clients) -> output tok/s of each run
     print("| method | clients | output tok/s | tokens / target forward | "
           "mean acceptance length | identical to none | failed | "
           "drafts / round | round ms | target round ms | draft ms / round | "
@@ -256,7 +263,19 @@ def main():
                     mean_ms(before, after, "target_round"),
                     mean_ms(before, after, "draft"),
                     "%.2f" % (1e3 * sum(ttft) / len(ttft)) if ttft else "-"))
+                rates.setdefault((method, c), []).append(tokens / wall)
                 sys.stdout.flush()
+    # A method listed more than once (alternated runs, e.g. ABBA against
+    # the box's drift): the mean and spread of its runs.
+    repeated = {k: v for k, v in rates.items() if len(v) > 1}
+    if repeated:
+        print()
+        print("| method | clients | runs | output tok/s mean | sd | min | max |")
+        print("|---|---|---|---|---|---|---|")
+        for (method, c), v in repeated.items():
+            print("| %s | %d | %d | %.1f | %.1f | %.1f | %.1f |" % (
+                method, c, len(v), statistics.mean(v), statistics.stdev(v),
+                min(v), max(v)))
     return 0
 
 
