@@ -716,12 +716,12 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
       auto attend = [&](int b, int e) {
         // Per thread, kept across layers and steps: num_heads * context
         // floats (256 KB at 32 heads x 2K tokens) would otherwise be a heap
-        // allocation, at that size an mmap, per layer.
+        // allocation, at that size an mmap, per layer. The small-head
+        // kernels size it themselves.
         thread_local std::vector<float> scores;
         for (int d = b; d < e; ++d) {
           const int i = direct[d];
           const int n = row0[i + 1] - row0[i];
-          scores.resize(static_cast<size_t>(H) * (first[i] + n));
           const float* qi = &qkv[row0[i] * static_cast<size_t>(qkv_dim)];
           const int* table = batch[i].kv->block_table().data();
           const int bs = batch[i].kv->block_size();
@@ -738,10 +738,12 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                                             D, kc, vc, rw, table, bs, scale,
                                             &scores, o, qrow, mo, mk);
           } else if (bf16) {
+            scores.resize(static_cast<size_t>(H) * (first[i] + n));
             kernels::AttentionRows(qi, qkv_dim, n, first[i], H, KV, D, kh, vh,
                                    rw, table, bs, scale, scores.data(), o,
                                    qrow, mo, mk);
           } else {
+            scores.resize(static_cast<size_t>(H) * (first[i] + n));
             kernels::AttentionRows(qi, qkv_dim, n, first[i], H, KV, D, kc, vc,
                                    rw, table, bs, scale, scores.data(), o,
                                    qrow, mo, mk);

@@ -9,8 +9,6 @@
 #include <cstring>
 #include <vector>
 
-#include "common/engine/exp_avx512.h"
-
 namespace specserve {
 namespace kernels {
 namespace {
@@ -185,6 +183,32 @@ void SoftmaxPrefixAvx2(float* row, int n, int total) {
 }
 
 #define SPECSERVE_AVX512_SOFTMAX __attribute__((target("avx512f")))
+
+// Exp8's operations on 16 lanes, in the same order: both paths give the
+// same bits for the same input (the AVX2 path's scalar tail uses std::exp,
+// within ~1e-7 of it).
+SPECSERVE_AVX512_SOFTMAX inline __m512 Exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f);
+  const __m512 lo = _mm512_set1_ps(-88.3762626647949f);
+  const __mmask16 above_lo = _mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_cvtps_epi32(n);
+  e = _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(above_lo, p, _mm512_castsi512_ps(e));
+}
 
 SPECSERVE_AVX512_SOFTMAX float MaxOfAvx512(const float* x, int n) {
   if (n < 16) return MaxOfAvx2(x, n);

@@ -26,7 +26,7 @@ constexpr int kCopyQueries = 8;
 SPECSERVE_SMALL_HEAD void Transpose8(const float* base, const int32_t* off,
                                      float* dst) {
   __m512 z[8];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < 8; ++i) {
     // Masked forms with a defined source: GCC 12's unmasked intrinsics
     // start from an "undefined" vector and warn (-Wuninitialized).
@@ -36,13 +36,13 @@ SPECSERVE_SMALL_HEAD void Transpose8(const float* base, const int32_t* off,
         _mm512_maskz_broadcast_f64x4(0x0f, lo), 0xf0, hi));
   }
   __m512 t[8], u[8];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm512_maskz_unpacklo_ps(0xffff, z[2 * i], z[2 * i + 1]);
     t[2 * i + 1] =
         _mm512_maskz_unpackhi_ps(0xffff, z[2 * i], z[2 * i + 1]);
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int h = 0; h < 2; ++h) {  // rows 0-3 and 4-7 of each half
     const __m512* th = t + 4 * h;
     u[4 * h + 0] = _mm512_shuffle_ps(th[0], th[2], 0x44);
@@ -56,7 +56,7 @@ SPECSERVE_SMALL_HEAD void Transpose8(const float* base, const int32_t* off,
                                        11, 24, 25, 26, 27);
   const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
                                        15, 28, 29, 30, 31);
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int d = 0; d < 4; ++d) {
     _mm512_storeu_ps(dst + d * kChunk,
                      _mm512_permutex2var_ps(u[d], lo, u[d + 4]));
@@ -99,7 +99,7 @@ SPECSERVE_SMALL_HEAD float ReduceAdd16(__m512 x) {
 // rounds of pairwise horizontal adds.
 SPECSERVE_SMALL_HEAD __m256 LaneSums8(const __m512* acc) {
   __m256 a[8];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int d = 0; d < 8; ++d) {
     a[d] = _mm256_add_ps(Low256(acc[d]), High256(acc[d]));
   }
@@ -113,7 +113,8 @@ SPECSERVE_SMALL_HEAD __m256 LaneSums8(const __m512* acc) {
                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-// exp(x) per lane for the attention weights, cheaper than Exp16: 2^t with
+// exp(x) per lane for the attention weights, cheaper than kernels.cc's
+// softmax exp (Cephes, bit-matched to its AVX2 twin): 2^t with
 // t = x log2(e) split as n + f, |f| <= 1/2, 2^f by its degree-6 Taylor
 // polynomial (relative error below 2e-7) and the scaling by 2^n in one
 // vscalefps. Lanes below -87 (a masked key's -inf included) give 0.
@@ -151,13 +152,13 @@ SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs,
   const int rem = allowed % kChunk;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   __m512 qv[D];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int d = 0; d < D; ++d) qv[d] = _mm512_set1_ps(qs[d]);
   __m512 mx = neg_inf;
   for (int c = 0; c < chunks; ++c) {
     const float* kc = kchunk[c];
     __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kc));
-    #pragma GCC unroll 16
+  #pragma GCC unroll 16
     for (int d = 1; d < D; ++d) {
       s = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kc + d * stride), s);
     }
@@ -177,7 +178,7 @@ SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs,
   }
   const __m512 m = _mm512_set1_ps(ReduceMax16(mx));
   __m512 acc[D];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int d = 0; d < D; ++d) acc[d] = _mm512_setzero_ps();
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < chunks; ++c) {
@@ -185,13 +186,13 @@ SPECSERVE_SMALL_HEAD void AttendQuery(const float* qs,
         ExpForWeights(_mm512_sub_ps(_mm512_loadu_ps(srow + c * kChunk), m));
     sum = _mm512_add_ps(sum, e);
     const float* vc = vchunk[c];
-    #pragma GCC unroll 16
+  #pragma GCC unroll 16
     for (int d = 0; d < D; ++d) {
       acc[d] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vc + d * stride), acc[d]);
     }
   }
   const __m256 inv = _mm256_set1_ps(1.f / ReduceAdd16(sum));
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int d0 = 0; d0 < D; d0 += 8) {
     _mm256_storeu_ps(out + d0, _mm256_mul_ps(LaneSums8(acc + d0), inv));
   }
