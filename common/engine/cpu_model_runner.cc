@@ -545,6 +545,60 @@ void CpuModelRunner::Attention(int n, int first, const float* q,
   }
 }
 
+namespace {
+
+// One task of the direct attention: rows [row_begin, row_end) of
+// sequence `sequence` (a batch index).
+struct AttentionItem {
+  int sequence;
+  int row_begin;
+  int row_end;
+};
+
+// The direct-attention tasks of a forward for `threads` threads: one per
+// sequence, except that a sequence holding more than a thread's share of
+// the multiply-adds is cut into row ranges of about that share, so that a
+// verify round or a prefill chunk at batch 1 uses every core. Row t of a
+// sequence whose rows start at cache index f costs (f + t + 1) key visits
+// (causal), which the cuts follow.
+std::vector<AttentionItem> SplitAttentionWork(const std::vector<int>& direct,
+                                              const std::vector<int>& row0,
+                                              const std::vector<int>& first,
+                                              int threads) {
+  std::vector<AttentionItem> items;
+  int64_t total = 0;
+  auto work = [&](int i) {
+    const int64_t n = row0[i + 1] - row0[i];
+    return n * first[i] + n * (n + 1) / 2;
+  };
+  for (int i : direct) total += work(i);
+  const int64_t share = std::max<int64_t>(1, total / std::max(1, threads));
+  for (int i : direct) {
+    const int n = row0[i + 1] - row0[i];
+    const int64_t w = work(i);
+    const int parts =
+        static_cast<int>(std::min<int64_t>(n, (w + share - 1) / share));
+    if (parts <= 1) {
+      items.push_back({i, 0, n});
+      continue;
+    }
+    int begin = 0, part = 1;
+    int64_t done = 0;
+    for (int t = 0; t < n; ++t) {
+      done += first[i] + t + 1;
+      // A range closes once the rows so far hold part / parts of the work.
+      if (done * parts >= w * part || t + 1 == n) {
+        items.push_back({i, begin, t + 1});
+        begin = t + 1;
+        ++part;
+      }
+    }
+  }
+  return items;
+}
+
+}  // namespace
+
 absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                                      std::vector<ForwardOutput>* out) {
   const ModelConfig& c = weights_->config;
@@ -618,6 +672,12 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
       direct_work += int64_t{2} * n * (first[i] + n) * H * D;
     }
   }
+  const std::vector<AttentionItem> items = SplitAttentionWork(
+      direct, row0, first,
+      direct_work < kMinParallelMacs ? 1 : ThreadPool::Default().num_threads());
+  // The first layer's attention is a few microseconds of GEMMs away: start
+  // the sleeping workers now.
+  if (items.size() > 1) ThreadPool::Default().Wake();
 
   // Activations live in per-thread buffers that keep their capacity:
   // fresh multi-megabyte vectors per forward cost page faults and memsets
@@ -709,8 +769,8 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                   qkv_dim, K, V, masks[i], &attn[row0[i] * qrow], &scratch);
       }
     }
-    // Decode and verify rows: straight from the blocks, sequences spread
-    // over the engine's threads.
+    // Decode and verify rows: straight from the blocks, the work items
+    // (row ranges of sequences) spread over the engine's threads.
     if (!direct.empty()) {
       const float scale = 1.f / std::sqrt(static_cast<float>(D));
       auto attend = [&](int b, int e) {
@@ -720,40 +780,45 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
         // kernels size it themselves.
         thread_local std::vector<float> scores;
         for (int d = b; d < e; ++d) {
-          const int i = direct[d];
-          const int n = row0[i + 1] - row0[i];
-          const float* qi = &qkv[row0[i] * static_cast<size_t>(qkv_dim)];
+          const AttentionItem& item = items[d];
+          const int i = item.sequence;
+          const int r = item.row_begin;
+          const int n = item.row_end - r;
+          const int f = first[i] + r;
+          const float* qi =
+              &qkv[(row0[i] + r) * static_cast<size_t>(qkv_dim)];
           const int* table = batch[i].kv->block_table().data();
           const int bs = batch[i].kv->block_size();
-          const int* mo = masks[i].empty() ? nullptr : masks[i].offsets.data();
+          const int* mo =
+              masks[i].empty() ? nullptr : masks[i].offsets.data() + r;
           const int* mk =
               masks[i].empty() ? nullptr : masks[i].masked_keys.data();
-          float* o = &attn[row0[i] * qrow];
+          float* o = &attn[(row0[i] + r) * qrow];
           if (chunk_major_) {
             kernels::AttentionRowsSmallHeadChunkMajor(
-                qi, qkv_dim, n, first[i], H, KV, D, kc, vc, table, bs, scale,
+                qi, qkv_dim, n, f, H, KV, D, kc, vc, table, bs, scale,
                 &scores, o, qrow, mo, mk);
           } else if (small_head) {
-            kernels::AttentionRowsSmallHead(qi, qkv_dim, n, first[i], H, KV,
-                                            D, kc, vc, rw, table, bs, scale,
-                                            &scores, o, qrow, mo, mk);
+            kernels::AttentionRowsSmallHead(qi, qkv_dim, n, f, H, KV, D, kc,
+                                            vc, rw, table, bs, scale, &scores,
+                                            o, qrow, mo, mk);
           } else if (bf16) {
-            scores.resize(static_cast<size_t>(H) * (first[i] + n));
-            kernels::AttentionRows(qi, qkv_dim, n, first[i], H, KV, D, kh, vh,
-                                   rw, table, bs, scale, scores.data(), o,
-                                   qrow, mo, mk);
+            scores.resize(static_cast<size_t>(H) * (f + n));
+            kernels::AttentionRows(qi, qkv_dim, n, f, H, KV, D, kh, vh, rw,
+                                   table, bs, scale, scores.data(), o, qrow,
+                                   mo, mk);
           } else {
-            scores.resize(static_cast<size_t>(H) * (first[i] + n));
-            kernels::AttentionRows(qi, qkv_dim, n, first[i], H, KV, D, kc, vc,
-                                   rw, table, bs, scale, scores.data(), o,
-                                   qrow, mo, mk);
+            scores.resize(static_cast<size_t>(H) * (f + n));
+            kernels::AttentionRows(qi, qkv_dim, n, f, H, KV, D, kc, vc, rw,
+                                   table, bs, scale, scores.data(), o, qrow,
+                                   mo, mk);
           }
         }
       };
-      if (direct_work < kMinParallelMacs) {
-        attend(0, static_cast<int>(direct.size()));
+      if (items.size() == 1) {
+        attend(0, 1);
       } else {
-        ThreadPool::Default().ParallelFor(static_cast<int>(direct.size()), 1,
+        ThreadPool::Default().ParallelFor(static_cast<int>(items.size()), 1,
                                           attend);
       }
     }

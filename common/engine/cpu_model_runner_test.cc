@@ -16,6 +16,7 @@
 
 #include "common/engine/small_head_attention.h"
 #include "common/engine/test_util.h"
+#include "common/engine/thread_pool.h"
 #include "common/model/synthetic.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -863,6 +864,108 @@ TEST(CpuModelRunnerTest, PagedEqualsContiguous) {
     jumps += sp->block_table()[b] != sp->block_table()[b - 1] + 1;
   }
   EXPECT_GT(jumps, 0);
+}
+
+// The engine's attention at batch 1 is cut into row ranges, one per
+// thread (a verify round, a tree, a prefill chunk); at batch 2 a long
+// sequence is cut while a short one stays whole. Every row's arithmetic is
+// the same however the rows are split, so the logits are bit for bit those
+// of one thread: 8- and 16-dim heads (chunk-major and row-major KV) and
+// 32-dim heads (the generic kernel).
+TEST(CpuModelRunnerTest, AttentionSplitAcrossThreadsEqualsOneThread) {
+  struct Case {
+    const char* model;
+    int block_size;
+    KvCacheDType dtype;
+  };
+  for (const Case& c :
+       {Case{"stories260K", 16, KvCacheDType::kF32},
+        Case{"stories260K", 4, KvCacheDType::kF32},
+        Case{"tinystories-656K", 32, KvCacheDType::kF32},
+        Case{"synthetic:llama3-tiny", 16, KvCacheDType::kF32}}) {
+    SCOPED_TRACE(testing::Message() << c.model << " blocks " << c.block_size
+                                    << " " << KvCacheDTypeName(c.dtype));
+    auto model = Runner(c.model, c.block_size, 4096 / c.block_size, c.dtype);
+    const int vocab = model->config().vocab_size;
+    std::mt19937 rng(21);
+    auto tokens = [&](int n) {
+      std::vector<int> t(n);
+      for (int& x : t) x = 1 + rng() % (vocab - 1);
+      return t;
+    };
+    auto iota = [](int n, int from) {
+      std::vector<int> p(n);
+      std::iota(p.begin(), p.end(), from);
+      return p;
+    };
+    const std::vector<int> prompt = tokens(300), verify = tokens(16);
+    const std::vector<int> chunk = tokens(200), one = tokens(1);
+    // A 16-node tree: node j's parent is (j - 1) / 2.
+    std::vector<int> parents(16), depth(16, 0);
+    for (int j = 0; j < 16; ++j) {
+      parents[j] = j == 0 ? -1 : (j - 1) / 2;
+      if (j > 0) depth[j] = depth[parents[j]] + 1;
+    }
+    auto run = [&](int threads) {
+      ThreadPool::SetDefaultThreads(threads);
+      std::vector<float> logits;
+      auto keep = [&](const ForwardOutput& o) {
+        logits.insert(logits.end(), o.logits.begin(), o.logits.end());
+      };
+      auto a = Seq(*model, 512), b = Seq(*model, 512);
+      ForwardInput in;
+      ForwardOutput out;
+      // Prefill (one chunk), then a 16-row chain verify.
+      in.token_ids = prompt;
+      const std::vector<int> pp = iota(300, 0);
+      in.position_ids = pp;
+      in.logit_rows = {0, 150, 299};
+      EXPECT_TRUE(model->Forward(in, a.get(), &out).ok());
+      keep(out);
+      const std::vector<int> vp = iota(16, 300);
+      in.token_ids = verify;
+      in.position_ids = vp;
+      in.logit_rows = iota(16, 0);
+      EXPECT_TRUE(model->Forward(in, a.get(), &out).ok());
+      keep(out);
+      // A tree over the same context, at restored positions.
+      EXPECT_TRUE(a->Truncate(300).ok());
+      std::vector<int> tp(16);
+      for (int j = 0; j < 16; ++j) tp[j] = 300 + depth[j];
+      in.position_ids = tp;
+      in.tree_parents = parents;
+      EXPECT_TRUE(model->Forward(in, a.get(), &out).ok());
+      keep(out);
+      // Batch 2: a long chunk appended to `a` beside one decode row of `b`.
+      EXPECT_TRUE(a->Truncate(300).ok());
+      in = ForwardInput();
+      in.token_ids = one;
+      const std::vector<int> zero = {0};
+      in.position_ids = zero;
+      EXPECT_TRUE(model->Forward(in, b.get(), &out).ok());
+      std::vector<SequenceForward> batch(2);
+      batch[0].kv = a.get();
+      batch[0].input.token_ids = chunk;
+      const std::vector<int> cp = iota(200, 300);
+      batch[0].input.position_ids = cp;
+      batch[0].input.logit_rows = {0, 99, 199};
+      batch[1].kv = b.get();
+      batch[1].input.token_ids = one;
+      const std::vector<int> op = {1};
+      batch[1].input.position_ids = op;
+      std::vector<ForwardOutput> outs;
+      EXPECT_TRUE(model->Forward(batch, &outs).ok());
+      for (const ForwardOutput& o : outs) keep(o);
+      return logits;
+    };
+    const std::vector<float> one_thread = run(1);
+    const std::vector<float> two_threads = run(2);
+    ThreadPool::SetDefaultThreads(2);  // the default again
+    ASSERT_EQ(one_thread.size(), two_threads.size());
+    ASSERT_FALSE(one_thread.empty());
+    EXPECT_TRUE(one_thread == two_threads)
+        << "max |diff| " << MaxAbsDiff(one_thread, two_threads);
+  }
 }
 
 // A fork shares the prompt's blocks; each branch then extends differently

@@ -124,6 +124,18 @@ void ThreadPool::ParallelFor(int n, int grain,
   }
 }
 
+void ThreadPool::Wake() {
+  if (workers_.empty()) return;
+  absl::MutexLock call_lock(&call_mu_);
+  // An empty job: its index is past num_chunks_, so no worker claims
+  // anything, but each sees a new generation and restarts its spin.
+  const uint32_t gen = generation_.load(std::memory_order_relaxed) + 1;
+  claim_.store((static_cast<uint64_t>(gen) << 32) | 0xffffffffu,
+               std::memory_order_seq_cst);
+  absl::MutexLock lock(&mu_);
+  generation_.store(gen, std::memory_order_release);
+}
+
 namespace {
 absl::Mutex default_mu;
 std::unique_ptr<ThreadPool>& DefaultSlot() {

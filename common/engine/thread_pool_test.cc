@@ -53,6 +53,34 @@ TEST(ThreadPoolTest, ManyBackToBackJobsRunEachChunkOnce) {
   }
 }
 
+// Wake() publishes an empty job: interleaved with real jobs, from sleeping
+// and from spinning workers, it never makes a chunk run twice or not at
+// all, and on a one-thread pool it does nothing.
+TEST(ThreadPoolTest, WakeBetweenJobsKeepsEveryChunkRunOnce) {
+  ThreadPool single(1);
+  single.Wake();
+  int calls = 0;
+  single.ParallelFor(8, 1, [&](int b, int e) { calls += e - b; });
+  EXPECT_EQ(calls, 8);
+
+  ThreadPool pool(2);
+  for (int job = 0; job < 2000; ++job) {
+    if (job % 100 == 0) {
+      // Long enough for the worker to stop spinning and block.
+      std::this_thread::sleep_for(std::chrono::microseconds(300));
+    }
+    if (job % 3 != 0) pool.Wake();
+    if (job % 7 == 0) pool.Wake();
+    std::vector<int> hits(19, 0);
+    pool.ParallelFor(19, 1, [&](int b, int e) {
+      for (int i = b; i < e; ++i) hits[i] += job + 1;
+    });
+    for (int i = 0; i < 19; ++i) {
+      ASSERT_EQ(hits[i], job + 1) << job << " " << i;
+    }
+  }
+}
+
 TEST(ThreadPoolTest, DefaultPoolIsResizable) {
   ThreadPool::SetDefaultThreads(3);
   EXPECT_EQ(ThreadPool::Default().num_threads(), 3);
