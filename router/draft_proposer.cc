@@ -23,7 +23,8 @@ void AddPointMassDrafts(
 }
 
 double TreeMinPathProbUnderLoad(double min_path_prob, int running) {
-  return std::min(0.5, min_path_prob * std::max(running, 1));
+  if (running <= 1) return std::min(0.5, min_path_prob);
+  return std::min(0.5, 2 * min_path_prob * running);
 }
 
 v1::DraftRequest MakeDraftRequest(const ResolvedOptions& opts,

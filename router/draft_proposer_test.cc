@@ -58,7 +58,7 @@ TEST(MakeDraftRequestTest, TreeShapeForDraftTreeUnlessLoadCutK) {
   EXPECT_EQ(r.tree().max_nodes(), 10);
   EXPECT_DOUBLE_EQ(r.tree().min_path_prob(), 0.02);  // one request running
   r = MakeDraftRequest(o, "", {3}, 4, /*running=*/8);
-  EXPECT_DOUBLE_EQ(r.tree().min_path_prob(), 0.16);
+  EXPECT_DOUBLE_EQ(r.tree().min_path_prob(), 0.32);
   // Under load (k cut to 2) the round is a plain chain of 2.
   r = MakeDraftRequest(o, "", {3}, 2);
   EXPECT_FALSE(r.has_tree());
@@ -69,7 +69,8 @@ TEST(TreeMinPathProbUnderLoadTest, GrowsWithTheRequestsInFlightUpToAHalf) {
   EXPECT_EQ(TreeMinPathProbUnderLoad(0.0, 100), 0.0);
   EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 0), 0.01);
   EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 1), 0.01);
-  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 16), 0.16);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 2), 0.04);
+  EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 16), 0.32);
   EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.01, 1000), 0.5);
   EXPECT_DOUBLE_EQ(TreeMinPathProbUnderLoad(0.9, 1), 0.5);
 }

@@ -49,12 +49,12 @@ inline constexpr int kDefaultTreeBranching[] = {3, 2, 2, 2, 2, 2};
 inline constexpr int kDefaultTreeMaxNodes = 16;
 /// The default confidence threshold of tree nodes with one request in
 /// flight (DraftTreeShape.min_path_prob; TreeMinPathProbUnderLoad scales
-/// it with the load: 0.16 at 16 requests). Measured through the router on
+/// it with the load: 0.32 at 16 requests). Measured through the router on
 /// the bundled pair (bench/results/draft_methods.md): at one client the
-/// tree keeps nearly its full size (4.23 tokens per target forward against
-/// 4.29), at 16 it shrinks to 3.2 tokens per forward (the full tree: 4.34,
-/// the chain: 3.16); 0 (the full shape) lost to the chain at 16 clients
-/// (0.82x), 0.005 and 0.02-0.05 did no better than 0.01.
+/// tree keeps most of its full size (12.6 drafts a round, 4.13 tokens per
+/// target forward against 4.29); 0 (the full shape) lost to the chain at
+/// 16 clients (0.82x); 0.02-0.15 at one client tied the chain as 0.01
+/// does.
 inline constexpr double kDefaultTreeMinPathProb = 0.01;
 
 /// What an unset request field means: one --default_* flag each. Defaults
