@@ -672,12 +672,17 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
       direct_work += int64_t{2} * n * (first[i] + n) * H * D;
     }
   }
-  const std::vector<AttentionItem> items = SplitAttentionWork(
-      direct, row0, first,
-      direct_work < kMinParallelMacs ? 1 : ThreadPool::Default().num_threads());
+  // Little attention work runs on the calling thread, in one task per
+  // sequence.
+  const int attention_threads = direct_work < kMinParallelMacs
+                                    ? 1
+                                    : ThreadPool::Default().num_threads();
+  const std::vector<AttentionItem> items =
+      SplitAttentionWork(direct, row0, first, attention_threads);
+  const bool parallel_attention = attention_threads > 1 && items.size() > 1;
   // The first layer's attention is a few microseconds of GEMMs away: start
   // the sleeping workers now.
-  if (items.size() > 1) ThreadPool::Default().Wake();
+  if (parallel_attention) ThreadPool::Default().Wake();
 
   // Activations live in per-thread buffers that keep their capacity:
   // fresh multi-megabyte vectors per forward cost page faults and memsets
@@ -815,8 +820,8 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
           }
         }
       };
-      if (items.size() == 1) {
-        attend(0, 1);
+      if (!parallel_attention) {
+        attend(0, static_cast<int>(items.size()));
       } else {
         ThreadPool::Default().ParallelFor(static_cast<int>(items.size()), 1,
                                           attend);
