@@ -21,23 +21,13 @@ OutputProcessor::OutputProcessor(const Tokenizer* tokenizer,
 absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
                                        absl::Time now,
                                        v1::GenerateTextChunk* chunk) {
-  ++forwards_;
-  if (metrics_ != nullptr) {
-    metrics_->ObserveTargetForward(stats_.spec_decode_method(),
-                                   round.token_ids_size());
+  // A continuous stream's message may report several rounds.
+  if (round.rounds_size() == 0) {
+    CountRound(round.num_drafts(), round.num_accepted(),
+               round.token_ids_size());
   }
-  if (round.num_drafts() > 0) {
-    stats_.set_num_drafts(stats_.num_drafts() + 1);
-    stats_.set_num_draft_tokens(stats_.num_draft_tokens() + round.num_drafts());
-    accepted_total_ += round.num_accepted();
-    if (static_cast<int>(accepted_per_pos_.size()) < round.num_drafts()) {
-      accepted_per_pos_.resize(round.num_drafts());
-    }
-    for (int i = 0; i < round.num_accepted(); ++i) ++accepted_per_pos_[i];
-    if (metrics_ != nullptr) {
-      metrics_->ObserveVerifyRound(stats_.spec_decode_method(),
-                                   round.num_drafts(), round.num_accepted());
-    }
+  for (const v1::RoundCounts& r : round.rounds()) {
+    CountRound(r.num_drafts(), r.num_accepted(), r.num_tokens());
   }
   if (completion_ == 0 && round.token_ids_size() > 0) {
     stats_.set_ttft_s(Seconds(now - start_));
@@ -57,6 +47,27 @@ absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
   }
   if (finish_reason_.empty()) finish_reason_ = round.finish_reason();
   return absl::OkStatus();
+}
+
+void OutputProcessor::CountRound(int num_drafts, int num_accepted,
+                                 int num_tokens) {
+  ++forwards_;
+  if (metrics_ != nullptr) {
+    metrics_->ObserveTargetForward(stats_.spec_decode_method(), num_tokens);
+  }
+  if (num_drafts > 0) {
+    stats_.set_num_drafts(stats_.num_drafts() + 1);
+    stats_.set_num_draft_tokens(stats_.num_draft_tokens() + num_drafts);
+    accepted_total_ += num_accepted;
+    if (static_cast<int>(accepted_per_pos_.size()) < num_drafts) {
+      accepted_per_pos_.resize(num_drafts);
+    }
+    for (int i = 0; i < num_accepted; ++i) ++accepted_per_pos_[i];
+    if (metrics_ != nullptr) {
+      metrics_->ObserveVerifyRound(stats_.spec_decode_method(), num_drafts,
+                                   num_accepted);
+    }
+  }
 }
 
 void OutputProcessor::Finish(int prompt_tokens, int kept_tokens,

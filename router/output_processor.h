@@ -32,9 +32,11 @@ class OutputProcessor {
   OutputProcessor(const Tokenizer* tokenizer, std::vector<std::string> stops,
                   absl::Time start, RouterMetrics* metrics);
 
-  /// Takes one target round (one target forward: the prefill or a verify
-  /// round) answered at `now`: counts the forward, its drafts and accepted
-  /// tokens, and writes the emitted tokens and their text into
+  /// Takes one target message answered at `now`: one round (one target
+  /// forward: the prefill or a verify round), or the several rounds a
+  /// continuous stream's message lists in `rounds`. Counts each forward,
+  /// its drafts and accepted tokens, and writes the emitted tokens and
+  /// their text into
   /// `chunk` (cleared first). A stop string ends the request (its text and
   /// everything after it, tokens included, are dropped); so does the
   /// target's finish reason. Errors from the detokenizer.
@@ -70,6 +72,9 @@ class OutputProcessor {
               absl::Time now, v1::GenerateTextChunk* chunk);
 
  private:
+  // Counts one target forward and its drafts.
+  void CountRound(int num_drafts, int num_accepted, int num_tokens);
+
   std::optional<IncrementalDecoder> decoder_;
   StopStringFilter stops_;
   const absl::Time start_;

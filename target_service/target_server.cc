@@ -3,6 +3,7 @@
 #include <atomic>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -174,15 +175,22 @@ struct TargetServer::Metrics {
   }
 };
 
-// One Generate stream. At any moment exactly one of these is outstanding:
-// a read, a forward on the executor (busy_), a write, or the Finish; so reads
-// and writes never race and the session is only touched by whoever holds
-// that turn. A continuous stream (Prefill.continuous) goes from a write's
-// completion straight to its next forward, and reads again only for the
-// half-close after its last round. OnCancel may arrive at any time: it
-// frees the session unless a forward is running (that forward frees it
-// when it returns), and the outstanding read/write then fails and
-// finishes the stream.
+// One Generate stream. A request/response stream has exactly one of these
+// outstanding at any moment: a read, a forward on the scheduler (busy_), a
+// write, or the Finish; so reads and writes never race and the session is
+// only touched by whoever holds that turn. A continuous stream
+// (Prefill.continuous) overlaps the two halves of a round: when a forward
+// returns, its tokens join the unsent response (pending_) and the next
+// forward starts at once; the response goes out when no write is in
+// flight, otherwise OnWriteDone sends everything that ended meanwhile as
+// one message (GenerateResponse.rounds), so the forward rate does not wait
+// for the client. It reads again only for the half-close after its last
+// round has been written. The session is still touched only by the
+// forward or, with neither forward nor write outstanding, by whoever ends
+// the stream. OnCancel may arrive at any time: it frees the session unless
+// a forward is running (that forward frees it when it returns), and the
+// outstanding read/write then fails; the stream finishes once neither a
+// forward nor a write is outstanding.
 class TargetServer::GenerateReactor
     : public grpc::ServerBidiReactor<v1::GenerateRequest,
                                      v1::GenerateResponse> {
@@ -258,29 +266,42 @@ class TargetServer::GenerateReactor
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) {
-      {
-        absl::MutexLock lock(&mu_);
-        ReleaseSession();
-      }
-      FinishOnce(grpc::Status(grpc::StatusCode::CANCELLED, "write failed"));
-      return;
-    }
-    bool next_round = false;
-    std::vector<DraftToken> drafts;
+    // What this completion leads to: the next message of rounds that ended
+    // while it was written, the stream's end, a read, or nothing (a
+    // continuous stream's forward is running and will write its round).
+    bool write = false, read = false;
+    std::optional<grpc::Status> finish;
     {
       absl::MutexLock lock(&mu_);
-      // Continuous decoding: the next round needs no message. After the
-      // last one, the read below waits for the half-close.
-      next_round = continuous_ && phase_ == Phase::kGenerating;
-      if (next_round) busy_ = true;
-      if (next_round && lookup_ != nullptr) {
-        drafts = PointMassDrafts(lookup_->Propose(lookup_k_), lookup_greedy_);
+      writing_ = false;
+      if (cancelled_ && !finish_status_.has_value()) {
+        finish_status_ = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+      }
+      if (!ok) {
+        // The client is gone: end as a cancellation once no forward runs.
+        cancelled_ = true;
+        if (!finish_status_.has_value()) {
+          finish_status_ =
+              grpc::Status(grpc::StatusCode::CANCELLED, "write failed");
+        }
+      }
+      if (finish_status_.has_value()) {
+        if (!busy_) {
+          ReleaseSession();
+          finish = finish_status_;
+        }
+      } else if (has_pending_) {
+        TakePendingLocked();
+        write = true;
+      } else if (!continuous_ || phase_ == Phase::kDone) {
+        read = !busy_;
       }
     }
-    if (next_round) {
-      SubmitRound(std::move(drafts));
-    } else {
+    if (finish.has_value()) {
+      FinishOnce(*finish);
+    } else if (write) {
+      StartWrite(&response_);
+    } else if (read) {
       StartRead(&request_);
     }
   }
@@ -413,20 +434,28 @@ class TargetServer::GenerateReactor
     return absl::OkStatus();
   }
 
-  // On the scheduler's thread when the round ends: write its response, or
-  // finish the stream with its error.
+  // On the scheduler's thread when the round ends: queue its response and
+  // write it unless a write is in flight, start a continuous stream's next
+  // forward, or end the stream with its error once no write is in flight.
   void OnRoundDone(absl::StatusOr<RoundResult> round) {
-    grpc::Status finish;
+    bool write = false, next = false;
+    std::optional<grpc::Status> finish;
+    std::vector<DraftToken> drafts;
     {
       absl::MutexLock lock(&mu_);
       busy_ = false;
       if (cancelled_ || !round.ok()) {
         ReleaseSession();
-        finish = cancelled_ ? grpc::Status(grpc::StatusCode::CANCELLED,
-                                           "cancelled")
-                            : ToGrpcStatus(round.status());
+        if (!finish_status_.has_value()) {
+          finish_status_ = cancelled_ ? grpc::Status(grpc::StatusCode::CANCELLED,
+                                                     "cancelled")
+                                      : ToGrpcStatus(round.status());
+        }
+        // Unsent rounds go with the stream; a write in flight finishes it
+        // from OnWriteDone.
+        if (!writing_) finish = finish_status_;
       } else {
-        FillResponse(*round);
+        AppendRound(*round);
         if (lookup_ != nullptr) {
           lookup_->Append(absl::MakeConstSpan(round->tokens));
         }
@@ -434,35 +463,72 @@ class TargetServer::GenerateReactor
           phase_ = Phase::kDone;
           ReleaseSession();  // free the KV cache before the client closes
         }
+        // Continuous decoding: the next round needs no message, nor this
+        // one's write.
+        next = continuous_ && phase_ == Phase::kGenerating;
+        if (next) {
+          busy_ = true;
+          if (lookup_ != nullptr) {
+            drafts =
+                PointMassDrafts(lookup_->Propose(lookup_k_), lookup_greedy_);
+          }
+        }
+        if (!writing_) {
+          TakePendingLocked();
+          write = true;
+        }
       }
     }
-    if (!finish.ok()) {
-      FinishOnce(finish);
-    } else {
-      StartWrite(&response_);
+    if (finish.has_value()) {
+      FinishOnce(*finish);
+      return;
     }
+    if (write) StartWrite(&response_);
+    if (next) SubmitRound(std::move(drafts));
   }
 
-  void FillResponse(const RoundResult& round)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Moves the unsent rounds into response_ for a write (writing_ set).
+  void TakePendingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    response_ = std::move(pending_);
+    pending_.Clear();
+    has_pending_ = false;
+    writing_ = true;
+  }
+
+  // Adds a finished round to the unsent response (pending_: its tokens,
+  // summed counts and, from its second round on, every round's counts) and
+  // counts it in the metrics.
+  void AppendRound(const RoundResult& round) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Metrics& m = *server_->metrics_;
     const double seconds = round.forward_ns * 1e-9;
-    response_.Clear();
-    response_.set_num_drafts(round.num_drafts);
-    response_.set_num_accepted(round.num_accepted);
-    response_.mutable_token_ids()->Add(round.tokens.begin(),
-                                       round.tokens.end());
-    if (round.finish != FinishReason::kNone) {
-      response_.set_finish_reason(std::string(FinishReasonName(round.finish)));
+    if (has_pending_) {
+      if (pending_.rounds_size() == 0) {  // the first round's counts
+        v1::RoundCounts* first = pending_.add_rounds();
+        first->set_num_drafts(pending_.num_drafts());
+        first->set_num_accepted(pending_.num_accepted());
+        first->set_num_tokens(pending_.token_ids_size());
+      }
+      v1::RoundCounts* r = pending_.add_rounds();
+      r->set_num_drafts(round.num_drafts);
+      r->set_num_accepted(round.num_accepted);
+      r->set_num_tokens(static_cast<int>(round.tokens.size()));
     }
-    response_.set_num_generated(static_cast<int>(session_->output().size()));
+    has_pending_ = true;
+    pending_.set_num_drafts(pending_.num_drafts() + round.num_drafts);
+    pending_.set_num_accepted(pending_.num_accepted() + round.num_accepted);
+    pending_.mutable_token_ids()->Add(round.tokens.begin(), round.tokens.end());
+    if (round.finish != FinishReason::kNone) {
+      pending_.set_finish_reason(std::string(FinishReasonName(round.finish)));
+    }
+    pending_.set_num_generated(static_cast<int>(session_->output().size()));
     if (first_round_) {
-      response_.mutable_timings()->set_prefill_ns(round.forward_ns);
+      pending_.mutable_timings()->set_prefill_ns(round.forward_ns);
       m.prefill_tokens.Increment(prefill_tokens_);
       m.prefill_seconds.Observe(seconds);
       first_round_ = false;
     } else {
-      response_.mutable_timings()->set_verify_ns(round.forward_ns);
+      pending_.mutable_timings()->set_verify_ns(
+          pending_.timings().verify_ns() + round.forward_ns);
       m.round_seconds.Observe(seconds);
       if (!round.tokens.empty()) {
         m.tpot_seconds.Observe(seconds / round.tokens.size());
@@ -502,7 +568,8 @@ class TargetServer::GenerateReactor
   }
 
   TargetServer* const server_;
-  // Buffers owned by the turn holder (see the class comment).
+  // Buffers owned by the turn holder (see the class comment); response_ by
+  // the write while writing_.
   v1::GenerateRequest request_;
   v1::GenerateResponse response_;
 
@@ -524,6 +591,12 @@ class TargetServer::GenerateReactor
   int lookup_k_ ABSL_GUARDED_BY(mu_) = 0;
   bool lookup_greedy_ ABSL_GUARDED_BY(mu_) = true;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a write is in flight
+  // Rounds that ended and are not yet written (has_pending_: at least one).
+  v1::GenerateResponse pending_ ABSL_GUARDED_BY(mu_);
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  // The status to end with once neither a forward nor a write is in flight.
+  std::optional<grpc::Status> finish_status_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_called_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -268,10 +268,11 @@ TEST_F(TargetServerTest, GreedyWithDraftModelDraftsEqualsPlainGreedy) {
   EXPECT_EQ(Metric(s, "specserve_target_kv_cache_bytes"), 0);
 }
 
-// Prefill.continuous: one message, then a response per round (one token
-// each) to the greedy reference; a message sent meanwhile is read after
-// the last round (FAILED_PRECONDITION, as after any finish); a
-// cancellation mid-way frees the session.
+// Prefill.continuous: one message, then rounds of one token each to the
+// greedy reference, a response carrying one round or (GenerateResponse.
+// rounds) those that ended while the previous one was written; a message
+// sent meanwhile is read after the last round (FAILED_PRECONDITION, as
+// after any finish); a cancellation mid-way frees the session.
 TEST_F(TargetServerTest, ContinuousStreamsDecodeWithoutMessages) {
   const int kNew = 40;
   const std::vector<int> want =
@@ -285,15 +286,24 @@ TEST_F(TargetServerTest, ContinuousStreamsDecodeWithoutMessages) {
     ASSERT_TRUE(rw->Write(req));
     std::vector<int> got;
     v1::GenerateResponse resp;
-    int responses = 0;
+    int responses = 0, rounds = 0;
     while (rw->Read(&resp)) {
       ++responses;
-      EXPECT_EQ(resp.token_ids_size(), 1);
+      const int n = std::max(1, resp.rounds_size());
+      rounds += n;
+      EXPECT_EQ(resp.token_ids_size(), n);  // a token per round
+      EXPECT_NE(resp.rounds_size(), 1);     // listed only when several
+      for (const v1::RoundCounts& r : resp.rounds()) {
+        EXPECT_EQ(r.num_tokens(), 1);
+        EXPECT_EQ(r.num_drafts(), 0);
+      }
+      EXPECT_EQ(resp.num_generated(), static_cast<int>(got.size()) + n);
       got.insert(got.end(), resp.token_ids().begin(), resp.token_ids().end());
       if (!resp.finish_reason().empty()) break;
     }
     EXPECT_EQ(resp.finish_reason(), "length");
-    EXPECT_EQ(responses, kNew);
+    EXPECT_EQ(rounds, kNew);
+    EXPECT_LE(responses, kNew);
     EXPECT_EQ(got, want);
     rw->WritesDone();
     EXPECT_TRUE(rw->Finish().ok());
@@ -361,20 +371,38 @@ TEST_F(TargetServerTest, PromptLookupInTheTargetDraftsItsOwnRounds) {
     ASSERT_TRUE(rw->Write(req));
     std::vector<int> got;
     v1::GenerateResponse resp;
-    int responses = 0, drafts = 0, accepted = 0;
+    int rounds = 0, drafts = 0, accepted = 0;
     while (rw->Read(&resp)) {
-      ++responses;
-      drafts += resp.num_drafts();
-      accepted += resp.num_accepted();
-      EXPECT_LE(resp.num_drafts(), 4);
-      EXPECT_EQ(resp.token_ids_size(), resp.num_accepted() + 1);
+      // One round, or several listed with their counts (their sums above).
+      std::vector<v1::RoundCounts> listed(resp.rounds().begin(),
+                                          resp.rounds().end());
+      if (listed.empty()) {
+        listed.emplace_back();
+        listed[0].set_num_drafts(resp.num_drafts());
+        listed[0].set_num_accepted(resp.num_accepted());
+        listed[0].set_num_tokens(resp.token_ids_size());
+      }
+      int sum_drafts = 0, sum_accepted = 0, sum_tokens = 0;
+      for (const v1::RoundCounts& r : listed) {
+        ++rounds;
+        EXPECT_LE(r.num_drafts(), 4);
+        EXPECT_EQ(r.num_tokens(), r.num_accepted() + 1);
+        sum_drafts += r.num_drafts();
+        sum_accepted += r.num_accepted();
+        sum_tokens += r.num_tokens();
+      }
+      EXPECT_EQ(resp.num_drafts(), sum_drafts);
+      EXPECT_EQ(resp.num_accepted(), sum_accepted);
+      EXPECT_EQ(resp.token_ids_size(), sum_tokens);
+      drafts += sum_drafts;
+      accepted += sum_accepted;
       got.insert(got.end(), resp.token_ids().begin(), resp.token_ids().end());
       if (!resp.finish_reason().empty()) break;
     }
     rw->WritesDone();
     EXPECT_TRUE(rw->Finish().ok());
     ASSERT_EQ(got.size(), static_cast<size_t>(kNew));
-    EXPECT_EQ(accepted, kNew - responses);
+    EXPECT_EQ(accepted, kNew - rounds);
     if (temperature == 0.f) {
       EXPECT_EQ(got, want);
       EXPECT_GT(accepted, kNew / 4) << drafts << " drafts";
