@@ -30,13 +30,13 @@ void AddPointMassDrafts(
 
 /// The confidence threshold of a draft tree's nodes with `running`
 /// requests in flight: min(0.5, min_path_prob) alone, min(0.5, 2 *
-/// min_path_prob * running) from two on. A node with path probability p adds p tokens per
-/// round in expectation and one verify row; with more requests sharing the
-/// machine a row costs more of everyone's throughput, so fewer, likelier
-/// nodes pay (Sequoia, Chen et al. 2024, sizes trees to the hardware the
-/// same way). At 16 clients on the bundled pair 0.32 beat the chain by
-/// 1.10-1.22x where 0.16 tied it (bench/results/draft_methods.md). 0 stays
-/// 0.
+/// min_path_prob * running) from two on. A node with path probability p
+/// adds p tokens per round in expectation and one verify row; with more
+/// requests sharing the machine a row costs more of everyone's throughput,
+/// so fewer, likelier nodes pay (Sequoia, Chen et al. 2024, sizes trees to
+/// the hardware the same way). At 16 clients on the bundled pair the tree
+/// with 0.32 beat the chain by 1.078x (36 runs) where 0.16 tied it
+/// (bench/results/draft_methods.md). 0 stays 0.
 double TreeMinPathProbUnderLoad(double min_path_prob, int running);
 
 /// The speculator's next round: the tokens the target emitted since the

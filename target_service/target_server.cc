@@ -447,9 +447,10 @@ class TargetServer::GenerateReactor
       if (cancelled_ || !round.ok()) {
         ReleaseSession();
         if (!finish_status_.has_value()) {
-          finish_status_ = cancelled_ ? grpc::Status(grpc::StatusCode::CANCELLED,
-                                                     "cancelled")
-                                      : ToGrpcStatus(round.status());
+          finish_status_ =
+              cancelled_
+                  ? grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")
+                  : ToGrpcStatus(round.status());
         }
         // Unsent rounds go with the stream; a write in flight finishes it
         // from OnWriteDone.
@@ -498,7 +499,8 @@ class TargetServer::GenerateReactor
   // Adds a finished round to the unsent response (pending_: its tokens,
   // summed counts and, from its second round on, every round's counts) and
   // counts it in the metrics.
-  void AppendRound(const RoundResult& round) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void AppendRound(const RoundResult& round)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Metrics& m = *server_->metrics_;
     const double seconds = round.forward_ns * 1e-9;
     if (has_pending_) {
