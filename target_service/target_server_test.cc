@@ -7,6 +7,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -465,6 +466,61 @@ TEST_F(TargetServerTest, ConcurrentStreamsAreIndependent) {
   EXPECT_EQ(Metric(*server_, "specserve_target_emitted_tokens_total"),
             kStreams * kNew);
   EXPECT_EQ(server_->active_sessions(), 0);
+}
+
+// Continuous streams run their next forward while a response is being
+// written. Eight at once, every other one cancelled after a few messages
+// (a forward and a write may both be outstanding then): the others still
+// get exactly the greedy reference, the cancelled ones end CANCELLED, and
+// every session and KV block is freed.
+TEST_F(TargetServerTest, ConcurrentContinuousStreamsSurviveCancellation) {
+  const int kNew = 60;
+  const std::vector<int> want =
+      GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
+  constexpr int kStreams = 8;
+  std::vector<std::vector<int>> got(kStreams);
+  std::vector<grpc::StatusCode> codes(kStreams);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStreams; ++i) {
+    threads.emplace_back([&, i] {
+      v1::GenerateRequest req;
+      *req.mutable_prefill() = MakePrefill(kPrompt, kNew);
+      req.mutable_prefill()->set_continuous(true);
+      auto ctx = NewContext();
+      auto rw = stub_->Generate(ctx.get());
+      if (!rw->Write(req)) {
+        codes[i] = rw->Finish().error_code();
+        return;
+      }
+      v1::GenerateResponse resp;
+      int messages = 0;
+      while (rw->Read(&resp)) {
+        got[i].insert(got[i].end(), resp.token_ids().begin(),
+                      resp.token_ids().end());
+        if (i % 2 == 1 && ++messages == 1 + i / 2) ctx->TryCancel();
+        if (!resp.finish_reason().empty()) break;
+      }
+      rw->WritesDone();
+      codes[i] = rw->Finish().error_code();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kStreams; ++i) {
+    SCOPED_TRACE(i);
+    if (i % 2 == 0) {
+      EXPECT_EQ(codes[i], grpc::StatusCode::OK);
+      EXPECT_EQ(got[i], want);
+    } else {
+      // A cancellation may lose the race with the last write.
+      EXPECT_TRUE(codes[i] == grpc::StatusCode::CANCELLED ||
+                  (codes[i] == grpc::StatusCode::OK && got[i] == want))
+          << codes[i];
+      EXPECT_LE(got[i].size(), want.size());
+      EXPECT_TRUE(std::equal(got[i].begin(), got[i].end(), want.begin()));
+    }
+  }
+  ASSERT_TRUE(WaitFor([&] { return server_->active_sessions() == 0; }));
+  EXPECT_EQ(server_->kv_used_bytes(), 0);
 }
 
 TEST_F(TargetServerTest, PerfectDraftsAreAllAccepted) {
