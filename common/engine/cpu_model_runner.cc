@@ -807,16 +807,17 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
             kernels::AttentionRowsSmallHead(qi, qkv_dim, n, f, H, KV, D, kc,
                                             vc, rw, table, bs, scale, &scores,
                                             o, qrow, mo, mk);
-          } else if (bf16) {
-            scores.resize(static_cast<size_t>(H) * (f + n));
-            kernels::AttentionRows(qi, qkv_dim, n, f, H, KV, D, kh, vh, rw,
-                                   table, bs, scale, scores.data(), o, qrow,
-                                   mo, mk);
           } else {
             scores.resize(static_cast<size_t>(H) * (f + n));
-            kernels::AttentionRows(qi, qkv_dim, n, f, H, KV, D, kc, vc, rw,
-                                   table, bs, scale, scores.data(), o, qrow,
-                                   mo, mk);
+            if (bf16) {
+              kernels::AttentionRows(qi, qkv_dim, n, f, H, KV, D, kh, vh, rw,
+                                     table, bs, scale, scores.data(), o, qrow,
+                                     mo, mk);
+            } else {
+              kernels::AttentionRows(qi, qkv_dim, n, f, H, KV, D, kc, vc, rw,
+                                     table, bs, scale, scores.data(), o, qrow,
+                                     mo, mk);
+            }
           }
         }
       };
