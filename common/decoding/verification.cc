@@ -195,4 +195,34 @@ absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
   return AcceptGreedy(drafts, [&](size_t j) { return target_argmax[j]; });
 }
 
+absl::StatusOr<VerifyResult> VerifyDraftsFromRows(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> sampled,
+    absl::Span<const uint8_t> accepted, int vocab_size) {
+  if (vocab_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size must be > 0, got ", vocab_size));
+  }
+  const size_t k = drafts.size();
+  if (sampled.size() != k + 1 || accepted.size() != k + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "got ", sampled.size(), " sampled ids and ", accepted.size(),
+        " accept flags; expected k + 1 = ", k + 1));
+  }
+  VerifyResult result;
+  result.tokens.reserve(k + 1);
+  size_t j = 0;
+  while (j < k && accepted[j] != 0) {
+    result.tokens.push_back(drafts[j].id);
+    ++j;
+  }
+  result.num_accepted = static_cast<int>(j);
+  if (sampled[j] < 0 || sampled[j] >= vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampled[", j, "] = ", sampled[j],
+                     " outside the vocabulary [0, ", vocab_size, ")"));
+  }
+  result.tokens.push_back(sampled[j]);
+  return result;
+}
+
 }  // namespace specserve

@@ -1,6 +1,7 @@
 #ifndef SPECSERVE_COMMON_DECODING_VERIFICATION_H_
 #define SPECSERVE_COMMON_DECODING_VERIFICATION_H_
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -74,6 +75,18 @@ absl::Status ValidateTargetArgmax(absl::Span<const int> target_argmax,
 absl::StatusOr<VerifyResult> VerifyDraftsGreedy(
     absl::Span<const DraftToken> drafts, absl::Span<const int> target_argmax,
     int vocab_size);
+
+/// Sampled verification from per-row outcomes (ForwardInput::sampling,
+/// common/decoding/row_sampling.h): sampled and accepted are [k + 1], row
+/// j's SampleRow result with draft x_{j+1} (row k: no draft). Emits x_1..
+/// while accepted, then the first rejected row's sampled token (its
+/// residual draw) or, all accepted, row k's sample (the bonus). Distributed
+/// exactly as VerifyDrafts' output. INVALID_ARGUMENT if vocab_size <= 0,
+/// the sizes are not k + 1, or a token the result needs is outside
+/// [0, vocab_size) (a rejected row's or the bonus row's sample).
+absl::StatusOr<VerifyResult> VerifyDraftsFromRows(
+    absl::Span<const DraftToken> drafts, absl::Span<const int> sampled,
+    absl::Span<const uint8_t> accepted, int vocab_size);
 
 }  // namespace specserve
 

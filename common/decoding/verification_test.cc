@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/decoding/row_sampling.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stats.h"
 #include "common/decoding/synthetic_models.h"
@@ -243,12 +244,35 @@ INSTANTIATE_TEST_SUITE_P(
       return info.param.name;
     });
 
+// The row-parallel form of VerifyDrafts (ForwardInput::sampling): every
+// row's SampleRow with two fresh uniforms, then VerifyDraftsFromRows.
+absl::StatusOr<VerifyResult> VerifyByRows(const std::vector<DraftToken>& drafts,
+                                          const std::vector<float>& rows,
+                                          int vocab,
+                                          const SamplingParams& params,
+                                          Rng* rng) {
+  const size_t k = drafts.size();
+  std::vector<int> sampled(k + 1);
+  std::vector<uint8_t> accepted(k + 1);
+  for (size_t j = 0; j <= k; ++j) {
+    const double ua = rng->Uniform(), us = rng->Uniform();
+    const RowSample r = SampleRow(
+        absl::MakeConstSpan(rows).subspan(j * vocab, vocab), params,
+        j < k ? drafts[j].id : -1, j < k ? drafts[j].q : SparseDist{}, ua, us);
+    sampled[j] = r.token;
+    accepted[j] = r.accepted;
+  }
+  return VerifyDraftsFromRows(drafts, sampled, accepted, vocab);
+}
+
 // ---------------------------------------------------------------------------
 // Sampled, whole loop: the first three emitted tokens of a speculative
 // generation have the target's joint distribution (covers bonus tokens,
-// corrections and later positions, with context-dependent p and q).
+// corrections and later positions, with context-dependent p and q), for
+// VerifyDrafts and for the row-parallel form (by_rows).
 
-void RunJointTest(const SamplingParams& params, uint64_t seed) {
+void RunJointTest(const SamplingParams& params, uint64_t seed,
+                  bool by_rows = false) {
   constexpr int kVocab = 5;
   constexpr int kLen = 3;
   constexpr int kTrials = 40000;
@@ -290,8 +314,10 @@ void RunJointTest(const SamplingParams& params, uint64_t seed) {
         drafts.push_back({x, std::move(q)});
         dctx.push_back(x);
       }
-      absl::StatusOr<VerifyResult> r = VerifyDrafts(
-          drafts, TargetRows(ctx, drafts, kVocab), kVocab, params, &rng);
+      const std::vector<float> rows = TargetRows(ctx, drafts, kVocab);
+      absl::StatusOr<VerifyResult> r =
+          by_rows ? VerifyByRows(drafts, rows, kVocab, params, &rng)
+                  : VerifyDrafts(drafts, rows, kVocab, params, &rng);
       ASSERT_TRUE(r.ok()) << r.status();
       ctx.insert(ctx.end(), r->tokens.begin(), r->tokens.end());
     }
@@ -312,6 +338,48 @@ TEST(VerifyDraftsSampledTest, GenerationLoopMatchesTargetJointDistribution) {
 TEST(VerifyDraftsSampledTest, GenerationLoopMatchesTargetJointWithTopK) {
   // top-k 3 of 5: zero-probability bins must stay empty (p-value 0 if not).
   RunJointTest({0.9f, 3, 1.f, 0}, 6);
+}
+
+TEST(VerifyDraftsFromRowsTest, GenerationLoopMatchesTargetJointDistribution) {
+  RunJointTest({1.f, 0, 1.f, 0}, 7, /*by_rows=*/true);
+}
+
+TEST(VerifyDraftsFromRowsTest, GenerationLoopMatchesTargetJointWithTopKTopP) {
+  RunJointTest({0.9f, 3, 1.f, 0}, 8, /*by_rows=*/true);
+  RunJointTest({2.f, 0, 0.95f, 0}, 9, /*by_rows=*/true);
+}
+
+TEST(VerifyDraftsFromRowsTest, EmitsAcceptedPrefixThenFirstRejectedSample) {
+  const std::vector<DraftToken> drafts = {{3, {}}, {1, {}}, {2, {}}};
+  // All accepted: the drafts, then the bonus row's sample.
+  VerifyResult r = *VerifyDraftsFromRows(drafts, {-1, -1, -1, 4}, {1, 1, 1, 0}, 5);
+  EXPECT_EQ(r.tokens, (std::vector<int>{3, 1, 2, 4}));
+  EXPECT_EQ(r.num_accepted, 3);
+  // Row 1 rejected: rows after it do not matter, accepted or not.
+  r = *VerifyDraftsFromRows(drafts, {-1, 0, 7, 9}, {1, 0, 1, 1}, 5);
+  EXPECT_EQ(r.tokens, (std::vector<int>{3, 0}));
+  EXPECT_EQ(r.num_accepted, 1);
+  // k = 0: a plain sampling step.
+  r = *VerifyDraftsFromRows({}, {2}, {0}, 5);
+  EXPECT_EQ(r.tokens, (std::vector<int>{2}));
+  EXPECT_EQ(r.num_accepted, 0);
+}
+
+TEST(VerifyDraftsFromRowsTest, RejectsBadRows) {
+  const std::vector<DraftToken> drafts = {{3, {}}};
+  EXPECT_EQ(VerifyDraftsFromRows(drafts, {1}, {0}, 5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(VerifyDraftsFromRows(drafts, {1, 2}, {0}, 5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(VerifyDraftsFromRows(drafts, {1, 2}, {0, 0}, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // The token the result needs is out of range (a backend's -1, or 5).
+  EXPECT_EQ(VerifyDraftsFromRows(drafts, {-1, 2}, {0, 0}, 5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(VerifyDraftsFromRows(drafts, {-1, 5}, {1, 0}, 5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // An unused row's -1 is fine.
+  EXPECT_TRUE(VerifyDraftsFromRows(drafts, {2, -1}, {0, 0}, 5).ok());
 }
 
 // ---------------------------------------------------------------------------

@@ -872,6 +872,7 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     off += len;
   }
   ReduceToArgmax(batch, c.vocab_size, out);
+  SampleOnHost(batch, c.vocab_size, out);
   return absl::OkStatus();
 }
 

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/decoding/row_sampling.h"
 #include "common/engine/small_head_attention.h"
 #include "common/engine/test_util.h"
 #include "common/engine/thread_pool.h"
@@ -480,6 +481,44 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
   in.logit_rows = {2};
   EXPECT_EQ(model.Forward(in, cache.get(), &out).code(),
             absl::StatusCode::kInvalidArgument);
+  // Row sampling that does not fit the rows or the vocabulary.
+  in.logit_rows = {0, 1};
+  const SparseDist q = {{3, 1.f}};
+  RowSampling good;
+  good.params = {1.f, 0, 1.f, 0};
+  good.draft_ids = {3, -1};
+  good.draft_q = {&q, nullptr};
+  good.uniforms = {0.1, 0.2, 0.3, 0.4};
+  std::vector<std::pair<std::string, RowSampling>> bad_sampling;
+  for (int c = 0; c < 7; ++c) bad_sampling.push_back({"", good});
+  bad_sampling[0] = {"temperature > 0", good};
+  bad_sampling[0].second.params.temperature = 0.f;
+  bad_sampling[1] = {"top_p", good};
+  bad_sampling[1].second.params.top_p = 0.f;
+  bad_sampling[2] = {"2 logit rows", good};
+  bad_sampling[2].second.uniforms.pop_back();
+  bad_sampling[3] = {"draft_ids[0] = 512", good};
+  bad_sampling[3].second.draft_ids[0] = 512;
+  bad_sampling[4] = {"draft_q[0] is null", good};
+  bad_sampling[4].second.draft_q[0] = nullptr;
+  bad_sampling[5] = {"uniforms[2] = 1", good};
+  bad_sampling[5].second.uniforms[2] = 1.0;
+  const SparseDist q_bad = {{700, 1.f}};
+  bad_sampling[6] = {"lists id 700", good};
+  bad_sampling[6].second.draft_q[0] = &q_bad;
+  for (const auto& [message, sampling] : bad_sampling) {
+    in.sampling = &sampling;
+    const absl::Status st = model.Forward(in, cache.get(), &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_NE(st.message().find(message), std::string::npos)
+        << st.message() << " / " << message;
+  }
+  in.sampling = &good;
+  in.argmax_only = true;
+  EXPECT_EQ(model.Forward(in, cache.get(), &out).code(),
+            absl::StatusCode::kInvalidArgument);
+  in.argmax_only = false;
+  in.sampling = nullptr;
   EXPECT_EQ(cache->size(), 0);
   in.logit_rows = {};
   ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
@@ -596,6 +635,45 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
             << i << " row " << r;
       }
     }
+
+    // Row sampling of the verify round (sequence c): each row's SampleRow
+    // outcome on the logits it gets alone, and no logits.
+    auto a3 = Seq(model, 512), b3 = Seq(model, 512), c3 = Seq(model, 512);
+    prefill(b3.get(), hb, pb);
+    prefill(c3.get(), hc, pc);
+    // Row r verifies nc[r + 1] (which the round forwards after it).
+    std::vector<SparseDist> qs(4);
+    for (int r = 0; r < 4; ++r) {
+      qs[r] = {{nc[r + 1], 0.6f}, {(nc[r + 1] + 1) % vocab, 0.4f}};
+    }
+    RowSampling rs;
+    rs.params = {0.8f, 0, 0.95f, 0};
+    for (int r = 0; r < 5; ++r) {
+      rs.draft_ids.push_back(r < 4 ? nc[r + 1] : -1);
+      rs.draft_q.push_back(r < 4 ? &qs[r] : nullptr);
+      rs.uniforms.push_back((r + 0.5) / 5);
+      rs.uniforms.push_back((4.5 - r) / 5);
+    }
+    batch[0].kv = a3.get();
+    batch[1].kv = b3.get();
+    batch[2].kv = c3.get();
+    batch[2].input.argmax_only = false;
+    batch[2].input.sampling = &rs;
+    std::vector<ForwardOutput> sampled;
+    ASSERT_TRUE(model.Forward(batch, &sampled).ok());
+    EXPECT_TRUE(sampled[2].logits.empty());
+    ASSERT_EQ(sampled[2].sampled.size(), 5u);
+    ASSERT_EQ(sampled[2].accepted.size(), 5u);
+    for (int r = 0; r < 5; ++r) {
+      const RowSample want = SampleRow(
+          absl::MakeConstSpan(alone[2].logits_row(r, vocab), vocab), rs.params,
+          rs.draft_ids[r], r < 4 ? qs[r] : SparseDist{}, rs.uniforms[2 * r],
+          rs.uniforms[2 * r + 1]);
+      EXPECT_EQ(sampled[2].sampled[r], want.token) << r;
+      EXPECT_EQ(sampled[2].accepted[r], want.accepted) << r;
+    }
+    EXPECT_GE(sampled[2].sampled[4], 0);  // no draft: always a token
+    EXPECT_TRUE(sampled[0].sampled.empty());
   }
 }
 

@@ -4,9 +4,63 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/decoding/row_sampling.h"
 #include "common/decoding/sampling.h"
 
 namespace specserve {
+
+namespace {
+
+absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
+                                 size_t rows, int vocab) {
+  if (argmax_only) {
+    return absl::InvalidArgumentError(
+        "sampling and argmax_only are exclusive");
+  }
+  if (s.params.greedy()) {
+    return absl::InvalidArgumentError(
+        "sampling needs temperature > 0 (greedy rows use argmax_only)");
+  }
+  if (absl::Status st = ValidateSamplingParams(s.params); !st.ok()) {
+    return st;
+  }
+  if (s.draft_ids.size() != rows || s.draft_q.size() != rows ||
+      s.uniforms.size() != 2 * rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling has ", s.draft_ids.size(), " draft ids, ", s.draft_q.size(),
+        " q and ", s.uniforms.size(), " uniforms for ", rows,
+        " logit rows (want rows, rows, 2 * rows)"));
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    const int x = s.draft_ids[r];
+    if (x < -1 || x >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling.draft_ids[", r, "] = ", x, " outside [-1, ", vocab, ")"));
+    }
+    if (x >= 0 && s.draft_q[r] == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling.draft_q[", r, "] is null for a draft"));
+    }
+    if (x >= 0) {
+      for (const auto& [id, prob] : *s.draft_q[r]) {
+        if (id < 0 || id >= vocab) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "sampling.draft_q[", r, "] lists id ", id,
+              " outside the vocabulary"));
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < s.uniforms.size(); ++i) {
+    if (!(s.uniforms[i] >= 0.0 && s.uniforms[i] < 1.0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling.uniforms[", i, "] = ", s.uniforms[i], " outside [0, 1)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
                                                       const ForwardInput& in,
@@ -43,6 +97,13 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
     if (r < 0 || r >= n) {
       return absl::InvalidArgumentError(
           absl::StrCat("query capture row ", r, " outside [0, ", n, ")"));
+    }
+  }
+  if (in.sampling != nullptr) {
+    if (absl::Status s = ValidateRowSampling(*in.sampling, in.argmax_only,
+                                             logit_rows.size(), c.vocab_size);
+        !s.ok()) {
+      return s;
     }
   }
   if (!in.tree_parents.empty() && cached >= 0) {
@@ -144,6 +205,28 @@ void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
     for (size_t r = 0; r < rows; ++r) {
       o.argmax[r] =
           Argmax(absl::MakeConstSpan(o.logits.data() + r * vocab, vocab));
+    }
+    o.logits.clear();
+  }
+}
+
+void SampleOnHost(absl::Span<const SequenceForward> batch, int vocab,
+                  std::vector<ForwardOutput>* out) {
+  static const SparseDist kNoDraft;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const RowSampling* s = batch[i].input.sampling;
+    if (s == nullptr) continue;
+    ForwardOutput& o = (*out)[i];
+    const size_t rows = o.logits.size() / vocab;
+    o.sampled.resize(rows);
+    o.accepted.resize(rows);
+    for (size_t r = 0; r < rows; ++r) {
+      const RowSample row = SampleRow(
+          absl::MakeConstSpan(o.logits.data() + r * vocab, vocab), s->params,
+          s->draft_ids[r], s->draft_q[r] != nullptr ? *s->draft_q[r] : kNoDraft,
+          s->uniforms[2 * r], s->uniforms[2 * r + 1]);
+      o.sampled[r] = row.token;
+      o.accepted[r] = row.accepted ? 1 : 0;
     }
     o.logits.clear();
   }

@@ -9,11 +9,30 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/sampling.h"
 #include "common/engine/paged_kv_cache.h"
 #include "common/model/config.h"
 #include "common/specprefill/importance.h"
 
 namespace specserve {
+
+/// Sampling of a sequence's logit rows by the backend (temperature > 0):
+/// every row runs specserve::SampleRow (common/decoding/row_sampling.h),
+/// the row-parallel form of speculative sampling, so the CUDA backend
+/// copies back one id and one accept flag per row instead of [rows, vocab]
+/// fp32 logits. A plain sampling step is a row without a draft.
+struct RowSampling {
+  /// Valid (ValidateSamplingParams) and not greedy.
+  SamplingParams params;
+  /// [rows] (one per logit row, in logit-row order): the draft token the
+  /// row verifies, -1 = none (the row is sampled from p).
+  std::vector<int> draft_ids;
+  /// [rows]: the draft's distribution for the row's draft (ValidateDrafts-
+  /// valid, owned by the caller); null where draft_ids is -1.
+  std::vector<const SparseDist*> draft_q;
+  /// [rows, 2]: each row's u_accept, then u_sample, in [0, 1).
+  std::vector<double> uniforms;
+};
 
 /// One sequence's new tokens in a forward pass, appended after whatever
 /// its KV sequence already holds: a prefill chunk, one decode row, or the
@@ -47,6 +66,10 @@ struct ForwardInput {
   /// the device and copies [rows] ids back instead of [rows, vocab] fp32
   /// logits (32 MB per step at 64 rows of a 128K vocabulary).
   bool argmax_only = false;
+  /// Sample the logit rows on the backend (not with argmax_only): set
+  /// ForwardOutput::sampled and ::accepted, leave ::logits empty. Owned by
+  /// the caller; null = return logits (or argmax).
+  const RowSampling* sampling = nullptr;
 };
 
 /// One sequence's output of a forward pass.
@@ -58,6 +81,11 @@ struct ForwardOutput {
   /// [logit_rows.size()] with ForwardInput::argmax_only: each row's largest
   /// logit's id (specserve::Argmax: ties -> lowest id, NaN never wins).
   std::vector<int> argmax;
+  /// [logit_rows.size()] with ForwardInput::sampling: each row's
+  /// RowSample (SampleRow): the sampled token (-1 where the row's draft was
+  /// accepted) and whether the draft was accepted (0 / 1).
+  std::vector<int> sampled;
+  std::vector<uint8_t> accepted;
   /// [num_layers, capture_query_rows.size(), num_heads, head_dim] post-RoPE
   /// queries, layer-major; empty when no rows were captured or they went
   /// to a QueryCapture.
@@ -134,8 +162,10 @@ struct ImportanceResult {
 /// Checks one sequence's input against the model (every backend rejects
 /// the same inputs with the same messages): INVALID_ARGUMENT for an empty
 /// batch, mismatched lengths, a token id outside the vocabulary, a position
-/// outside [0, max_position_embeddings) or a logit / capture row outside
-/// [0, n). With `cached` >= 0 (the sequence's size before the forward)
+/// outside [0, max_position_embeddings), a logit / capture row outside
+/// [0, n), or `sampling` that does not match the logit rows (sizes, params
+/// greedy or invalid, argmax_only also set, a draft id or a q id outside
+/// the vocabulary, a missing q, a uniform outside [0, 1)). With `cached` >= 0 (the sequence's size before the forward)
 /// also tree_parents: INVALID_ARGUMENT unless its size is at most
 /// min(cached + n, kMaxTreeSpan) and every entry j is in [-1, j). Returns the logit rows
 /// to compute (the last row when none were asked for).
@@ -206,6 +236,12 @@ absl::StatusOr<std::vector<std::vector<int>>> ValidateBatch(
 /// [batch.size()] outputs of `batch`, logits [rows, vocab] each.
 void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
                     std::vector<ForwardOutput>* out);
+
+/// For the host backends: each output whose input asked for `sampling`
+/// gets its rows' SampleRow outcomes and drops its logits. out:
+/// [batch.size()] outputs of `batch`, logits [rows, vocab] each.
+void SampleOnHost(absl::Span<const SequenceForward> batch, int vocab,
+                  std::vector<ForwardOutput>* out);
 
 /// Shared checks of ScoreImportance's arguments. `capture` is the caller's
 /// capture cast to the backend's own type (nullptr when it belongs to

@@ -275,9 +275,26 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->capture = nullptr;
   entry->input.token_ids = plan_tokens_;
   entry->input.position_ids = plan_positions_;
-  // Greedy rounds need each row's argmax only (on CUDA it stays on the
-  // device).
+  // Greedy rounds need each row's argmax only; sampled chain rounds each
+  // row's SampleRow outcome (on CUDA both stay on the device). A sampled
+  // tree's recursive rejection over siblings reads the logits.
   entry->input.argmax_only = request_.sampling.greedy();
+  entry->input.sampling = nullptr;
+  if (final_planned_ && !request_.sampling.greedy() && parents_.empty()) {
+    // Two uniforms per row, drawn for every row so a seeded request's
+    // draws do not depend on where the first rejection falls.
+    row_sampling_.params = request_.sampling;
+    row_sampling_.draft_ids.clear();
+    row_sampling_.draft_q.clear();
+    row_sampling_.uniforms.clear();
+    for (int j = 0; j <= k; ++j) {
+      row_sampling_.draft_ids.push_back(j < k ? drafts_[j].id : -1);
+      row_sampling_.draft_q.push_back(j < k ? &drafts_[j].q : nullptr);
+      row_sampling_.uniforms.push_back(rng_.Uniform());
+      row_sampling_.uniforms.push_back(rng_.Uniform());
+    }
+    entry->input.sampling = &row_sampling_;
+  }
   planned_at_ = MonotonicNowNs();
   return absl::OkStatus();
 }
@@ -293,13 +310,20 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   }
   const int k = static_cast<int>(drafts_.size());
   const bool greedy = request_.sampling.greedy();
-  const size_t want = static_cast<size_t>(k + 1) * (greedy ? 1 : c.vocab_size);
-  const size_t got = greedy ? out.argmax.size() : out.logits.size();
+  // What PlanForward asked for: argmax ids, row samples or logits.
+  const bool row_sampled = !greedy && parents_.empty();
+  const size_t want =
+      static_cast<size_t>(k + 1) * (greedy || row_sampled ? 1 : c.vocab_size);
+  const size_t got = greedy        ? out.argmax.size()
+                     : row_sampled ? std::min(out.sampled.size(),
+                                              out.accepted.size())
+                                   : out.logits.size();
   if (got != want) {
     Abort();
-    return absl::InternalError(absl::StrCat("forward returned ", got,
-                                            greedy ? " argmax ids" : " logits",
-                                            ", expected ", want));
+    return absl::InternalError(absl::StrCat(
+        "forward returned ", got,
+        greedy ? " argmax ids" : row_sampled ? " row samples" : " logits",
+        ", expected ", want));
   }
   std::vector<int> tokens;
   int accepted = 0;
@@ -309,8 +333,8 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   if (parents_.empty()) {
     auto verdict =
         greedy ? VerifyDraftsGreedy(drafts_, out.argmax, c.vocab_size)
-               : VerifyDrafts(drafts_, out.logits, c.vocab_size,
-                              request_.sampling, &rng_);
+               : VerifyDraftsFromRows(drafts_, out.sampled, out.accepted,
+                                      c.vocab_size);
     if (!verdict.ok()) {
       Abort();
       return verdict.status();

@@ -196,6 +196,7 @@ class TargetSession : public Session {
   int64_t planned_at_ = 0;
   bool final_planned_ = false;
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
+  RowSampling row_sampling_;  // a sampled chain's final forward
   std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
 

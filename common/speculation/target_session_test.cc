@@ -492,6 +492,63 @@ TEST_F(TargetSessionTest, SpeculativeSamplingMatchesTargetDistribution) {
   EXPECT_NEAR(rate, overlap, 4 * std::sqrt(overlap * (1 - overlap) / kTrials));
 }
 
+// The same through the session and the backend: a sampled chain round
+// samples its rows in the forward (ForwardInput::sampling), and the first
+// token a round emits is distributed as the target's p.
+TEST_F(TargetSessionTest, SampledRoundsThroughTheBackendMatchTarget) {
+  SamplingParams sp;
+  sp.temperature = 1.0f;
+  sp.top_k = 12;
+  const int vocab = target_->config().vocab_size;
+  auto last_logits = [&](ModelRunner& m) {
+    auto cache = *m.NewSequence(64);
+    std::vector<int> pos(kPrompt.size());
+    std::iota(pos.begin(), pos.end(), 0);
+    ForwardInput in;
+    in.token_ids = kPrompt;
+    in.position_ids = pos;
+    ForwardOutput out;
+    EXPECT_TRUE(m.Forward(in, cache.get(), &out).ok());
+    return out.logits;
+  };
+  const SparseDist p = ComputeDistribution(last_logits(*target_), sp);
+  const SparseDist q = ComputeDistribution(last_logits(*draft_), sp);
+  const int kTrials = 3000;
+  Rng draft_rng(77);
+  std::vector<int64_t> counts(vocab, 0);
+  int accepted = 0;
+  for (int t = 0; t < kTrials; ++t) {
+    TargetRequest r = Request(kPrompt, 4);
+    r.sampling = sp;
+    r.sampling.seed = 1000 + t;
+    auto s = TargetSession::Create(target_.get(), r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const DraftToken d{SampleFrom(q, &draft_rng), q};
+    absl::StatusOr<RoundResult> round = (*s)->Step(absl::MakeConstSpan(&d, 1));
+    ASSERT_TRUE(round.ok()) << round.status();
+    ASSERT_EQ(round->tokens.size(), 1u + round->num_accepted);
+    ++counts[round->tokens[0]];
+    accepted += round->num_accepted;
+    if (t < 20) {
+      // Seeded: the same request and drafts emit the same tokens.
+      auto again = TargetSession::Create(target_.get(), r);
+      ASSERT_TRUE(again.ok());
+      absl::StatusOr<RoundResult> r2 =
+          (*again)->Step(absl::MakeConstSpan(&d, 1));
+      ASSERT_TRUE(r2.ok());
+      EXPECT_EQ(r2->tokens, round->tokens);
+    }
+  }
+  std::vector<double> pd(vocab, 0.0);
+  for (auto [id, prob] : p) pd[id] = prob;
+  const ChiSquareResult chi = ChiSquareTest(counts, pd);
+  EXPECT_GT(chi.p_value, 1e-3) << "chi2 " << chi.statistic << " dof "
+                               << chi.dof;
+  EXPECT_GE(chi.dof, 5);
+  EXPECT_GT(accepted, 0);
+  EXPECT_LT(accepted, kTrials);
+}
+
 TEST_F(TargetSessionTest, StopConditionsCutTheRound) {
   const auto want = GreedyReference(*target_, kPrompt, {}, kPrompt.size(), 12);
   auto r = Request(kPrompt, 5);
