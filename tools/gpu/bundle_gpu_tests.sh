@@ -4,7 +4,8 @@
 # way bundle_stack.sh bundles the services:
 #
 #   OUT/bin/cuda_backend_test, device_test,  the cc_tests of common/cuda
-#     attention_plan_test, kv_pool_sizing_test  (gtest)
+#     attention_plan_test, kv_pool_sizing_test,
+#     sampling_kernels_test                  (gtest)
 #   OUT/bin/gpu_bench                        bench/gpu/gpu_bench.cc
 #   OUT/bin/make_synthetic_checkpoint        synthetic weights for the bench
 #   OUT/lib/                                 their shared libraries
@@ -33,12 +34,13 @@ BIN_ROOT=${BINARIES_FROM:-bazel-bin}
 # Every CUDA cc_test goes to the GPU machine; keep in step with
 # common/cuda/BUILD.bazel (the bundle test checks the list is complete).
 TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
-       common/cuda/device_test common/cuda/kv_pool_sizing_test)
+       common/cuda/device_test common/cuda/kv_pool_sizing_test
+       common/cuda/sampling_kernels_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
 if [ -z "${BINARIES_FROM:-}" ]; then
   bazel build -c opt //common/cuda:attention_plan_test \
     //common/cuda:cuda_backend_test //common/cuda:device_test \
-    //common/cuda:kv_pool_sizing_test \
+    //common/cuda:kv_pool_sizing_test //common/cuda:sampling_kernels_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint
 fi
 rm -rf "$OUT"

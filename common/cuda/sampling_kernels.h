@@ -1,0 +1,85 @@
+#ifndef SPECSERVE_COMMON_CUDA_SAMPLING_KERNELS_H_
+#define SPECSERVE_COMMON_CUDA_SAMPLING_KERNELS_H_
+
+// Row-parallel speculative sampling on the device: specserve::SampleRow
+// (common/decoding/row_sampling.h) for many logit rows in one launch, so a
+// step returns one id per row instead of [rows, vocab] logits. The kernel is
+// in sampling.cu; this header is plain C++ for host code compiled by g++.
+//
+// Conventions as kernels.h: every pointer is DEVICE memory; the launcher
+// enqueues on `stream`, does not synchronise, and returns
+// cudaGetLastError() after its launch (a kernel fault surfaces at the next
+// synchronising call).
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+namespace specserve {
+namespace cuda_kernels {
+
+/// Arguments of SampleRows. Sampled row i reads logits row logit_row[i] and
+/// its own entry of every per-row array.
+struct SampleRowsArgs {
+  /// fp32 [*, vocab] logits (read only).
+  const float* logits = nullptr;
+  int vocab = 0;
+  /// Rows to sample (one block each).
+  int num_rows = 0;
+  /// int [num_rows]: the logits row each sampled row reads (in range).
+  const int* logit_row = nullptr;
+  /// fp32 [num_rows]: temperature, each finite and > 0 (greedy rows are
+  /// ArgmaxRows' job).
+  const float* temperature = nullptr;
+  /// int [num_rows]: top-k, 0 = off (>= vocab = off too).
+  const int* top_k = nullptr;
+  /// fp32 [num_rows]: top-p in (0, 1]; 1 = off.
+  const float* top_p = nullptr;
+  /// int [num_rows]: the row's draft token, -1 = no draft (plain sample).
+  /// Null = no row has a draft (q_* may then be null too).
+  const int* draft_id = nullptr;
+  /// int [num_rows + 1]: row i's draft distribution q is entries
+  /// [q_offsets[i], q_offsets[i + 1]) of q_ids / q_probs. Required with
+  /// draft_id; rows without a draft may have an empty range.
+  const int* q_offsets = nullptr;
+  /// int [q_offsets[num_rows]]: token ids, each in [0, vocab), distinct
+  /// within a row.
+  const int* q_ids = nullptr;
+  /// fp32 [q_offsets[num_rows]]: their probabilities (ValidateDrafts-valid:
+  /// q(draft) > 0, summing to 1).
+  const float* q_probs = nullptr;
+  /// double [num_rows, 2]: u_accept, u_sample of each row, each in [0, 1).
+  const double* uniforms = nullptr;
+  /// Device workspace of SampleRowsScratchBytes(num_rows, vocab) bytes
+  /// (contents on entry do not matter; clobbered).
+  void* scratch = nullptr;
+  /// int [num_rows] out: the sampled token, -1 when the draft was accepted.
+  int* token = nullptr;
+  /// int [num_rows] out: 1 if the row's draft was accepted, else 0.
+  int* accepted = nullptr;
+};
+
+/// Bytes of SampleRowsArgs::scratch: one fp32 [vocab] row per sampled row
+/// (num_rows * vocab * 4); 0 when either is <= 0.
+size_t SampleRowsScratchBytes(int num_rows, int vocab);
+
+/// SampleRow for every row i < num_rows, with p = ComputeDistribution(logits
+/// row, {temperature, top_k, top_p}) and the draft test / residual draw /
+/// ascending-id inverse-CDF draw of row_sampling.h. Results equal the host
+/// SampleRow's except where float/double rounding of the sums decides a
+/// boundary (a uniform or top-p within ~1e-12 relative of a cumulative
+/// mass). An all -inf / NaN logits row samples token 0 (host rule). One
+/// block per row; cost per row grows with vocab (several passes over the
+/// logits row).
+///
+/// cudaErrorInvalidValue (checked on the host, before any CUDA call) for
+/// vocab <= 0, num_rows < 0, a null logits / logit_row / temperature /
+/// top_k / top_p / uniforms / scratch / token / accepted, or a non-null
+/// draft_id with a null q_offsets / q_ids / q_probs. num_rows == 0 is a
+/// no-op (cudaSuccess, pointers unchecked, nothing launched).
+cudaError_t SampleRows(const SampleRowsArgs& args, cudaStream_t stream);
+
+}  // namespace cuda_kernels
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_CUDA_SAMPLING_KERNELS_H_
