@@ -253,6 +253,8 @@ template <typename T>
 __global__ void __launch_bounds__(kSkThreads)
     BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
   extern __shared__ float ba_smem[];
+  // A graph's launch is sized to the capacity; the step's work is shorter.
+  if (a.device_counts != nullptr && blockIdx.x >= a.device_counts[0]) return;
   const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
   const int group = H / KV;
   const int* item = a.work + 3 * static_cast<size_t>(blockIdx.x);
@@ -413,6 +415,7 @@ __global__ void __launch_bounds__(kSkThreads)
 // block (c, h) for combine entry c = (global row, sequence).
 template <typename T>
 __global__ void BatchedCombineKernel(BatchedAttentionArgs a) {
+  if (a.device_counts != nullptr && blockIdx.x >= a.device_counts[1]) return;
   const int row = a.combine[2 * blockIdx.x];
   const int seq = a.combine[2 * blockIdx.x + 1];
   const int h = blockIdx.y;

@@ -101,5 +101,32 @@ size_t BatchedAttentionWorkspaceBytes(const BatchedAttentionPlan& plan,
          (static_cast<size_t>(std::max(head_dim, 0)) + 2);
 }
 
+BatchedAttentionCapacity BatchedAttentionCapacityFor(int max_rows,
+                                                     int max_seqs,
+                                                     int num_heads,
+                                                     int num_kv_heads,
+                                                     int num_sms) {
+  BatchedAttentionCapacity cap;
+  if (max_rows < 1 || max_seqs < 1 || num_heads < 1 || num_kv_heads < 1 ||
+      num_heads % num_kv_heads != 0) {
+    return cap;
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t seqs = std::min(max_seqs, max_rows);
+  const int64_t tiles =
+      (int64_t{max_rows} * group + (kBatchedAttentionQueryTile - 1) * seqs) /
+      kBatchedAttentionQueryTile;
+  const int64_t split_work =
+      (4 * int64_t{std::max(num_sms, 1)} + num_kv_heads - 1) / num_kv_heads;
+  cap.num_work = static_cast<int>(std::max(tiles, split_work));
+  cap.num_combine = max_rows;
+  cap.partial_triples =
+      num_heads *
+      std::min<int64_t>(int64_t{kBatchedAttentionMaxSplits} * max_rows,
+                        (kBatchedAttentionQueryTile * split_work + group - 1) /
+                            group);
+  return cap;
+}
+
 }  // namespace cuda_kernels
 }  // namespace specserve

@@ -74,6 +74,25 @@ absl::StatusOr<BatchedAttentionPlan> PlanBatchedAttention(
 size_t BatchedAttentionWorkspaceBytes(const BatchedAttentionPlan& plan,
                                       int head_dim);
 
+/// Upper bounds of any plan PlanBatchedAttention makes for at most
+/// `max_seqs` sequences of at least one row and `max_rows` rows in all, at
+/// any context length: a CUDA graph launches that many blocks and the ones
+/// past the step's real counts return at once. Without splits the work is
+/// the query tiles, sum ceil(rows * group / 16) <= (rows * group + 15 *
+/// seqs) / 16; with splits the chunk rule keeps tiles x splits x kv heads
+/// below twice 2 * num_sms, and a split sequence's rows are at most 16 /
+/// group per tile.
+struct BatchedAttentionCapacity {
+  int num_work = 0;
+  int num_combine = 0;
+  int64_t partial_triples = 0;
+};
+BatchedAttentionCapacity BatchedAttentionCapacityFor(int max_rows,
+                                                     int max_seqs,
+                                                     int num_heads,
+                                                     int num_kv_heads,
+                                                     int num_sms);
+
 }  // namespace cuda_kernels
 }  // namespace specserve
 

@@ -5,8 +5,10 @@
 
 #include "common/cuda/attention_plan.h"
 
+#include <random>
 #include <set>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -172,6 +174,43 @@ TEST(AttentionPlanTest, ExplicitRowStartsSkipRowsAttendedElsewhere) {
   }
   EXPECT_EQ(PlanBatchedAttention({{1, 0, 0, -2}}, 4, 4, 1).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A CUDA graph sizes its launch from BatchedAttentionCapacityFor: no plan
+// of a batch within the bounds may exceed it, whatever the contexts.
+TEST(AttentionPlanTest, CapacityBoundsEveryPlan) {
+  std::mt19937 gen(3);
+  for (const auto [H, KV] : {std::pair{32, 8}, std::pair{16, 8},
+                             std::pair{8, 8}, std::pair{28, 4}}) {
+    for (int sms : {1, 16, 132}) {
+      for (int max_rows : {1, 2, 8, 40, 128}) {
+        const BatchedAttentionCapacity cap =
+            BatchedAttentionCapacityFor(max_rows, max_rows, H, KV, sms);
+        for (int trial = 0; trial < 60; ++trial) {
+          std::vector<AttentionSequence> seqs;
+          int rows = 0, table = 0;
+          while (rows < max_rows) {
+            const int n = std::min<int>(max_rows - rows,
+                                        trial % 3 == 0 ? 1 + gen() % 9 : 1);
+            const int ctx = trial % 2 == 0 ? gen() % 64 : gen() % 40000;
+            seqs.push_back({n, ctx, table});
+            table += (ctx + n + 15) / 16;
+            rows += n;
+            if (gen() % 5 == 0) break;  // batches below the bucket too
+          }
+          absl::StatusOr<BatchedAttentionPlan> p =
+              PlanBatchedAttention(seqs, H, KV, sms);
+          ASSERT_TRUE(p.ok()) << p.status();
+          EXPECT_LE(p->num_work(), cap.num_work)
+              << H << "/" << KV << " sms " << sms << " rows " << max_rows;
+          EXPECT_LE(p->num_combine(), cap.num_combine);
+          EXPECT_LE(p->partial_triples, cap.partial_triples)
+              << H << "/" << KV << " sms " << sms << " rows " << max_rows;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(BatchedAttentionCapacityFor(0, 1, 32, 8, 132).num_work, 0);
 }
 
 TEST(AttentionPlanTest, EmptyBatch) {

@@ -129,9 +129,11 @@ __global__ void RopeQkvStoreKernel(RopeArgs a) {
   T* k_cache = static_cast<T*>(a.k_cache);
   T* v_cache = static_cast<T*>(a.v_cache);
   const size_t rw = static_cast<size_t>(KV) * D;
-  const size_t slot = a.slots != nullptr
-                          ? static_cast<size_t>(a.slots[row])
-                          : static_cast<size_t>(a.cache_first) + row;
+  const long long slot_or_none =
+      a.slots != nullptr ? a.slots[row]
+                         : static_cast<long long>(a.cache_first) + row;
+  const bool store = slot_or_none >= 0;
+  const size_t slot = store ? static_cast<size_t>(slot_or_none) : 0;
   for (int idx = threadIdx.x; idx < (H + KV) * half; idx += blockDim.x) {
     const int h = idx / half, i = idx % half;
     float* v = x + static_cast<size_t>(h) * D;
@@ -147,13 +149,13 @@ __global__ void RopeQkvStoreKernel(RopeArgs a) {
         dst[i] = FromF32<T>(y1);
         dst[i + half] = FromF32<T>(y2);
       }
-    } else if (k_cache != nullptr) {
+    } else if (k_cache != nullptr && store) {
       T* dst = k_cache + slot * rw + static_cast<size_t>(h - H) * D;
       dst[i] = FromF32<T>(y1);
       dst[i + half] = FromF32<T>(y2);
     }
   }
-  if (v_cache != nullptr) {
+  if (v_cache != nullptr && store) {
     const float* vs = x + static_cast<size_t>(H + KV) * D;
     T* dst = v_cache + slot * rw;
     for (int idx = threadIdx.x; idx < KV * D; idx += blockDim.x) {

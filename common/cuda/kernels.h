@@ -82,7 +82,8 @@ struct RopeArgs {
   void* v_cache = nullptr;
   int cache_first = 0;
   /// int [n] physical cache row of each row (a paged cache), or null for
-  /// rows cache_first + i.
+  /// rows cache_first + i. A negative slot stores nothing (a CUDA graph's
+  /// padding rows).
   const int* slots = nullptr;
   /// T of q_out, k_cache and v_cache (any CudaDType).
   CudaDType dtype = CudaDType::kBF16;
@@ -222,6 +223,13 @@ struct BatchedAttentionArgs {
   /// BatchedAttentionWorkspaceBytes(plan, head_dim) bytes (null when 0).
   void* workspace = nullptr;
   int64_t partial_triples = 0;
+  /// For a launch captured in a CUDA graph: int [2] on the device, the
+  /// step's real work and combine counts, read at run time. num_work,
+  /// num_combine and partial_triples are then capacities
+  /// (BatchedAttentionCapacityFor) that size the grids and the workspace's
+  /// layout; blocks past the real counts return at once. Null = the
+  /// counts are num_work / num_combine.
+  const int* device_counts = nullptr;
   /// Tree attention as in AttentionArgs, indexed by the global row
   /// (sequences concatenated); null = causal everywhere.
   const int* tree_start = nullptr;
