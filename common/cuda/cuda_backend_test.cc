@@ -49,6 +49,7 @@
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/decoding/row_sampling.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/speculation/target_session.h"
 #include "common/engine/kernels.h"
@@ -1759,6 +1760,186 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
         << "row " << r;
   }
   EXPECT_GT(clear, n / 2);
+}
+
+// ForwardInput::sampling: the runner samples on the device and returns each
+// row's accept flag and token, SampleRow's outcome on the logits it hands
+// out for the same rows otherwise (up to rounding at a boundary); two
+// sampling sequences with different params around a logits one check the
+// packing of their rows.
+TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size, n = 24;
+  std::vector<int> ids(n);
+  for (int& id : ids) id = Uniform(0, vocab - 1);
+  const std::vector<int> pos = Iota(0, n);
+  std::vector<std::unique_ptr<KvSequence>> kv;
+  for (int i = 0; i < 3; ++i) {
+    kv.push_back(NewSeq(*e.gpu, c.max_position_embeddings));
+    ASSERT_NE(kv.back(), nullptr);
+  }
+  // Row r verifies ids[r + 1] with a q that gives it 0.5 (rows r < n - 1).
+  std::vector<SparseDist> qs(n - 1);
+  for (int r = 0; r + 1 < n; ++r) {
+    qs[r] = {{ids[r + 1], 0.5f}, {(ids[r + 1] + 1) % vocab, 0.3f},
+             {(ids[r + 1] + 7) % vocab, 0.2f}};
+  }
+  std::mt19937_64 gen(11);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  auto sampling = [&](SamplingParams params) {
+    RowSampling rs;
+    rs.params = params;
+    for (int r = 0; r < n; ++r) {
+      const bool draft = r + 1 < n && r % 3 != 2;
+      rs.draft_ids.push_back(draft ? ids[r + 1] : -1);
+      rs.draft_q.push_back(draft ? &qs[r] : nullptr);
+      rs.uniforms.push_back(u01(gen));
+      rs.uniforms.push_back(u01(gen));
+    }
+    return rs;
+  };
+  const RowSampling a = sampling({1.f, 0, 1.f, 0});
+  const RowSampling b = sampling({0.7f, 40, 0.9f, 0});
+  std::vector<SequenceForward> batch(3);
+  for (int i = 0; i < 3; ++i) {
+    batch[i].kv = kv[i].get();
+    batch[i].input = AllRows(ids, pos);
+  }
+  batch[0].input.sampling = &a;
+  batch[2].input.sampling = &b;
+  std::vector<ForwardOutput> out;
+  ASSERT_OK(e.gpu->Forward(batch, &out));
+  ASSERT_EQ(out[1].logits.size(), static_cast<size_t>(n) * vocab);
+  int exact = 0, accepted = 0;
+  for (int i : {0, 2}) {
+    const RowSampling& rs = i == 0 ? a : b;
+    EXPECT_TRUE(out[i].logits.empty());
+    ASSERT_EQ(out[i].sampled.size(), static_cast<size_t>(n));
+    ASSERT_EQ(out[i].accepted.size(), static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      const absl::Span<const float> row(out[1].logits_row(r, vocab), vocab);
+      const SparseDist& q = rs.draft_q[r] ? *rs.draft_q[r] : SparseDist{};
+      const double ua = rs.uniforms[2 * r], us = rs.uniforms[2 * r + 1];
+      const RowSample want =
+          SampleRow(row, rs.params, rs.draft_ids[r], q, ua, us);
+      const bool got_acc = out[i].accepted[r] != 0;
+      const int got = out[i].sampled[r];
+      accepted += got_acc;
+      if (got_acc) EXPECT_EQ(got, -1) << i << "/" << r;
+      if (got_acc == want.accepted && got == want.token) {
+        ++exact;
+        continue;
+      }
+      // Otherwise a nearby uniform must explain it (bf16 logits of the
+      // same row in another slot of the batch may differ in the last bit).
+      bool explained = false;
+      for (double d : {-1e-3, 1e-3}) {
+        const RowSample near = SampleRow(row, rs.params, rs.draft_ids[r], q,
+                                         std::clamp(ua + d, 0.0, 0.999999),
+                                         std::clamp(us + d, 0.0, 0.999999));
+        explained |= near.accepted == got_acc && near.token == got;
+      }
+      EXPECT_TRUE(explained) << i << "/" << r << ": got " << got_acc << ","
+                             << got << " want " << want.accepted << ","
+                             << want.token;
+    }
+  }
+  EXPECT_GE(exact, 2 * n * 9 / 10);
+  EXPECT_GT(accepted, 0);
+}
+
+// CUDA graphs: greedy decode and verify steps replayed from the graph of
+// their bucket give the argmax of the same step run eagerly, for batches
+// that grow and shrink between steps (1 ... 40 sequences, verify rounds of
+// 4 rows), with twin sequences' blocks interleaved in the pool, so a
+// padding row that wrote KV, or a stale input of a larger bucket, would
+// show in a later step.
+TEST_P(ModelTest, GraphReplayEqualsEager) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16, 96 * 128);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size;
+  constexpr int kSeqs = 40;
+  // Twins: graph[i] runs with graphs on and argmax_only, eager[i] with
+  // graphs off and logits; both always get the same tokens.
+  std::vector<std::unique_ptr<KvSequence>> graph, eager;
+  std::vector<int> len(kSeqs);
+  for (int i = 0; i < kSeqs; ++i) {
+    len[i] = 5 + (i * 7) % 30;
+    std::vector<int> ids(len[i]);
+    for (int& id : ids) id = Uniform(0, vocab - 1);
+    const std::vector<int> pos = Iota(0, len[i]);
+    for (auto* twins : {&graph, &eager}) {
+      twins->push_back(NewSeq(*e.gpu, 128));
+      ASSERT_NE(twins->back(), nullptr);
+      ForwardInput in;
+      in.token_ids = ids;
+      in.position_ids = pos;
+      ForwardOutput o;
+      ASSERT_OK(e.gpu->Forward(in, twins->back().get(), &o));
+    }
+  }
+  int exact = 0, rows_seen = 0;
+  int64_t replays = e.gpu->graph_replays();
+  // (sequences, rows per sequence) of each step.
+  const std::vector<std::pair<int, int>> steps = {
+      {1, 1}, {3, 1}, {8, 1}, {5, 1}, {17, 1}, {40, 1}, {2, 1},
+      {3, 4}, {1, 4}, {24, 1}, {12, 3}, {1, 1}};
+  for (const auto& [seqs, rows] : steps) {
+    SCOPED_TRACE(absl::StrCat(seqs, " sequences x ", rows, " rows"));
+    std::vector<std::vector<int>> ids(seqs), pos(seqs);
+    for (int i = 0; i < seqs; ++i) {
+      for (int r = 0; r < rows; ++r) {
+        ids[i].push_back(Uniform(0, vocab - 1));
+        pos[i].push_back(len[i] + r);
+      }
+    }
+    std::vector<SequenceForward> gb(seqs), eb(seqs);
+    for (int i = 0; i < seqs; ++i) {
+      gb[i].kv = graph[i].get();
+      gb[i].input = AllRows(ids[i], pos[i]);
+      gb[i].input.argmax_only = true;
+      eb[i].kv = eager[i].get();
+      eb[i].input = AllRows(ids[i], pos[i]);
+    }
+    std::vector<ForwardOutput> go, eo;
+    e.gpu->set_cuda_graphs(true);
+    ASSERT_OK(e.gpu->Forward(gb, &go));
+    EXPECT_TRUE(e.gpu->cuda_graphs());
+    EXPECT_EQ(e.gpu->graph_replays(), ++replays);
+    e.gpu->set_cuda_graphs(false);
+    ASSERT_OK(e.gpu->Forward(eb, &eo));
+    EXPECT_EQ(e.gpu->graph_replays(), replays);
+    for (int i = 0; i < seqs; ++i) {
+      ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
+      for (int r = 0; r < rows; ++r) {
+        const float* row = eo[i].logits_row(r, vocab);
+        std::vector<float> sorted(row, row + vocab);
+        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
+                          std::greater<float>());
+        const int got = go[i].argmax[r];
+        ++rows_seen;
+        if (got == Argmax(row, vocab)) {
+          ++exact;
+        } else {
+          // Only a near-tie may differ (the bucket's GEMM shape differs
+          // from the eager step's).
+          EXPECT_LT(sorted[0] - sorted[1], 2e-2f) << i << "/" << r;
+        }
+        EXPECT_GE(row[got], sorted[0] - 2e-2f) << i << "/" << r;
+      }
+      len[i] += rows;
+    }
+  }
+  EXPECT_GE(exact, rows_seen * 9 / 10);
+  // A step that asks for logits never replays.
+  e.gpu->set_cuda_graphs(true);
+  ForwardOutput o;
+  ASSERT_OK(e.gpu->Forward(AllRows({1}, {len[0]}), graph[0].get(), &o));
+  EXPECT_EQ(e.gpu->graph_replays(), replays);
+  EXPECT_EQ(o.logits.size(), static_cast<size_t>(vocab));
 }
 
 TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <utility>
 
@@ -14,6 +16,7 @@
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/cuda/sampling_kernels.h"
 
 namespace specserve {
 namespace {
@@ -109,6 +112,9 @@ CudaModelRunner::CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
                  weights_->config().head_dim) {}
 
 CudaModelRunner::~CudaModelRunner() {
+  for (cudaGraphExec_t exec : graphs_) {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
   cublasDestroy(cublas_);
   cudaStreamDestroy(stream_);
 }
@@ -143,6 +149,13 @@ absl::StatusOr<std::unique_ptr<CudaModelRunner>> CudaModelRunner::Create(
   }
   std::unique_ptr<CudaModelRunner> r(
       new CudaModelRunner(std::move(weights), stream, cublas, num_sms));
+  // cuBLAS's own workspace, set explicitly so that a GEMM captured into a
+  // CUDA graph never allocates (32 MiB: NVIDIA's advice for Hopper).
+  absl::StatusOr<DeviceBuffer> cublas_ws = DeviceBuffer::Allocate(32 << 20);
+  if (!cublas_ws.ok()) return cublas_ws.status();
+  r->cublas_workspace_ = *std::move(cublas_ws);
+  SPECSERVE_CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(
+      cublas, r->cublas_workspace_.get(), r->cublas_workspace_.bytes()));
   absl::StatusOr<DeviceBuffer> pool =
       DeviceBuffer::Allocate(per_token * o.block_size * size_t(num_blocks));
   if (!pool.ok()) return pool.status();
@@ -220,6 +233,21 @@ void CudaModelRunner::set_attention_path(AttentionPath path) {
   attention_path_ = path;
 }
 
+void CudaModelRunner::set_cuda_graphs(bool enabled) {
+  absl::MutexLock lock(&mu_);
+  cuda_graphs_ = enabled;
+}
+
+bool CudaModelRunner::cuda_graphs() {
+  absl::MutexLock lock(&mu_);
+  return cuda_graphs_;
+}
+
+int64_t CudaModelRunner::graph_replays() {
+  absl::MutexLock lock(&mu_);
+  return graph_replays_;
+}
+
 absl::StatusOr<std::unique_ptr<QueryCapture>> CudaModelRunner::NewQueryCapture(
     int max_rows) {
   absl::StatusOr<std::unique_ptr<CudaQueryCapture>> c =
@@ -266,17 +294,236 @@ absl::Status CudaModelRunner::Forward(absl::Span<const SequenceForward> batch,
   return status;
 }
 
+// Named (not anonymous): CudaModelRunner's nested StepLaunch and
+// GraphLayout hold them.
+namespace cuda_step {
+
+// Device regions of one forward step, carved from one allocation.
+struct StepRegions {
+  int* ints;  // [N] ids, [N] positions, [N] slots, [R] logit rows, tables,
+              // the batched attention plan (a graph: fixed capacities)
+  float* x;   // fp32 [N, hidden] residual stream
+  void* xn;   // T [max(N, R), hidden] normed input of a projection
+  float* qkv; // fp32 [N, qkv_dim]
+  void* q;    // T [N, H * D]
+  void* attn; // T [N, H * D]
+  void* gu;   // T [N, 2 * ffn]
+  void* act;  // T [N, ffn]
+  float* logits;    // fp32 [R, vocab]
+  int* argmax;      // [R] (argmax_only sequences' rows)
+  float* captured;  // fp32 [L, NQ, H * D] (host capture only)
+  void* split_ws;   // batched attention's split partials
+  int* tree_start;  // [N] tree attention span starts (trees only)
+  unsigned long long* tree_mask;  // [N] visibility bits (trees only)
+  // Row sampling (ForwardInput::sampling) of NS rows with NQ_IDS draft
+  // distribution entries in all: ints [NS] logit rows, [NS] top-k, [NS]
+  // draft ids, [NS + 1] q offsets, [NQ_IDS] q ids; floats [NS]
+  // temperatures, [NS] top-p, [NQ_IDS] q probabilities; [NS, 2]
+  // uniforms; out [NS] tokens, [NS] accept flags; the kernel's scratch.
+  int* samp_ints;
+  float* samp_floats;
+  double* samp_uniforms;
+  int* samp_out;
+  void* samp_scratch;
+};
+
+// Element counts of a step's regions.
+struct StepSizes {
+  size_t rows = 0;           // N
+  size_t logit_rows = 0;     // R
+  size_t captured_rows = 0;  // NQ
+  size_t ints = 0;
+  size_t split_ws_bytes = 0;
+  size_t tree_rows = 0;
+  size_t samp_rows = 0, samp_ints = 0, samp_floats = 0;
+};
+
+// Lays the regions out from `base` (null: a dry run that only sizes them)
+// and returns the bytes they take.
+size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
+                 const StepSizes& z, StepRegions* reg) {
+  const size_t NN = z.rows, R = z.logit_rows, hidden = c.hidden_size;
+  const size_t qrow = static_cast<size_t>(c.num_attention_heads) * c.head_dim;
+  const size_t ffn = c.intermediate_size;
+  Carver cv(base);
+  reg->ints = static_cast<int*>(cv.Take(sizeof(int) * z.ints));
+  reg->x = static_cast<float*>(cv.Take(sizeof(float) * NN * hidden));
+  // Also holds the final norm of the logit rows (which may repeat).
+  reg->xn = cv.Take(tb * std::max(NN, R) * hidden);
+  reg->qkv = static_cast<float*>(cv.Take(sizeof(float) * NN * c.qkv_dim()));
+  reg->q = cv.Take(tb * NN * qrow);
+  reg->attn = cv.Take(tb * NN * qrow);
+  reg->gu = cv.Take(tb * NN * 2 * ffn);
+  reg->act = cv.Take(tb * NN * ffn);
+  reg->logits =
+      static_cast<float*>(cv.Take(sizeof(float) * R * c.vocab_size));
+  reg->argmax = static_cast<int*>(cv.Take(sizeof(int) * R));
+  reg->captured = static_cast<float*>(cv.Take(
+      sizeof(float) * c.num_hidden_layers * z.captured_rows * qrow));
+  reg->split_ws = cv.Take(z.split_ws_bytes);
+  reg->tree_start = static_cast<int*>(cv.Take(sizeof(int) * z.tree_rows));
+  reg->tree_mask = static_cast<unsigned long long*>(
+      cv.Take(sizeof(uint64_t) * z.tree_rows));
+  reg->samp_ints = static_cast<int*>(cv.Take(sizeof(int) * z.samp_ints));
+  reg->samp_floats =
+      static_cast<float*>(cv.Take(sizeof(float) * z.samp_floats));
+  reg->samp_uniforms =
+      static_cast<double*>(cv.Take(sizeof(double) * 2 * z.samp_rows));
+  reg->samp_out = static_cast<int*>(cv.Take(sizeof(int) * 2 * z.samp_rows));
+  reg->samp_scratch = cv.Take(cuda_kernels::SampleRowsScratchBytes(
+      static_cast<int>(z.samp_rows), c.vocab_size));
+  return cv.size();
+}
+
+// The rows a captured step is padded to: 1, 2, 4, 8, then multiples of 8
+// (vLLM's capture sizes).
+int GraphBucket(int rows) {
+  if (rows <= 2) return std::max(rows, 1);
+  if (rows <= 4) return 4;
+  return (rows + 7) / 8 * 8;
+}
+
+}  // namespace cuda_step
+
+using cuda_step::CarveStep;
+using cuda_step::GraphBucket;
+using cuda_step::StepRegions;
+using cuda_step::StepSizes;
+
+// What EnqueueForward launches: the regions and the step's shape.
+struct CudaModelRunner::StepLaunch {
+  const StepRegions* reg = nullptr;
+  int n = 0;  // rows
+  int r = 0;  // logit rows
+  const int* ids = nullptr;
+  const int* positions = nullptr;
+  const int* slots = nullptr;
+  const int* logit_rows = nullptr;
+  cuda_kernels::BatchedAttentionArgs ba;  // keys / values set per layer
+  // FlashAttention sequences (eager only); keys / values set per layer.
+  std::vector<cuda_kernels::AttentionArgs>* flash = nullptr;
+  // Runs after each layer's RoPE (the eager capture copies); may be empty.
+  std::function<absl::Status(int layer)> after_rope;
+  bool argmax = false;  // reduce the logit rows to reg->argmax
+};
+
+// A CUDA graph step's fixed device layout: the regions for kMaxGraphRows
+// rows and the int inputs at fixed offsets inside reg.ints.
+struct CudaModelRunner::GraphLayout {
+  StepRegions reg;
+  cuda_kernels::BatchedAttentionCapacity cap;  // at kMaxGraphRows
+  int max_tables = 0;
+  int* ids = nullptr;  // [kMaxGraphRows] each: ids, positions, slots, rows
+  int* tables = nullptr;
+  int* seq_info = nullptr;
+  int* work = nullptr;
+  int* combine = nullptr;
+  int* counts = nullptr;  // [2]: the step's work and combine counts
+};
+
+absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
+  const ModelConfig& c = config();
+  const CudaDType dt = weights_->dtype();
+  const int hidden = c.hidden_size, H = c.num_attention_heads;
+  const int KV = c.num_key_value_heads, D = c.head_dim;
+  const int ffn = c.intermediate_size, qkv_dim = c.qkv_dim();
+  const int L = c.num_hidden_layers, vocab = c.vocab_size;
+  const StepRegions& reg = *s.reg;
+  const int N = s.n, R = s.r;
+  cuda_kernels::BatchedAttentionArgs ba = s.ba;
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::EmbeddingGather(
+      weights_->embed(), dt, s.ids, N, hidden, reg.x, stream_));
+  for (int l = 0; l < L; ++l) {
+    const CudaLayerWeights& w = weights_->layer(l);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
+        reg.x, nullptr, N, hidden, w.attn_norm, c.rms_norm_eps, reg.xn, dt,
+        stream_));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
+                                           w.wqkv, qkv_dim, reg.qkv,
+                                           CudaDType::kF32, 0.0f));
+    if (w.bqkv != nullptr) {  // Qwen2
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::AddBias(
+          reg.qkv, qkv_dim, N, qkv_dim, w.bqkv, stream_));
+    }
+    if (w.q_norm != nullptr) {  // Qwen3: per-head RMSNorm before RoPE
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::HeadRmsNorm(
+          reg.qkv, N, H, KV, D, w.q_norm, w.k_norm, c.rms_norm_eps, stream_));
+    }
+    cuda_kernels::RopeArgs rope;
+    rope.qkv = reg.qkv;
+    rope.n = N;
+    rope.num_heads = H;
+    rope.num_kv_heads = KV;
+    rope.head_dim = D;
+    rope.positions = s.positions;
+    rope.theta = c.rope_theta;
+    rope.inv_freq = weights_->rope_inv_freq();
+    rope.attention_factor = weights_->rope_attention_factor();
+    rope.q_out = reg.q;
+    rope.k_cache = keys(l);
+    rope.v_cache = values(l);
+    rope.slots = s.slots;
+    rope.dtype = dt;
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RopeQkvStore(rope, stream_));
+    if (s.after_rope) SPECSERVE_RETURN_IF_ERROR(s.after_rope(l));
+    if (s.flash != nullptr) {
+      for (cuda_kernels::AttentionArgs& a : *s.flash) {
+        a.k_cache = keys(l);
+        a.v_cache = values(l);
+        SPECSERVE_CUDA_RETURN_IF_ERROR(
+            cuda_kernels::FlashAttention(a, stream_));
+      }
+    }
+    ba.k_cache = keys(l);
+    ba.v_cache = values(l);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::BatchedAttention(ba, stream_));
+    // o_proj with beta = 1: the residual add, into the fp32 stream.
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.attn, N, H * D,
+                                           w.wo, hidden, reg.x,
+                                           CudaDType::kF32, 1.0f));
+    if (w.bo != nullptr) {
+      SPECSERVE_CUDA_RETURN_IF_ERROR(
+          cuda_kernels::AddBias(reg.x, hidden, N, hidden, w.bo, stream_));
+    }
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
+        reg.x, nullptr, N, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
+        stream_));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
+                                           w.w_gate_up, 2 * ffn, reg.gu, dt,
+                                           0.0f));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cuda_kernels::SiluMul(reg.gu, N, ffn, reg.act, dt, stream_));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.act, N, ffn,
+                                           w.w_down, hidden, reg.x,
+                                           CudaDType::kF32, 1.0f));
+  }
+  // Final norm and vocabulary projection for the requested rows only.
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
+      reg.x, s.logit_rows, R, hidden, weights_->final_norm(), c.rms_norm_eps,
+      reg.xn, dt, stream_));
+  SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
+                                         weights_->lm_head(), vocab,
+                                         reg.logits, CudaDType::kF32, 0.0f));
+  if (s.argmax) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ArgmaxRows(
+        reg.logits, R, vocab, reg.argmax, stream_));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaModelRunner::Run(
     absl::Span<const SequenceForward> batch,
     const std::vector<std::vector<int>>& logit_rows,
     const std::vector<int>& first, std::vector<ForwardOutput>* out) {
+  absl::StatusOr<bool> graphed = RunGraphed(batch, logit_rows, first, out);
+  if (!graphed.ok() || *graphed) return graphed.status();
   const ModelConfig& c = config();
   const CudaDType dt = weights_->dtype();
   const size_t tb = CudaDTypeBytes(dt);
   const int S = static_cast<int>(batch.size());
-  const int hidden = c.hidden_size, H = c.num_attention_heads;
+  const int H = c.num_attention_heads;
   const int KV = c.num_key_value_heads, D = c.head_dim;
-  const int ffn = c.intermediate_size, qkv_dim = c.qkv_dim();
+  const int qkv_dim = c.qkv_dim();
   const int L = c.num_hidden_layers, vocab = c.vocab_size;
   const size_t qrow = static_cast<size_t>(H) * D;
   const int bs = cache_->block_size();
@@ -324,29 +571,9 @@ absl::Status CudaModelRunner::Run(
   absl::StatusOr<cuda_kernels::BatchedAttentionPlan> plan =
       cuda_kernels::PlanBatchedAttention(batched, H, KV, num_sms_);
   if (!plan.ok()) return plan.status();
-  const size_t split_ws =
-      cuda_kernels::BatchedAttentionWorkspaceBytes(*plan, D);
   const size_t plan_ints =
       plan->seq_info.size() + plan->work.size() + plan->combine.size();
 
-  // Workspace layout (sized by a dry run with a null base).
-  struct Regions {
-    int* ints;  // [N] ids, [N] positions, [N] slots, [R] logit rows,
-                // tables, the batched attention plan
-    float* x;   // fp32 [N, hidden] residual stream
-    void* xn;   // T [max(N, R), hidden] normed input of a projection
-    float* qkv; // fp32 [N, qkv_dim]
-    void* q;    // T [N, H * D]
-    void* attn; // T [N, H * D]
-    void* gu;   // T [N, 2 * ffn]
-    void* act;  // T [N, ffn]
-    float* logits;    // fp32 [R, vocab]
-    int* argmax;      // [R] (argmax_only sequences' rows)
-    float* captured;  // fp32 [L, NQ, H * D] (host capture only)
-    void* split_ws;   // batched attention's split partials
-    int* tree_start;  // [N] tree attention span starts (trees only)
-    unsigned long long* tree_mask;  // [N] visibility bits (trees only)
-  };
   // Tree attention (ForwardInput::tree_parents) in the kernels' bit form.
   std::vector<int> host_tree_start;
   std::vector<uint64_t> host_tree_mask;
@@ -362,32 +589,61 @@ absl::Status CudaModelRunner::Run(
                  host_tree_mask.data() + row0[i]);
   }
   const size_t tree_rows = host_tree_start.empty() ? 0 : NN;
-  const size_t num_ints = 3 * NN + R + bt0[S] + plan_ints;
-  auto carve = [&](char* base, Regions* reg) {
-    Carver cv(base);
-    reg->ints = static_cast<int*>(cv.Take(sizeof(int) * num_ints));
-    reg->x = static_cast<float*>(cv.Take(sizeof(float) * NN * hidden));
-    // Also holds the final norm of the logit rows (which may repeat).
-    reg->xn = cv.Take(tb * std::max<size_t>(NN, R) * hidden);
-    reg->qkv = static_cast<float*>(cv.Take(sizeof(float) * NN * qkv_dim));
-    reg->q = cv.Take(tb * NN * qrow);
-    reg->attn = cv.Take(tb * NN * qrow);
-    reg->gu = cv.Take(tb * NN * 2 * ffn);
-    reg->act = cv.Take(tb * NN * ffn);
-    reg->logits = static_cast<float*>(
-        cv.Take(sizeof(float) * static_cast<size_t>(R) * vocab));
-    reg->argmax = static_cast<int*>(cv.Take(sizeof(int) * R));
-    reg->captured = static_cast<float*>(
-        cv.Take(sizeof(float) * L * static_cast<size_t>(NQ) * qrow));
-    reg->split_ws = cv.Take(split_ws);
-    reg->tree_start = static_cast<int*>(cv.Take(sizeof(int) * tree_rows));
-    reg->tree_mask = static_cast<unsigned long long*>(
-        cv.Take(sizeof(uint64_t) * tree_rows));
-    return cv.size();
-  };
-  Regions reg;
-  SPECSERVE_RETURN_IF_ERROR(workspace_.Reserve(carve(nullptr, &reg)));
-  carve(workspace_.as<char>(), &reg);
+
+  // The row-sampling job of every sequence that asked for it, packed in
+  // batch order.
+  std::vector<int> samp_ints;
+  std::vector<float> samp_floats;
+  std::vector<double> samp_uniforms;
+  int NS = 0;
+  {
+    std::vector<int> rows, top_k, draft_ids, q_offsets(1, 0), q_ids;
+    std::vector<float> temps, top_p, q_probs;
+    for (int i = 0; i < S; ++i) {
+      const RowSampling* rs = batch[i].input.sampling;
+      if (rs == nullptr) continue;
+      for (int j = lr0[i]; j < lr0[i + 1]; ++j) {
+        const int r = j - lr0[i];
+        rows.push_back(j);
+        temps.push_back(rs->params.temperature);
+        top_k.push_back(rs->params.top_k);
+        top_p.push_back(rs->params.top_p);
+        draft_ids.push_back(rs->draft_ids[r]);
+        if (rs->draft_ids[r] >= 0) {
+          for (const auto& [id, prob] : *rs->draft_q[r]) {
+            q_ids.push_back(id);
+            q_probs.push_back(prob);
+          }
+        }
+        q_offsets.push_back(static_cast<int>(q_ids.size()));
+        samp_uniforms.push_back(rs->uniforms[2 * r]);
+        samp_uniforms.push_back(rs->uniforms[2 * r + 1]);
+      }
+    }
+    NS = static_cast<int>(rows.size());
+    for (const std::vector<int>* v :
+         {&rows, &top_k, &draft_ids, &q_offsets, &q_ids}) {
+      samp_ints.insert(samp_ints.end(), v->begin(), v->end());
+    }
+    for (const std::vector<float>* v : {&temps, &top_p, &q_probs}) {
+      samp_floats.insert(samp_floats.end(), v->begin(), v->end());
+    }
+  }
+
+  StepSizes sizes;
+  sizes.rows = NN;
+  sizes.logit_rows = R;
+  sizes.captured_rows = NQ;
+  sizes.ints = 3 * NN + R + bt0[S] + plan_ints;
+  sizes.split_ws_bytes = cuda_kernels::BatchedAttentionWorkspaceBytes(*plan, D);
+  sizes.tree_rows = tree_rows;
+  sizes.samp_rows = NS;
+  sizes.samp_ints = samp_ints.size();
+  sizes.samp_floats = samp_floats.size();
+  StepRegions reg;
+  SPECSERVE_RETURN_IF_ERROR(
+      workspace_.Reserve(CarveStep(nullptr, c, tb, sizes, &reg)));
+  CarveStep(workspace_.as<char>(), c, tb, sizes, &reg);
   int* d_ids = reg.ints;
   int* d_pos = reg.ints + N;
   int* d_slots = reg.ints + 2 * N;
@@ -395,7 +651,7 @@ absl::Status CudaModelRunner::Run(
   int* d_tables = reg.ints + 3 * N + R;
   int* d_plan = d_tables + bt0[S];
 
-  std::vector<int> host_ints(num_ints);
+  std::vector<int> host_ints(sizes.ints);
   for (int i = 0; i < S; ++i) {
     const ForwardInput& in = batch[i].input;
     const int n = row0[i + 1] - row0[i];
@@ -423,7 +679,15 @@ absl::Status CudaModelRunner::Run(
       std::copy(plan->seq_info.begin(), plan->seq_info.end(), host_plan);
   host_plan = std::copy(plan->work.begin(), plan->work.end(), host_plan);
   std::copy(plan->combine.begin(), plan->combine.end(), host_plan);
-  cuda_kernels::BatchedAttentionArgs ba;
+  StepLaunch step;
+  step.reg = &reg;
+  step.n = N;
+  step.r = R;
+  step.ids = d_ids;
+  step.positions = d_pos;
+  step.slots = d_slots;
+  step.logit_rows = d_rows;
+  cuda_kernels::BatchedAttentionArgs& ba = step.ba;
   ba.q = reg.q;
   ba.out = reg.attn;
   ba.dtype = dt;
@@ -443,6 +707,18 @@ absl::Status CudaModelRunner::Run(
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       reg.ints, host_ints.data(), sizeof(int) * host_ints.size(),
       cudaMemcpyHostToDevice, stream_));
+  if (NS > 0) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.samp_ints, samp_ints.data(), sizeof(int) * samp_ints.size(),
+        cudaMemcpyHostToDevice, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.samp_floats, samp_floats.data(),
+        sizeof(float) * samp_floats.size(), cudaMemcpyHostToDevice, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.samp_uniforms, samp_uniforms.data(),
+        sizeof(double) * samp_uniforms.size(), cudaMemcpyHostToDevice,
+        stream_));
+  }
   if (tree_rows > 0) {
     static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
     ba.tree_start = reg.tree_start;
@@ -454,42 +730,13 @@ absl::Status CudaModelRunner::Run(
         reg.tree_mask, host_tree_mask.data(), sizeof(uint64_t) * tree_rows,
         cudaMemcpyHostToDevice, stream_));
   }
-
-  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::EmbeddingGather(
-      weights_->embed(), dt, d_ids, N, hidden, reg.x, stream_));
-  for (int l = 0; l < L; ++l) {
-    const CudaLayerWeights& w = weights_->layer(l);
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
-        reg.x, nullptr, N, hidden, w.attn_norm, c.rms_norm_eps, reg.xn, dt,
-        stream_));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
-                                           w.wqkv, qkv_dim, reg.qkv,
-                                           CudaDType::kF32, 0.0f));
-    if (w.bqkv != nullptr) {  // Qwen2
-      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::AddBias(
-          reg.qkv, qkv_dim, N, qkv_dim, w.bqkv, stream_));
-    }
-    if (w.q_norm != nullptr) {  // Qwen3: per-head RMSNorm before RoPE
-      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::HeadRmsNorm(
-          reg.qkv, N, H, KV, D, w.q_norm, w.k_norm, c.rms_norm_eps, stream_));
-    }
-    cuda_kernels::RopeArgs rope;
-    rope.qkv = reg.qkv;
-    rope.n = N;
-    rope.num_heads = H;
-    rope.num_kv_heads = KV;
-    rope.head_dim = D;
-    rope.positions = d_pos;
-    rope.theta = c.rope_theta;
-    rope.inv_freq = weights_->rope_inv_freq();
-    rope.attention_factor = weights_->rope_attention_factor();
-    rope.q_out = reg.q;
-    rope.k_cache = keys(l);
-    rope.v_cache = values(l);
-    rope.slots = d_slots;
-    rope.dtype = dt;
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RopeQkvStore(rope, stream_));
-    // Post-RoPE fp32 queries of the capture rows (q heads lead each row).
+  std::vector<cuda_kernels::AttentionArgs> flash;
+  for (int i = 0; i < S; ++i) {
+    if (use_flash[i]) flash.push_back(attn[i]);
+  }
+  step.flash = &flash;
+  // Post-RoPE fp32 queries of the capture rows (q heads lead each row).
+  step.after_rope = [&](int l) -> absl::Status {
     for (int i = 0; i < S; ++i) {
       const std::vector<int>& cap_rows = batch[i].input.capture_query_rows;
       auto* cap = static_cast<CudaQueryCapture*>(batch[i].capture);
@@ -505,62 +752,55 @@ absl::Status CudaModelRunner::Run(
             sizeof(float) * qrow, cudaMemcpyDeviceToDevice, stream_));
       }
     }
-    for (int i = 0; i < S; ++i) {
-      if (!use_flash[i]) continue;
-      cuda_kernels::AttentionArgs& a = attn[i];
-      a.k_cache = keys(l);
-      a.v_cache = values(l);
-      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::FlashAttention(a, stream_));
-    }
-    ba.k_cache = keys(l);
-    ba.v_cache = values(l);
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::BatchedAttention(ba, stream_));
-    // o_proj with beta = 1: the residual add, into the fp32 stream.
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.attn, N, H * D,
-                                           w.wo, hidden, reg.x,
-                                           CudaDType::kF32, 1.0f));
-    if (w.bo != nullptr) {
-      SPECSERVE_CUDA_RETURN_IF_ERROR(
-          cuda_kernels::AddBias(reg.x, hidden, N, hidden, w.bo, stream_));
-    }
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
-        reg.x, nullptr, N, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
-        stream_));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
-                                           w.w_gate_up, 2 * ffn, reg.gu, dt,
-                                           0.0f));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(
-        cuda_kernels::SiluMul(reg.gu, N, ffn, reg.act, dt, stream_));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.act, N, ffn,
-                                           w.w_down, hidden, reg.x,
-                                           CudaDType::kF32, 1.0f));
-  }
-
-  // Final norm and vocabulary projection for the requested rows only.
-  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
-      reg.x, d_rows, R, hidden, weights_->final_norm(), c.rms_norm_eps,
-      reg.xn, dt, stream_));
-  SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
-                                         weights_->lm_head(), vocab,
-                                         reg.logits, CudaDType::kF32, 0.0f));
-  // argmax_only sequences get their rows' ids, reduced on the device; the
-  // others their fp32 logits. Only what is read crosses to the host.
+    return absl::OkStatus();
+  };
+  // argmax_only sequences get their rows' ids, reduced on the device;
+  // sampling ones each row's token and accept flag, sampled on the device;
+  // the others their fp32 logits. Only what is read crosses to the host.
   bool any_argmax = false, any_logits = false;
   for (int i = 0; i < S; ++i) {
     any_argmax |= batch[i].input.argmax_only;
-    any_logits |= !batch[i].input.argmax_only;
+    any_logits |=
+        !batch[i].input.argmax_only && batch[i].input.sampling == nullptr;
+  }
+  step.argmax = any_argmax;
+  SPECSERVE_RETURN_IF_ERROR(EnqueueForward(step));
+
+  std::vector<int> samp_out(2 * NS);
+  if (NS > 0) {
+    cuda_kernels::SampleRowsArgs sa;
+    sa.logits = reg.logits;
+    sa.vocab = vocab;
+    sa.num_rows = NS;
+    sa.logit_row = reg.samp_ints;
+    sa.top_k = reg.samp_ints + NS;
+    sa.draft_id = reg.samp_ints + 2 * NS;
+    sa.q_offsets = reg.samp_ints + 3 * NS;
+    sa.q_ids = reg.samp_ints + 4 * NS + 1;
+    sa.temperature = reg.samp_floats;
+    sa.top_p = reg.samp_floats + NS;
+    sa.q_probs = reg.samp_floats + 2 * NS;
+    sa.uniforms = reg.samp_uniforms;
+    sa.scratch = reg.samp_scratch;
+    sa.token = reg.samp_out;
+    sa.accepted = reg.samp_out + NS;
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SampleRows(sa, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(samp_out.data(), reg.samp_out, sizeof(int) * 2 * NS,
+                        cudaMemcpyDeviceToHost, stream_));
   }
   std::vector<int> argmax(any_argmax ? R : 0);
   if (any_argmax) {
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ArgmaxRows(
-        reg.logits, R, vocab, reg.argmax, stream_));
     SPECSERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(argmax.data(), reg.argmax, sizeof(int) * R,
                         cudaMemcpyDeviceToHost, stream_));
   }
   std::vector<float> logits(any_logits ? static_cast<size_t>(R) * vocab : 0);
   for (int i = 0; i < S; ++i) {
-    if (batch[i].input.argmax_only || lr0[i + 1] == lr0[i]) continue;
+    if (batch[i].input.argmax_only || batch[i].input.sampling != nullptr ||
+        lr0[i + 1] == lr0[i]) {
+      continue;
+    }
     const size_t at = static_cast<size_t>(lr0[i]) * vocab;
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
         logits.data() + at, reg.logits + at,
@@ -577,11 +817,19 @@ absl::Status CudaModelRunner::Run(
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
   out->assign(S, ForwardOutput());
+  int samp_next = 0;
   for (int i = 0; i < S; ++i) {
     ForwardOutput& o = (*out)[i];
     o.logit_rows = logit_rows[i];
     if (batch[i].input.argmax_only) {
       o.argmax.assign(argmax.begin() + lr0[i], argmax.begin() + lr0[i + 1]);
+    } else if (batch[i].input.sampling != nullptr) {
+      const int rows = lr0[i + 1] - lr0[i];
+      o.sampled.assign(samp_out.begin() + samp_next,
+                       samp_out.begin() + samp_next + rows);
+      o.accepted.assign(samp_out.begin() + NS + samp_next,
+                        samp_out.begin() + NS + samp_next + rows);
+      samp_next += rows;
     } else {
       o.logits.assign(logits.begin() + static_cast<size_t>(lr0[i]) * vocab,
                       logits.begin() + static_cast<size_t>(lr0[i + 1]) * vocab);
@@ -599,6 +847,215 @@ absl::Status CudaModelRunner::Run(
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CudaModelRunner::AllocateGraphLayout() {
+  const ModelConfig& c = config();
+  const int H = c.num_attention_heads, KV = c.num_key_value_heads;
+  auto gl = std::make_unique<GraphLayout>();
+  gl->cap = cuda_kernels::BatchedAttentionCapacityFor(
+      kMaxGraphRows, kMaxGraphRows, H, KV, num_sms_);
+  // Every sequence's table is at most its capacity's blocks.
+  const int bs = cache_->block_size();
+  gl->max_tables =
+      kMaxGraphRows * ((c.max_position_embeddings + bs - 1) / bs);
+  const size_t Nm = kMaxGraphRows;
+  StepSizes sizes;
+  sizes.rows = Nm;
+  sizes.logit_rows = Nm;
+  sizes.ints = 4 * Nm + gl->max_tables + Nm * cuda_kernels::kSeqInfoFields +
+               3 * static_cast<size_t>(gl->cap.num_work) +
+               2 * static_cast<size_t>(gl->cap.num_combine) + 2;
+  sizes.split_ws_bytes = sizeof(float) *
+                         static_cast<size_t>(gl->cap.partial_triples) *
+                         (c.head_dim + 2);
+  const size_t tb = CudaDTypeBytes(weights_->dtype());
+  absl::StatusOr<DeviceBuffer> ws =
+      DeviceBuffer::Allocate(CarveStep(nullptr, c, tb, sizes, &gl->reg));
+  if (!ws.ok()) return ws.status();
+  graph_workspace_ = *std::move(ws);
+  CarveStep(graph_workspace_.as<char>(), c, tb, sizes, &gl->reg);
+  gl->ids = gl->reg.ints;
+  gl->tables = gl->ids + 4 * Nm;
+  gl->seq_info = gl->tables + gl->max_tables;
+  gl->work = gl->seq_info + Nm * cuda_kernels::kSeqInfoFields;
+  gl->combine = gl->work + 3 * static_cast<size_t>(gl->cap.num_work);
+  gl->counts = gl->combine + 2 * static_cast<size_t>(gl->cap.num_combine);
+  graph_layout_ = std::move(gl);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> CudaModelRunner::RunGraphed(
+    absl::Span<const SequenceForward> batch,
+    const std::vector<std::vector<int>>& logit_rows,
+    const std::vector<int>& first, std::vector<ForwardOutput>* out) {
+  if (!cuda_graphs_ || attention_path_ == AttentionPath::kFlash) return false;
+  const ModelConfig& c = config();
+  const CudaDType dt = weights_->dtype();
+  const int S = static_cast<int>(batch.size());
+  // Decode and verify steps of greedy sequences only: every row a logit
+  // row, no capture, no tree, no FlashAttention sequence.
+  int N = 0, tables = 0;
+  for (int i = 0; i < S; ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int n = static_cast<int>(in.token_ids.size());
+    if (!in.argmax_only || in.sampling != nullptr ||
+        batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
+        !in.tree_parents.empty() ||
+        static_cast<int>(logit_rows[i].size()) != n) {
+      return false;
+    }
+    for (int j = 0; j < n; ++j) {
+      if (logit_rows[i][j] != j) return false;
+    }
+    if (attention_path_ == AttentionPath::kAuto && n >= kFlashMinRows &&
+        cuda_kernels::FlashAttentionSupported(c.head_dim, dt)) {
+      return false;
+    }
+    N += n;
+    tables += static_cast<int>(batch[i].kv->block_table().size());
+  }
+  if (N > kMaxGraphRows) return false;
+  if (graph_layout_ == nullptr) {
+    if (absl::Status s = AllocateGraphLayout(); !s.ok()) {
+      // No room for the graphs' fixed workspace: run eagerly from now on.
+      std::fprintf(stderr, "cuda graphs off: %s\n",
+                   std::string(s.message()).c_str());
+      cuda_graphs_ = false;
+      return false;
+    }
+  }
+  const GraphLayout& gl = *graph_layout_;
+  if (tables > gl.max_tables) return false;
+  const int H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int D = c.head_dim, bs = cache_->block_size();
+  const int b = GraphBucket(N);
+  const cuda_kernels::BatchedAttentionCapacity cap =
+      cuda_kernels::BatchedAttentionCapacityFor(b, b, H, KV, num_sms_);
+
+  // Inputs at the layout's fixed offsets; padding rows take token 0 at
+  // position 0, store no KV (slot -1) and attend to nothing.
+  const size_t Nm = kMaxGraphRows;
+  std::vector<int> head(4 * Nm, 0), host_tables;
+  host_tables.reserve(tables);
+  std::vector<cuda_kernels::AttentionSequence> seqs;
+  int row = 0;
+  for (int i = 0; i < S; ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int n = static_cast<int>(in.token_ids.size());
+    seqs.push_back({n, first[i], static_cast<int>(host_tables.size()), row});
+    for (int t = 0; t < n; ++t, ++row) {
+      head[row] = in.token_ids[t];
+      head[Nm + row] = in.position_ids[t];
+      head[2 * Nm + row] = batch[i].kv->PhysicalSlot(first[i] + t);
+    }
+    const std::vector<int>& table = batch[i].kv->block_table();
+    host_tables.insert(host_tables.end(), table.begin(), table.end());
+  }
+  for (int r = N; r < b; ++r) head[2 * Nm + r] = -1;
+  for (int r = 0; r < b; ++r) head[3 * Nm + r] = r;
+  absl::StatusOr<cuda_kernels::BatchedAttentionPlan> plan =
+      cuda_kernels::PlanBatchedAttention(seqs, H, KV, num_sms_);
+  if (!plan.ok()) return plan.status();
+  if (plan->num_work() > cap.num_work || plan->num_combine() > cap.num_combine ||
+      plan->partial_triples > gl.cap.partial_triples) {
+    return false;  // BatchedAttentionCapacityFor's bound broken: stay eager
+  }
+  const int counts[2] = {plan->num_work(), plan->num_combine()};
+  auto upload = [&](int* dst, const int* src, size_t n) -> absl::Status {
+    if (n == 0) return absl::OkStatus();
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        dst, src, sizeof(int) * n, cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  };
+  SPECSERVE_RETURN_IF_ERROR(upload(gl.ids, head.data(), head.size()));
+  SPECSERVE_RETURN_IF_ERROR(
+      upload(gl.tables, host_tables.data(), host_tables.size()));
+  SPECSERVE_RETURN_IF_ERROR(
+      upload(gl.seq_info, plan->seq_info.data(), plan->seq_info.size()));
+  SPECSERVE_RETURN_IF_ERROR(
+      upload(gl.work, plan->work.data(), plan->work.size()));
+  SPECSERVE_RETURN_IF_ERROR(
+      upload(gl.combine, plan->combine.data(), plan->combine.size()));
+  SPECSERVE_RETURN_IF_ERROR(upload(gl.counts, counts, 2));
+
+  cudaGraphExec_t& exec = graphs_[b];
+  if (exec == nullptr) {
+    StepLaunch step;
+    step.reg = &gl.reg;
+    step.n = b;
+    step.r = b;
+    step.ids = gl.ids;
+    step.positions = gl.ids + Nm;
+    step.slots = gl.ids + 2 * Nm;
+    step.logit_rows = gl.ids + 3 * Nm;
+    step.argmax = true;
+    cuda_kernels::BatchedAttentionArgs& ba = step.ba;
+    ba.q = gl.reg.q;
+    ba.out = gl.reg.attn;
+    ba.dtype = dt;
+    ba.num_heads = H;
+    ba.num_kv_heads = KV;
+    ba.head_dim = D;
+    ba.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    ba.block_tables = gl.tables;
+    ba.block_size = bs;
+    ba.seq_info = gl.seq_info;
+    ba.work = gl.work;
+    ba.num_work = cap.num_work;
+    ba.combine = gl.combine;
+    ba.num_combine = cap.num_combine;
+    ba.workspace = gl.reg.split_ws;
+    ba.partial_triples = gl.cap.partial_triples;
+    ba.device_counts = gl.counts;
+    // Capture only records the launches; the replay below runs them. Any
+    // failure leaves the stream out of capture mode and the runner eager.
+    std::string why;
+    const cudaError_t began =
+        cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+    if (began != cudaSuccess) {
+      why = cudaGetErrorString(began);
+    } else {
+      const absl::Status enqueued = EnqueueForward(step);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+      if (!enqueued.ok()) {
+        why = std::string(enqueued.message());
+      } else if (ended != cudaSuccess) {
+        why = cudaGetErrorString(ended);
+      } else if (const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+                 made != cudaSuccess) {
+        why = cudaGetErrorString(made);
+      }
+      if (graph != nullptr) cudaGraphDestroy(graph);
+    }
+    if (!why.empty()) {
+      exec = nullptr;
+      cudaGetLastError();
+      std::fprintf(stderr, "cuda graphs off: capturing %d rows failed: %s\n",
+                   b, why.c_str());
+      cuda_graphs_ = false;
+      return false;
+    }
+  }
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream_));
+  std::vector<int> argmax(N);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(argmax.data(), gl.reg.argmax, sizeof(int) * N,
+                      cudaMemcpyDeviceToHost, stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  out->assign(S, ForwardOutput());
+  row = 0;
+  for (int i = 0; i < S; ++i) {
+    ForwardOutput& o = (*out)[i];
+    o.logit_rows = logit_rows[i];
+    const int n = static_cast<int>(logit_rows[i].size());
+    o.argmax.assign(argmax.begin() + row, argmax.begin() + row + n);
+    row += n;
+  }
+  ++graph_replays_;
+  return true;
 }
 
 absl::StatusOr<ImportanceResult> CudaModelRunner::ScoreImportance(

@@ -4,6 +4,7 @@
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -112,6 +113,22 @@ class CudaModelRunner : public ModelRunner {
 
   void set_attention_path(AttentionPath path);
 
+  /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
+  /// verify step of greedy (argmax_only) sequences with at most
+  /// kMaxGraphRows rows in all, every row a logit row, no tree, capture or
+  /// FlashAttention sequence, is padded to its bucket (1, 2, 4, 8, then
+  /// multiples of 8; padding rows store no KV) and replayed from a graph
+  /// captured on the bucket's first step, instead of ~15 launches per
+  /// layer. Inputs go to a fixed device workspace allocated on first use;
+  /// if that or a capture fails, the runner logs why and stays eager.
+  /// Other steps always run eagerly.
+  static constexpr int kMaxGraphRows = 128;
+  void set_cuda_graphs(bool enabled);
+  /// Whether graphs are on (false after a failed capture too).
+  bool cuda_graphs();
+  /// Steps run from a graph so far.
+  int64_t graph_replays();
+
   absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
       int max_rows) override;
   /// Synchronous: returns when the logits (and host queries) are on the
@@ -139,12 +156,25 @@ class CudaModelRunner : public ModelRunner {
  private:
   CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
                   cudaStream_t stream, cublasHandle_t cublas, int num_sms);
+  struct StepLaunch;
+  struct GraphLayout;
   absl::Status CopyBlock(int src, int dst);
   absl::Status Run(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
                    const std::vector<int>& first,
                    std::vector<ForwardOutput>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The kernels of one step, embedding to logits (and argmax), on stream_.
+  absl::Status EnqueueForward(const StepLaunch& step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs the step from a CUDA graph: false (nothing run) when the step does
+  // not qualify or graphs are off.
+  absl::StatusOr<bool> RunGraphed(
+      absl::Span<const SequenceForward> batch,
+      const std::vector<std::vector<int>>& logit_rows,
+      const std::vector<int>& first, std::vector<ForwardOutput>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AllocateGraphLayout() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::shared_ptr<const CudaWeights> weights_;
   cudaStream_t stream_;
@@ -156,6 +186,15 @@ class CudaModelRunner : public ModelRunner {
   absl::Mutex mu_;
   AttentionPath attention_path_ ABSL_GUARDED_BY(mu_) = AttentionPath::kAuto;
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer cublas_workspace_;
+  bool cuda_graphs_ ABSL_GUARDED_BY(mu_) = true;
+  int64_t graph_replays_ ABSL_GUARDED_BY(mu_) = 0;
+  // Graph steps' fixed workspace, its layout, and one executable graph per
+  // bucket (indexed by the bucket's rows).
+  DeviceBuffer graph_workspace_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<GraphLayout> graph_layout_ ABSL_GUARDED_BY(mu_);
+  std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_) =
+      std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
 };
 
 }  // namespace specserve

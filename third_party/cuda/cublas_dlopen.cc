@@ -43,6 +43,11 @@ SPECSERVE_CUBLAS_FORWARD(cublasStatus_t, cublasDestroy_v2,
 SPECSERVE_CUBLAS_FORWARD(cublasStatus_t, cublasSetStream_v2,
                          (cublasHandle_t handle, cudaStream_t stream),
                          (handle, stream), CUBLAS_STATUS_NOT_INITIALIZED)
+SPECSERVE_CUBLAS_FORWARD(cublasStatus_t, cublasSetWorkspace_v2,
+                         (cublasHandle_t handle, void* workspace,
+                          size_t workspaceSizeInBytes),
+                         (handle, workspace, workspaceSizeInBytes),
+                         CUBLAS_STATUS_NOT_INITIALIZED)
 SPECSERVE_CUBLAS_FORWARD(
     cublasStatus_t, cublasGemmEx,
     (cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
