@@ -84,6 +84,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
   absl::StatusOr<std::unique_ptr<CudaModelRunner>> r =
       CudaModelRunner::Create(*std::move(gw), kv);
   if (!r.ok()) return r.status();
+  (*r)->set_cuda_graphs(options.cuda_graphs);
   LogPool(**r, source);
   return std::unique_ptr<ModelRunner>(*std::move(r));
 }

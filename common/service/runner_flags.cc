@@ -26,6 +26,11 @@ ABSL_FLAG(double, gpu_memory_utilization, 0.9,
           "workspace and KV cache), vLLM's meaning: the KV pool gets the "
           "rest; used when --kv_budget_bytes is 0 (the default). Two "
           "services on one GPU need fractions that sum to < 1");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "CUDA: replay greedy decode / verify steps of up to 128 rows from "
+          "CUDA graphs captured per batch-size bucket (1, 2, 4, 8, then "
+          "multiples of 8); --nocuda_graphs runs every step eagerly (to "
+          "debug)");
 
 namespace specserve {
 
@@ -38,6 +43,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.weight_dtype = absl::GetFlag(FLAGS_weight_dtype);
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
+  o.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   return o;
 }
 

@@ -14,6 +14,8 @@ namespace specserve {
 ///   --kv_cache_dtype auto|f32|bf16  (KV cache; auto = f32 on CPU, the
 ///                                    --cuda_dtype on CUDA)
 ///   --gpu_memory_utilization F  (default 0.9, vLLM's meaning)
+///   --cuda_graphs           (CUDA graphs for greedy decode / verify steps,
+///                            default on; CudaModelRunner::set_cuda_graphs)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the
 /// services set RunnerOptions::kv_pool_from_device) from
 /// --gpu_memory_utilization on CUDA, 2 GiB on CPU.

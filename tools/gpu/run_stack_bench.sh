@@ -26,7 +26,8 @@
 # concurrency table), STREAM_PROMPT_TOKENS (default 256),
 # STREAM_NEW_TOKENS (default 128), STREAM_REQUESTS (requests per stream,
 # default 2), ANCHOR (auto | off, default auto: the transformers anchor
-# runs when python3 imports torch with a CUDA device).
+# runs when python3 imports torch with a CUDA device), SERVICE_ARGS (more
+# flags for both model services, e.g. --nocuda_graphs to time eager steps).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STACK=${STACK:-.device/stack}
@@ -94,11 +95,14 @@ start() {
 
 # Both services share the one GPU: their --gpu_memory_utilization shares
 # (vLLM's meaning, each sizes its KV pool from its own) must sum to < 1.
+read -r -a EXTRA <<< "${SERVICE_ARGS:-}"
 SPORT=$(start speculator_service --model "$SPECULATOR" --port 0 \
   --metrics_port 0 --device "$DEVICE" \
-  --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}")
+  --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}" \
+  ${EXTRA[@]+"${EXTRA[@]}"})
 TPORT=$(start target_service --model "$TARGET" --port 0 --metrics_port 0 \
-  --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}")
+  --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}" \
+  ${EXTRA[@]+"${EXTRA[@]}"})
 HPORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); \
 print(s.getsockname()[1]); s.close()")
 RPORT=$(start router --port 0 --metrics_port 0 --http_port "$HPORT" \
