@@ -17,6 +17,7 @@
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
 #include "common/cuda/sampling_kernels.h"
+#include "common/cuda/step_inputs.h"
 
 namespace specserve {
 namespace {
@@ -375,18 +376,9 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   return cv.size();
 }
 
-// The rows a captured step is padded to: 1, 2, 4, 8, then multiples of 8
-// (vLLM's capture sizes).
-int GraphBucket(int rows) {
-  if (rows <= 2) return std::max(rows, 1);
-  if (rows <= 4) return 4;
-  return (rows + 7) / 8 * 8;
-}
-
 }  // namespace cuda_step
 
 using cuda_step::CarveStep;
-using cuda_step::GraphBucket;
 using cuda_step::StepRegions;
 using cuda_step::StepSizes;
 
@@ -590,45 +582,10 @@ absl::Status CudaModelRunner::Run(
   }
   const size_t tree_rows = host_tree_start.empty() ? 0 : NN;
 
-  // The row-sampling job of every sequence that asked for it, packed in
-  // batch order.
-  std::vector<int> samp_ints;
-  std::vector<float> samp_floats;
-  std::vector<double> samp_uniforms;
-  int NS = 0;
-  {
-    std::vector<int> rows, top_k, draft_ids, q_offsets(1, 0), q_ids;
-    std::vector<float> temps, top_p, q_probs;
-    for (int i = 0; i < S; ++i) {
-      const RowSampling* rs = batch[i].input.sampling;
-      if (rs == nullptr) continue;
-      for (int j = lr0[i]; j < lr0[i + 1]; ++j) {
-        const int r = j - lr0[i];
-        rows.push_back(j);
-        temps.push_back(rs->params.temperature);
-        top_k.push_back(rs->params.top_k);
-        top_p.push_back(rs->params.top_p);
-        draft_ids.push_back(rs->draft_ids[r]);
-        if (rs->draft_ids[r] >= 0) {
-          for (const auto& [id, prob] : *rs->draft_q[r]) {
-            q_ids.push_back(id);
-            q_probs.push_back(prob);
-          }
-        }
-        q_offsets.push_back(static_cast<int>(q_ids.size()));
-        samp_uniforms.push_back(rs->uniforms[2 * r]);
-        samp_uniforms.push_back(rs->uniforms[2 * r + 1]);
-      }
-    }
-    NS = static_cast<int>(rows.size());
-    for (const std::vector<int>* v :
-         {&rows, &top_k, &draft_ids, &q_offsets, &q_ids}) {
-      samp_ints.insert(samp_ints.end(), v->begin(), v->end());
-    }
-    for (const std::vector<float>* v : {&temps, &top_p, &q_probs}) {
-      samp_floats.insert(samp_floats.end(), v->begin(), v->end());
-    }
-  }
+  // The row-sampling job of every sequence that asked for it.
+  const cuda_step::PackedRowSampling samp =
+      cuda_step::PackRowSampling(batch, lr0);
+  const int NS = samp.num_rows;
 
   StepSizes sizes;
   sizes.rows = NN;
@@ -638,8 +595,8 @@ absl::Status CudaModelRunner::Run(
   sizes.split_ws_bytes = cuda_kernels::BatchedAttentionWorkspaceBytes(*plan, D);
   sizes.tree_rows = tree_rows;
   sizes.samp_rows = NS;
-  sizes.samp_ints = samp_ints.size();
-  sizes.samp_floats = samp_floats.size();
+  sizes.samp_ints = samp.ints.size();
+  sizes.samp_floats = samp.floats.size();
   StepRegions reg;
   SPECSERVE_RETURN_IF_ERROR(
       workspace_.Reserve(CarveStep(nullptr, c, tb, sizes, &reg)));
@@ -709,14 +666,14 @@ absl::Status CudaModelRunner::Run(
       cudaMemcpyHostToDevice, stream_));
   if (NS > 0) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        reg.samp_ints, samp_ints.data(), sizeof(int) * samp_ints.size(),
+        reg.samp_ints, samp.ints.data(), sizeof(int) * samp.ints.size(),
         cudaMemcpyHostToDevice, stream_));
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        reg.samp_floats, samp_floats.data(),
-        sizeof(float) * samp_floats.size(), cudaMemcpyHostToDevice, stream_));
+        reg.samp_floats, samp.floats.data(),
+        sizeof(float) * samp.floats.size(), cudaMemcpyHostToDevice, stream_));
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        reg.samp_uniforms, samp_uniforms.data(),
-        sizeof(double) * samp_uniforms.size(), cudaMemcpyHostToDevice,
+        reg.samp_uniforms, samp.uniforms.data(),
+        sizeof(double) * samp.uniforms.size(), cudaMemcpyHostToDevice,
         stream_));
   }
   if (tree_rows > 0) {
@@ -772,14 +729,14 @@ absl::Status CudaModelRunner::Run(
     sa.logits = reg.logits;
     sa.vocab = vocab;
     sa.num_rows = NS;
-    sa.logit_row = reg.samp_ints;
-    sa.top_k = reg.samp_ints + NS;
-    sa.draft_id = reg.samp_ints + 2 * NS;
-    sa.q_offsets = reg.samp_ints + 3 * NS;
-    sa.q_ids = reg.samp_ints + 4 * NS + 1;
-    sa.temperature = reg.samp_floats;
-    sa.top_p = reg.samp_floats + NS;
-    sa.q_probs = reg.samp_floats + 2 * NS;
+    sa.logit_row = reg.samp_ints + samp.logit_row_at();
+    sa.top_k = reg.samp_ints + samp.top_k_at();
+    sa.draft_id = reg.samp_ints + samp.draft_id_at();
+    sa.q_offsets = reg.samp_ints + samp.q_offsets_at();
+    sa.q_ids = reg.samp_ints + samp.q_ids_at();
+    sa.temperature = reg.samp_floats + samp.temperature_at();
+    sa.top_p = reg.samp_floats + samp.top_p_at();
+    sa.q_probs = reg.samp_floats + samp.q_probs_at();
     sa.uniforms = reg.samp_uniforms;
     sa.scratch = reg.samp_scratch;
     sa.token = reg.samp_out;
@@ -893,29 +850,16 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   const ModelConfig& c = config();
   const CudaDType dt = weights_->dtype();
   const int S = static_cast<int>(batch.size());
-  // Decode and verify steps of greedy sequences only: every row a logit
-  // row, no capture, no tree, no FlashAttention sequence.
-  int N = 0, tables = 0;
-  for (int i = 0; i < S; ++i) {
-    const ForwardInput& in = batch[i].input;
-    const int n = static_cast<int>(in.token_ids.size());
-    if (!in.argmax_only || in.sampling != nullptr ||
-        batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
-        !in.tree_parents.empty() ||
-        static_cast<int>(logit_rows[i].size()) != n) {
-      return false;
-    }
-    for (int j = 0; j < n; ++j) {
-      if (logit_rows[i][j] != j) return false;
-    }
-    if (attention_path_ == AttentionPath::kAuto && n >= kFlashMinRows &&
-        cuda_kernels::FlashAttentionSupported(c.head_dim, dt)) {
-      return false;
-    }
-    N += n;
-    tables += static_cast<int>(batch[i].kv->block_table().size());
+  // Sequences with kFlashMinRows rows or more go to FlashAttention (kAuto).
+  const int flash_min_rows =
+      attention_path_ == AttentionPath::kAuto &&
+              cuda_kernels::FlashAttentionSupported(c.head_dim, dt)
+          ? kFlashMinRows
+          : 0;
+  if (!cuda_step::GraphEligible(batch, logit_rows, kMaxGraphRows,
+                                flash_min_rows)) {
+    return false;
   }
-  if (N > kMaxGraphRows) return false;
   if (graph_layout_ == nullptr) {
     if (absl::Status s = AllocateGraphLayout(); !s.ok()) {
       // No room for the graphs' fixed workspace: run eagerly from now on.
@@ -926,57 +870,37 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     }
   }
   const GraphLayout& gl = *graph_layout_;
-  if (tables > gl.max_tables) return false;
   const int H = c.num_attention_heads, KV = c.num_key_value_heads;
   const int D = c.head_dim, bs = cache_->block_size();
-  const int b = GraphBucket(N);
-  const cuda_kernels::BatchedAttentionCapacity cap =
-      cuda_kernels::BatchedAttentionCapacityFor(b, b, H, KV, num_sms_);
-
+  const size_t Nm = kMaxGraphRows;
   // Inputs at the layout's fixed offsets; padding rows take token 0 at
   // position 0, store no KV (slot -1) and attend to nothing.
-  const size_t Nm = kMaxGraphRows;
-  std::vector<int> head(4 * Nm, 0), host_tables;
-  host_tables.reserve(tables);
-  std::vector<cuda_kernels::AttentionSequence> seqs;
-  int row = 0;
-  for (int i = 0; i < S; ++i) {
-    const ForwardInput& in = batch[i].input;
-    const int n = static_cast<int>(in.token_ids.size());
-    seqs.push_back({n, first[i], static_cast<int>(host_tables.size()), row});
-    for (int t = 0; t < n; ++t, ++row) {
-      head[row] = in.token_ids[t];
-      head[Nm + row] = in.position_ids[t];
-      head[2 * Nm + row] = batch[i].kv->PhysicalSlot(first[i] + t);
-    }
-    const std::vector<int>& table = batch[i].kv->block_table();
-    host_tables.insert(host_tables.end(), table.begin(), table.end());
-  }
-  for (int r = N; r < b; ++r) head[2 * Nm + r] = -1;
-  for (int r = 0; r < b; ++r) head[3 * Nm + r] = r;
-  absl::StatusOr<cuda_kernels::BatchedAttentionPlan> plan =
-      cuda_kernels::PlanBatchedAttention(seqs, H, KV, num_sms_);
-  if (!plan.ok()) return plan.status();
-  if (plan->num_work() > cap.num_work || plan->num_combine() > cap.num_combine ||
-      plan->partial_triples > gl.cap.partial_triples) {
+  absl::StatusOr<cuda_step::GraphStepInputs> in = cuda_step::PackGraphStep(
+      batch, first, kMaxGraphRows, gl.max_tables, H, KV, num_sms_);
+  if (!in.ok()) return false;  // tables beyond the graph's room: eager
+  const int N = in->rows, b = in->bucket;
+  const cuda_kernels::BatchedAttentionPlan& plan = in->plan;
+  const cuda_kernels::BatchedAttentionCapacity cap =
+      cuda_kernels::BatchedAttentionCapacityFor(b, b, H, KV, num_sms_);
+  if (plan.num_work() > cap.num_work || plan.num_combine() > cap.num_combine ||
+      plan.partial_triples > gl.cap.partial_triples) {
     return false;  // BatchedAttentionCapacityFor's bound broken: stay eager
   }
-  const int counts[2] = {plan->num_work(), plan->num_combine()};
+  const int counts[2] = {plan.num_work(), plan.num_combine()};
   auto upload = [&](int* dst, const int* src, size_t n) -> absl::Status {
     if (n == 0) return absl::OkStatus();
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
         dst, src, sizeof(int) * n, cudaMemcpyHostToDevice, stream_));
     return absl::OkStatus();
   };
-  SPECSERVE_RETURN_IF_ERROR(upload(gl.ids, head.data(), head.size()));
+  SPECSERVE_RETURN_IF_ERROR(upload(gl.ids, in->head.data(), in->head.size()));
   SPECSERVE_RETURN_IF_ERROR(
-      upload(gl.tables, host_tables.data(), host_tables.size()));
+      upload(gl.tables, in->tables.data(), in->tables.size()));
   SPECSERVE_RETURN_IF_ERROR(
-      upload(gl.seq_info, plan->seq_info.data(), plan->seq_info.size()));
+      upload(gl.seq_info, plan.seq_info.data(), plan.seq_info.size()));
+  SPECSERVE_RETURN_IF_ERROR(upload(gl.work, plan.work.data(), plan.work.size()));
   SPECSERVE_RETURN_IF_ERROR(
-      upload(gl.work, plan->work.data(), plan->work.size()));
-  SPECSERVE_RETURN_IF_ERROR(
-      upload(gl.combine, plan->combine.data(), plan->combine.size()));
+      upload(gl.combine, plan.combine.data(), plan.combine.size()));
   SPECSERVE_RETURN_IF_ERROR(upload(gl.counts, counts, 2));
 
   cudaGraphExec_t& exec = graphs_[b];
@@ -1046,7 +970,7 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   out->assign(S, ForwardOutput());
-  row = 0;
+  int row = 0;
   for (int i = 0; i < S; ++i) {
     ForwardOutput& o = (*out)[i];
     o.logit_rows = logit_rows[i];

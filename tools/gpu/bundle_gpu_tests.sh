@@ -35,12 +35,13 @@ BIN_ROOT=${BINARIES_FROM:-bazel-bin}
 # common/cuda/BUILD.bazel (the bundle test checks the list is complete).
 TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
        common/cuda/device_test common/cuda/kv_pool_sizing_test
-       common/cuda/sampling_kernels_test)
+       common/cuda/sampling_kernels_test common/cuda/step_inputs_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
 if [ -z "${BINARIES_FROM:-}" ]; then
   bazel build -c opt //common/cuda:attention_plan_test \
     //common/cuda:cuda_backend_test //common/cuda:device_test \
     //common/cuda:kv_pool_sizing_test //common/cuda:sampling_kernels_test \
+    //common/cuda:step_inputs_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint
 fi
 rm -rf "$OUT"

@@ -1,0 +1,122 @@
+#include "common/cuda/step_inputs.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace specserve {
+namespace cuda_step {
+
+PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
+                                  absl::Span<const int> logit_row_start) {
+  std::vector<int> rows, top_k, draft_ids, q_offsets(1, 0), q_ids;
+  std::vector<float> temps, top_p, q_probs;
+  PackedRowSampling p;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const RowSampling* rs = batch[i].input.sampling;
+    if (rs == nullptr) continue;
+    for (int j = logit_row_start[i]; j < logit_row_start[i + 1]; ++j) {
+      const int r = j - logit_row_start[i];
+      rows.push_back(j);
+      temps.push_back(rs->params.temperature);
+      top_k.push_back(rs->params.top_k);
+      top_p.push_back(rs->params.top_p);
+      draft_ids.push_back(rs->draft_ids[r]);
+      if (rs->draft_ids[r] >= 0) {
+        for (const auto& [id, prob] : *rs->draft_q[r]) {
+          q_ids.push_back(id);
+          q_probs.push_back(prob);
+        }
+      }
+      q_offsets.push_back(static_cast<int>(q_ids.size()));
+      p.uniforms.push_back(rs->uniforms[2 * r]);
+      p.uniforms.push_back(rs->uniforms[2 * r + 1]);
+    }
+  }
+  p.num_rows = static_cast<int>(rows.size());
+  if (p.num_rows == 0) return p;
+  for (const std::vector<int>* v :
+       {&rows, &top_k, &draft_ids, &q_offsets, &q_ids}) {
+    p.ints.insert(p.ints.end(), v->begin(), v->end());
+  }
+  for (const std::vector<float>* v : {&temps, &top_p, &q_probs}) {
+    p.floats.insert(p.floats.end(), v->begin(), v->end());
+  }
+  return p;
+}
+
+int GraphBucket(int rows) {
+  if (rows <= 2) return std::max(rows, 1);
+  if (rows <= 4) return 4;
+  return (rows + 7) / 8 * 8;
+}
+
+bool GraphEligible(absl::Span<const SequenceForward> batch,
+                   const std::vector<std::vector<int>>& logit_rows,
+                   int max_rows, int flash_min_rows) {
+  int rows = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int n = static_cast<int>(in.token_ids.size());
+    if (!in.argmax_only || in.sampling != nullptr ||
+        batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
+        !in.tree_parents.empty() ||
+        static_cast<int>(logit_rows[i].size()) != n) {
+      return false;
+    }
+    for (int j = 0; j < n; ++j) {
+      if (logit_rows[i][j] != j) return false;
+    }
+    if (flash_min_rows > 0 && n >= flash_min_rows) return false;
+    rows += n;
+  }
+  return !batch.empty() && rows <= max_rows;
+}
+
+absl::StatusOr<GraphStepInputs> PackGraphStep(
+    absl::Span<const SequenceForward> batch, absl::Span<const int> first,
+    int max_rows, int max_tables, int num_heads, int num_kv_heads,
+    int num_sms) {
+  GraphStepInputs g;
+  for (const SequenceForward& e : batch) {
+    g.rows += static_cast<int>(e.input.token_ids.size());
+  }
+  if (g.rows < 1 || g.rows > max_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a graph step holds 1 to ", max_rows, " rows, got ", g.rows));
+  }
+  g.bucket = GraphBucket(g.rows);
+  const size_t M = max_rows;
+  g.head.assign(4 * M, 0);
+  std::vector<cuda_kernels::AttentionSequence> seqs;
+  int row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int n = static_cast<int>(in.token_ids.size());
+    seqs.push_back({n, first[i], static_cast<int>(g.tables.size()), row});
+    for (int t = 0; t < n; ++t, ++row) {
+      g.head[row] = in.token_ids[t];
+      g.head[M + row] = in.position_ids[t];
+      g.head[2 * M + row] = batch[i].kv->PhysicalSlot(first[i] + t);
+    }
+    const std::vector<int>& table = batch[i].kv->block_table();
+    g.tables.insert(g.tables.end(), table.begin(), table.end());
+  }
+  if (static_cast<int>(g.tables.size()) > max_tables) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the step's block tables hold ", g.tables.size(),
+                     " entries, the graph's room is ", max_tables));
+  }
+  for (int r = g.rows; r < g.bucket; ++r) g.head[2 * M + r] = -1;
+  for (int r = 0; r < g.bucket; ++r) g.head[3 * M + r] = r;
+  absl::StatusOr<cuda_kernels::BatchedAttentionPlan> plan =
+      cuda_kernels::PlanBatchedAttention(seqs, num_heads, num_kv_heads,
+                                         num_sms);
+  if (!plan.ok()) return plan.status();
+  g.plan = *std::move(plan);
+  return g;
+}
+
+}  // namespace cuda_step
+}  // namespace specserve

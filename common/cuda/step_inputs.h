@@ -1,0 +1,91 @@
+#ifndef SPECSERVE_COMMON_CUDA_STEP_INPUTS_H_
+#define SPECSERVE_COMMON_CUDA_STEP_INPUTS_H_
+
+// The host side of two device paths of CudaModelRunner, as plain C++ so the
+// CPU tests cover them: the packed inputs of SampleRows (sampled rows) and
+// the padded inputs of a step replayed from a CUDA graph.
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/cuda/attention_plan.h"
+#include "common/engine/model_runner.h"
+
+namespace specserve {
+namespace cuda_step {
+
+/// Every row of the batch's ForwardInput::sampling jobs, in batch order
+/// then logit-row order, as SampleRows reads them (sampling_kernels.h).
+/// With NS rows and NQ draft-distribution entries in all:
+///   ints   = [NS] logit rows (global, into the step's logits), [NS] top-k,
+///            [NS] draft ids, [NS + 1] q offsets, [NQ] q ids
+///   floats = [NS] temperatures, [NS] top-p, [NQ] q probabilities
+///   uniforms = [NS, 2] u_accept, u_sample
+struct PackedRowSampling {
+  int num_rows = 0;  ///< NS
+  std::vector<int> ints;
+  std::vector<float> floats;
+  std::vector<double> uniforms;
+
+  // Offsets into `ints` / `floats` of each array above.
+  int logit_row_at() const { return 0; }
+  int top_k_at() const { return num_rows; }
+  int draft_id_at() const { return 2 * num_rows; }
+  int q_offsets_at() const { return 3 * num_rows; }
+  int q_ids_at() const { return 4 * num_rows + 1; }
+  int temperature_at() const { return 0; }
+  int top_p_at() const { return num_rows; }
+  int q_probs_at() const { return 2 * num_rows; }
+};
+
+/// Packs the sampling jobs of `batch`. logit_row_start[i]: the first of
+/// sequence i's logit rows in the step's concatenated logit rows (size
+/// batch.size() + 1). Inputs must be valid (ValidateBatch).
+PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
+                                  absl::Span<const int> logit_row_start);
+
+/// The rows a captured step is padded to: 1, 2, 4, 8, then multiples of 8
+/// (vLLM's capture sizes). rows >= 1.
+int GraphBucket(int rows);
+
+/// Whether a step can run from a CUDA graph: every sequence greedy
+/// (argmax_only, no sampling), without query capture or tree, asking for
+/// the logits of all its rows in order; no sequence with >= flash_min_rows
+/// rows when `flash_min_rows` > 0 (those go to FlashAttention, launched
+/// per sequence); at most max_rows rows in all. logit_rows: each entry's
+/// resolved rows (ValidateBatch).
+bool GraphEligible(absl::Span<const SequenceForward> batch,
+                   const std::vector<std::vector<int>>& logit_rows,
+                   int max_rows, int flash_min_rows);
+
+/// The inputs of a graph step padded to `bucket` rows, laid out for a
+/// graph sized for `max_rows` rows:
+///   head = [max_rows] ids, [max_rows] positions, [max_rows] KV slots,
+///          [max_rows] logit rows; padding rows (from the real row count
+///          to `bucket`) take id 0 at position 0, slot -1 (stores no KV)
+///          and their own row as logit row, and belong to no sequence.
+///   tables = the sequences' block tables, concatenated.
+///   plan = PlanBatchedAttention over the real sequences (row starts and
+///          table starts into the above).
+struct GraphStepInputs {
+  int rows = 0;    ///< real rows
+  int bucket = 0;  ///< GraphBucket(rows)
+  std::vector<int> head;
+  std::vector<int> tables;
+  cuda_kernels::BatchedAttentionPlan plan;
+};
+
+/// Builds GraphStepInputs for an eligible step (GraphEligible) whose
+/// sequences' first new slots are first[i]. INVALID_ARGUMENT when the step
+/// has more than max_rows rows or its tables more than max_tables
+/// entries; PlanBatchedAttention's errors.
+absl::StatusOr<GraphStepInputs> PackGraphStep(
+    absl::Span<const SequenceForward> batch, absl::Span<const int> first,
+    int max_rows, int max_tables, int num_heads, int num_kv_heads,
+    int num_sms);
+
+}  // namespace cuda_step
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_CUDA_STEP_INPUTS_H_

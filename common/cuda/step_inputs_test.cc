@@ -1,0 +1,206 @@
+// CPU tests of the host-side inputs of CudaModelRunner's device paths: the
+// packed SampleRows jobs and the padded inputs of a CUDA-graph step.
+
+#include "common/cuda/step_inputs.h"
+
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "common/engine/paged_kv_cache.h"
+#include "gtest/gtest.h"
+
+namespace specserve {
+namespace cuda_step {
+namespace {
+
+using cuda_kernels::kSeqInfoFields;
+using cuda_kernels::kSeqRowStart;
+using cuda_kernels::kSeqRows;
+using cuda_kernels::kSeqTableStart;
+
+TEST(PackRowSamplingTest, PacksRowsInBatchOrderWithTheirDrafts) {
+  const SparseDist q0 = {{7, 0.75f}, {3, 0.25f}};
+  const SparseDist q1 = {{2, 1.f}};
+  RowSampling a;
+  a.params = {0.8f, 5, 0.9f, 0};
+  a.draft_ids = {7, 2, -1};
+  a.draft_q = {&q0, &q1, nullptr};
+  a.uniforms = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6};
+  RowSampling c;
+  c.params = {1.5f, 0, 1.f, 0};
+  c.draft_ids = {-1};
+  c.draft_q = {nullptr};
+  c.uniforms = {0.7, 0.8};
+  std::vector<SequenceForward> batch(3);
+  batch[0].input.sampling = &a;  // logit rows 0..2
+  // batch[1]: logits, rows 3..4
+  batch[2].input.sampling = &c;  // logit row 5
+  const std::vector<int> lr0 = {0, 3, 5, 6};
+  const PackedRowSampling p = PackRowSampling(batch, lr0);
+  ASSERT_EQ(p.num_rows, 4);
+  auto ints = [&](int at, int n) {
+    return std::vector<int>(p.ints.begin() + at, p.ints.begin() + at + n);
+  };
+  auto floats = [&](int at, int n) {
+    return std::vector<float>(p.floats.begin() + at,
+                              p.floats.begin() + at + n);
+  };
+  EXPECT_EQ(ints(p.logit_row_at(), 4), (std::vector<int>{0, 1, 2, 5}));
+  EXPECT_EQ(ints(p.top_k_at(), 4), (std::vector<int>{5, 5, 5, 0}));
+  EXPECT_EQ(ints(p.draft_id_at(), 4), (std::vector<int>{7, 2, -1, -1}));
+  EXPECT_EQ(ints(p.q_offsets_at(), 5), (std::vector<int>{0, 2, 3, 3, 3}));
+  EXPECT_EQ(ints(p.q_ids_at(), 3), (std::vector<int>{7, 3, 2}));
+  EXPECT_EQ(p.ints.size(), 4u * 4 + 1 + 3);
+  EXPECT_EQ(floats(p.temperature_at(), 4),
+            (std::vector<float>{0.8f, 0.8f, 0.8f, 1.5f}));
+  EXPECT_EQ(floats(p.top_p_at(), 4),
+            (std::vector<float>{0.9f, 0.9f, 0.9f, 1.f}));
+  EXPECT_EQ(floats(p.q_probs_at(), 3),
+            (std::vector<float>{0.75f, 0.25f, 1.f}));
+  EXPECT_EQ(p.floats.size(), 2u * 4 + 3);
+  EXPECT_EQ(p.uniforms,
+            (std::vector<double>{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8}));
+
+  batch[0].input.sampling = nullptr;
+  batch[2].input.sampling = nullptr;
+  const PackedRowSampling none = PackRowSampling(batch, lr0);
+  EXPECT_EQ(none.num_rows, 0);
+  EXPECT_TRUE(none.ints.empty() && none.floats.empty() &&
+              none.uniforms.empty());
+}
+
+TEST(GraphBucketTest, PowersOfTwoToEightThenMultiplesOfEight) {
+  const std::vector<std::pair<int, int>> want = {
+      {1, 1}, {2, 2}, {3, 4}, {4, 4}, {5, 8}, {8, 8},
+      {9, 16}, {16, 16}, {17, 24}, {121, 128}, {128, 128}};
+  for (const auto& [rows, bucket] : want) {
+    EXPECT_EQ(GraphBucket(rows), bucket) << rows;
+  }
+}
+
+// A step of `rows[i]` greedy rows per sequence, all of them logit rows.
+struct Step {
+  std::vector<std::vector<int>> ids, pos, logit_rows;
+  std::vector<SequenceForward> batch;
+  Step(const std::vector<int>& rows, std::vector<KvSequence*> kv = {}) {
+    const size_t S = rows.size();
+    ids.resize(S);
+    pos.resize(S);
+    logit_rows.resize(S);
+    batch.resize(S);
+    for (size_t i = 0; i < S; ++i) {
+      for (int r = 0; r < rows[i]; ++r) {
+        ids[i].push_back(100 + 10 * static_cast<int>(i) + r);
+        pos[i].push_back(50 + r);
+        logit_rows[i].push_back(r);
+      }
+      batch[i].kv = kv.empty() ? nullptr : kv[i];
+      batch[i].input.token_ids = ids[i];
+      batch[i].input.position_ids = pos[i];
+      batch[i].input.logit_rows = logit_rows[i];
+      batch[i].input.argmax_only = true;
+    }
+  }
+};
+
+TEST(GraphEligibleTest, GreedyDecodeAndVerifyRowsOnly) {
+  EXPECT_TRUE(GraphEligible(Step({1, 1, 1}).batch, Step({1, 1, 1}).logit_rows,
+                            128, 32));
+  Step verify({4, 4, 1});
+  EXPECT_TRUE(GraphEligible(verify.batch, verify.logit_rows, 128, 32));
+  EXPECT_FALSE(GraphEligible(verify.batch, verify.logit_rows, 8, 32));
+  EXPECT_FALSE(GraphEligible({}, {}, 128, 32));
+
+  auto with = [](const std::function<void(Step&)>& change) {
+    Step s({1, 4});
+    change(s);
+    return GraphEligible(s.batch, s.logit_rows, 128, 32);
+  };
+  EXPECT_FALSE(with([](Step& s) { s.batch[1].input.argmax_only = false; }));
+  RowSampling rs;
+  EXPECT_FALSE(with([&](Step& s) { s.batch[0].input.sampling = &rs; }));
+  EXPECT_FALSE(
+      with([](Step& s) { s.batch[1].input.capture_query_rows = {3}; }));
+  EXPECT_FALSE(
+      with([](Step& s) { s.batch[1].input.tree_parents = {-1, 0, 0, 1}; }));
+  // Not every row a logit row, or not in order.
+  EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {3}; }));
+  EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {0, 2, 1, 3}; }));
+  // A sequence FlashAttention would take.
+  Step chunk({1, 32});
+  EXPECT_FALSE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 32));
+  EXPECT_TRUE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 0));
+}
+
+TEST(PackGraphStepTest, PadsToTheBucketAndPlansTheRealSequences) {
+  PagedKvCache cache(64, 4, 8, [](int, int) { return absl::OkStatus(); });
+  // Three sequences with interleaved blocks and different contexts.
+  std::vector<std::unique_ptr<KvSequence>> seqs;
+  for (int i = 0; i < 3; ++i) seqs.push_back(cache.NewSequence(128));
+  const std::vector<int> context = {9, 2, 13};
+  for (int grow = 0; grow < 13; ++grow) {
+    for (int i = 0; i < 3; ++i) {
+      if (grow < context[i]) ASSERT_TRUE(seqs[i]->Reserve(1).ok());
+    }
+  }
+  const std::vector<int> rows = {1, 4, 1};
+  std::vector<int> first;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<int> f = seqs[i]->Reserve(rows[i]);
+    ASSERT_TRUE(f.ok());
+    first.push_back(*f);
+  }
+  Step step(rows, {seqs[0].get(), seqs[1].get(), seqs[2].get()});
+  constexpr int kMax = 16;
+  absl::StatusOr<GraphStepInputs> g =
+      PackGraphStep(step.batch, first, kMax, 1000, 8, 2, 4);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->rows, 6);
+  EXPECT_EQ(g->bucket, 8);
+  ASSERT_EQ(g->head.size(), 4u * kMax);
+  int row = 0, table = 0;
+  for (int i = 0; i < 3; ++i) {
+    const int* info = g->plan.seq_info.data() + i * kSeqInfoFields;
+    EXPECT_EQ(info[kSeqRowStart], row);
+    EXPECT_EQ(info[kSeqRows], rows[i]);
+    EXPECT_EQ(info[kSeqTableStart], table);
+    const std::vector<int>& t = seqs[i]->block_table();
+    EXPECT_EQ(std::vector<int>(g->tables.begin() + table,
+                               g->tables.begin() + table + t.size()),
+              t);
+    table += static_cast<int>(t.size());
+    for (int r = 0; r < rows[i]; ++r, ++row) {
+      EXPECT_EQ(g->head[row], step.ids[i][r]);
+      EXPECT_EQ(g->head[kMax + row], step.pos[i][r]);
+      EXPECT_EQ(g->head[2 * kMax + row], seqs[i]->PhysicalSlot(first[i] + r));
+      EXPECT_GE(g->head[2 * kMax + row], 0);
+    }
+  }
+  EXPECT_EQ(g->tables.size(), static_cast<size_t>(table));
+  for (int r = 6; r < 8; ++r) {  // padding: token 0 at 0, no KV store
+    EXPECT_EQ(g->head[r], 0);
+    EXPECT_EQ(g->head[kMax + r], 0);
+    EXPECT_EQ(g->head[2 * kMax + r], -1);
+  }
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(g->head[3 * kMax + r], r);
+  const cuda_kernels::BatchedAttentionCapacity cap =
+      cuda_kernels::BatchedAttentionCapacityFor(8, 8, 8, 2, 4);
+  EXPECT_LE(g->plan.num_work(), cap.num_work);
+  EXPECT_LE(g->plan.num_combine(), cap.num_combine);
+  EXPECT_LE(g->plan.partial_triples, cap.partial_triples);
+  EXPECT_EQ(g->plan.total_rows, 6);
+
+  // Too many rows or table entries for the graph's room.
+  EXPECT_EQ(PackGraphStep(step.batch, first, 5, 1000, 8, 2, 4).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PackGraphStep(step.batch, first, kMax, table - 1, 8, 2, 4)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace cuda_step
+}  // namespace specserve
