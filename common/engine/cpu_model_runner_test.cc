@@ -664,15 +664,24 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
     EXPECT_TRUE(sampled[2].logits.empty());
     ASSERT_EQ(sampled[2].sampled.size(), 5u);
     ASSERT_EQ(sampled[2].accepted.size(), 5u);
+    // Rows in order up to the first one not accepted; -1 after it.
+    bool stopped = false;
     for (int r = 0; r < 5; ++r) {
+      if (stopped) {
+        EXPECT_EQ(sampled[2].sampled[r], -1) << r;
+        EXPECT_EQ(sampled[2].accepted[r], 0) << r;
+        continue;
+      }
       const RowSample want = SampleRow(
           absl::MakeConstSpan(alone[2].logits_row(r, vocab), vocab), rs.params,
           rs.draft_ids[r], r < 4 ? qs[r] : SparseDist{}, rs.uniforms[2 * r],
           rs.uniforms[2 * r + 1]);
       EXPECT_EQ(sampled[2].sampled[r], want.token) << r;
       EXPECT_EQ(sampled[2].accepted[r], want.accepted) << r;
+      stopped = !want.accepted;
+      if (stopped) EXPECT_GE(sampled[2].sampled[r], 0) << r;
     }
-    EXPECT_GE(sampled[2].sampled[4], 0);  // no draft: always a token
+    EXPECT_TRUE(stopped);  // row 4 has no draft
     EXPECT_TRUE(sampled[0].sampled.empty());
   }
 }

@@ -218,8 +218,10 @@ void SampleOnHost(absl::Span<const SequenceForward> batch, int vocab,
     if (s == nullptr) continue;
     ForwardOutput& o = (*out)[i];
     const size_t rows = o.logits.size() / vocab;
-    o.sampled.resize(rows);
-    o.accepted.resize(rows);
+    o.sampled.assign(rows, -1);
+    o.accepted.assign(rows, 0);
+    // Rows in order up to the first one not accepted: verification reads
+    // no further, and each row costs a ComputeDistribution.
     for (size_t r = 0; r < rows; ++r) {
       const RowSample row = SampleRow(
           absl::MakeConstSpan(o.logits.data() + r * vocab, vocab), s->params,
@@ -227,6 +229,7 @@ void SampleOnHost(absl::Span<const SequenceForward> batch, int vocab,
           s->uniforms[2 * r], s->uniforms[2 * r + 1]);
       o.sampled[r] = row.token;
       o.accepted[r] = row.accepted ? 1 : 0;
+      if (!row.accepted) break;
     }
     o.logits.clear();
   }

@@ -83,7 +83,11 @@ struct ForwardOutput {
   std::vector<int> argmax;
   /// [logit_rows.size()] with ForwardInput::sampling: each row's
   /// RowSample (SampleRow): the sampled token (-1 where the row's draft was
-  /// accepted) and whether the draft was accepted (0 / 1).
+  /// accepted) and whether the draft was accepted (0 / 1). A backend may
+  /// stop after the first row that is not accepted (verification reads no
+  /// further): the rows after it then read token -1, not accepted. The
+  /// host backends stop there (each row costs a ComputeDistribution); the
+  /// CUDA backend decides every row.
   std::vector<int> sampled;
   std::vector<uint8_t> accepted;
   /// [num_layers, capture_query_rows.size(), num_heads, head_dim] post-RoPE
