@@ -1416,6 +1416,19 @@ std::unique_ptr<KvSequence> NewSeq(ModelRunner& runner, int max_tokens) {
   return *std::move(s);
 }
 
+// `count` new sequences of `runner`; fewer if one cannot be made (the
+// failure is reported).
+std::vector<std::unique_ptr<KvSequence>> NewSeqs(ModelRunner& runner,
+                                                 int count, int max_tokens) {
+  std::vector<std::unique_ptr<KvSequence>> seqs;
+  for (int i = 0; i < count; ++i) {
+    std::unique_ptr<KvSequence> s = NewSeq(runner, max_tokens);
+    if (s == nullptr) break;
+    seqs.push_back(std::move(s));
+  }
+  return seqs;
+}
+
 // The first `count` cached keys of `kv` at `layer` in the CPU runner's pool,
 // as dense fp32 [count, kv_heads * head_dim] rows (CopyKeysToHost's layout).
 std::vector<float> CpuKeys(const CpuModelRunner& cpu, const KvSequence& kv,
@@ -1721,11 +1734,9 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
   std::vector<int> ids(n);
   for (int& id : ids) id = Uniform(0, vocab - 1);
   const std::vector<int> pos = Iota(0, n);
-  std::vector<std::unique_ptr<KvSequence>> kv;
-  for (int i = 0; i < 3; ++i) {
-    kv.push_back(NewSeq(*e.gpu, c.max_position_embeddings));
-    ASSERT_NE(kv.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<KvSequence>> kv =
+      NewSeqs(*e.gpu, 3, c.max_position_embeddings);
+  ASSERT_EQ(kv.size(), 3u);
   ForwardOutput full;
   ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), kv[0].get(), &full));
   std::vector<SequenceForward> batch(2);
@@ -1775,11 +1786,9 @@ TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
   std::vector<int> ids(n);
   for (int& id : ids) id = Uniform(0, vocab - 1);
   const std::vector<int> pos = Iota(0, n);
-  std::vector<std::unique_ptr<KvSequence>> kv;
-  for (int i = 0; i < 3; ++i) {
-    kv.push_back(NewSeq(*e.gpu, c.max_position_embeddings));
-    ASSERT_NE(kv.back(), nullptr);
-  }
+  std::vector<std::unique_ptr<KvSequence>> kv =
+      NewSeqs(*e.gpu, 3, c.max_position_embeddings);
+  ASSERT_EQ(kv.size(), 3u);
   // Row r verifies ids[r + 1] with a q that gives it 0.5 (rows r < n - 1).
   std::vector<SparseDist> qs(n - 1);
   for (int r = 0; r + 1 < n; ++r) {

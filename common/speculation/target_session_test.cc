@@ -40,6 +40,19 @@ class TargetSessionTest : public ::testing::Test {
 const std::vector<int> kPrompt = {1, 403, 407, 261, 378, 432, 383, 286, 261,
                                   376, 400, 428, 395};
 
+// `m`'s logits after kPrompt (its last row).
+std::vector<float> PromptLastLogits(ModelRunner& m) {
+  auto cache = *m.NewSequence(64);
+  std::vector<int> pos(kPrompt.size());
+  std::iota(pos.begin(), pos.end(), 0);
+  ForwardInput in;
+  in.token_ids = kPrompt;
+  in.position_ids = pos;
+  ForwardOutput out;
+  EXPECT_TRUE(m.Forward(in, cache.get(), &out).ok());
+  return out.logits;
+}
+
 TEST_F(TargetSessionTest, GreedyWithRandomDraftsEqualsPlainGreedy) {
   const int kNew = 40;
   const auto want = GreedyReference(*target_, kPrompt, {}, kPrompt.size(), kNew);
@@ -422,19 +435,8 @@ TEST_F(TargetSessionTest, SpeculativeSamplingMatchesTargetDistribution) {
   sp.temperature = 1.0f;
   sp.top_k = 20;
   const int vocab = target_->config().vocab_size;
-  auto last_logits = [&](ModelRunner& m) {
-    auto cache = *m.NewSequence(64);
-    std::vector<int> pos(kPrompt.size());
-    std::iota(pos.begin(), pos.end(), 0);
-    ForwardInput in;
-    in.token_ids = kPrompt;
-    in.position_ids = pos;
-    ForwardOutput out;
-    EXPECT_TRUE(m.Forward(in, cache.get(), &out).ok());
-    return out.logits;
-  };
-  const std::vector<float> p_logits = last_logits(*target_);
-  const std::vector<float> q_logits = last_logits(*draft_);
+  const std::vector<float> p_logits = PromptLastLogits(*target_);
+  const std::vector<float> q_logits = PromptLastLogits(*draft_);
   const SparseDist p = ComputeDistribution(p_logits, sp);
   const SparseDist q = ComputeDistribution(q_logits, sp);
   // Target rows for [last prompt token, x_1]: the first token depends only
@@ -500,19 +502,8 @@ TEST_F(TargetSessionTest, SampledRoundsThroughTheBackendMatchTarget) {
   sp.temperature = 1.0f;
   sp.top_k = 12;
   const int vocab = target_->config().vocab_size;
-  auto last_logits = [&](ModelRunner& m) {
-    auto cache = *m.NewSequence(64);
-    std::vector<int> pos(kPrompt.size());
-    std::iota(pos.begin(), pos.end(), 0);
-    ForwardInput in;
-    in.token_ids = kPrompt;
-    in.position_ids = pos;
-    ForwardOutput out;
-    EXPECT_TRUE(m.Forward(in, cache.get(), &out).ok());
-    return out.logits;
-  };
-  const SparseDist p = ComputeDistribution(last_logits(*target_), sp);
-  const SparseDist q = ComputeDistribution(last_logits(*draft_), sp);
+  const SparseDist p = ComputeDistribution(PromptLastLogits(*target_), sp);
+  const SparseDist q = ComputeDistribution(PromptLastLogits(*draft_), sp);
   const int kTrials = 3000;
   Rng draft_rng(77);
   std::vector<int64_t> counts(vocab, 0);
