@@ -8,19 +8,7 @@ namespace specserve {
 int SampleFromInIdOrder(const SparseDist& dist, double u) {
   SparseDist by_id = dist;
   std::sort(by_id.begin(), by_id.end());
-  double total = 0.0;
-  for (const auto& e : by_id) total += e.second;
-  if (!(total > 0.0)) return -1;
-  const double target = u * total;
-  double cum = 0.0;
-  int last_positive = -1;
-  for (const auto& e : by_id) {
-    if (e.second <= 0.f) continue;
-    cum += e.second;
-    last_positive = e.first;
-    if (cum > target) return e.first;
-  }
-  return last_positive;  // target rounded past the final cumulative sum
+  return SampleAt(by_id, u);
 }
 
 RowSample SampleRow(absl::Span<const float> logits,

@@ -245,20 +245,28 @@ SparseDist ComputeDistribution(absl::Span<const float> logits,
   return dist;
 }
 
-int SampleFrom(const SparseDist& dist, Rng* rng) {
+int SampleAt(const SparseDist& dist, double u) {
   double total = 0.0;
   for (const auto& e : dist) total += e.second;
   if (!(total > 0.0)) return -1;
-  const double u = rng->Uniform() * total;
+  const double target = u * total;
   double cum = 0.0;
   int last_positive = -1;
   for (const auto& e : dist) {
     if (e.second <= 0.f) continue;
     cum += e.second;
     last_positive = e.first;
-    if (cum > u) return e.first;
+    if (cum > target) return e.first;
   }
-  return last_positive;  // u * total rounded past the final cumulative sum
+  return last_positive;  // target rounded past the final cumulative sum
+}
+
+int SampleFrom(const SparseDist& dist, Rng* rng) {
+  // No draw for a dist with nothing to sample (a seeded stream stays put).
+  double total = 0.0;
+  for (const auto& e : dist) total += e.second;
+  if (!(total > 0.0)) return -1;
+  return SampleAt(dist, rng->Uniform());
 }
 
 int SampleToken(absl::Span<const float> logits, const SamplingParams& params,

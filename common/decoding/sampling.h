@@ -83,6 +83,11 @@ class Rng {
 /// entries are never returned. Returns -1 for an empty or all-zero dist.
 int SampleFrom(const SparseDist& dist, Rng* rng);
 
+/// SampleFrom's inverse-CDF walk at a given u in [0, 1): the first listed
+/// entry whose cumulative probability exceeds u * total; never a
+/// zero-probability entry; -1 for an empty or all-zero dist.
+int SampleAt(const SparseDist& dist, double u);
+
 /// One sampling step: greedy -> Argmax(logits) (rng unused, may be null);
 /// otherwise SampleFrom(ComputeDistribution(logits, params), rng).
 int SampleToken(absl::Span<const float> logits, const SamplingParams& params,
