@@ -31,7 +31,8 @@ struct RowSample {
 /// runs this function; the CUDA kernel is tested against it).
 ///
 /// logits: [vocab] fp32; params: valid (ValidateSamplingParams) and not
-/// greedy; p = ComputeDistribution(logits, params).
+/// greedy; p = ComputeDistribution(logits, params); q's ids must be in
+/// [0, vocab).
 /// - draft_id >= 0 (q: the draft's distribution, ValidateDrafts-valid with
 ///   q(draft_id) > 0): accepted iff u_accept * q(draft_id) < p(draft_id).
 ///   If accepted, token = -1; else token is drawn with u_sample from the

@@ -34,6 +34,28 @@ TEST(SampleFromInIdOrderTest, WalksIdsAscending) {
   EXPECT_EQ(SampleFromInIdOrder({{1, 0.f}}, 0.5), -1);
 }
 
+// Large supports take the dense walk, small ones the sorted one: the same
+// draws.
+TEST(SampleFromInIdOrderTest, DenseWalkEqualsSortedWalk) {
+  std::mt19937_64 gen(5);
+  std::uniform_real_distribution<float> w(0.f, 1.f);
+  for (int size : {3000, 40000}) {
+    SparseDist big;
+    for (int id = 0; id < size; ++id) {
+      if (id % 3 != 1) big.emplace_back((id * 7919) % size, w(gen));
+    }
+    // As ComputeDistribution lists it: by probability.
+    std::sort(big.begin(), big.end(),
+              [](const auto& a, const auto& b) { return a.second > b.second; });
+    SparseDist sorted = big;
+    std::sort(sorted.begin(), sorted.end());
+    for (double u : {0.0, 1e-9, 0.25, 0.5, 0.75, 0.999999}) {
+      EXPECT_EQ(SampleFromInIdOrder(big, u), SampleAt(sorted, u))
+          << size << " u=" << u;
+    }
+  }
+}
+
 TEST(SampleRowTest, AcceptTestIsUTimesQBelowP) {
   // p = softmax of equal logits over 4 ids: 0.25 each.
   const std::vector<float> logits(4, 0.f);
