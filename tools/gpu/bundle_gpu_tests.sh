@@ -4,7 +4,8 @@
 # way bundle_stack.sh bundles the services:
 #
 #   OUT/bin/cuda_backend_test, device_test,  the cc_tests of common/cuda
-#     attention_plan_test, kv_pool_sizing_test,
+#     attention_plan_test, flash_mma_test,
+#     kv_pool_sizing_test,
 #     sampling_kernels_test                  (gtest)
 #   OUT/bin/gpu_bench                        bench/gpu/gpu_bench.cc
 #   OUT/bin/make_synthetic_checkpoint        synthetic weights for the bench
@@ -34,13 +35,15 @@ BIN_ROOT=${BINARIES_FROM:-bazel-bin}
 # Every CUDA cc_test goes to the GPU machine; keep in step with
 # common/cuda/BUILD.bazel (the bundle test checks the list is complete).
 TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
-       common/cuda/device_test common/cuda/kv_pool_sizing_test
-       common/cuda/sampling_kernels_test common/cuda/step_inputs_test)
+       common/cuda/device_test common/cuda/flash_mma_test
+       common/cuda/kv_pool_sizing_test common/cuda/sampling_kernels_test
+       common/cuda/step_inputs_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
 if [ -z "${BINARIES_FROM:-}" ]; then
   bazel build -c opt //common/cuda:attention_plan_test \
     //common/cuda:cuda_backend_test //common/cuda:device_test \
-    //common/cuda:kv_pool_sizing_test //common/cuda:sampling_kernels_test \
+    //common/cuda:flash_mma_test //common/cuda:kv_pool_sizing_test \
+    //common/cuda:sampling_kernels_test \
     //common/cuda:step_inputs_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint
 fi
