@@ -463,6 +463,16 @@ int Main(int argc, char** argv) {
       full.push_back(TimePrefill(target, tcache.get(), ids, pos));
     }
     const double t_full = Median(full);
+    // The same with FlashMmaAttention for the prefill chunks
+    // (--prefill_attention=mma), then back to the default.
+    std::vector<double> full_mma;
+    target.engine->set_attention_path(
+        CudaModelRunner::AttentionPath::kFlashMma);
+    for (int r = 0; r < reps; ++r) {
+      full_mma.push_back(TimePrefill(target, tcache.get(), ids, pos));
+    }
+    target.engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
+    const double t_full_mma = Median(full_mma);
     const double flops =
         LayerFlopsPerToken(target.config) * P +
         AttentionFlops(target.config, P) +
@@ -504,6 +514,10 @@ int Main(int argc, char** argv) {
                                      Median(ts));
     }
     verify_json += "]";
+    std::printf("target full prefill at %d: %.4f s (WMMA FlashAttention), "
+                "%.4f s (FlashMmaAttention); decode %.1f tok/s from graphs, "
+                "%.1f eager\n",
+                P, t_full, t_full_mma, 1.0 / t_dec, 1.0 / t_dec_eager);
     std::printf("verify rounds at context %d (k: seconds): %s\n", P,
                 verify_json.c_str());
 
@@ -583,6 +597,7 @@ int Main(int argc, char** argv) {
       row.Num("kept_tokens", s->kept_indices.size());
       row.Num("target_full_prefill_s", t_full);
       row.Num("target_full_prefill_tflops", flops / t_full / 1e12);
+      row.Num("target_full_prefill_mma_s", t_full_mma);
       row.Num("target_full_prefill_mfu", mfu);
       row.Num("target_kept_prefill_s", t_kept);
       row.Num("spec_prefill_s", Median(t_prefill_s));

@@ -1452,6 +1452,8 @@ const char* PathName(CudaModelRunner::AttentionPath path) {
       return "flash";
     case CudaModelRunner::AttentionPath::kSplitK:
       return "splitk";
+    case CudaModelRunner::AttentionPath::kFlashMma:
+      return "flash_mma";
   }
   return "?";
 }
@@ -1459,7 +1461,8 @@ const char* PathName(CudaModelRunner::AttentionPath path) {
 constexpr CudaModelRunner::AttentionPath kAllPaths[] = {
     CudaModelRunner::AttentionPath::kAuto,
     CudaModelRunner::AttentionPath::kFlash,
-    CudaModelRunner::AttentionPath::kSplitK};
+    CudaModelRunner::AttentionPath::kSplitK,
+    CudaModelRunner::AttentionPath::kFlashMma};
 
 int Argmax(const float* x, int n) {
   return static_cast<int>(std::max_element(x, x + n) - x);

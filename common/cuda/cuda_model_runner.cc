@@ -14,6 +14,7 @@
 #include "common/cuda/attention_plan.h"
 #include "common/cuda/cuda_importance.h"
 #include "common/cuda/cuda_status.h"
+#include "common/cuda/flash_mma.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
 #include "common/cuda/sampling_kernels.h"
@@ -392,8 +393,10 @@ struct CudaModelRunner::StepLaunch {
   const int* slots = nullptr;
   const int* logit_rows = nullptr;
   cuda_kernels::BatchedAttentionArgs ba;  // keys / values set per layer
-  // FlashAttention sequences (eager only); keys / values set per layer.
+  // FlashAttention and FlashMmaAttention sequences (eager only); keys /
+  // values set per layer.
   std::vector<cuda_kernels::AttentionArgs>* flash = nullptr;
+  std::vector<cuda_kernels::AttentionArgs>* flash_mma = nullptr;
   // Runs after each layer's RoPE (the eager capture copies); may be empty.
   std::function<absl::Status(int layer)> after_rope;
   bool argmax = false;  // reduce the logit rows to reg->argmax
@@ -466,6 +469,14 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
             cuda_kernels::FlashAttention(a, stream_));
       }
     }
+    if (s.flash_mma != nullptr) {
+      for (cuda_kernels::AttentionArgs& a : *s.flash_mma) {
+        a.k_cache = keys(l);
+        a.v_cache = values(l);
+        SPECSERVE_CUDA_RETURN_IF_ERROR(
+            cuda_kernels::FlashMmaAttention(a, stream_));
+      }
+    }
     ba.k_cache = keys(l);
     ba.v_cache = values(l);
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::BatchedAttention(ba, stream_));
@@ -535,11 +546,12 @@ absl::Status CudaModelRunner::Run(
   const int N = row0[S], R = lr0[S], NQ = hq0[S];
   const size_t NN = N;
 
-  // Attention: FlashAttention per sequence for long prefill chunks (kAuto)
-  // or everywhere supported (kFlash); every other sequence of the step in
-  // ONE batched launch per layer (decode rows, verify rows, short chunks).
+  // Attention: FlashAttention per sequence for long prefill chunks (kAuto;
+  // FlashMmaAttention where it applies with kFlashMma) or everywhere
+  // supported (kFlash); every other sequence of the step in ONE batched
+  // launch per layer (decode rows, verify rows, short chunks).
   std::vector<cuda_kernels::AttentionArgs> attn(S);
-  std::vector<bool> use_flash(S);
+  std::vector<bool> use_flash(S), use_mma(S);
   std::vector<cuda_kernels::AttentionSequence> batched;
   for (int i = 0; i < S; ++i) {
     cuda_kernels::AttentionArgs& a = attn[i];
@@ -552,13 +564,20 @@ absl::Status CudaModelRunner::Run(
     a.scale = 1.0f / std::sqrt(static_cast<float>(D));
     a.block_size = bs;
     bool flash = cuda_kernels::FlashAttentionSupported(D, dt);
-    if (attention_path_ == AttentionPath::kAuto) {
-      flash = flash && a.n >= kFlashMinRows;
+    const bool long_rows = a.n >= kFlashMinRows;
+    if (attention_path_ == AttentionPath::kAuto ||
+        attention_path_ == AttentionPath::kFlashMma) {
+      flash = flash && long_rows;
     } else if (attention_path_ == AttentionPath::kSplitK) {
       flash = false;
     }
-    use_flash[i] = flash;
-    if (!flash) batched.push_back({a.n, a.first, bt0[i], row0[i]});
+    use_mma[i] = attention_path_ == AttentionPath::kFlashMma && long_rows &&
+                 batch[i].input.tree_parents.empty() &&
+                 cuda_kernels::FlashMmaSupported(D, dt);
+    use_flash[i] = flash && !use_mma[i];
+    if (!use_flash[i] && !use_mma[i]) {
+      batched.push_back({a.n, a.first, bt0[i], row0[i]});
+    }
   }
   absl::StatusOr<cuda_kernels::BatchedAttentionPlan> plan =
       cuda_kernels::PlanBatchedAttention(batched, H, KV, num_sms_);
@@ -687,11 +706,13 @@ absl::Status CudaModelRunner::Run(
         reg.tree_mask, host_tree_mask.data(), sizeof(uint64_t) * tree_rows,
         cudaMemcpyHostToDevice, stream_));
   }
-  std::vector<cuda_kernels::AttentionArgs> flash;
+  std::vector<cuda_kernels::AttentionArgs> flash, flash_mma;
   for (int i = 0; i < S; ++i) {
     if (use_flash[i]) flash.push_back(attn[i]);
+    if (use_mma[i]) flash_mma.push_back(attn[i]);
   }
   step.flash = &flash;
+  step.flash_mma = &flash_mma;
   // Post-RoPE fp32 queries of the capture rows (q heads lead each row).
   step.after_rope = [&](int l) -> absl::Status {
     for (int i = 0; i < S; ++i) {
@@ -850,12 +871,15 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   const ModelConfig& c = config();
   const CudaDType dt = weights_->dtype();
   const int S = static_cast<int>(batch.size());
-  // Sequences with kFlashMinRows rows or more go to FlashAttention (kAuto).
+  // Sequences with kFlashMinRows rows or more go to a FlashAttention
+  // kernel (kAuto, kFlashMma), launched per sequence.
+  const bool any_flash =
+      cuda_kernels::FlashAttentionSupported(c.head_dim, dt) ||
+      (attention_path_ == AttentionPath::kFlashMma &&
+       cuda_kernels::FlashMmaSupported(c.head_dim, dt));
   const int flash_min_rows =
-      attention_path_ == AttentionPath::kAuto &&
-              cuda_kernels::FlashAttentionSupported(c.head_dim, dt)
-          ? kFlashMinRows
-          : 0;
+      attention_path_ != AttentionPath::kSplitK && any_flash ? kFlashMinRows
+                                                             : 0;
   if (!cuda_step::GraphEligible(batch, logit_rows, kMaxGraphRows,
                                 flash_min_rows)) {
     return false;

@@ -85,8 +85,12 @@ class CudaModelRunner : public ModelRunner {
   /// step goes into one BatchedAttention launch per layer (split-K over
   /// the paged tables, planned by PlanBatchedAttention). The others force
   /// one (tests, benchmarks): kSplitK batches every sequence; kFlash falls
-  /// back to the batched launch where unsupported.
-  enum class AttentionPath { kAuto, kFlash, kSplitK };
+  /// back to the batched launch where unsupported. kFlashMma is kAuto with
+  /// FlashMmaAttention (flash_mma.h: mma.sync, FlashAttention-2 style) for
+  /// the long sequences it supports (head_dim 64 / 128, no tree), the WMMA
+  /// FlashAttention for the rest; the services' --prefill_attention=mma.
+  /// Not the default until it is measured against kAuto on a GPU.
+  enum class AttentionPath { kAuto, kFlash, kSplitK, kFlashMma };
   static constexpr int kFlashMinRows = 32;
 
   /// Creates the stream, the cuBLAS handle and the KV pool.

@@ -85,6 +85,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
       CudaModelRunner::Create(*std::move(gw), kv);
   if (!r.ok()) return r.status();
   (*r)->set_cuda_graphs(options.cuda_graphs);
+  if (options.prefill_attention == "mma") {
+    (*r)->set_attention_path(CudaModelRunner::AttentionPath::kFlashMma);
+  }
   LogPool(**r, source);
   return std::unique_ptr<ModelRunner>(*std::move(r));
 }
@@ -99,6 +102,12 @@ absl::StatusOr<DeviceKind> ResolveDevice(
     return absl::InvalidArgumentError(
         absl::StrCat("gpu_memory_utilization must be in (0, 1], got ",
                      options.gpu_memory_utilization));
+  }
+  if (options.prefill_attention != "auto" &&
+      options.prefill_attention != "mma") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_attention must be auto or mma, got \"",
+                     options.prefill_attention, "\""));
   }
   absl::StatusOr<DeviceKind> kind =
       ParseDevice(options.device, CudaAvailable());

@@ -44,6 +44,11 @@ struct RunnerOptions {
   /// CUDA: replay greedy decode / verify steps from CUDA graphs
   /// (CudaModelRunner::set_cuda_graphs). Ignored on CPU.
   bool cuda_graphs = true;
+  /// CUDA prefill attention for long chunks: "auto" (the WMMA
+  /// FlashAttention) or "mma" (FlashMmaAttention, CudaModelRunner::
+  /// AttentionPath::kFlashMma). Anything else is INVALID_ARGUMENT; ignored
+  /// on CPU.
+  std::string prefill_attention = "auto";
 };
 
 /// The CPU pool when RunnerOptions::kv_pool_from_device is set (2 GiB).

@@ -36,6 +36,13 @@ TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("block_size"), std::string::npos);
   o.kv_cache.block_size = 16;
+  o.prefill_attention = "flash3";
+  r = CreateModelRunner(Load(), o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("prefill_attention"), std::string::npos);
+  o.prefill_attention = "mma";  // CUDA only; the CPU runner ignores it
+  EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
+  o.prefill_attention = "auto";
   o.kv_cache.pool_bytes = 1;  // less than one block
   EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
             absl::StatusCode::kInvalidArgument);

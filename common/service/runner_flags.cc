@@ -31,6 +31,10 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "CUDA graphs captured per batch-size bucket (1, 2, 4, 8, then "
           "multiples of 8); --nocuda_graphs runs every step eagerly (to "
           "debug)");
+ABSL_FLAG(std::string, prefill_attention, "auto",
+          "CUDA attention of long prefill chunks: auto (the WMMA "
+          "FlashAttention kernel) or mma (FlashMmaAttention: mma.sync, "
+          "FlashAttention-2 style; not yet measured on a GPU)");
 
 namespace specserve {
 
@@ -44,6 +48,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   o.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  o.prefill_attention = absl::GetFlag(FLAGS_prefill_attention);
   return o;
 }
 
