@@ -25,10 +25,17 @@ for b in attention_plan_test cuda_backend_test device_test gpu_bench \
     exit 1
   fi
 done
-for lib in libstdc++.so.6 libgcc_s.so.1 libcudart.so.13 libopenblas.so.0 \
+for lib in libstdc++.so.6 libgcc_s.so.1 libcudart.so.13 libopenblas.so.0.gz \
            libgfortran.so.5; do
   test -e "$GPU/lib/$lib"
 done
+# What travels to the GPU machine (with the ~11 MiB of tracked files) must
+# stay under the device tool's 64 MiB.
+size_kib=$(du -sk "$GPU" | cut -f1)
+if [ "$size_kib" -gt $((48 * 1024)) ]; then
+  echo "bundle is ${size_kib} KiB, over 48 MiB" >&2
+  exit 1
+fi
 # Every cc_test of common/cuda is in the bundle's list.
 sed -n 's/^ *name = "\(.*\)",$/\1/p' <(awk '/^cc_test\(/ {t = 1} t && /name =/ {print; t = 0}' \
   common/cuda/BUILD.bazel) | sort > "$GPU/want.txt"
@@ -49,6 +56,8 @@ if [ "$rc" -ne 4 ]; then
   exit 1
 fi
 grep -q "no CUDA device" "$GPU/run.log"
+# run_gpu_tests.sh restored the gzipped OpenBLAS the CPU reference loads.
+test -e "$GPU/lib/libopenblas.so.0"
 grep -q "^\[  PASSED  \]" "$GPU/run.log"
 if grep -q "^\[  FAILED  \]" "$GPU/run.log"; then exit 1; fi
 "${run_env[@]}" ALLOW_NO_GPU=1 bash tools/gpu/run_gpu_tests.sh \

@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Sourced by the tools/gpu run_*.sh scripts: makes cuBLAS 13 loadable for
-# the bundled binaries (everything else comes with the bundle).
+# the bundled binaries (everything else comes with the bundle), and
+# defines unpack_bundle_libs.
 # Looks in $CUDA_HOME/lib64, the usual toolkit folders, then the pip wheels
 # PyTorch brings (nvidia-cublas: nvidia/cublas/lib or nvidia/cu13/lib).
 
@@ -42,3 +43,13 @@ fi
 # glibc >= 2.36 is needed (binaries built on Debian 12).
 GLIBC_VERSION=$(ldd --version 2>/dev/null | head -1 | grep -o '[0-9]*\.[0-9]*$' || true)
 echo "gpu_env: glibc ${GLIBC_VERSION:-unknown}"
+
+# unpack_bundle_libs DIR: restores the libraries a bundle stores gzipped
+# (bundle_gpu_tests.sh gzips OpenBLAS to fit the device tool's size limit).
+unpack_bundle_libs() {
+  local gz
+  for gz in "$1"/*.gz; do
+    [ -e "$gz" ] || continue
+    [ -e "${gz%.gz}" ] || gzip -dc "$gz" > "${gz%.gz}"
+  done
+}

@@ -38,6 +38,7 @@ fi
 export LD_LIBRARY_PATH="$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # shellcheck source=tools/gpu/gpu_env.sh
 source tools/gpu/gpu_env.sh
+unpack_bundle_libs "$BUNDLE/lib"
 
 write_checkpoint() {  # preset
   local dir="$CKPT_DIR/$1"

@@ -27,6 +27,7 @@ fi
 export LD_LIBRARY_PATH="$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # shellcheck source=tools/gpu/gpu_env.sh
 source tools/gpu/gpu_env.sh
+unpack_bundle_libs "$BUNDLE/lib"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 fi
