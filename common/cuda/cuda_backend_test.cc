@@ -1862,26 +1862,35 @@ TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
   EXPECT_GT(accepted, 0);
 }
 
-// CUDA graphs: greedy decode and verify steps replayed from the graph of
-// their bucket give the argmax of the same step run eagerly, for batches
-// that grow and shrink between steps (1 ... 40 sequences, verify rounds of
-// 4 rows), with twin sequences' blocks interleaved in the pool, so a
-// padding row that wrote KV, or a stale input of a larger bucket, would
-// show in a later step.
-TEST_P(ModelTest, GraphReplayEqualsEager) {
-  Engines e = LoadEngines(GetParam(), CudaDType::kBF16, 96 * 128);
+// CUDA graphs: decode and verify steps replayed from the graph of their
+// bucket give what the same step gives eagerly, for batches that grow and
+// shrink between steps (1 ... 40 sequences, verify rounds of 3-4 rows),
+// with twin sequences' blocks interleaved in the pool, so a padding row
+// that wrote KV, or a stale input of a larger bucket, would show in a
+// later step. Greedy: the argmax of the eager step's logits (a near-tie may
+// differ: the bucket's GEMM shapes are not the eager step's). With
+// `sampled`, every other sequence samples on the device with drafts on its
+// verify rows: the same accept flags and tokens as eagerly, from the same
+// uniforms, in at least 90% of the rows.
+void CheckGraphReplay(const std::string& model, bool sampled,
+                      std::mt19937_64* gen) {
+  Engines e = LoadEngines(model, CudaDType::kBF16, 96 * 128);
   ASSERT_NE(e.gpu, nullptr);
   const ModelConfig& c = e.cpu->config();
   const int vocab = c.vocab_size;
   constexpr int kSeqs = 40;
-  // Twins: graph[i] runs with graphs on and argmax_only, eager[i] with
-  // graphs off and logits; both always get the same tokens.
+  auto uniform_id = [&] {
+    return std::uniform_int_distribution<int>(0, vocab - 1)(*gen);
+  };
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  // Twins: graph[i] runs with graphs on, eager[i] with graphs off; both
+  // always get the same tokens.
   std::vector<std::unique_ptr<KvSequence>> graph, eager;
   std::vector<int> len(kSeqs);
   for (int i = 0; i < kSeqs; ++i) {
     len[i] = 5 + (i * 7) % 30;
     std::vector<int> ids(len[i]);
-    for (int& id : ids) id = Uniform(0, vocab - 1);
+    for (int& id : ids) id = uniform_id();
     const std::vector<int> pos = Iota(0, len[i]);
     for (auto* twins : {&graph, &eager}) {
       twins->push_back(NewSeq(*e.gpu, 128));
@@ -1893,7 +1902,7 @@ TEST_P(ModelTest, GraphReplayEqualsEager) {
       ASSERT_OK(e.gpu->Forward(in, twins->back().get(), &o));
     }
   }
-  int exact = 0, rows_seen = 0;
+  int exact = 0, rows_seen = 0, accepted = 0;
   int64_t replays = e.gpu->graph_replays();
   // (sequences, rows per sequence) of each step.
   const std::vector<std::pair<int, int>> steps = {
@@ -1902,19 +1911,42 @@ TEST_P(ModelTest, GraphReplayEqualsEager) {
   for (const auto& [seqs, rows] : steps) {
     SCOPED_TRACE(absl::StrCat(seqs, " sequences x ", rows, " rows"));
     std::vector<std::vector<int>> ids(seqs), pos(seqs);
+    std::vector<RowSampling> jobs(seqs);
+    std::vector<std::vector<SparseDist>> qs(seqs);
     for (int i = 0; i < seqs; ++i) {
       for (int r = 0; r < rows; ++r) {
-        ids[i].push_back(Uniform(0, vocab - 1));
+        ids[i].push_back(uniform_id());
         pos[i].push_back(len[i] + r);
+      }
+      if (!sampled || i % 2 == 0) continue;
+      // Row r verifies ids[i][r + 1] with q giving it 0.6.
+      RowSampling& rs = jobs[i];
+      rs.params = {0.8f, i % 4 == 1 ? 0 : 50, 0.95f, 0};
+      qs[i].resize(rows);
+      for (int r = 0; r < rows; ++r) {
+        const bool draft = r + 1 < rows;
+        if (draft) {
+          qs[i][r] = {{ids[i][r + 1], 0.6f},
+                      {(ids[i][r + 1] + 1) % vocab, 0.4f}};
+        }
+        rs.draft_ids.push_back(draft ? ids[i][r + 1] : -1);
+        rs.uniforms.push_back(u01(*gen));
+        rs.uniforms.push_back(u01(*gen));
+      }
+      for (int r = 0; r < rows; ++r) {
+        rs.draft_q.push_back(r + 1 < rows ? &qs[i][r] : nullptr);
       }
     }
     std::vector<SequenceForward> gb(seqs), eb(seqs);
     for (int i = 0; i < seqs; ++i) {
+      const bool samples = sampled && i % 2 == 1;
       gb[i].kv = graph[i].get();
       gb[i].input = AllRows(ids[i], pos[i]);
-      gb[i].input.argmax_only = true;
+      gb[i].input.argmax_only = !samples;
+      gb[i].input.sampling = samples ? &jobs[i] : nullptr;
       eb[i].kv = eager[i].get();
       eb[i].input = AllRows(ids[i], pos[i]);
+      eb[i].input.sampling = samples ? &jobs[i] : nullptr;
     }
     std::vector<ForwardOutput> go, eo;
     e.gpu->set_cuda_graphs(true);
@@ -1925,19 +1957,25 @@ TEST_P(ModelTest, GraphReplayEqualsEager) {
     ASSERT_OK(e.gpu->Forward(eb, &eo));
     EXPECT_EQ(e.gpu->graph_replays(), replays);
     for (int i = 0; i < seqs; ++i) {
-      ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
       for (int r = 0; r < rows; ++r) {
+        ++rows_seen;
+        if (gb[i].input.sampling != nullptr) {
+          ASSERT_EQ(go[i].sampled.size(), static_cast<size_t>(rows));
+          ASSERT_EQ(eo[i].sampled.size(), static_cast<size_t>(rows));
+          accepted += go[i].accepted[r];
+          exact += go[i].sampled[r] == eo[i].sampled[r] &&
+                   go[i].accepted[r] == eo[i].accepted[r];
+          continue;
+        }
+        ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
         const float* row = eo[i].logits_row(r, vocab);
         std::vector<float> sorted(row, row + vocab);
         std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
                           std::greater<float>());
         const int got = go[i].argmax[r];
-        ++rows_seen;
         if (got == Argmax(row, vocab)) {
           ++exact;
         } else {
-          // Only a near-tie may differ (the bucket's GEMM shape differs
-          // from the eager step's).
           EXPECT_LT(sorted[0] - sorted[1], 2e-2f) << i << "/" << r;
         }
         EXPECT_GE(row[got], sorted[0] - 2e-2f) << i << "/" << r;
@@ -1946,12 +1984,21 @@ TEST_P(ModelTest, GraphReplayEqualsEager) {
     }
   }
   EXPECT_GE(exact, rows_seen * 9 / 10);
+  if (sampled) EXPECT_GT(accepted, 0);
   // A step that asks for logits never replays.
   e.gpu->set_cuda_graphs(true);
   ForwardOutput o;
   ASSERT_OK(e.gpu->Forward(AllRows({1}, {len[0]}), graph[0].get(), &o));
   EXPECT_EQ(e.gpu->graph_replays(), replays);
   EXPECT_EQ(o.logits.size(), static_cast<size_t>(vocab));
+}
+
+TEST_P(ModelTest, GraphReplayEqualsEager) {
+  CheckGraphReplay(GetParam(), /*sampled=*/false, &rng_);
+}
+
+TEST_P(ModelTest, SampledGraphReplayEqualsEager) {
+  CheckGraphReplay(GetParam(), /*sampled=*/true, &rng_);
 }
 
 TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {

@@ -114,8 +114,10 @@ CudaModelRunner::CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
                  weights_->config().head_dim) {}
 
 CudaModelRunner::~CudaModelRunner() {
-  for (cudaGraphExec_t exec : graphs_) {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  for (const auto* execs : {&graphs_, &sampled_graphs_}) {
+    for (cudaGraphExec_t exec : *execs) {
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+    }
   }
   cublasDestroy(cublas_);
   cudaStreamDestroy(stream_);
@@ -847,6 +849,10 @@ absl::Status CudaModelRunner::AllocateGraphLayout() {
   sizes.split_ws_bytes = sizeof(float) *
                          static_cast<size_t>(gl->cap.partial_triples) *
                          (c.head_dim + 2);
+  // SampleRows jobs at cuda_step::GraphSampling's fixed offsets.
+  sizes.samp_rows = Nm;
+  sizes.samp_ints = 4 * Nm + 1 + kGraphMaxDraftQ;
+  sizes.samp_floats = 2 * Nm + kGraphMaxDraftQ;
   const size_t tb = CudaDTypeBytes(weights_->dtype());
   absl::StatusOr<DeviceBuffer> ws =
       DeviceBuffer::Allocate(CarveStep(nullptr, c, tb, sizes, &gl->reg));
@@ -881,9 +887,10 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
       attention_path_ != AttentionPath::kSplitK && any_flash ? kFlashMinRows
                                                              : 0;
   if (!cuda_step::GraphEligible(batch, logit_rows, kMaxGraphRows,
-                                flash_min_rows)) {
+                                flash_min_rows, kGraphMaxDraftQ)) {
     return false;
   }
+  const bool sampled = cuda_step::AnySampling(batch);
   if (graph_layout_ == nullptr) {
     if (absl::Status s = AllocateGraphLayout(); !s.ok()) {
       // No room for the graphs' fixed workspace: run eagerly from now on.
@@ -926,8 +933,22 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   SPECSERVE_RETURN_IF_ERROR(
       upload(gl.combine, plan.combine.data(), plan.combine.size()));
   SPECSERVE_RETURN_IF_ERROR(upload(gl.counts, counts, 2));
+  if (sampled) {
+    const cuda_step::GraphSampling js =
+        cuda_step::PackGraphSampling(batch, b, kMaxGraphRows);
+    SPECSERVE_RETURN_IF_ERROR(
+        upload(gl.reg.samp_ints, js.ints.data(), js.used_ints));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        gl.reg.samp_floats, js.floats.data(), sizeof(float) * js.used_floats,
+        cudaMemcpyHostToDevice, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        gl.reg.samp_uniforms, js.uniforms.data(),
+        sizeof(double) * js.uniforms.size(), cudaMemcpyHostToDevice,
+        stream_));
+  }
 
-  cudaGraphExec_t& exec = graphs_[b];
+  // Greedy steps and steps with sampled rows have a graph each per bucket.
+  cudaGraphExec_t& exec = (sampled ? sampled_graphs_ : graphs_)[b];
   if (exec == nullptr) {
     StepLaunch step;
     step.reg = &gl.reg;
@@ -964,7 +985,34 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     if (began != cudaSuccess) {
       why = cudaGetErrorString(began);
     } else {
-      const absl::Status enqueued = EnqueueForward(step);
+      absl::Status enqueued = EnqueueForward(step);
+      if (enqueued.ok() && sampled) {
+        // Every row of the bucket gets a job (placeholders for greedy and
+        // padding rows), at the fixed offsets PackGraphSampling fills.
+        cuda_kernels::SampleRowsArgs sa;
+        sa.logits = gl.reg.logits;
+        sa.vocab = c.vocab_size;
+        sa.num_rows = b;
+        sa.logit_row = gl.reg.samp_ints;
+        sa.top_k = gl.reg.samp_ints + cuda_step::GraphSampling::top_k_at(Nm);
+        sa.draft_id =
+            gl.reg.samp_ints + cuda_step::GraphSampling::draft_id_at(Nm);
+        sa.q_offsets =
+            gl.reg.samp_ints + cuda_step::GraphSampling::q_offsets_at(Nm);
+        sa.q_ids = gl.reg.samp_ints + cuda_step::GraphSampling::q_ids_at(Nm);
+        sa.temperature = gl.reg.samp_floats;
+        sa.top_p = gl.reg.samp_floats + cuda_step::GraphSampling::top_p_at(Nm);
+        sa.q_probs =
+            gl.reg.samp_floats + cuda_step::GraphSampling::q_probs_at(Nm);
+        sa.uniforms = gl.reg.samp_uniforms;
+        sa.scratch = gl.reg.samp_scratch;
+        sa.token = gl.reg.samp_out;
+        sa.accepted = gl.reg.samp_out + Nm;
+        const cudaError_t launched = cuda_kernels::SampleRows(sa, stream_);
+        if (launched != cudaSuccess) {
+          enqueued = absl::InternalError(cudaGetErrorString(launched));
+        }
+      }
       cudaGraph_t graph = nullptr;
       const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
       if (!enqueued.ok()) {
@@ -987,10 +1035,15 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     }
   }
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream_));
-  std::vector<int> argmax(N);
+  std::vector<int> argmax(N), samp_out(sampled ? 2 * Nm : 0);
   SPECSERVE_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(argmax.data(), gl.reg.argmax, sizeof(int) * N,
                       cudaMemcpyDeviceToHost, stream_));
+  if (sampled) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        samp_out.data(), gl.reg.samp_out, sizeof(int) * samp_out.size(),
+        cudaMemcpyDeviceToHost, stream_));
+  }
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   out->assign(S, ForwardOutput());
@@ -999,7 +1052,13 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     ForwardOutput& o = (*out)[i];
     o.logit_rows = logit_rows[i];
     const int n = static_cast<int>(logit_rows[i].size());
-    o.argmax.assign(argmax.begin() + row, argmax.begin() + row + n);
+    if (batch[i].input.sampling != nullptr) {
+      o.sampled.assign(samp_out.begin() + row, samp_out.begin() + row + n);
+      o.accepted.assign(samp_out.begin() + Nm + row,
+                        samp_out.begin() + Nm + row + n);
+    } else {
+      o.argmax.assign(argmax.begin() + row, argmax.begin() + row + n);
+    }
     row += n;
   }
   ++graph_replays_;

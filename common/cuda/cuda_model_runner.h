@@ -118,15 +118,19 @@ class CudaModelRunner : public ModelRunner {
   void set_attention_path(AttentionPath path);
 
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
-  /// verify step of greedy (argmax_only) sequences with at most
-  /// kMaxGraphRows rows in all, every row a logit row, no tree, capture or
-  /// FlashAttention sequence, is padded to its bucket (1, 2, 4, 8, then
-  /// multiples of 8; padding rows store no KV) and replayed from a graph
-  /// captured on the bucket's first step, instead of ~15 launches per
-  /// layer. Inputs go to a fixed device workspace allocated on first use;
-  /// if that or a capture fails, the runner logs why and stays eager.
-  /// Other steps always run eagerly.
+  /// verify step of greedy (argmax_only) or device-sampled
+  /// (ForwardInput::sampling) sequences with at most kMaxGraphRows rows in
+  /// all, every row a logit row, no tree, capture or FlashAttention
+  /// sequence, and at most kGraphMaxDraftQ draft-distribution entries, is
+  /// padded to its bucket (1, 2, 4, 8, then multiples of 8; padding rows
+  /// store no KV) and replayed from a graph captured on the bucket's first
+  /// such step (one graph per bucket for greedy steps, one for steps with
+  /// sampled rows), instead of ~15 launches per layer. Inputs go to a
+  /// fixed device workspace allocated on first use; if that or a capture
+  /// fails, the runner logs why and stays eager. Other steps always run
+  /// eagerly.
   static constexpr int kMaxGraphRows = 128;
+  static constexpr int kGraphMaxDraftQ = 1 << 20;
   void set_cuda_graphs(bool enabled);
   /// Whether graphs are on (false after a failed capture too).
   bool cuda_graphs();
@@ -198,6 +202,8 @@ class CudaModelRunner : public ModelRunner {
   DeviceBuffer graph_workspace_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<GraphLayout> graph_layout_ ABSL_GUARDED_BY(mu_);
   std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_) =
+      std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
+  std::vector<cudaGraphExec_t> sampled_graphs_ ABSL_GUARDED_BY(mu_) =
       std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
 };
 

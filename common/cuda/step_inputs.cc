@@ -54,12 +54,13 @@ int GraphBucket(int rows) {
 
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
-                   int max_rows, int flash_min_rows) {
+                   int max_rows, int flash_min_rows, int max_q) {
   int rows = 0;
+  size_t q = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const ForwardInput& in = batch[i].input;
     const int n = static_cast<int>(in.token_ids.size());
-    if (!in.argmax_only || in.sampling != nullptr ||
+    if (in.argmax_only == (in.sampling != nullptr) ||
         batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
         !in.tree_parents.empty() ||
         static_cast<int>(logit_rows[i].size()) != n) {
@@ -69,9 +70,71 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
       if (logit_rows[i][j] != j) return false;
     }
     if (flash_min_rows > 0 && n >= flash_min_rows) return false;
+    if (in.sampling != nullptr) {
+      for (int j = 0; j < n; ++j) {
+        if (in.sampling->draft_ids[j] >= 0) q += in.sampling->draft_q[j]->size();
+      }
+    }
     rows += n;
   }
-  return !batch.empty() && rows <= max_rows;
+  return !batch.empty() && rows <= max_rows &&
+         q <= static_cast<size_t>(max_q);
+}
+
+bool AnySampling(absl::Span<const SequenceForward> batch) {
+  for (const SequenceForward& e : batch) {
+    if (e.input.sampling != nullptr) return true;
+  }
+  return false;
+}
+
+GraphSampling PackGraphSampling(absl::Span<const SequenceForward> batch,
+                                int bucket, int max_rows) {
+  const int M = max_rows;
+  GraphSampling g;
+  g.ints.assign(4 * M + 1, 0);
+  g.floats.assign(2 * M, 1.f);
+  g.uniforms.assign(2 * M, 0.0);
+  int* top_k = g.ints.data() + GraphSampling::top_k_at(M);
+  int* draft = g.ints.data() + GraphSampling::draft_id_at(M);
+  int* q_off = g.ints.data() + GraphSampling::q_offsets_at(M);
+  float* top_p = g.floats.data() + GraphSampling::top_p_at(M);
+  std::vector<int> q_ids;
+  std::vector<float> q_probs;
+  for (int r = 0; r < M; ++r) {
+    g.ints[r] = r;   // each row reads its own logits row
+    top_k[r] = 1;    // placeholder job: the cheapest selection
+    draft[r] = -1;
+  }
+  int row = 0;
+  for (const SequenceForward& e : batch) {
+    const RowSampling* rs = e.input.sampling;
+    const int n = static_cast<int>(e.input.token_ids.size());
+    for (int j = 0; j < n; ++j, ++row) {
+      q_off[row] = static_cast<int>(q_ids.size());
+      if (rs == nullptr) continue;
+      g.floats[row] = rs->params.temperature;
+      top_k[row] = rs->params.top_k;
+      top_p[row] = rs->params.top_p;
+      draft[row] = rs->draft_ids[j];
+      g.uniforms[2 * row] = rs->uniforms[2 * j];
+      g.uniforms[2 * row + 1] = rs->uniforms[2 * j + 1];
+      if (rs->draft_ids[j] >= 0) {
+        for (const auto& [id, prob] : *rs->draft_q[j]) {
+          q_ids.push_back(id);
+          q_probs.push_back(prob);
+        }
+      }
+    }
+  }
+  for (int r = row; r <= std::max(bucket, row); ++r) {
+    q_off[r] = static_cast<int>(q_ids.size());
+  }
+  g.ints.insert(g.ints.end(), q_ids.begin(), q_ids.end());
+  g.floats.insert(g.floats.end(), q_probs.begin(), q_probs.end());
+  g.used_ints = g.ints.size();
+  g.used_floats = g.floats.size();
+  return g;
 }
 
 absl::StatusOr<GraphStepInputs> PackGraphStep(

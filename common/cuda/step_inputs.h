@@ -50,14 +50,44 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
 int GraphBucket(int rows);
 
 /// Whether a step can run from a CUDA graph: every sequence greedy
-/// (argmax_only, no sampling), without query capture or tree, asking for
-/// the logits of all its rows in order; no sequence with >= flash_min_rows
-/// rows when `flash_min_rows` > 0 (those go to FlashAttention, launched
-/// per sequence); at most max_rows rows in all. logit_rows: each entry's
-/// resolved rows (ValidateBatch).
+/// (argmax_only) or sampled on the device (ForwardInput::sampling), without
+/// query capture or tree, asking for the logits of all its rows in order;
+/// no sequence with >= flash_min_rows rows when `flash_min_rows` > 0 (those
+/// go to FlashAttention, launched per sequence); at most max_rows rows in
+/// all, and at most max_q draft-distribution entries over the sampled rows.
+/// logit_rows: each entry's resolved rows (ValidateBatch).
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
-                   int max_rows, int flash_min_rows);
+                   int max_rows, int flash_min_rows, int max_q);
+
+/// Whether any sequence of `batch` samples on the device.
+bool AnySampling(absl::Span<const SequenceForward> batch);
+
+/// The SampleRows jobs of a graph step padded to `bucket` rows, one per
+/// row in row order, at offsets fixed for a graph sized for `max_rows`
+/// rows (M): ints = [M] logit rows (row r reads row r), [M] top-k, [M]
+/// draft ids, [M + 1] q offsets, then the q ids; floats = [M]
+/// temperatures, [M] top-p, then the q probabilities; uniforms = [M, 2].
+/// Greedy and padding rows get a cheap placeholder job (top-k 1, no
+/// draft; their samples are not read). Only the first q_ints / q_floats
+/// entries of ints / floats need uploading. The step must be
+/// GraphEligible.
+struct GraphSampling {
+  std::vector<int> ints;
+  std::vector<float> floats;
+  std::vector<double> uniforms;
+  size_t used_ints = 0;
+  size_t used_floats = 0;
+
+  static int top_k_at(int max_rows) { return max_rows; }
+  static int draft_id_at(int max_rows) { return 2 * max_rows; }
+  static int q_offsets_at(int max_rows) { return 3 * max_rows; }
+  static int q_ids_at(int max_rows) { return 4 * max_rows + 1; }
+  static int top_p_at(int max_rows) { return max_rows; }
+  static int q_probs_at(int max_rows) { return 2 * max_rows; }
+};
+GraphSampling PackGraphSampling(absl::Span<const SequenceForward> batch,
+                                int bucket, int max_rows);
 
 /// The inputs of a graph step padded to `bucket` rows, laid out for a
 /// graph sized for `max_rows` rows:

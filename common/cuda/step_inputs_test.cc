@@ -105,22 +105,35 @@ struct Step {
   }
 };
 
-TEST(GraphEligibleTest, GreedyDecodeAndVerifyRowsOnly) {
+TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_TRUE(GraphEligible(Step({1, 1, 1}).batch, Step({1, 1, 1}).logit_rows,
-                            128, 32));
+                            128, 32, 100));
   Step verify({4, 4, 1});
-  EXPECT_TRUE(GraphEligible(verify.batch, verify.logit_rows, 128, 32));
-  EXPECT_FALSE(GraphEligible(verify.batch, verify.logit_rows, 8, 32));
-  EXPECT_FALSE(GraphEligible({}, {}, 128, 32));
+  EXPECT_TRUE(GraphEligible(verify.batch, verify.logit_rows, 128, 32, 100));
+  EXPECT_FALSE(GraphEligible(verify.batch, verify.logit_rows, 8, 32, 100));
+  EXPECT_FALSE(GraphEligible({}, {}, 128, 32, 100));
 
-  auto with = [](const std::function<void(Step&)>& change) {
+  auto with = [](const std::function<void(Step&)>& change, int max_q = 100) {
     Step s({1, 4});
     change(s);
-    return GraphEligible(s.batch, s.logit_rows, 128, 32);
+    return GraphEligible(s.batch, s.logit_rows, 128, 32, max_q);
   };
+  // Logits to the host: no.
   EXPECT_FALSE(with([](Step& s) { s.batch[1].input.argmax_only = false; }));
+  // Sampled on the device: yes, within the q capacity.
+  const SparseDist q = {{3, 0.5f}, {4, 0.5f}};
   RowSampling rs;
-  EXPECT_FALSE(with([&](Step& s) { s.batch[0].input.sampling = &rs; }));
+  rs.draft_ids = {7, 8, -1, 9};
+  rs.draft_q = {&q, &q, nullptr, &q};
+  auto sampled = [&](Step& s) {
+    s.batch[1].input.argmax_only = false;
+    s.batch[1].input.sampling = &rs;
+  };
+  EXPECT_TRUE(with(sampled));
+  EXPECT_TRUE(with(sampled, 6));
+  EXPECT_FALSE(with(sampled, 5));
+  // Both argmax_only and sampling is not a valid input; not graphed.
+  EXPECT_FALSE(with([&](Step& s) { s.batch[1].input.sampling = &rs; }));
   EXPECT_FALSE(
       with([](Step& s) { s.batch[1].input.capture_query_rows = {3}; }));
   EXPECT_FALSE(
@@ -130,8 +143,54 @@ TEST(GraphEligibleTest, GreedyDecodeAndVerifyRowsOnly) {
   EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {0, 2, 1, 3}; }));
   // A sequence FlashAttention would take.
   Step chunk({1, 32});
-  EXPECT_FALSE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 32));
-  EXPECT_TRUE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 0));
+  EXPECT_FALSE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 32, 100));
+  EXPECT_TRUE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 0, 100));
+  EXPECT_FALSE(AnySampling(chunk.batch));
+}
+
+TEST(PackGraphSamplingTest, OneJobPerRowAtFixedOffsets) {
+  constexpr int kMax = 16;
+  // Sequence 0 greedy (1 row), sequence 1 sampled (3 rows, drafts on the
+  // first two), padded to 8.
+  Step step({1, 3});
+  const SparseDist q0 = {{3, 0.5f}, {4, 0.5f}};
+  const SparseDist q1 = {{9, 1.f}};
+  RowSampling rs;
+  rs.params = {0.7f, 40, 0.9f, 0};
+  rs.draft_ids = {3, 9, -1};
+  rs.draft_q = {&q0, &q1, nullptr};
+  rs.uniforms = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6};
+  step.batch[1].input.argmax_only = false;
+  step.batch[1].input.sampling = &rs;
+  EXPECT_TRUE(AnySampling(step.batch));
+  const GraphSampling g = PackGraphSampling(step.batch, 8, kMax);
+  auto ints = [&](int at, int n) {
+    return std::vector<int>(g.ints.begin() + at, g.ints.begin() + at + n);
+  };
+  auto floats = [&](int at, int n) {
+    return std::vector<float>(g.floats.begin() + at,
+                              g.floats.begin() + at + n);
+  };
+  // Rows 0 (greedy), 1-3 (sampled), 4-7 padding: placeholders but rows 1-3.
+  EXPECT_EQ(ints(0, 8), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(ints(GraphSampling::top_k_at(kMax), 8),
+            (std::vector<int>{1, 40, 40, 40, 1, 1, 1, 1}));
+  EXPECT_EQ(ints(GraphSampling::draft_id_at(kMax), 8),
+            (std::vector<int>{-1, 3, 9, -1, -1, -1, -1, -1}));
+  EXPECT_EQ(ints(GraphSampling::q_offsets_at(kMax), 9),
+            (std::vector<int>{0, 0, 2, 3, 3, 3, 3, 3, 3}));
+  EXPECT_EQ(ints(GraphSampling::q_ids_at(kMax), 3),
+            (std::vector<int>{3, 4, 9}));
+  EXPECT_EQ(g.used_ints, static_cast<size_t>(4 * kMax + 1 + 3));
+  EXPECT_EQ(floats(0, 5), (std::vector<float>{1.f, 0.7f, 0.7f, 0.7f, 1.f}));
+  EXPECT_EQ(floats(GraphSampling::top_p_at(kMax), 5),
+            (std::vector<float>{1.f, 0.9f, 0.9f, 0.9f, 1.f}));
+  EXPECT_EQ(floats(GraphSampling::q_probs_at(kMax), 3),
+            (std::vector<float>{0.5f, 0.5f, 1.f}));
+  EXPECT_EQ(g.used_floats, static_cast<size_t>(2 * kMax + 3));
+  ASSERT_EQ(g.uniforms.size(), static_cast<size_t>(2 * kMax));
+  EXPECT_EQ(std::vector<double>(g.uniforms.begin(), g.uniforms.begin() + 10),
+            (std::vector<double>{0, 0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0, 0}));
 }
 
 TEST(PackGraphStepTest, PadsToTheBucketAndPlansTheRealSequences) {

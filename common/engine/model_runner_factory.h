@@ -41,7 +41,7 @@ struct RunnerOptions {
   /// vLLM's --gpu_memory_utilization: the fraction of the GPU's memory this
   /// instance may hold (weights, workspace and KV pool), in (0, 1].
   double gpu_memory_utilization = 0.9;
-  /// CUDA: replay greedy decode / verify steps from CUDA graphs
+  /// CUDA: replay decode / verify steps from CUDA graphs
   /// (CudaModelRunner::set_cuda_graphs). Ignored on CPU.
   bool cuda_graphs = true;
   /// CUDA prefill attention for long chunks: "auto" (the WMMA

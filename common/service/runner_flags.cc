@@ -27,10 +27,10 @@ ABSL_FLAG(double, gpu_memory_utilization, 0.9,
           "rest; used when --kv_budget_bytes is 0 (the default). Two "
           "services on one GPU need fractions that sum to < 1");
 ABSL_FLAG(bool, cuda_graphs, true,
-          "CUDA: replay greedy decode / verify steps of up to 128 rows from "
-          "CUDA graphs captured per batch-size bucket (1, 2, 4, 8, then "
-          "multiples of 8); --nocuda_graphs runs every step eagerly (to "
-          "debug)");
+          "CUDA: replay decode / verify steps (greedy or sampled) of up to "
+          "128 rows from CUDA graphs captured per batch-size bucket (1, 2, "
+          "4, 8, then multiples of 8); --nocuda_graphs runs every step "
+          "eagerly (to debug)");
 ABSL_FLAG(std::string, prefill_attention, "auto",
           "CUDA attention of long prefill chunks: auto (the WMMA "
           "FlashAttention kernel) or mma (FlashMmaAttention: mma.sync, "

@@ -14,7 +14,7 @@ namespace specserve {
 ///   --kv_cache_dtype auto|f32|bf16  (KV cache; auto = f32 on CPU, the
 ///                                    --cuda_dtype on CUDA)
 ///   --gpu_memory_utilization F  (default 0.9, vLLM's meaning)
-///   --cuda_graphs           (CUDA graphs for greedy decode / verify steps,
+///   --cuda_graphs           (CUDA graphs for decode / verify steps,
 ///                            default on; CudaModelRunner::set_cuda_graphs)
 ///   --prefill_attention auto|mma  (CUDA attention of long prefill chunks)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the
