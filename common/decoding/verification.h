@@ -38,7 +38,9 @@ absl::Status ValidateDrafts(absl::Span<const DraftToken> drafts,
                             int vocab_size, bool greedy);
 
 /// Speculative-decoding verification (Leviathan et al. 2211.17192, Alg. 1;
-/// Chen et al. 2302.01318; docs/ARCHITECTURE.md).
+/// Chen et al. 2302.01318; docs/ARCHITECTURE.md), row after row: the
+/// reference the tests hold the row-parallel form the target serves with
+/// (SampleRow + VerifyDraftsFromRows) against.
 ///
 /// target_logits: [k+1, vocab_size] row-major, k = drafts.size(); row j is the
 /// target's logits after [last emitted token, x_1..x_j], i.e. p_{j+1}.
