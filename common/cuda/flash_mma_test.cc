@@ -30,6 +30,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/cuda/device.h"
+#include "common/cuda/device_array_test_util.h"
 #include "common/cuda/kernels.h"
 #include "gtest/gtest.h"
 
@@ -93,41 +94,7 @@ float FromBits(uint16_t b, CudaDType dtype) {
   return dtype == CudaDType::kBF16 ? FromBf16(b) : FromFp16(b);
 }
 
-// ---------------------------------------------------------------------------
-// Device memory.
-// ---------------------------------------------------------------------------
-class DeviceArray {
- public:
-  explicit DeviceArray(size_t bytes) {
-    err_ = cudaMalloc(&ptr_, std::max<size_t>(bytes, 16));
-  }
-  ~DeviceArray() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-
-  template <typename T>
-  cudaError_t Upload(const std::vector<T>& host) {
-    if (err_ != cudaSuccess || host.empty()) return err_;
-    return cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T),
-                      cudaMemcpyHostToDevice);
-  }
-  template <typename T>
-  cudaError_t Download(std::vector<T>* host) const {
-    if (err_ != cudaSuccess || host->empty()) return err_;
-    return cudaMemcpy(host->data(), ptr_, host->size() * sizeof(T),
-                      cudaMemcpyDeviceToHost);
-  }
-  void* get() const { return ptr_; }
-  cudaError_t error() const { return err_; }
-
- private:
-  void* ptr_ = nullptr;
-  cudaError_t err_ = cudaSuccess;
-};
-
-#define ASSERT_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+using testing_cuda::DeviceArray;
 
 // ---------------------------------------------------------------------------
 // Test problems.

@@ -35,6 +35,7 @@
 
 #include "absl/types/span.h"
 #include "common/cuda/device.h"
+#include "common/cuda/device_array_test_util.h"
 #include "common/decoding/row_sampling.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stats.h"
@@ -70,36 +71,7 @@ struct Batch {
   }
 };
 
-// One cudaMalloc allocation (at least one element, so never null).
-class DeviceArray {
- public:
-  explicit DeviceArray(size_t bytes) {
-    err_ = cudaMalloc(&ptr_, std::max<size_t>(bytes, 16));
-  }
-  ~DeviceArray() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-
-  template <typename T>
-  static cudaError_t Upload(const std::vector<T>& host, DeviceArray* dev) {
-    if (dev->err_ != cudaSuccess || host.empty()) return dev->err_;
-    return cudaMemcpy(dev->ptr_, host.data(), host.size() * sizeof(T),
-                      cudaMemcpyHostToDevice);
-  }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  void* ptr_ = nullptr;
-  cudaError_t err_ = cudaSuccess;
-};
-
-#define ASSERT_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+using testing_cuda::DeviceArray;
 
 // Runs SampleRows on `batch` and returns each row's outcome in *out. The
 // outputs are poisoned first (0x55 bytes: neither a token nor a flag), so
@@ -135,16 +107,16 @@ void RunOnDevice(const Batch& batch, std::vector<RowSample>* out,
       d_uniforms(uniforms.size() * sizeof(double)),
       d_scratch(ck::SampleRowsScratchBytes(n, batch.vocab)),
       d_token(n * sizeof(int)), d_accepted(n * sizeof(int));
-  ASSERT_CUDA_OK(DeviceArray::Upload(batch.logits, &d_logits));
-  ASSERT_CUDA_OK(DeviceArray::Upload(logit_row, &d_logit_row));
-  ASSERT_CUDA_OK(DeviceArray::Upload(top_k, &d_top_k));
-  ASSERT_CUDA_OK(DeviceArray::Upload(draft_id, &d_draft_id));
-  ASSERT_CUDA_OK(DeviceArray::Upload(q_offsets, &d_q_offsets));
-  ASSERT_CUDA_OK(DeviceArray::Upload(temperature, &d_temperature));
-  ASSERT_CUDA_OK(DeviceArray::Upload(top_p, &d_top_p));
-  ASSERT_CUDA_OK(DeviceArray::Upload(q_ids, &d_q_ids));
-  ASSERT_CUDA_OK(DeviceArray::Upload(q_probs, &d_q_probs));
-  ASSERT_CUDA_OK(DeviceArray::Upload(uniforms, &d_uniforms));
+  ASSERT_CUDA_OK(d_logits.Upload(batch.logits));
+  ASSERT_CUDA_OK(d_logit_row.Upload(logit_row));
+  ASSERT_CUDA_OK(d_top_k.Upload(top_k));
+  ASSERT_CUDA_OK(d_draft_id.Upload(draft_id));
+  ASSERT_CUDA_OK(d_q_offsets.Upload(q_offsets));
+  ASSERT_CUDA_OK(d_temperature.Upload(temperature));
+  ASSERT_CUDA_OK(d_top_p.Upload(top_p));
+  ASSERT_CUDA_OK(d_q_ids.Upload(q_ids));
+  ASSERT_CUDA_OK(d_q_probs.Upload(q_probs));
+  ASSERT_CUDA_OK(d_uniforms.Upload(uniforms));
   ASSERT_CUDA_OK(d_scratch.error());
   ASSERT_CUDA_OK(d_token.error());
   ASSERT_CUDA_OK(d_accepted.error());
