@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_format.h"
 #include "common/cuda/device.h"
 #include "common/cuda/device_array_test_util.h"
@@ -42,25 +43,14 @@ namespace ck = cuda_kernels;
 // ---------------------------------------------------------------------------
 // Host 16-bit formats (round to nearest even), the device's storage.
 // ---------------------------------------------------------------------------
-uint32_t FloatBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-float BitsFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 uint16_t ToBf16(float f) {
-  const uint32_t u = FloatBits(f);
+  const uint32_t u = absl::bit_cast<uint32_t>(f);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 // Finite inputs well inside the fp16 range (|f| < 65504).
 uint16_t ToFp16(float f) {
-  const uint32_t u = FloatBits(f);
+  const uint32_t u = absl::bit_cast<uint32_t>(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const float a = std::fabs(f);
   if (a < 6.103515625e-05f) {  // below 2^-14: subnormal, units of 2^-24
@@ -74,7 +64,9 @@ uint16_t ToFp16(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
-float FromBf16(uint16_t b) { return BitsFloat(static_cast<uint32_t>(b) << 16); }
+float FromBf16(uint16_t b) {
+  return absl::bit_cast<float>(static_cast<uint32_t>(b) << 16);
+}
 
 float FromFp16(uint16_t b) {
   const uint32_t sign = (b & 0x8000u) << 16;
@@ -83,8 +75,8 @@ float FromFp16(uint16_t b) {
     const float v = std::ldexp(static_cast<float>(m), -24);
     return sign ? -v : v;
   }
-  if (e == 31) return BitsFloat(sign | 0x7F800000u | (m << 13));
-  return BitsFloat(sign | ((e - 15 + 127) << 23) | (m << 13));
+  if (e == 31) return absl::bit_cast<float>(sign | 0x7F800000u | (m << 13));
+  return absl::bit_cast<float>(sign | ((e - 15 + 127) << 23) | (m << 13));
 }
 
 uint16_t ToBits(float f, CudaDType dtype) {
