@@ -55,6 +55,7 @@
 #include "common/engine/kernels.h"
 #include "common/engine/model_runner.h"
 #include "common/engine/paged_kv_cache.h"
+#include "common/model/synthetic.h"
 #include "common/model/weights.h"
 #include "common/specprefill/importance.h"
 #include "common/specprefill/selection.h"
@@ -2661,6 +2662,29 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
   }
   EXPECT_EQ(got, want);
   EXPECT_GT(deep, 0);
+}
+
+// The graphs' workspace (host arithmetic, no GPU): at least its two big
+// regions, 128 rows of fp32 logits and of sampling scratch; growing with
+// the GPU's multiprocessors; in the hundreds of MB at most for an 8B model
+// (the factory reserves it out of the KV pool).
+TEST(GraphWorkspaceTest, CoversLogitsAndSamplingScratch) {
+  absl::StatusOr<ModelConfig> c = PresetConfig("llama-3.1-8b");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const size_t bytes =
+      CudaModelRunner::GraphWorkspaceBytes(*c, CudaDType::kBF16, 16, 132);
+  const size_t big = 2 * sizeof(float) *
+                     static_cast<size_t>(CudaModelRunner::kMaxGraphRows) *
+                     c->vocab_size;
+  EXPECT_GT(bytes, big);
+  EXPECT_LT(bytes, big + (size_t{128} << 20));
+  EXPECT_GE(CudaModelRunner::GraphWorkspaceBytes(*c, CudaDType::kBF16, 16, 256),
+            bytes);
+  // Block size 1: a table entry per token of every sequence's context.
+  const size_t ctx = c->max_position_embeddings;
+  EXPECT_GE(CudaModelRunner::GraphWorkspaceBytes(*c, CudaDType::kBF16, 1, 132),
+            bytes + sizeof(int) * CudaModelRunner::kMaxGraphRows *
+                        (ctx - (ctx + 15) / 16));
 }
 
 INSTANTIATE_TEST_SUITE_P(BundledCheckpoints, ModelTest,

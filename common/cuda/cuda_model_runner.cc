@@ -829,30 +829,55 @@ absl::Status CudaModelRunner::Run(
   return absl::OkStatus();
 }
 
-absl::Status CudaModelRunner::AllocateGraphLayout() {
-  const ModelConfig& c = config();
-  const int H = c.num_attention_heads, KV = c.num_key_value_heads;
-  auto gl = std::make_unique<GraphLayout>();
-  gl->cap = cuda_kernels::BatchedAttentionCapacityFor(
-      kMaxGraphRows, kMaxGraphRows, H, KV, num_sms_);
+namespace {
+
+// The graph workspace's regions (kMaxGraphRows rows; the attention
+// capacity for `num_sms`), and the table room in *max_tables.
+StepSizes GraphStepSizes(const ModelConfig& c, int block_size, int num_sms,
+                         cuda_kernels::BatchedAttentionCapacity* cap,
+                         int* max_tables) {
+  constexpr int kRows = CudaModelRunner::kMaxGraphRows;
+  *cap = cuda_kernels::BatchedAttentionCapacityFor(
+      kRows, kRows, c.num_attention_heads, c.num_key_value_heads, num_sms);
   // Every sequence's table is at most its capacity's blocks.
-  const int bs = cache_->block_size();
-  gl->max_tables =
-      kMaxGraphRows * ((c.max_position_embeddings + bs - 1) / bs);
-  const size_t Nm = kMaxGraphRows;
+  *max_tables =
+      kRows * ((c.max_position_embeddings + block_size - 1) / block_size);
+  const size_t Nm = kRows;
   StepSizes sizes;
   sizes.rows = Nm;
   sizes.logit_rows = Nm;
-  sizes.ints = 4 * Nm + gl->max_tables + Nm * cuda_kernels::kSeqInfoFields +
-               3 * static_cast<size_t>(gl->cap.num_work) +
-               2 * static_cast<size_t>(gl->cap.num_combine) + 2;
+  sizes.ints = 4 * Nm + *max_tables + Nm * cuda_kernels::kSeqInfoFields +
+               3 * static_cast<size_t>(cap->num_work) +
+               2 * static_cast<size_t>(cap->num_combine) + 2;
   sizes.split_ws_bytes = sizeof(float) *
-                         static_cast<size_t>(gl->cap.partial_triples) *
+                         static_cast<size_t>(cap->partial_triples) *
                          (c.head_dim + 2);
   // SampleRows jobs at cuda_step::GraphSampling's fixed offsets.
   sizes.samp_rows = Nm;
-  sizes.samp_ints = 4 * Nm + 1 + kGraphMaxDraftQ;
-  sizes.samp_floats = 2 * Nm + kGraphMaxDraftQ;
+  sizes.samp_ints = 4 * Nm + 1 + CudaModelRunner::kGraphMaxDraftQ;
+  sizes.samp_floats = 2 * Nm + CudaModelRunner::kGraphMaxDraftQ;
+  return sizes;
+}
+
+}  // namespace
+
+size_t CudaModelRunner::GraphWorkspaceBytes(const ModelConfig& config,
+                                            CudaDType dtype, int block_size,
+                                            int num_sms) {
+  cuda_kernels::BatchedAttentionCapacity cap;
+  int max_tables = 0;
+  const StepSizes sizes = GraphStepSizes(config, std::max(block_size, 1),
+                                         num_sms, &cap, &max_tables);
+  StepRegions reg;
+  return CarveStep(nullptr, config, CudaDTypeBytes(dtype), sizes, &reg);
+}
+
+absl::Status CudaModelRunner::AllocateGraphLayout() {
+  const ModelConfig& c = config();
+  auto gl = std::make_unique<GraphLayout>();
+  const StepSizes sizes = GraphStepSizes(c, cache_->block_size(), num_sms_,
+                                         &gl->cap, &gl->max_tables);
+  const size_t Nm = kMaxGraphRows;
   const size_t tb = CudaDTypeBytes(weights_->dtype());
   absl::StatusOr<DeviceBuffer> ws =
       DeviceBuffer::Allocate(CarveStep(nullptr, c, tb, sizes, &gl->reg));

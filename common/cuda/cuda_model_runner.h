@@ -132,6 +132,15 @@ class CudaModelRunner : public ModelRunner {
   static constexpr int kMaxGraphRows = 128;
   static constexpr int kGraphMaxDraftQ = 1 << 20;
   void set_cuda_graphs(bool enabled);
+  /// Bytes of the graphs' fixed workspace, allocated on the first graph
+  /// step: kMaxGraphRows rows of every forward region, of fp32 logits and
+  /// of SampleRows scratch, the sampling jobs (kGraphMaxDraftQ q entries),
+  /// block tables for sequences at max_position_embeddings, and the
+  /// batched attention's capacity on a GPU of `num_sms` multiprocessors
+  /// (more multiprocessors, more bytes). ~170 MB for Llama 3.1 8B in bf16.
+  static size_t GraphWorkspaceBytes(const ModelConfig& config,
+                                    CudaDType dtype, int block_size,
+                                    int num_sms);
   /// Whether graphs are on (false after a failed capture too).
   bool cuda_graphs();
   /// Steps run from a graph so far.

@@ -74,6 +74,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     m.instance_bytes = (*gw)->bytes();
     m.reserve_bytes = ForwardWorkspaceReserveBytes(
         (*gw)->config(), kWorkspaceReserveRows, CudaDTypeBytes(*dt));
+    if (options.cuda_graphs) {
+      // The graphs' workspace, for GPUs of up to 256 multiprocessors.
+      m.reserve_bytes += CudaModelRunner::GraphWorkspaceBytes(
+          (*gw)->config(), *dt, kv.block_size, 256);
+    }
     m.utilization = options.gpu_memory_utilization;
     absl::StatusOr<size_t> pool = KvPoolBytesFromUtilization(m);
     if (!pool.ok()) return pool.status();
