@@ -11,6 +11,8 @@
 ABSL_DECLARE_FLAG(std::string, kv_cache_dtype);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
 ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(bool, cuda_graphs);
+ABSL_DECLARE_FLAG(std::string, prefill_attention);
 
 namespace specserve {
 namespace {
@@ -24,6 +26,29 @@ TEST_F(RunnerFlagsTest, DefaultsKeepTodaysCpuCache) {
   const RunnerOptions o = RunnerOptionsFromFlags();
   EXPECT_EQ(o.kv_cache_dtype, "auto");
   EXPECT_EQ(o.weight_dtype, "auto");
+  // CUDA graphs on, the WMMA prefill kernel until FlashMma is measured.
+  EXPECT_TRUE(o.cuda_graphs);
+  EXPECT_EQ(o.prefill_attention, "auto");
+}
+
+// The CUDA-only flags reach the options; a bad --prefill_attention fails
+// the runner's creation on any device, naming the flag's field.
+TEST_F(RunnerFlagsTest, CudaGraphsAndPrefillAttentionReachTheOptions) {
+  absl::SetFlag(&FLAGS_cuda_graphs, false);
+  absl::SetFlag(&FLAGS_prefill_attention, "mma");
+  RunnerOptions o = RunnerOptionsFromFlags();
+  EXPECT_FALSE(o.cuda_graphs);
+  EXPECT_EQ(o.prefill_attention, "mma");
+  absl::SetFlag(&FLAGS_device, "cpu");
+  o = RunnerOptionsFromFlags();
+  o.kv_cache.pool_bytes = size_t{1} << 20;
+  EXPECT_TRUE(LoadModelRunner("models/stories260K", o).ok());
+  absl::SetFlag(&FLAGS_prefill_attention, "flash3");
+  o = RunnerOptionsFromFlags();
+  o.kv_cache.pool_bytes = size_t{1} << 20;
+  const absl::Status bad = LoadModelRunner("models/stories260K", o).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("prefill_attention"), std::string::npos);
 }
 
 // --kv_cache_dtype reaches the CPU runner: auto and f32 keep an f32 cache,
