@@ -379,9 +379,71 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   return cv.size();
 }
 
+// The batched attention launch's fields every step shares (queries,
+// outputs, shape, workspace); the caller adds the tables and the plan.
+cuda_kernels::BatchedAttentionArgs BatchedArgs(const StepRegions& reg,
+                                               const ModelConfig& c,
+                                               CudaDType dtype,
+                                               int block_size) {
+  cuda_kernels::BatchedAttentionArgs ba;
+  ba.q = reg.q;
+  ba.out = reg.attn;
+  ba.dtype = dtype;
+  ba.num_heads = c.num_attention_heads;
+  ba.num_kv_heads = c.num_key_value_heads;
+  ba.head_dim = c.head_dim;
+  ba.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  ba.block_size = block_size;
+  ba.workspace = reg.split_ws;
+  return ba;
+}
+
+// SampleRows over `num_rows` jobs in `reg`'s sampling regions, packed with
+// `stride` (PackedRowSampling's layout).
+cuda_kernels::SampleRowsArgs SampleArgs(const StepRegions& reg, int stride,
+                                        int num_rows, int vocab) {
+  using P = PackedRowSampling;
+  cuda_kernels::SampleRowsArgs sa;
+  sa.logits = reg.logits;
+  sa.vocab = vocab;
+  sa.num_rows = num_rows;
+  sa.logit_row = reg.samp_ints;
+  sa.top_k = reg.samp_ints + P::top_k_at(stride);
+  sa.draft_id = reg.samp_ints + P::draft_id_at(stride);
+  sa.q_offsets = reg.samp_ints + P::q_offsets_at(stride);
+  sa.q_ids = reg.samp_ints + P::q_ids_at(stride);
+  sa.temperature = reg.samp_floats;
+  sa.top_p = reg.samp_floats + P::top_p_at(stride);
+  sa.q_probs = reg.samp_floats + P::q_probs_at(stride);
+  sa.uniforms = reg.samp_uniforms;
+  sa.scratch = reg.samp_scratch;
+  sa.token = reg.samp_out;
+  sa.accepted = reg.samp_out + stride;
+  return sa;
+}
+
+// Copies packed jobs into `reg`'s sampling regions.
+absl::Status UploadSampling(const PackedRowSampling& p, const StepRegions& reg,
+                            cudaStream_t stream) {
+  if (p.num_rows == 0) return absl::OkStatus();
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(reg.samp_ints, p.ints.data(), sizeof(int) * p.ints.size(),
+                      cudaMemcpyHostToDevice, stream));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      reg.samp_floats, p.floats.data(), sizeof(float) * p.floats.size(),
+      cudaMemcpyHostToDevice, stream));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      reg.samp_uniforms, p.uniforms.data(), sizeof(double) * p.uniforms.size(),
+      cudaMemcpyHostToDevice, stream));
+  return absl::OkStatus();
+}
+
 }  // namespace cuda_step
 
+using cuda_step::BatchedArgs;
 using cuda_step::CarveStep;
+using cuda_step::SampleArgs;
+using cuda_step::UploadSampling;
 using cuda_step::StepRegions;
 using cuda_step::StepSizes;
 
@@ -666,37 +728,18 @@ absl::Status CudaModelRunner::Run(
   step.slots = d_slots;
   step.logit_rows = d_rows;
   cuda_kernels::BatchedAttentionArgs& ba = step.ba;
-  ba.q = reg.q;
-  ba.out = reg.attn;
-  ba.dtype = dt;
-  ba.num_heads = H;
-  ba.num_kv_heads = KV;
-  ba.head_dim = D;
-  ba.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  ba = BatchedArgs(reg, c, dt, bs);
   ba.block_tables = d_tables;
-  ba.block_size = bs;
   ba.seq_info = d_plan;
   ba.work = d_plan + plan->seq_info.size();
   ba.num_work = plan->num_work();
   ba.combine = ba.work + plan->work.size();
   ba.num_combine = plan->num_combine();
-  ba.workspace = reg.split_ws;
   ba.partial_triples = plan->partial_triples;
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       reg.ints, host_ints.data(), sizeof(int) * host_ints.size(),
       cudaMemcpyHostToDevice, stream_));
-  if (NS > 0) {
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        reg.samp_ints, samp.ints.data(), sizeof(int) * samp.ints.size(),
-        cudaMemcpyHostToDevice, stream_));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        reg.samp_floats, samp.floats.data(),
-        sizeof(float) * samp.floats.size(), cudaMemcpyHostToDevice, stream_));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        reg.samp_uniforms, samp.uniforms.data(),
-        sizeof(double) * samp.uniforms.size(), cudaMemcpyHostToDevice,
-        stream_));
-  }
+  SPECSERVE_RETURN_IF_ERROR(UploadSampling(samp, reg, stream_));
   if (tree_rows > 0) {
     static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
     ba.tree_start = reg.tree_start;
@@ -748,23 +791,8 @@ absl::Status CudaModelRunner::Run(
 
   std::vector<int> samp_out(2 * NS);
   if (NS > 0) {
-    cuda_kernels::SampleRowsArgs sa;
-    sa.logits = reg.logits;
-    sa.vocab = vocab;
-    sa.num_rows = NS;
-    sa.logit_row = reg.samp_ints + samp.logit_row_at();
-    sa.top_k = reg.samp_ints + samp.top_k_at();
-    sa.draft_id = reg.samp_ints + samp.draft_id_at();
-    sa.q_offsets = reg.samp_ints + samp.q_offsets_at();
-    sa.q_ids = reg.samp_ints + samp.q_ids_at();
-    sa.temperature = reg.samp_floats + samp.temperature_at();
-    sa.top_p = reg.samp_floats + samp.top_p_at();
-    sa.q_probs = reg.samp_floats + samp.q_probs_at();
-    sa.uniforms = reg.samp_uniforms;
-    sa.scratch = reg.samp_scratch;
-    sa.token = reg.samp_out;
-    sa.accepted = reg.samp_out + NS;
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SampleRows(sa, stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SampleRows(
+        SampleArgs(reg, samp.stride, NS, vocab), stream_));
     SPECSERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(samp_out.data(), reg.samp_out, sizeof(int) * 2 * NS,
                         cudaMemcpyDeviceToHost, stream_));
@@ -852,7 +880,7 @@ StepSizes GraphStepSizes(const ModelConfig& c, int block_size, int num_sms,
   sizes.split_ws_bytes = sizeof(float) *
                          static_cast<size_t>(cap->partial_triples) *
                          (c.head_dim + 2);
-  // SampleRows jobs at cuda_step::GraphSampling's fixed offsets.
+  // SampleRows jobs, PackRowSampling's layout with stride kMaxGraphRows.
   sizes.samp_rows = Nm;
   sizes.samp_ints = 4 * Nm + 1 + CudaModelRunner::kGraphMaxDraftQ;
   sizes.samp_floats = 2 * Nm + CudaModelRunner::kGraphMaxDraftQ;
@@ -927,7 +955,6 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   }
   const GraphLayout& gl = *graph_layout_;
   const int H = c.num_attention_heads, KV = c.num_key_value_heads;
-  const int D = c.head_dim, bs = cache_->block_size();
   const size_t Nm = kMaxGraphRows;
   // Inputs at the layout's fixed offsets; padding rows take token 0 at
   // position 0, store no KV (slot -1) and attend to nothing.
@@ -959,16 +986,13 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
       upload(gl.combine, plan.combine.data(), plan.combine.size()));
   SPECSERVE_RETURN_IF_ERROR(upload(gl.counts, counts, 2));
   if (sampled) {
-    const cuda_step::GraphSampling js =
-        cuda_step::PackGraphSampling(batch, b, kMaxGraphRows);
-    SPECSERVE_RETURN_IF_ERROR(
-        upload(gl.reg.samp_ints, js.ints.data(), js.used_ints));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        gl.reg.samp_floats, js.floats.data(), sizeof(float) * js.used_floats,
-        cudaMemcpyHostToDevice, stream_));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        gl.reg.samp_uniforms, js.uniforms.data(),
-        sizeof(double) * js.uniforms.size(), cudaMemcpyHostToDevice,
+    // Every logit row is a graph row: job r samples row r.
+    std::vector<int> lr0(S + 1, 0);
+    for (int i = 0; i < S; ++i) {
+      lr0[i + 1] = lr0[i] + static_cast<int>(logit_rows[i].size());
+    }
+    SPECSERVE_RETURN_IF_ERROR(UploadSampling(
+        cuda_step::PackRowSampling(batch, lr0, kMaxGraphRows), gl.reg,
         stream_));
   }
 
@@ -985,21 +1009,13 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     step.logit_rows = gl.ids + 3 * Nm;
     step.argmax = true;
     cuda_kernels::BatchedAttentionArgs& ba = step.ba;
-    ba.q = gl.reg.q;
-    ba.out = gl.reg.attn;
-    ba.dtype = dt;
-    ba.num_heads = H;
-    ba.num_kv_heads = KV;
-    ba.head_dim = D;
-    ba.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    ba = BatchedArgs(gl.reg, c, dt, cache_->block_size());
     ba.block_tables = gl.tables;
-    ba.block_size = bs;
     ba.seq_info = gl.seq_info;
     ba.work = gl.work;
     ba.num_work = cap.num_work;
     ba.combine = gl.combine;
     ba.num_combine = cap.num_combine;
-    ba.workspace = gl.reg.split_ws;
     ba.partial_triples = gl.cap.partial_triples;
     ba.device_counts = gl.counts;
     // Capture only records the launches; the replay below runs them. Any
@@ -1013,27 +1029,9 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
       absl::Status enqueued = EnqueueForward(step);
       if (enqueued.ok() && sampled) {
         // Every row of the bucket gets a job (placeholders for greedy and
-        // padding rows), at the fixed offsets PackGraphSampling fills.
-        cuda_kernels::SampleRowsArgs sa;
-        sa.logits = gl.reg.logits;
-        sa.vocab = c.vocab_size;
-        sa.num_rows = b;
-        sa.logit_row = gl.reg.samp_ints;
-        sa.top_k = gl.reg.samp_ints + cuda_step::GraphSampling::top_k_at(Nm);
-        sa.draft_id =
-            gl.reg.samp_ints + cuda_step::GraphSampling::draft_id_at(Nm);
-        sa.q_offsets =
-            gl.reg.samp_ints + cuda_step::GraphSampling::q_offsets_at(Nm);
-        sa.q_ids = gl.reg.samp_ints + cuda_step::GraphSampling::q_ids_at(Nm);
-        sa.temperature = gl.reg.samp_floats;
-        sa.top_p = gl.reg.samp_floats + cuda_step::GraphSampling::top_p_at(Nm);
-        sa.q_probs =
-            gl.reg.samp_floats + cuda_step::GraphSampling::q_probs_at(Nm);
-        sa.uniforms = gl.reg.samp_uniforms;
-        sa.scratch = gl.reg.samp_scratch;
-        sa.token = gl.reg.samp_out;
-        sa.accepted = gl.reg.samp_out + Nm;
-        const cudaError_t launched = cuda_kernels::SampleRows(sa, stream_);
+        // padding rows), at the fixed offsets PackRowSampling fills.
+        const cudaError_t launched = cuda_kernels::SampleRows(
+            SampleArgs(gl.reg, kMaxGraphRows, b, c.vocab_size), stream_);
         if (launched != cudaSuccess) {
           enqueued = absl::InternalError(cudaGetErrorString(launched));
         }

@@ -9,40 +9,61 @@ namespace specserve {
 namespace cuda_step {
 
 PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
-                                  absl::Span<const int> logit_row_start) {
-  std::vector<int> rows, top_k, draft_ids, q_offsets(1, 0), q_ids;
-  std::vector<float> temps, top_p, q_probs;
+                                  absl::Span<const int> logit_row_start,
+                                  int capacity) {
   PackedRowSampling p;
+  if (capacity > 0) {
+    p.num_rows = p.stride = capacity;
+  } else {
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (batch[i].input.sampling == nullptr) continue;
+      p.num_rows += logit_row_start[i + 1] - logit_row_start[i];
+    }
+    p.stride = p.num_rows;
+  }
+  if (p.num_rows == 0) return p;
+  const int M = p.stride;
+  // Placeholders everywhere first: each job reads its own row, top-k 1.
+  p.ints.assign(4 * M + 1, 0);
+  p.floats.assign(2 * M, 1.f);
+  p.uniforms.assign(2 * M, 0.0);
+  int* top_k = p.ints.data() + PackedRowSampling::top_k_at(M);
+  int* draft = p.ints.data() + PackedRowSampling::draft_id_at(M);
+  int* q_off = p.ints.data() + PackedRowSampling::q_offsets_at(M);
+  float* top_p = p.floats.data() + PackedRowSampling::top_p_at(M);
+  for (int r = 0; r < M; ++r) {
+    p.ints[r] = r;
+    top_k[r] = 1;
+    draft[r] = -1;
+  }
+  std::vector<int> q_ids;
+  std::vector<float> q_probs;
+  int job = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const RowSampling* rs = batch[i].input.sampling;
-    if (rs == nullptr) continue;
-    for (int j = logit_row_start[i]; j < logit_row_start[i + 1]; ++j) {
+    if (rs == nullptr && capacity == 0) continue;
+    for (int j = logit_row_start[i]; j < logit_row_start[i + 1]; ++j, ++job) {
+      q_off[job] = static_cast<int>(q_ids.size());
+      if (rs == nullptr) continue;  // a placeholder
       const int r = j - logit_row_start[i];
-      rows.push_back(j);
-      temps.push_back(rs->params.temperature);
-      top_k.push_back(rs->params.top_k);
-      top_p.push_back(rs->params.top_p);
-      draft_ids.push_back(rs->draft_ids[r]);
+      p.ints[job] = j;
+      p.floats[job] = rs->params.temperature;
+      top_k[job] = rs->params.top_k;
+      top_p[job] = rs->params.top_p;
+      draft[job] = rs->draft_ids[r];
+      p.uniforms[2 * job] = rs->uniforms[2 * r];
+      p.uniforms[2 * job + 1] = rs->uniforms[2 * r + 1];
       if (rs->draft_ids[r] >= 0) {
         for (const auto& [id, prob] : *rs->draft_q[r]) {
           q_ids.push_back(id);
           q_probs.push_back(prob);
         }
       }
-      q_offsets.push_back(static_cast<int>(q_ids.size()));
-      p.uniforms.push_back(rs->uniforms[2 * r]);
-      p.uniforms.push_back(rs->uniforms[2 * r + 1]);
     }
   }
-  p.num_rows = static_cast<int>(rows.size());
-  if (p.num_rows == 0) return p;
-  for (const std::vector<int>* v :
-       {&rows, &top_k, &draft_ids, &q_offsets, &q_ids}) {
-    p.ints.insert(p.ints.end(), v->begin(), v->end());
-  }
-  for (const std::vector<float>* v : {&temps, &top_p, &q_probs}) {
-    p.floats.insert(p.floats.end(), v->begin(), v->end());
-  }
+  for (int r = job; r <= M; ++r) q_off[r] = static_cast<int>(q_ids.size());
+  p.ints.insert(p.ints.end(), q_ids.begin(), q_ids.end());
+  p.floats.insert(p.floats.end(), q_probs.begin(), q_probs.end());
   return p;
 }
 
@@ -86,55 +107,6 @@ bool AnySampling(absl::Span<const SequenceForward> batch) {
     if (e.input.sampling != nullptr) return true;
   }
   return false;
-}
-
-GraphSampling PackGraphSampling(absl::Span<const SequenceForward> batch,
-                                int bucket, int max_rows) {
-  const int M = max_rows;
-  GraphSampling g;
-  g.ints.assign(4 * M + 1, 0);
-  g.floats.assign(2 * M, 1.f);
-  g.uniforms.assign(2 * M, 0.0);
-  int* top_k = g.ints.data() + GraphSampling::top_k_at(M);
-  int* draft = g.ints.data() + GraphSampling::draft_id_at(M);
-  int* q_off = g.ints.data() + GraphSampling::q_offsets_at(M);
-  float* top_p = g.floats.data() + GraphSampling::top_p_at(M);
-  std::vector<int> q_ids;
-  std::vector<float> q_probs;
-  for (int r = 0; r < M; ++r) {
-    g.ints[r] = r;   // each row reads its own logits row
-    top_k[r] = 1;    // placeholder job: the cheapest selection
-    draft[r] = -1;
-  }
-  int row = 0;
-  for (const SequenceForward& e : batch) {
-    const RowSampling* rs = e.input.sampling;
-    const int n = static_cast<int>(e.input.token_ids.size());
-    for (int j = 0; j < n; ++j, ++row) {
-      q_off[row] = static_cast<int>(q_ids.size());
-      if (rs == nullptr) continue;
-      g.floats[row] = rs->params.temperature;
-      top_k[row] = rs->params.top_k;
-      top_p[row] = rs->params.top_p;
-      draft[row] = rs->draft_ids[j];
-      g.uniforms[2 * row] = rs->uniforms[2 * j];
-      g.uniforms[2 * row + 1] = rs->uniforms[2 * j + 1];
-      if (rs->draft_ids[j] >= 0) {
-        for (const auto& [id, prob] : *rs->draft_q[j]) {
-          q_ids.push_back(id);
-          q_probs.push_back(prob);
-        }
-      }
-    }
-  }
-  for (int r = row; r <= std::max(bucket, row); ++r) {
-    q_off[r] = static_cast<int>(q_ids.size());
-  }
-  g.ints.insert(g.ints.end(), q_ids.begin(), q_ids.end());
-  g.floats.insert(g.floats.end(), q_probs.begin(), q_probs.end());
-  g.used_ints = g.ints.size();
-  g.used_floats = g.floats.size();
-  return g;
 }
 
 absl::StatusOr<GraphStepInputs> PackGraphStep(

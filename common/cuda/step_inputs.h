@@ -15,35 +15,43 @@
 namespace specserve {
 namespace cuda_step {
 
-/// Every row of the batch's ForwardInput::sampling jobs, in batch order
-/// then logit-row order, as SampleRows reads them (sampling_kernels.h).
-/// With NS rows and NQ draft-distribution entries in all:
-///   ints   = [NS] logit rows (global, into the step's logits), [NS] top-k,
-///            [NS] draft ids, [NS + 1] q offsets, [NQ] q ids
-///   floats = [NS] temperatures, [NS] top-p, [NQ] q probabilities
-///   uniforms = [NS, 2] u_accept, u_sample
+/// SampleRows jobs (sampling_kernels.h), one per row, every per-row array
+/// `stride` entries long:
+///   ints   = [stride] logit rows (global, into the step's logits),
+///            [stride] top-k, [stride] draft ids, [stride + 1] q offsets,
+///            then the q ids of every draft distribution
+///   floats = [stride] temperatures, [stride] top-p, then the q
+///            probabilities
+///   uniforms = [stride, 2] u_accept, u_sample
 struct PackedRowSampling {
-  int num_rows = 0;  ///< NS
+  int num_rows = 0;  ///< jobs
+  int stride = 0;
   std::vector<int> ints;
   std::vector<float> floats;
   std::vector<double> uniforms;
 
   // Offsets into `ints` / `floats` of each array above.
-  int logit_row_at() const { return 0; }
-  int top_k_at() const { return num_rows; }
-  int draft_id_at() const { return 2 * num_rows; }
-  int q_offsets_at() const { return 3 * num_rows; }
-  int q_ids_at() const { return 4 * num_rows + 1; }
-  int temperature_at() const { return 0; }
-  int top_p_at() const { return num_rows; }
-  int q_probs_at() const { return 2 * num_rows; }
+  static int top_k_at(int stride) { return stride; }
+  static int draft_id_at(int stride) { return 2 * stride; }
+  static int q_offsets_at(int stride) { return 3 * stride; }
+  static int q_ids_at(int stride) { return 4 * stride + 1; }
+  static int top_p_at(int stride) { return stride; }
+  static int q_probs_at(int stride) { return 2 * stride; }
 };
 
-/// Packs the sampling jobs of `batch`. logit_row_start[i]: the first of
-/// sequence i's logit rows in the step's concatenated logit rows (size
-/// batch.size() + 1). Inputs must be valid (ValidateBatch).
+/// Packs the sampling jobs of `batch`, in batch order then logit-row
+/// order. logit_row_start[i]: the first of sequence i's logit rows in the
+/// step's concatenated logit rows (size batch.size() + 1).
+/// capacity 0 (an eager step): a job for each logit row of the sequences
+/// that sample (ForwardInput::sampling), stride = their number.
+/// capacity > 0 (a graph step, whose arrays sit at fixed offsets): a job
+/// for each of `capacity` rows, stride = capacity; logit row r is job r,
+/// and rows of greedy sequences and past the batch get a cheap placeholder
+/// (top-k 1, no draft; their samples are not read). capacity must be at
+/// least the batch's logit rows. Inputs must be valid (ValidateBatch).
 PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
-                                  absl::Span<const int> logit_row_start);
+                                  absl::Span<const int> logit_row_start,
+                                  int capacity = 0);
 
 /// The rows a captured step is padded to: 1, 2, 4, 8, then multiples of 8
 /// (vLLM's capture sizes). rows >= 1.
@@ -63,31 +71,6 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
 /// Whether any sequence of `batch` samples on the device.
 bool AnySampling(absl::Span<const SequenceForward> batch);
 
-/// The SampleRows jobs of a graph step padded to `bucket` rows, one per
-/// row in row order, at offsets fixed for a graph sized for `max_rows`
-/// rows (M): ints = [M] logit rows (row r reads row r), [M] top-k, [M]
-/// draft ids, [M + 1] q offsets, then the q ids; floats = [M]
-/// temperatures, [M] top-p, then the q probabilities; uniforms = [M, 2].
-/// Greedy and padding rows get a cheap placeholder job (top-k 1, no
-/// draft; their samples are not read). Only the first q_ints / q_floats
-/// entries of ints / floats need uploading. The step must be
-/// GraphEligible.
-struct GraphSampling {
-  std::vector<int> ints;
-  std::vector<float> floats;
-  std::vector<double> uniforms;
-  size_t used_ints = 0;
-  size_t used_floats = 0;
-
-  static int top_k_at(int max_rows) { return max_rows; }
-  static int draft_id_at(int max_rows) { return 2 * max_rows; }
-  static int q_offsets_at(int max_rows) { return 3 * max_rows; }
-  static int q_ids_at(int max_rows) { return 4 * max_rows + 1; }
-  static int top_p_at(int max_rows) { return max_rows; }
-  static int q_probs_at(int max_rows) { return 2 * max_rows; }
-};
-GraphSampling PackGraphSampling(absl::Span<const SequenceForward> batch,
-                                int bucket, int max_rows);
 
 /// The inputs of a graph step padded to `bucket` rows, laid out for a
 /// graph sized for `max_rows` rows:

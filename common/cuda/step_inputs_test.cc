@@ -40,6 +40,7 @@ TEST(PackRowSamplingTest, PacksRowsInBatchOrderWithTheirDrafts) {
   const std::vector<int> lr0 = {0, 3, 5, 6};
   const PackedRowSampling p = PackRowSampling(batch, lr0);
   ASSERT_EQ(p.num_rows, 4);
+  EXPECT_EQ(p.stride, 4);
   auto ints = [&](int at, int n) {
     return std::vector<int>(p.ints.begin() + at, p.ints.begin() + at + n);
   };
@@ -47,17 +48,17 @@ TEST(PackRowSamplingTest, PacksRowsInBatchOrderWithTheirDrafts) {
     return std::vector<float>(p.floats.begin() + at,
                               p.floats.begin() + at + n);
   };
-  EXPECT_EQ(ints(p.logit_row_at(), 4), (std::vector<int>{0, 1, 2, 5}));
-  EXPECT_EQ(ints(p.top_k_at(), 4), (std::vector<int>{5, 5, 5, 0}));
-  EXPECT_EQ(ints(p.draft_id_at(), 4), (std::vector<int>{7, 2, -1, -1}));
-  EXPECT_EQ(ints(p.q_offsets_at(), 5), (std::vector<int>{0, 2, 3, 3, 3}));
-  EXPECT_EQ(ints(p.q_ids_at(), 3), (std::vector<int>{7, 3, 2}));
+  EXPECT_EQ(ints(0, 4), (std::vector<int>{0, 1, 2, 5}));
+  EXPECT_EQ(ints(PackedRowSampling::top_k_at(4), 4), (std::vector<int>{5, 5, 5, 0}));
+  EXPECT_EQ(ints(PackedRowSampling::draft_id_at(4), 4), (std::vector<int>{7, 2, -1, -1}));
+  EXPECT_EQ(ints(PackedRowSampling::q_offsets_at(4), 5), (std::vector<int>{0, 2, 3, 3, 3}));
+  EXPECT_EQ(ints(PackedRowSampling::q_ids_at(4), 3), (std::vector<int>{7, 3, 2}));
   EXPECT_EQ(p.ints.size(), 4u * 4 + 1 + 3);
-  EXPECT_EQ(floats(p.temperature_at(), 4),
+  EXPECT_EQ(floats(0, 4),
             (std::vector<float>{0.8f, 0.8f, 0.8f, 1.5f}));
-  EXPECT_EQ(floats(p.top_p_at(), 4),
+  EXPECT_EQ(floats(PackedRowSampling::top_p_at(4), 4),
             (std::vector<float>{0.9f, 0.9f, 0.9f, 1.f}));
-  EXPECT_EQ(floats(p.q_probs_at(), 3),
+  EXPECT_EQ(floats(PackedRowSampling::q_probs_at(4), 3),
             (std::vector<float>{0.75f, 0.25f, 1.f}));
   EXPECT_EQ(p.floats.size(), 2u * 4 + 3);
   EXPECT_EQ(p.uniforms,
@@ -148,10 +149,12 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_FALSE(AnySampling(chunk.batch));
 }
 
-TEST(PackGraphSamplingTest, OneJobPerRowAtFixedOffsets) {
+// A graph step: a job for every logit row at fixed offsets (stride =
+// capacity), placeholders for greedy rows and past the batch.
+TEST(PackRowSamplingTest, GraphStepGetsAJobPerRowAtFixedOffsets) {
   constexpr int kMax = 16;
   // Sequence 0 greedy (1 row), sequence 1 sampled (3 rows, drafts on the
-  // first two), padded to 8.
+  // first two).
   Step step({1, 3});
   const SparseDist q0 = {{3, 0.5f}, {4, 0.5f}};
   const SparseDist q1 = {{9, 1.f}};
@@ -163,7 +166,10 @@ TEST(PackGraphSamplingTest, OneJobPerRowAtFixedOffsets) {
   step.batch[1].input.argmax_only = false;
   step.batch[1].input.sampling = &rs;
   EXPECT_TRUE(AnySampling(step.batch));
-  const GraphSampling g = PackGraphSampling(step.batch, 8, kMax);
+  const std::vector<int> lr0 = {0, 1, 4};
+  const PackedRowSampling g = PackRowSampling(step.batch, lr0, kMax);
+  EXPECT_EQ(g.num_rows, kMax);
+  EXPECT_EQ(g.stride, kMax);
   auto ints = [&](int at, int n) {
     return std::vector<int>(g.ints.begin() + at, g.ints.begin() + at + n);
   };
@@ -171,23 +177,24 @@ TEST(PackGraphSamplingTest, OneJobPerRowAtFixedOffsets) {
     return std::vector<float>(g.floats.begin() + at,
                               g.floats.begin() + at + n);
   };
-  // Rows 0 (greedy), 1-3 (sampled), 4-7 padding: placeholders but rows 1-3.
+  // Rows 0 (greedy), 1-3 (sampled), 4.. placeholders but rows 1-3.
   EXPECT_EQ(ints(0, 8), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
-  EXPECT_EQ(ints(GraphSampling::top_k_at(kMax), 8),
+  EXPECT_EQ(ints(PackedRowSampling::top_k_at(kMax), 8),
             (std::vector<int>{1, 40, 40, 40, 1, 1, 1, 1}));
-  EXPECT_EQ(ints(GraphSampling::draft_id_at(kMax), 8),
+  EXPECT_EQ(ints(PackedRowSampling::draft_id_at(kMax), 8),
             (std::vector<int>{-1, 3, 9, -1, -1, -1, -1, -1}));
-  EXPECT_EQ(ints(GraphSampling::q_offsets_at(kMax), 9),
-            (std::vector<int>{0, 0, 2, 3, 3, 3, 3, 3, 3}));
-  EXPECT_EQ(ints(GraphSampling::q_ids_at(kMax), 3),
+  EXPECT_EQ(ints(PackedRowSampling::q_offsets_at(kMax), kMax + 1),
+            std::vector<int>({0, 0, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+                              3}));
+  EXPECT_EQ(ints(PackedRowSampling::q_ids_at(kMax), 3),
             (std::vector<int>{3, 4, 9}));
-  EXPECT_EQ(g.used_ints, static_cast<size_t>(4 * kMax + 1 + 3));
+  EXPECT_EQ(g.ints.size(), static_cast<size_t>(4 * kMax + 1 + 3));
   EXPECT_EQ(floats(0, 5), (std::vector<float>{1.f, 0.7f, 0.7f, 0.7f, 1.f}));
-  EXPECT_EQ(floats(GraphSampling::top_p_at(kMax), 5),
+  EXPECT_EQ(floats(PackedRowSampling::top_p_at(kMax), 5),
             (std::vector<float>{1.f, 0.9f, 0.9f, 0.9f, 1.f}));
-  EXPECT_EQ(floats(GraphSampling::q_probs_at(kMax), 3),
+  EXPECT_EQ(floats(PackedRowSampling::q_probs_at(kMax), 3),
             (std::vector<float>{0.5f, 0.5f, 1.f}));
-  EXPECT_EQ(g.used_floats, static_cast<size_t>(2 * kMax + 3));
+  EXPECT_EQ(g.floats.size(), static_cast<size_t>(2 * kMax + 3));
   ASSERT_EQ(g.uniforms.size(), static_cast<size_t>(2 * kMax));
   EXPECT_EQ(std::vector<double>(g.uniforms.begin(), g.uniforms.begin() + 10),
             (std::vector<double>{0, 0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0, 0}));
