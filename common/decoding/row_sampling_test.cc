@@ -1,23 +1,15 @@
 #include "common/decoding/row_sampling.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "common/decoding/sampling.h"
-#include "common/decoding/stats.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
 namespace {
-
-std::vector<double> Dense(const SparseDist& d, int vocab) {
-  std::vector<double> p(vocab, 0.0);
-  for (const auto& e : d) p[e.first] = e.second;
-  return p;
-}
 
 TEST(SampleFromInIdOrderTest, WalksIdsAscending) {
   // Listed by probability; the draw walks ids 1, 4, 6.
@@ -83,61 +75,6 @@ TEST(SampleRowTest, AcceptTestIsUTimesQBelowP) {
   EXPECT_FALSE(plain.accepted);
   EXPECT_EQ(plain.token, 3);
 }
-
-struct RowCase {
-  SamplingParams params;
-  uint64_t seed;
-};
-
-class SampleRowDistributionTest : public ::testing::TestWithParam<RowCase> {};
-
-// Drafting x ~ q and emitting x if accepted, else the row's sample, is
-// distributed as p (Leviathan et al. Theorem 1), and a row without a draft
-// samples p.
-TEST_P(SampleRowDistributionTest, EmittedTokenIsDistributedAsTarget) {
-  constexpr int kVocab = 24;
-  constexpr int kTrials = 30000;
-  const RowCase& c = GetParam();
-  std::mt19937_64 gen(c.seed);
-  std::normal_distribution<float> normal(0.f, 1.5f);
-  std::vector<float> target(kVocab), draft(kVocab);
-  for (float& v : target) v = normal(gen);
-  for (float& v : draft) v = normal(gen);
-  const SparseDist q = ComputeDistribution(draft, c.params);
-  const std::vector<double> p =
-      Dense(ComputeDistribution(target, c.params), kVocab);
-  Rng rng(c.seed + 100);
-  std::vector<int64_t> with_draft(kVocab, 0), without(kVocab, 0);
-  int64_t accepted = 0;
-  for (int t = 0; t < kTrials; ++t) {
-    const int x = SampleFrom(q, &rng);
-    const double ua = rng.Uniform(), us = rng.Uniform();
-    const RowSample r = SampleRow(target, c.params, x, q, ua, us);
-    accepted += r.accepted;
-    ++with_draft[r.accepted ? x : r.token];
-    const RowSample plain =
-        SampleRow(target, c.params, -1, {}, rng.Uniform(), rng.Uniform());
-    ASSERT_FALSE(plain.accepted);
-    ++without[plain.token];
-  }
-  const ChiSquareResult a = ChiSquareTest(with_draft, p);
-  EXPECT_GT(a.p_value, 1e-3) << "chi2=" << a.statistic << " dof=" << a.dof;
-  const ChiSquareResult b = ChiSquareTest(without, p);
-  EXPECT_GT(b.p_value, 1e-3) << "chi2=" << b.statistic << " dof=" << b.dof;
-  // The acceptance rate is sum_x min(p, q) (Leviathan et al. 3.3).
-  const std::vector<double> qd = Dense(q, kVocab);
-  double alpha = 0.0;
-  for (int v = 0; v < kVocab; ++v) alpha += std::min(p[v], qd[v]);
-  const double rate = static_cast<double>(accepted) / kTrials;
-  EXPECT_NEAR(rate, alpha, 4 * std::sqrt(alpha * (1 - alpha) / kTrials));
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Params, SampleRowDistributionTest,
-    ::testing::Values(RowCase{{1.f, 0, 1.f, 0}, 1},
-                      RowCase{{0.7f, 6, 1.f, 0}, 2},
-                      RowCase{{1.f, 0, 0.85f, 0}, 3},
-                      RowCase{{1.5f, 10, 0.9f, 0}, 4}));
 
 }  // namespace
 }  // namespace specserve

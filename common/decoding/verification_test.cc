@@ -397,10 +397,11 @@ void PrintTo(const PairCase& c, std::ostream* os) {
 
 class SingleDraftTest : public ::testing::TestWithParam<PairCase> {};
 
-TEST_P(SingleDraftTest, AcceptanceRateAndCorrectionDistribution) {
+// One draft x ~ q verified kTrials times, by VerifyDrafts or (by_rows) by
+// the row form.
+void CheckSingleDraft(const PairCase& c, bool by_rows) {
   constexpr int kVocab = 20;
   constexpr int kTrials = 20000;
-  const PairCase& c = GetParam();
   std::mt19937_64 gen(c.seed);
   std::normal_distribution<float> normal(0.f, 1.5f);
   std::vector<float> target(2 * kVocab), draft(kVocab);
@@ -427,7 +428,8 @@ TEST_P(SingleDraftTest, AcceptanceRateAndCorrectionDistribution) {
   for (int t = 0; t < kTrials; ++t) {
     const std::vector<DraftToken> drafts = {{SampleFrom(qd, &rng), qd}};
     absl::StatusOr<VerifyResult> r =
-        VerifyDrafts(drafts, target, kVocab, c.params, &rng);
+        by_rows ? VerifyByRows(drafts, target, kVocab, c.params, &rng)
+                : VerifyDrafts(drafts, target, kVocab, c.params, &rng);
     ASSERT_TRUE(r.ok()) << r.status();
     if (r->num_accepted == 1) {
       ++accepted;
@@ -441,6 +443,14 @@ TEST_P(SingleDraftTest, AcceptanceRateAndCorrectionDistribution) {
   // Given a rejection, the correction comes from norm(max(0, p - q)).
   const ChiSquareResult chi = ChiSquareTest(corrections, residual);
   EXPECT_GT(chi.p_value, 1e-3) << "chi2=" << chi.statistic;
+}
+
+TEST_P(SingleDraftTest, AcceptanceRateAndCorrectionDistribution) {
+  CheckSingleDraft(GetParam(), /*by_rows=*/false);
+}
+
+TEST_P(SingleDraftTest, AcceptanceRateAndCorrectionDistributionByRows) {
+  CheckSingleDraft(GetParam(), /*by_rows=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Rates, SingleDraftTest,
