@@ -49,29 +49,14 @@ RowSample SampleRow(absl::Span<const float> logits,
     out.token = SampleFromInIdOrder(p, u_sample);
     return out;
   }
-  double p_x = 0.0, q_x = 0.0;
-  for (const auto& e : p) {
-    if (e.first == draft_id) p_x = e.second;
-  }
-  for (const auto& e : q) {
-    if (e.first == draft_id) q_x = e.second;
-  }
   // min(1, p/q) without the division, as VerifyDrafts writes it.
-  if (u_accept * q_x < p_x) {
+  if (u_accept * ProbabilityOf(q, draft_id) < ProbabilityOf(p, draft_id)) {
     out.accepted = true;
     return out;
   }
-  // The residual's support lies inside p's (q-only tokens have p = 0).
-  // A dense q by id (as VerifyDrafts keeps it), zeroed again after use.
   thread_local std::vector<float> q_dense;
   if (q_dense.size() < logits.size()) q_dense.resize(logits.size(), 0.f);
-  for (const auto& e : q) q_dense[e.first] = e.second;
-  SparseDist residual;
-  for (const auto& e : p) {
-    const float r = e.second - q_dense[e.first];
-    if (r > 0.f) residual.emplace_back(e.first, r);
-  }
-  for (const auto& e : q) q_dense[e.first] = 0.f;
+  const SparseDist residual = Residual(p, q, &q_dense);
   out.token = SampleFromInIdOrder(residual.empty() ? p : residual, u_sample);
   return out;
 }

@@ -18,6 +18,7 @@
 
 #include "absl/types/span.h"
 #include "common/decoding/sampling.h"
+#include "common/decoding/verification.h"
 
 namespace specserve {
 

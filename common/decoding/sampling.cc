@@ -245,6 +245,13 @@ SparseDist ComputeDistribution(absl::Span<const float> logits,
   return dist;
 }
 
+float ProbabilityOf(const SparseDist& dist, int id) {
+  for (const auto& e : dist) {
+    if (e.first == id) return e.second;
+  }
+  return 0.f;
+}
+
 int SampleAt(const SparseDist& dist, double u) {
   double total = 0.0;
   for (const auto& e : dist) total += e.second;

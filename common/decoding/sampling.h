@@ -83,6 +83,10 @@ class Rng {
 /// entries are never returned. Returns -1 for an empty or all-zero dist.
 int SampleFrom(const SparseDist& dist, Rng* rng);
 
+/// The probability `dist` lists for `id`, 0 when it lists none (a linear
+/// scan: dist is sorted by probability, not id).
+float ProbabilityOf(const SparseDist& dist, int id);
+
 /// SampleFrom's inverse-CDF walk at a given u in [0, 1): the first listed
 /// entry whose cumulative probability exceeds u * total; never a
 /// zero-probability entry; -1 for an empty or all-zero dist.

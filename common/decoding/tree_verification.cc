@@ -109,8 +109,8 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
   int slot = 0;  // the current node: 0 = root, 1 + i = node i
 
   // Sampled: p is the current node's (residual) distribution, mirrored in
-  // p_dense so a child's p(x) is one lookup; q_dense holds a rejected
-  // child's q while the residual is formed. Both are cleared after use.
+  // p_dense so a child's p(x) is one lookup (cleared after use); q_dense is
+  // Residual's scratch.
   std::vector<float> p_dense(vocab_size, 0.f), q_dense(vocab_size, 0.f);
   SparseDist p;
   const auto assign_p = [&](SparseDist next) {
@@ -123,30 +123,18 @@ absl::StatusOr<TreeVerifyResult> VerifyDraftTree(
     int next = -1;
     for (int c : children[slot]) {
       const DraftToken& d = drafts[c];
-      for (const auto& e : d.q) q_dense[e.first] = e.second;
-      // > 0, checked by ValidateDrafts.
-      const double q_x = q_dense[d.id];
+      // q(x) > 0, checked by ValidateDrafts.
+      const double q_x = ProbabilityOf(d.q, d.id);
       // Accept with probability min(1, p/q): u < p/q without division.
-      const bool accepted = rng->Uniform() * q_x < p_dense[d.id];
-      // Rejected: p <- norm(max(0, p - q)), whose support lies in p's. p == q
-      // leaves nothing: then p stays (the next sibling, drawn from q = p, is
-      // accepted for sure).
-      SparseDist residual;
-      double total = 0.0;
-      if (!accepted) {
-        for (const auto& e : p) {
-          const float r = e.second - q_dense[e.first];
-          if (r > 0.f) {
-            residual.emplace_back(e.first, r);
-            total += r;
-          }
-        }
-      }
-      for (const auto& e : d.q) q_dense[e.first] = 0.f;
-      if (accepted) {
+      if (rng->Uniform() * q_x < p_dense[d.id]) {
         next = c;
         break;
       }
+      // Rejected: p <- norm(max(0, p - q)). p == q leaves nothing: then p
+      // stays (the next sibling, drawn from q = p, is accepted for sure).
+      SparseDist residual = Residual(p, d.q, &q_dense);
+      double total = 0.0;
+      for (const auto& e : residual) total += e.second;
       if (total > 0.0) {
         for (auto& e : residual) {
           e.second = static_cast<float>(e.second / total);

@@ -89,6 +89,18 @@ VerifyResult AcceptGreedy(absl::Span<const DraftToken> drafts,
 
 }  // namespace
 
+SparseDist Residual(const SparseDist& p, const SparseDist& q,
+                    std::vector<float>* q_dense) {
+  for (const auto& e : q) (*q_dense)[e.first] = e.second;
+  SparseDist residual;
+  for (const auto& e : p) {
+    const float r = e.second - (*q_dense)[e.first];
+    if (r > 0.f) residual.emplace_back(e.first, r);
+  }
+  for (const auto& e : q) (*q_dense)[e.first] = 0.f;
+  return residual;
+}
+
 absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
                                           absl::Span<const float> target_logits,
                                           int vocab_size,
@@ -123,38 +135,22 @@ absl::StatusOr<VerifyResult> VerifyDrafts(absl::Span<const DraftToken> drafts,
   VerifyResult result;
   result.tokens.reserve(k + 1);
 
-  // Dense view of the current q_j, so p and q can be matched by id in
-  // O(|p| + |q|); entries are cleared again after each position.
+  // Residual's scratch, kept across positions.
   std::vector<float> q_dense(vocab_size, 0.f);
   for (size_t j = 0; j < k; ++j) {
     const DraftToken& d = drafts[j];
     const SparseDist p = ComputeDistribution(row(j), params);
-    for (const auto& e : d.q) q_dense[e.first] = e.second;
-
-    double p_x = 0.0;
-    for (const auto& e : p) {
-      if (e.first == d.id) {
-        p_x = e.second;
-        break;
-      }
-    }
-    const double q_x = q_dense[d.id];  // > 0, checked by ValidateDrafts
+    // q(x) > 0, checked by ValidateDrafts.
+    const double p_x = ProbabilityOf(p, d.id), q_x = ProbabilityOf(d.q, d.id);
     // Accept with probability min(1, p/q): u < p/q, written without division.
     if (rng->Uniform() * q_x < p_x) {
-      for (const auto& e : d.q) q_dense[e.first] = 0.f;
       result.tokens.push_back(d.id);
       ++result.num_accepted;
       continue;
     }
-    // Rejected: residual max(0, p - q). Its support lies inside p's (q-only
-    // tokens have p = 0), so iterating over p covers the union of supports.
-    SparseDist residual;
-    for (const auto& e : p) {
-      const float r = e.second - q_dense[e.first];
-      if (r > 0.f) residual.emplace_back(e.first, r);
-    }
     // SampleFrom normalises by the listed total; p == q leaves nothing, and
     // then p itself is the right distribution.
+    const SparseDist residual = Residual(p, d.q, &q_dense);
     result.tokens.push_back(SampleFrom(residual.empty() ? p : residual, rng));
     return result;
   }

@@ -28,6 +28,14 @@ struct VerifyResult {
   std::vector<int> tokens;
 };
 
+/// The residual max(0, p - q) of a rejected draft (Leviathan et al. Alg.
+/// 1), unnormalised: its support lies inside p's (q-only tokens have p = 0),
+/// so it lists p's entries with p - q > 0, in p's order; empty when p <= q
+/// everywhere. q_dense: scratch of at least vocab zeros (q's ids index it),
+/// left zeroed, so a caller keeps one across positions.
+SparseDist Residual(const SparseDist& p, const SparseDist& q,
+                    std::vector<float>* q_dense);
+
 /// Checks drafts before the target runs (services reject bad input early).
 /// INVALID_ARGUMENT naming the field if vocab_size <= 0, a draft id is outside
 /// [0, vocab_size), or, when !greedy, a q is empty, lists an id outside the

@@ -357,14 +357,7 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
     n.token.q = q;
     n.parent = parent;
     n.depth = depth;
-    double qx = 0.0;
-    for (const auto& e : q) {
-      if (e.first == n.token.id) {
-        qx = e.second;
-        break;
-      }
-    }
-    n.path_prob = base * qx;
+    n.path_prob = base * ProbabilityOf(q, n.token.id);
     nodes_.push_back(std::move(n));
   }
 }
