@@ -14,30 +14,23 @@ constexpr size_t kSortedMax = 2048;
 }  // namespace
 
 int SampleFromInIdOrder(const SparseDist& dist, double u) {
+  SparseDist by_id;
   if (dist.size() <= kSortedMax) {
-    SparseDist by_id = dist;
+    by_id = dist;
     std::sort(by_id.begin(), by_id.end());
-    return SampleAt(by_id, u);
+  } else {
+    // Ids are distinct and bounded: place them, then read them in order.
+    int max_id = 0;
+    for (const auto& e : dist) max_id = std::max(max_id, e.first);
+    thread_local std::vector<float> dense;
+    dense.assign(static_cast<size_t>(max_id) + 1, 0.f);
+    for (const auto& e : dist) dense[e.first] = e.second;
+    by_id.reserve(dist.size());
+    for (int id = 0; id <= max_id; ++id) {
+      if (dense[id] != 0.f) by_id.emplace_back(id, dense[id]);
+    }
   }
-  int max_id = 0;
-  for (const auto& e : dist) max_id = std::max(max_id, e.first);
-  thread_local std::vector<float> dense;
-  dense.assign(static_cast<size_t>(max_id) + 1, 0.f);
-  for (const auto& e : dist) dense[e.first] = e.second;
-  // SampleAt's walk over the id-sorted entries: absent ids add exactly 0.
-  double total = 0.0;
-  for (float p : dense) total += p;
-  if (!(total > 0.0)) return -1;
-  const double target = u * total;
-  double cum = 0.0;
-  int last_positive = -1;
-  for (int id = 0; id <= max_id; ++id) {
-    if (dense[id] <= 0.f) continue;
-    cum += dense[id];
-    last_positive = id;
-    if (cum > target) return id;
-  }
-  return last_positive;  // target rounded past the final cumulative sum
+  return SampleAt(by_id, u);
 }
 
 RowSample SampleRow(absl::Span<const float> logits,
