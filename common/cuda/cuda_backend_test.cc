@@ -2673,6 +2673,8 @@ TEST(GraphWorkspaceTest, CoversLogitsAndSamplingScratch) {
   ASSERT_TRUE(c.ok()) << c.status();
   const size_t bytes =
       CudaModelRunner::GraphWorkspaceBytes(*c, CudaDType::kBF16, 16, 132);
+  std::printf("graph workspace, llama-3.1-8b bf16, block 16, 132 SMs: %.1f "
+              "MiB\n", bytes / 1048576.0);
   const size_t big = 2 * sizeof(float) *
                      static_cast<size_t>(CudaModelRunner::kMaxGraphRows) *
                      c->vocab_size;
