@@ -792,7 +792,7 @@ absl::Status CudaModelRunner::Run(
   std::vector<int> samp_out(2 * NS);
   if (NS > 0) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SampleRows(
-        SampleArgs(reg, samp.stride, NS, vocab), stream_));
+        SampleArgs(reg, NS, NS, vocab), stream_));
     SPECSERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(samp_out.data(), reg.samp_out, sizeof(int) * 2 * NS,
                         cudaMemcpyDeviceToHost, stream_));

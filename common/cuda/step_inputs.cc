@@ -13,16 +13,15 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
                                   int capacity) {
   PackedRowSampling p;
   if (capacity > 0) {
-    p.num_rows = p.stride = capacity;
+    p.num_rows = capacity;
   } else {
     for (size_t i = 0; i < batch.size(); ++i) {
       if (batch[i].input.sampling == nullptr) continue;
       p.num_rows += logit_row_start[i + 1] - logit_row_start[i];
     }
-    p.stride = p.num_rows;
   }
   if (p.num_rows == 0) return p;
-  const int M = p.stride;
+  const int M = p.num_rows;
   // Placeholders everywhere first: each job reads its own row, top-k 1.
   p.ints.assign(4 * M + 1, 0);
   p.floats.assign(2 * M, 1.f);

@@ -15,17 +15,15 @@
 namespace specserve {
 namespace cuda_step {
 
-/// SampleRows jobs (sampling_kernels.h), one per row, every per-row array
-/// `stride` entries long:
-///   ints   = [stride] logit rows (global, into the step's logits),
-///            [stride] top-k, [stride] draft ids, [stride + 1] q offsets,
-///            then the q ids of every draft distribution
-///   floats = [stride] temperatures, [stride] top-p, then the q
-///            probabilities
-///   uniforms = [stride, 2] u_accept, u_sample
+/// SampleRows jobs (sampling_kernels.h): with J = num_rows jobs,
+///   ints   = [J] logit rows (global, into the step's logits), [J] top-k,
+///            [J] draft ids, [J + 1] q offsets, then the q ids of every
+///            draft distribution
+///   floats = [J] temperatures, [J] top-p, then the q probabilities
+///   uniforms = [J, 2] u_accept, u_sample
+/// The offsets below take J as the stride.
 struct PackedRowSampling {
-  int num_rows = 0;  ///< jobs
-  int stride = 0;
+  int num_rows = 0;  ///< J
   std::vector<int> ints;
   std::vector<float> floats;
   std::vector<double> uniforms;
@@ -43,9 +41,9 @@ struct PackedRowSampling {
 /// order. logit_row_start[i]: the first of sequence i's logit rows in the
 /// step's concatenated logit rows (size batch.size() + 1).
 /// capacity 0 (an eager step): a job for each logit row of the sequences
-/// that sample (ForwardInput::sampling), stride = their number.
+/// that sample (ForwardInput::sampling).
 /// capacity > 0 (a graph step, whose arrays sit at fixed offsets): a job
-/// for each of `capacity` rows, stride = capacity; logit row r is job r,
+/// for each of `capacity` rows; logit row r is job r,
 /// and rows of greedy sequences and past the batch get a cheap placeholder
 /// (top-k 1, no draft; their samples are not read). capacity must be at
 /// least the batch's logit rows. Inputs must be valid (ValidateBatch).

@@ -40,7 +40,6 @@ TEST(PackRowSamplingTest, PacksRowsInBatchOrderWithTheirDrafts) {
   const std::vector<int> lr0 = {0, 3, 5, 6};
   const PackedRowSampling p = PackRowSampling(batch, lr0);
   ASSERT_EQ(p.num_rows, 4);
-  EXPECT_EQ(p.stride, 4);
   auto ints = [&](int at, int n) {
     return std::vector<int>(p.ints.begin() + at, p.ints.begin() + at + n);
   };
@@ -149,7 +148,7 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_FALSE(AnySampling(chunk.batch));
 }
 
-// A graph step: a job for every logit row at fixed offsets (stride =
+// A graph step: a job for every logit row at fixed offsets (num_rows =
 // capacity), placeholders for greedy rows and past the batch.
 TEST(PackRowSamplingTest, GraphStepGetsAJobPerRowAtFixedOffsets) {
   constexpr int kMax = 16;
@@ -169,7 +168,6 @@ TEST(PackRowSamplingTest, GraphStepGetsAJobPerRowAtFixedOffsets) {
   const std::vector<int> lr0 = {0, 1, 4};
   const PackedRowSampling g = PackRowSampling(step.batch, lr0, kMax);
   EXPECT_EQ(g.num_rows, kMax);
-  EXPECT_EQ(g.stride, kMax);
   auto ints = [&](int at, int n) {
     return std::vector<int>(g.ints.begin() + at, g.ints.begin() + at + n);
   };
