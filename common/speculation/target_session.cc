@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/decoding/row_sampling.h"
 #include "common/util/clock.h"
 
 namespace specserve {
@@ -71,6 +72,14 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
   if (r.stop.max_new_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_new_tokens must be >= 1, got ", r.stop.max_new_tokens));
+  }
+  if (r.top_logprobs < 0 || r.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs,
+                     "], got ", r.top_logprobs));
+  }
+  if (r.top_logprobs > 0 && !r.logprobs) {
+    return absl::InvalidArgumentError("top_logprobs needs logprobs");
   }
   if (r.max_drafts < 0 || r.max_drafts > 64) {
     return absl::InvalidArgumentError("max_drafts must be in [0, 64]");
@@ -277,8 +286,11 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.position_ids = plan_positions_;
   // Greedy rounds need each row's argmax only; sampled chain rounds each
   // row's SampleRow outcome (on CUDA both stay on the device). A sampled
-  // tree's recursive rejection over siblings reads the logits.
-  entry->input.argmax_only = request_.sampling.greedy();
+  // tree's recursive rejection over siblings reads the logits, and so does
+  // a request for logprobs: its final rows come back as logits and are
+  // reduced on the host in CompleteForward.
+  entry->input.argmax_only =
+      request_.sampling.greedy() && !(final_planned_ && request_.logprobs);
   entry->input.sampling = nullptr;
   if (final_planned_ && !request_.sampling.greedy() && parents_.empty()) {
     // Two uniforms per row, drawn for every row so a seeded request's
@@ -293,7 +305,7 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
       row_sampling_.uniforms.push_back(rng_.Uniform());
       row_sampling_.uniforms.push_back(rng_.Uniform());
     }
-    entry->input.sampling = &row_sampling_;
+    if (!request_.logprobs) entry->input.sampling = &row_sampling_;
   }
   planned_at_ = MonotonicNowNs();
   return absl::OkStatus();
@@ -310,21 +322,56 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   }
   const int k = static_cast<int>(drafts_.size());
   const bool greedy = request_.sampling.greedy();
-  // What PlanForward asked for: argmax ids, row samples or logits.
+  // What PlanForward asked for: argmax ids, row samples or logits (always
+  // logits with logprobs).
   const bool row_sampled = !greedy && parents_.empty();
-  const size_t want =
-      static_cast<size_t>(k + 1) * (greedy || row_sampled ? 1 : c.vocab_size);
-  const size_t got = greedy        ? out.argmax.size()
-                     : row_sampled ? std::min(out.sampled.size(),
-                                              out.accepted.size())
-                                   : out.logits.size();
+  const bool host = request_.logprobs;  // reduce the logits here
+  const bool reduced = !host && (greedy || row_sampled);
+  const size_t want = static_cast<size_t>(k + 1) * (reduced ? 1 : c.vocab_size);
+  const size_t got = !reduced  ? out.logits.size()
+                     : greedy  ? out.argmax.size()
+                               : std::min(out.sampled.size(),
+                                          out.accepted.size());
   if (got != want) {
     Abort();
     return absl::InternalError(absl::StrCat(
         "forward returned ", got,
-        greedy ? " argmax ids" : row_sampled ? " row samples" : " logits",
+        !reduced ? " logits" : greedy ? " argmax ids" : " row samples",
         ", expected ", want));
   }
+  // With logprobs, what the backend would have computed from the same rows
+  // (ReduceToArgmax, SampleOnHost): the same tokens as without.
+  std::vector<int> host_argmax, host_sampled;
+  std::vector<uint8_t> host_accepted;
+  auto row = [&](int r) {
+    return absl::MakeConstSpan(out.logits_row(r, c.vocab_size), c.vocab_size);
+  };
+  if (host && greedy) {
+    host_argmax.resize(k + 1);
+    for (int r = 0; r <= k; ++r) host_argmax[r] = Argmax(row(r));
+  } else if (host && row_sampled) {
+    static const SparseDist kNoDraft;
+    host_sampled.assign(k + 1, -1);
+    host_accepted.assign(k + 1, 0);
+    for (int r = 0; r <= k; ++r) {
+      const RowSample s = SampleRow(
+          row(r), row_sampling_.params, row_sampling_.draft_ids[r],
+          row_sampling_.draft_q[r] != nullptr ? *row_sampling_.draft_q[r]
+                                              : kNoDraft,
+          row_sampling_.uniforms[2 * r], row_sampling_.uniforms[2 * r + 1]);
+      host_sampled[r] = s.token;
+      host_accepted[r] = s.accepted ? 1 : 0;
+      if (!s.accepted) break;
+    }
+  }
+  const std::vector<int>& argmax = host ? host_argmax : out.argmax;
+  const std::vector<int>& sampled = host ? host_sampled : out.sampled;
+  const std::vector<uint8_t>& accepted_rows =
+      host ? host_accepted : out.accepted;
+  // The logit row each emitted token came from: a chain's token i from
+  // row i; a tree's first from row 0 (the last context token), then each
+  // from the row of the accepted node before it.
+  std::vector<int> token_rows;
   std::vector<int> tokens;
   int accepted = 0;
   // Accepted drafts the cache keeps: a chain's all; a tree's those in
@@ -332,8 +379,8 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   int kept = 0;
   if (parents_.empty()) {
     auto verdict =
-        greedy ? VerifyDraftsGreedy(drafts_, out.argmax, c.vocab_size)
-               : VerifyDraftsFromRows(drafts_, out.sampled, out.accepted,
+        greedy ? VerifyDraftsGreedy(drafts_, argmax, c.vocab_size)
+               : VerifyDraftsFromRows(drafts_, sampled, accepted_rows,
                                       c.vocab_size);
     if (!verdict.ok()) {
       Abort();
@@ -341,9 +388,12 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     }
     tokens = std::move(verdict->tokens);
     accepted = kept = verdict->num_accepted;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      token_rows.push_back(static_cast<int>(i));
+    }
   } else {
     auto verdict =
-        greedy ? VerifyDraftTreeGreedy(drafts_, parents_, out.argmax,
+        greedy ? VerifyDraftTreeGreedy(drafts_, parents_, argmax,
                                        c.vocab_size)
                : VerifyDraftTree(drafts_, parents_, out.logits, c.vocab_size,
                                  request_.sampling, &rng_);
@@ -354,6 +404,8 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     tokens = std::move(verdict->tokens);
     accepted = static_cast<int>(verdict->path.size());
     while (kept < accepted && verdict->path[kept] == kept) ++kept;
+    token_rows.push_back(0);
+    for (int node : verdict->path) token_rows.push_back(1 + node);
   }
   // Keep the context (prompt, or up to the last emitted token) and the
   // accepted drafts in place.
@@ -377,6 +429,12 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   round.tokens.assign(tokens.begin(), tokens.begin() + stop.num_emit);
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
+  if (host) {
+    for (int i = 0; i < stop.num_emit; ++i) {
+      round.logprobs.push_back(ComputeTokenLogprobs(
+          row(token_rows[i]), round.tokens[i], request_.top_logprobs));
+    }
+  }
   round.forward_ns = round_ns_ + (MonotonicNowNs() - planned_at_);
   result_ = std::move(round);
   return absl::OkStatus();

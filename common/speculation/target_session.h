@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/logprobs.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stop.h"
 #include "common/decoding/tree_verification.h"
@@ -32,6 +33,13 @@ struct TargetRequest {
   StopConditions stop;
   bool ignore_eos = false;
   int max_drafts = 64;  ///< drafts accepted per round at most.
+  /// Each emitted token's logprob under the raw logits of the row that
+  /// produced it (RoundResult::logprobs), with the top_logprobs (0..20)
+  /// likeliest alternatives. The round's final rows then come back as
+  /// logits and are reduced (argmax, SampleRow) on the host, with the same
+  /// uniforms: the tokens do not change.
+  bool logprobs = false;
+  int top_logprobs = 0;
 };
 
 /// One round: the prefill (with optional drafts) or one verification.
@@ -39,6 +47,9 @@ struct RoundResult {
   int num_drafts = 0;    ///< drafts verified (after clipping to budgets).
   int num_accepted = 0;  ///< of those, accepted.
   std::vector<int> tokens;  ///< emitted this round (after stop handling).
+  /// With TargetRequest::logprobs: [tokens.size()], token i's logprob and
+  /// top alternatives; else empty.
+  std::vector<TokenLogprobs> logprobs;
   FinishReason finish = FinishReason::kNone;
   /// The round's forwards + verification (with a scheduler: the time of
   /// the batched forwards that carried it, shared with other sessions).
@@ -57,7 +68,8 @@ class TargetSession : public Session {
   /// prompt, length mismatch, ids outside the vocabulary, positions not
   /// strictly increasing or at/after the max context, next_position <= the
   /// last position or >= max context, bad sampling or stop conditions,
-  /// max_new_tokens < 1.
+  /// max_new_tokens < 1, top_logprobs outside [0, kMaxTopLogprobs] or
+  /// above 0 without logprobs.
   static absl::StatusOr<std::unique_ptr<TargetSession>> Create(
       ModelRunner* model, TargetRequest request);
 

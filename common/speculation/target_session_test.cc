@@ -1,9 +1,13 @@
 #include "common/speculation/target_session.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <numeric>
 #include <map>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "common/decoding/stats.h"
 #include "common/engine/test_util.h"
 #include "gtest/gtest.h"
@@ -607,6 +611,229 @@ TEST_F(TargetSessionTest, BadInputTable) {
   bad_q = {{5, {{600, 1.f}}}};
   EXPECT_EQ((*s)->Step(bad_q).status().code(), kInvalid);
   EXPECT_TRUE((*s)->Step({{5, {{5, 1.f}}}}).ok());
+}
+
+// ---- logprobs ----
+
+// The raw logits after `context` (kept prompt tokens at `positions`, then
+// the generated tokens at next_position + i), from a fresh sequence.
+std::vector<float> ContextLogits(ModelRunner& m, const std::vector<int>& prompt,
+                                 const std::vector<int>& positions,
+                                 int next_position,
+                                 const std::vector<int>& generated) {
+  std::vector<int> tokens = prompt, pos = positions;
+  for (size_t i = 0; i < generated.size(); ++i) {
+    tokens.push_back(generated[i]);
+    pos.push_back(next_position + static_cast<int>(i));
+  }
+  auto cache = *m.NewSequence(static_cast<int>(tokens.size()) + 1);
+  ForwardInput in;
+  in.token_ids = tokens;
+  in.position_ids = pos;
+  ForwardOutput out;
+  EXPECT_TRUE(m.Forward(in, cache.get(), &out).ok());
+  return out.logits;
+}
+
+// Independent log-softmax in long double.
+std::vector<double> LogSoftmax(const std::vector<float>& logits) {
+  long double max = logits[0];
+  for (float x : logits) max = std::max<long double>(max, x);
+  long double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<long double>(x) - max);
+  std::vector<double> out;
+  for (float x : logits) {
+    out.push_back(static_cast<double>(x - max - std::log(sum)));
+  }
+  return out;
+}
+
+// Every emitted token's logprob and top list equal the log-softmax of the
+// target's raw logits at the position that produced it.
+void ExpectRawLogprobs(ModelRunner& m, const TargetRequest& r,
+                       const std::vector<int>& tokens,
+                       const std::vector<TokenLogprobs>& logprobs) {
+  ASSERT_EQ(logprobs.size(), tokens.size());
+  const int next = r.next_position >= 0 ? r.next_position
+                                        : r.position_ids.back() + 1;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("token ", i));
+    const std::vector<double> ref = LogSoftmax(ContextLogits(
+        m, r.token_ids, r.position_ids, next,
+        std::vector<int>(tokens.begin(), tokens.begin() + i)));
+    double total = 0.0;
+    for (double l : ref) total += std::exp(l);
+    EXPECT_NEAR(total, 1.0, 1e-6);
+    EXPECT_NEAR(logprobs[i].logprob, ref[tokens[i]], 1e-4);
+    EXPECT_LE(logprobs[i].logprob, 0.f);
+    ASSERT_EQ(logprobs[i].top.size(), static_cast<size_t>(r.top_logprobs));
+    std::vector<int> order(ref.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return ref[a] > ref[b]; });
+    for (int j = 0; j < r.top_logprobs; ++j) {
+      const auto [id, lp] = logprobs[i].top[j];
+      EXPECT_NEAR(lp, ref[id], 1e-4);
+      EXPECT_NEAR(lp, ref[order[j]], 1e-4);  // the j-th largest
+      if (j > 0) {
+        EXPECT_LE(lp, logprobs[i].top[j - 1].second);
+      }
+      if (id == tokens[i]) {
+        EXPECT_FLOAT_EQ(lp, logprobs[i].logprob);
+      }
+    }
+  }
+}
+
+struct Generated {
+  std::vector<int> tokens;
+  std::vector<TokenLogprobs> logprobs;
+};
+
+// Runs `r` to the end; `drafts_for` proposes each round's drafts (and tree
+// parents) from the tokens so far.
+Generated RunSession(
+    ModelRunner* m, const TargetRequest& r,
+    const std::function<void(const std::vector<int>&, std::vector<DraftToken>*,
+                             std::vector<int>*)>& drafts_for) {
+  Generated g;
+  auto s = TargetSession::Create(m, r);
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return g;
+  while (!(*s)->finished()) {
+    std::vector<DraftToken> drafts;
+    std::vector<int> parents;
+    if (drafts_for) drafts_for(g.tokens, &drafts, &parents);
+    auto round = (*s)->Step(drafts, parents);
+    EXPECT_TRUE(round.ok()) << round.status();
+    if (!round.ok()) break;
+    EXPECT_EQ(round->logprobs.size(), r.logprobs ? round->tokens.size() : 0u);
+    g.tokens.insert(g.tokens.end(), round->tokens.begin(), round->tokens.end());
+    g.logprobs.insert(g.logprobs.end(), round->logprobs.begin(),
+                      round->logprobs.end());
+  }
+  return g;
+}
+
+// Greedy, plain decoding, full and pruned prompts (Speculative Prefill's
+// original positions): the raw log-softmax of the producing rows, and the
+// same tokens as without logprobs.
+TEST_F(TargetSessionTest, LogprobsAreTheRawLogSoftmax) {
+  std::vector<int> pruned(kPrompt.size());
+  for (size_t i = 0; i < pruned.size(); ++i) pruned[i] = 3 * i + (i > 4 ? 7 : 0);
+  for (const std::vector<int>& positions : {std::vector<int>{}, pruned}) {
+    TargetRequest r = Request(kPrompt, 12);
+    if (!positions.empty()) {
+      r.position_ids = positions;
+      r.next_position = positions.back() + 5;
+    }
+    const Generated off = RunSession(target_.get(), r, nullptr);
+    r.logprobs = true;
+    r.top_logprobs = 5;
+    const Generated on = RunSession(target_.get(), r, nullptr);
+    EXPECT_EQ(on.tokens, off.tokens);
+    EXPECT_TRUE(off.logprobs.empty());
+    ExpectRawLogprobs(*target_, r, on.tokens, on.logprobs);
+    // Greedy: the token is the top alternative.
+    for (size_t i = 0; i < on.tokens.size(); ++i) {
+      EXPECT_EQ(on.logprobs[i].top[0].first, on.tokens[i]);
+    }
+  }
+}
+
+// Greedy with speculative decoding (random chains, random trees) gives the
+// same tokens AND logprobs as without.
+TEST_F(TargetSessionTest, GreedyLogprobsWithDraftsEqualPlain) {
+  const int kNew = 40;
+  TargetRequest r = Request(kPrompt, kNew);
+  r.logprobs = true;
+  r.top_logprobs = 20;
+  const Generated plain = RunSession(target_.get(), r, nullptr);
+  ASSERT_EQ(plain.tokens.size(), static_cast<size_t>(kNew));
+  const int vocab = target_->config().vocab_size;
+  std::mt19937 rng(5);
+  auto chain = [&](const std::vector<int>& got, std::vector<DraftToken>* d,
+                   std::vector<int>*) {
+    const int k = rng() % 9;
+    for (int j = 0; j < k; ++j) {
+      const size_t at = got.size() + j;
+      d->push_back({(rng() % 3 != 0 && at < plain.tokens.size())
+                        ? plain.tokens[at]
+                        : static_cast<int>(rng() % vocab),
+                    {}});
+    }
+  };
+  auto tree = [&](const std::vector<int>& got, std::vector<DraftToken>* d,
+                  std::vector<int>* p) {
+    RandomTree(plain.tokens, got.size(), static_cast<int>(rng() % 20), vocab,
+               &rng, d, p);
+  };
+  for (const auto& drafts : {std::function<void(const std::vector<int>&,
+                                                std::vector<DraftToken>*,
+                                                std::vector<int>*)>(chain),
+                             std::function<void(const std::vector<int>&,
+                                                std::vector<DraftToken>*,
+                                                std::vector<int>*)>(tree)}) {
+    const Generated spec = RunSession(target_.get(), r, drafts);
+    ASSERT_EQ(spec.tokens, plain.tokens);
+    ASSERT_EQ(spec.logprobs.size(), plain.logprobs.size());
+    for (size_t i = 0; i < spec.logprobs.size(); ++i) {
+      EXPECT_NEAR(spec.logprobs[i].logprob, plain.logprobs[i].logprob, 1e-4);
+      ASSERT_EQ(spec.logprobs[i].top.size(), 20u);
+      for (int j = 0; j < 20; ++j) {
+        EXPECT_EQ(spec.logprobs[i].top[j].first, plain.logprobs[i].top[j].first);
+        EXPECT_NEAR(spec.logprobs[i].top[j].second,
+                    plain.logprobs[i].top[j].second, 1e-4);
+      }
+    }
+  }
+}
+
+// Sampled: logprobs reduce the rows on the host with the same uniforms, so
+// a seeded request emits the same tokens with or without them (chain
+// drafts and trees); the values are the RAW distribution's, not the
+// temperature / top-k one the tokens were drawn from.
+TEST_F(TargetSessionTest, SampledLogprobsKeepTheTokensAndAreRaw) {
+  const int vocab = target_->config().vocab_size;
+  for (bool use_tree : {false, true}) {
+    SCOPED_TRACE(use_tree ? "tree" : "chain");
+    TargetRequest r = Request(kPrompt, 16);
+    r.sampling.temperature = 0.7f;
+    r.sampling.top_k = 12;
+    r.sampling.seed = 42;
+    std::mt19937 rng(3);
+    auto drafts = [&](const std::vector<int>& got, std::vector<DraftToken>* d,
+                      std::vector<int>* p) {
+      const int k = rng() % 6;
+      for (int j = 0; j < k; ++j) {
+        const int id = static_cast<int>(rng() % vocab);
+        d->push_back({id, {{id, 1.f}}});
+        if (use_tree) p->push_back(static_cast<int>(rng() % (j + 1)) - 1);
+      }
+    };
+    const Generated off = RunSession(target_.get(), r, drafts);
+    rng.seed(3);
+    r.logprobs = true;
+    r.top_logprobs = 3;
+    const Generated on = RunSession(target_.get(), r, drafts);
+    EXPECT_EQ(on.tokens, off.tokens);
+    ExpectRawLogprobs(*target_, r, on.tokens, on.logprobs);
+  }
+}
+
+TEST_F(TargetSessionTest, BadLogprobsAreRejected) {
+  TargetRequest r = Request({1, 5, 9}, 4);
+  r.logprobs = true;
+  for (int top : {-1, 21, 1000}) {
+    r.top_logprobs = top;
+    EXPECT_EQ(TargetSession::Create(target_.get(), r).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  r.top_logprobs = 20;
+  EXPECT_TRUE(TargetSession::Create(target_.get(), r).ok());
+  r.logprobs = false;
+  EXPECT_EQ(TargetSession::Create(target_.get(), r).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
