@@ -27,6 +27,8 @@ TargetRequest ToTargetRequest(const v1::Prefill& p,
                                p.stop().stop_token_ids().end());
   r.ignore_eos = p.stop().ignore_eos();
   r.max_drafts = max_drafts;
+  r.logprobs = p.logprobs();
+  r.top_logprobs = p.top_logprobs();
   return r;
 }
 

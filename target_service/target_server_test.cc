@@ -736,6 +736,20 @@ TEST_F(TargetServerTest, BadInputIsInvalidArgumentNamingTheField) {
       {"stop id outside vocab",
        [](v1::Prefill* p) { p->mutable_stop()->add_stop_token_ids(512); },
        "stop_token_ids[0]"},
+      {"top_logprobs > 20",
+       [](v1::Prefill* p) {
+         p->set_logprobs(true);
+         p->set_top_logprobs(21);
+       },
+       "top_logprobs"},
+      {"negative top_logprobs",
+       [](v1::Prefill* p) {
+         p->set_logprobs(true);
+         p->set_top_logprobs(-1);
+       },
+       "top_logprobs"},
+      {"top_logprobs without logprobs",
+       [](v1::Prefill* p) { p->set_top_logprobs(2); }, "top_logprobs"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -759,6 +773,85 @@ TEST_F(TargetServerTest, BadInputIsInvalidArgumentNamingTheField) {
   EXPECT_EQ(Metric(*server_,
                    "specserve_target_requests_total{status=\"INVALID_ARGUMENT\"}"),
             cases.size() + 1);
+}
+
+// Prefill.logprobs: every response carries one logprob per token id, in
+// order, also when a continuous stream's message coalesces rounds, and the
+// values (greedy: with the speculator's drafts or without) are the
+// in-process session's without drafts, i.e. the raw distribution's.
+TEST_F(TargetServerTest, LogprobsAreAlignedWithTokenIds) {
+  const int kNew = 40;
+  TargetRequest r = MakeRequest(kPrompt, kNew);
+  r.logprobs = true;
+  r.top_logprobs = 4;
+  auto session = TargetSession::Create(target_.get(), r);
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<int> want;
+  std::vector<TokenLogprobs> want_lp;
+  while (!(*session)->finished()) {
+    auto round = (*session)->Step({});
+    ASSERT_TRUE(round.ok()) << round.status();
+    want.insert(want.end(), round->tokens.begin(), round->tokens.end());
+    want_lp.insert(want_lp.end(), round->logprobs.begin(),
+                   round->logprobs.end());
+  }
+  ASSERT_EQ(want_lp.size(), static_cast<size_t>(kNew));
+  auto check = [&](const std::vector<v1::GenerateResponse>& responses) {
+    std::vector<int> tokens;
+    std::vector<v1::TokenLogprob> lps;
+    for (const v1::GenerateResponse& resp : responses) {
+      EXPECT_EQ(resp.logprobs_size(), resp.token_ids_size());
+      tokens.insert(tokens.end(), resp.token_ids().begin(),
+                    resp.token_ids().end());
+      lps.insert(lps.end(), resp.logprobs().begin(), resp.logprobs().end());
+    }
+    ASSERT_EQ(tokens, want);
+    ASSERT_EQ(lps.size(), want_lp.size());
+    for (size_t i = 0; i < lps.size(); ++i) {
+      EXPECT_NEAR(lps[i].logprob(), want_lp[i].logprob, 1e-4);
+      ASSERT_EQ(lps[i].top_size(), 4);
+      for (int j = 0; j < 4; ++j) {
+        EXPECT_EQ(lps[i].top(j).id(), want_lp[i].top[j].first);
+        EXPECT_NEAR(lps[i].top(j).logprob(), want_lp[i].top[j].second, 1e-4);
+      }
+    }
+  };
+  v1::Prefill prefill = MakePrefill(kPrompt, kNew);
+  prefill.set_logprobs(true);
+  prefill.set_top_logprobs(4);
+  {  // Drafted by the speculator model, one message per round.
+    auto ds = NewDraftSession({});
+    const StreamResult got =
+        RunStream(stub_.get(), prefill, FromDraftSession(ds.get(), 4));
+    ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+    check(got.responses);
+    int accepted = 0;
+    for (const auto& resp : got.responses) accepted += resp.num_accepted();
+    EXPECT_GT(accepted, 0);
+  }
+  {  // Continuous (rounds coalesced while a write is in flight).
+    v1::GenerateRequest req;
+    *req.mutable_prefill() = prefill;
+    req.mutable_prefill()->set_continuous(true);
+    auto ctx = NewContext();
+    auto rw = stub_->Generate(ctx.get());
+    ASSERT_TRUE(rw->Write(req));
+    std::vector<v1::GenerateResponse> responses;
+    v1::GenerateResponse resp;
+    while (rw->Read(&resp)) {
+      responses.push_back(resp);
+      if (!resp.finish_reason().empty()) break;
+    }
+    rw->WritesDone();
+    EXPECT_TRUE(rw->Finish().ok());
+    check(responses);
+  }
+  {  // Without logprobs: none.
+    const StreamResult got =
+        RunStream(stub_.get(), MakePrefill(kPrompt, 8), NoDrafts());
+    ASSERT_TRUE(got.status.ok());
+    for (const auto& resp : got.responses) EXPECT_EQ(resp.logprobs_size(), 0);
+  }
 }
 
 // Token trees over the stream (Drafts.parents), drafted by the speculator
