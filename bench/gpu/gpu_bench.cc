@@ -272,7 +272,8 @@ std::unique_ptr<KvSequence> NewCache(const Model& m, int capacity) {
 
 // One prefill of `ids` at `pos` into a cleared cache; seconds.
 double TimePrefill(const Model& m, KvSequence* cache,
-                   const std::vector<int>& ids, const std::vector<int>& pos) {
+                   const std::vector<int>& ids, const std::vector<int>& pos,
+                   std::vector<float>* last_logits = nullptr) {
   cache->Clear();
   ForwardInput in;
   in.token_ids = ids;
@@ -280,7 +281,20 @@ double TimePrefill(const Model& m, KvSequence* cache,
   ForwardOutput out;
   const double t0 = Now();
   Die(m.engine->Forward(in, cache, &out), "prefill");
-  return Now() - t0;
+  const double t = Now() - t0;
+  if (last_logits != nullptr) *last_logits = out.logits;
+  return t;
+}
+
+// max |a - b| / max |a| over two logit rows (1 when the sizes differ).
+double RelMaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size() || a.empty()) return 1.0;
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::fabs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::fabs(double(a[i])));
+  }
+  return scale > 0 ? diff / scale : diff;
 }
 
 int Argmax(const std::vector<float>& v) {
@@ -457,22 +471,39 @@ int Main(int argc, char** argv) {
     std::vector<int> ids(P), pos(P);
     for (int i = 0; i < P; ++i) ids[i] = tok(rng), pos[i] = i;
 
-    // Target: full prefill.
+    // Target: full prefill (its last row's logits kept as the reference
+    // of the other kernels).
     std::vector<double> full;
+    std::vector<float> ref_logits;
     for (int r = 0; r < reps; ++r) {
-      full.push_back(TimePrefill(target, tcache.get(), ids, pos));
+      full.push_back(TimePrefill(target, tcache.get(), ids, pos,
+                                 r == 0 ? &ref_logits : nullptr));
     }
     const double t_full = Median(full);
-    // The same with FlashMmaAttention for the prefill chunks
-    // (--prefill_attention=mma), then back to the default.
-    std::vector<double> full_mma;
-    target.engine->set_attention_path(
-        CudaModelRunner::AttentionPath::kFlashMma);
-    for (int r = 0; r < reps; ++r) {
-      full_mma.push_back(TimePrefill(target, tcache.get(), ids, pos));
-    }
-    target.engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
-    const double t_full_mma = Median(full_mma);
+    // The same with FlashMmaAttention (--prefill_attention=mma) and with
+    // cuDNN's SDPA (--prefill_attention=cudnn; its plan is built by the
+    // untimed first run), then back to the default. Each prints how far its
+    // last-row logits are from the default's.
+    auto time_path = [&](CudaModelRunner::AttentionPath path,
+                         const char* name) {
+      target.engine->set_attention_path(path);
+      std::vector<float> logits;
+      TimePrefill(target, tcache.get(), ids, pos, &logits);
+      std::vector<double> ts;
+      for (int r = 0; r < reps; ++r) {
+        ts.push_back(TimePrefill(target, tcache.get(), ids, pos));
+      }
+      target.engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
+      std::printf("%s at %d: last-row logits max rel diff %.2e vs default, "
+                  "argmax %s\n",
+                  name, P, RelMaxDiff(ref_logits, logits),
+                  Argmax(ref_logits) == Argmax(logits) ? "equal" : "DIFFERS");
+      return Median(ts);
+    };
+    const double t_full_mma =
+        time_path(CudaModelRunner::AttentionPath::kFlashMma, "mma");
+    const double t_full_cudnn =
+        time_path(CudaModelRunner::AttentionPath::kCudnn, "cudnn");
     const double flops =
         LayerFlopsPerToken(target.config) * P +
         AttentionFlops(target.config, P) +
@@ -515,9 +546,10 @@ int Main(int argc, char** argv) {
     }
     verify_json += "]";
     std::printf("target full prefill at %d: %.4f s (WMMA FlashAttention), "
-                "%.4f s (FlashMmaAttention); decode %.1f tok/s from graphs, "
-                "%.1f eager\n",
-                P, t_full, t_full_mma, 1.0 / t_dec, 1.0 / t_dec_eager);
+                "%.4f s (FlashMmaAttention), %.4f s (cuDNN SDPA); decode "
+                "%.1f tok/s from graphs, %.1f eager\n",
+                P, t_full, t_full_mma, t_full_cudnn, 1.0 / t_dec,
+                1.0 / t_dec_eager);
     std::printf("verify rounds at context %d (k: seconds): %s\n", P,
                 verify_json.c_str());
 
@@ -598,6 +630,7 @@ int Main(int argc, char** argv) {
       row.Num("target_full_prefill_s", t_full);
       row.Num("target_full_prefill_tflops", flops / t_full / 1e12);
       row.Num("target_full_prefill_mma_s", t_full_mma);
+      row.Num("target_full_prefill_cudnn_s", t_full_cudnn);
       row.Num("target_full_prefill_mfu", mfu);
       row.Num("target_kept_prefill_s", t_kept);
       row.Num("spec_prefill_s", Median(t_prefill_s));

@@ -1455,6 +1455,8 @@ const char* PathName(CudaModelRunner::AttentionPath path) {
       return "splitk";
     case CudaModelRunner::AttentionPath::kFlashMma:
       return "flash_mma";
+    case CudaModelRunner::AttentionPath::kCudnn:
+      return "cudnn";
   }
   return "?";
 }
@@ -1463,7 +1465,8 @@ constexpr CudaModelRunner::AttentionPath kAllPaths[] = {
     CudaModelRunner::AttentionPath::kAuto,
     CudaModelRunner::AttentionPath::kFlash,
     CudaModelRunner::AttentionPath::kSplitK,
-    CudaModelRunner::AttentionPath::kFlashMma};
+    CudaModelRunner::AttentionPath::kFlashMma,
+    CudaModelRunner::AttentionPath::kCudnn};
 
 int Argmax(const float* x, int n) {
   return static_cast<int>(std::max_element(x, x + n) - x);

@@ -237,6 +237,33 @@ void CudaModelRunner::set_attention_path(AttentionPath path) {
   attention_path_ = path;
 }
 
+bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
+  if (cudnn_ == nullptr) {
+    if (cudnn_unavailable_) return false;
+    absl::StatusOr<std::unique_ptr<CudnnAttention>> created =
+        CudnnAttention::Create(stream_);
+    if (!created.ok()) {
+      cudnn_unavailable_ = true;
+      std::fprintf(stderr,
+                   "prefill attention: cuDNN unavailable, FlashAttention "
+                   "instead: %s\n",
+                   created.status().ToString().c_str());
+      return false;
+    }
+    cudnn_ = *std::move(created);
+    std::fprintf(stderr, "prefill attention: cuDNN %zu\n",
+                 CudnnAttention::LibraryVersion());
+  }
+  const int built = cudnn_->plans_built();
+  const absl::Status prepared = cudnn_->Prepare(shape);
+  if (!prepared.ok() && cudnn_->plans_built() > built) {  // once per shape
+    std::fprintf(stderr,
+                 "prefill attention: FlashAttention for s_q=%d s_kv=%d: %s\n",
+                 shape.s_q, shape.s_kv, prepared.ToString().c_str());
+  }
+  return prepared.ok();
+}
+
 void CudaModelRunner::set_cuda_graphs(bool enabled) {
   absl::MutexLock lock(&mu_);
   cuda_graphs_ = enabled;
@@ -461,6 +488,16 @@ struct CudaModelRunner::StepLaunch {
   // values set per layer.
   std::vector<cuda_kernels::AttentionArgs>* flash = nullptr;
   std::vector<cuda_kernels::AttentionArgs>* flash_mma = nullptr;
+  // cuDNN SDPA sequences (eager only): q / out / block_table as in
+  // AttentionArgs; the cached K / V rows are gathered into dense_k /
+  // dense_v (cudnn_kv_) per layer.
+  struct CudnnSequence {
+    CudnnSdpaShape shape;
+    cuda_kernels::AttentionArgs a;
+  };
+  std::vector<CudnnSequence>* cudnn = nullptr;
+  void* dense_k = nullptr;
+  void* dense_v = nullptr;
   // Runs after each layer's RoPE (the eager capture copies); may be empty.
   std::function<absl::Status(int layer)> after_rope;
   bool argmax = false;  // reduce the logit rows to reg->argmax
@@ -541,6 +578,20 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
             cuda_kernels::FlashMmaAttention(a, stream_));
       }
     }
+    if (s.cudnn != nullptr) {
+      for (const StepLaunch::CudnnSequence& cs : *s.cudnn) {
+        const cuda_kernels::AttentionArgs& a = cs.a;
+        const int count = cs.shape.s_kv, width = KV * D;
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherKvRows(
+            keys(l), dt, a.block_table, a.block_size, count, width,
+            s.dense_k, stream_));
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherKvRows(
+            values(l), dt, a.block_table, a.block_size, count, width,
+            s.dense_v, stream_));
+        SPECSERVE_RETURN_IF_ERROR(
+            cudnn_->Run(cs.shape, a.q, s.dense_k, s.dense_v, a.out, a.scale));
+      }
+    }
     ba.k_cache = keys(l);
     ba.v_cache = values(l);
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::BatchedAttention(ba, stream_));
@@ -615,7 +666,8 @@ absl::Status CudaModelRunner::Run(
   // supported (kFlash); every other sequence of the step in ONE batched
   // launch per layer (decode rows, verify rows, short chunks).
   std::vector<cuda_kernels::AttentionArgs> attn(S);
-  std::vector<bool> use_flash(S), use_mma(S);
+  std::vector<bool> use_flash(S), use_mma(S), use_cudnn(S);
+  size_t cudnn_kv_bytes = 0;
   std::vector<cuda_kernels::AttentionSequence> batched;
   for (int i = 0; i < S; ++i) {
     cuda_kernels::AttentionArgs& a = attn[i];
@@ -630,7 +682,8 @@ absl::Status CudaModelRunner::Run(
     bool flash = cuda_kernels::FlashAttentionSupported(D, dt);
     const bool long_rows = a.n >= kFlashMinRows;
     if (attention_path_ == AttentionPath::kAuto ||
-        attention_path_ == AttentionPath::kFlashMma) {
+        attention_path_ == AttentionPath::kFlashMma ||
+        attention_path_ == AttentionPath::kCudnn) {
       flash = flash && long_rows;
     } else if (attention_path_ == AttentionPath::kSplitK) {
       flash = false;
@@ -638,8 +691,16 @@ absl::Status CudaModelRunner::Run(
     use_mma[i] = attention_path_ == AttentionPath::kFlashMma && long_rows &&
                  batch[i].input.tree_parents.empty() &&
                  cuda_kernels::FlashMmaSupported(D, dt);
-    use_flash[i] = flash && !use_mma[i];
-    if (!use_flash[i] && !use_mma[i]) {
+    if (attention_path_ == AttentionPath::kCudnn && long_rows &&
+        batch[i].input.tree_parents.empty()) {
+      const CudnnSdpaShape shape{a.n, a.first + a.n, H, KV, D, dt};
+      use_cudnn[i] = ValidateCudnnSdpaShape(shape).ok() && CudnnSupports(shape);
+      if (use_cudnn[i]) {
+        cudnn_kv_bytes = std::max(cudnn_kv_bytes, tb * shape.s_kv * KV * D);
+      }
+    }
+    use_flash[i] = flash && !use_mma[i] && !use_cudnn[i];
+    if (!use_flash[i] && !use_mma[i] && !use_cudnn[i]) {
       batched.push_back({a.n, a.first, bt0[i], row0[i]});
     }
   }
@@ -758,6 +819,21 @@ absl::Status CudaModelRunner::Run(
   }
   step.flash = &flash;
   step.flash_mma = &flash_mma;
+  std::vector<StepLaunch::CudnnSequence> cudnn_seqs;
+  if (cudnn_kv_bytes > 0) {
+    // Two dense planes, K then V, 256-byte aligned.
+    const size_t plane = (cudnn_kv_bytes + 255) / 256 * 256;
+    SPECSERVE_RETURN_IF_ERROR(cudnn_kv_.Reserve(2 * plane));
+    step.dense_k = cudnn_kv_.get();
+    step.dense_v = cudnn_kv_.as<char>() + plane;
+    for (int i = 0; i < S; ++i) {
+      if (!use_cudnn[i]) continue;
+      const cuda_kernels::AttentionArgs& a = attn[i];
+      cudnn_seqs.push_back(
+          {CudnnSdpaShape{a.n, a.first + a.n, H, KV, D, dt}, a});
+    }
+    step.cudnn = &cudnn_seqs;
+  }
   // Post-RoPE fp32 queries of the capture rows (q heads lead each row).
   step.after_rope = [&](int l) -> absl::Status {
     for (int i = 0; i < S; ++i) {

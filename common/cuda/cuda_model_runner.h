@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cuda/cuda_weights.h"
+#include "common/cuda/cudnn_attention.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/engine/cpu_model_runner.h"
@@ -90,7 +91,13 @@ class CudaModelRunner : public ModelRunner {
   /// the long sequences it supports (head_dim 64 / 128, no tree), the WMMA
   /// FlashAttention for the rest; the services' --prefill_attention=mma.
   /// Not the default until it is measured against kAuto on a GPU.
-  enum class AttentionPath { kAuto, kFlash, kSplitK, kFlashMma };
+  /// kCudnn is kAuto with cuDNN's fused SDPA (cudnn_attention.h) for the
+  /// long sequences whose shape it supports (head_dim 64 / 128, no tree):
+  /// their cached K / V rows are gathered into a dense buffer, then one
+  /// cuDNN call per sequence and layer; where libcudnn is missing or no
+  /// cuDNN engine takes the shape, FlashAttention runs instead. The
+  /// services' --prefill_attention=cudnn.
+  enum class AttentionPath { kAuto, kFlash, kSplitK, kFlashMma, kCudnn };
   static constexpr int kFlashMinRows = 32;
 
   /// Creates the stream, the cuBLAS handle and the KV pool.
@@ -193,6 +200,10 @@ class CudaModelRunner : public ModelRunner {
       const std::vector<int>& first, std::vector<ForwardOutput>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AllocateGraphLayout() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether cuDNN's SDPA takes `shape` (creates the handle and builds the
+  // plan on first use); false, after one log line, where it cannot.
+  bool CudnnSupports(const CudnnSdpaShape& shape)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::shared_ptr<const CudaWeights> weights_;
   cudaStream_t stream_;
@@ -203,6 +214,11 @@ class CudaModelRunner : public ModelRunner {
   DeviceBuffer pool_;  // [layers][K, V][num_blocks * block_size][row_width]
   absl::Mutex mu_;
   AttentionPath attention_path_ ABSL_GUARDED_BY(mu_) = AttentionPath::kAuto;
+  // kCudnn: the handle and plans, created on first use (null after a failed
+  // creation, which is logged once), and the dense K / V rows it reads.
+  std::unique_ptr<CudnnAttention> cudnn_ ABSL_GUARDED_BY(mu_);
+  bool cudnn_unavailable_ ABSL_GUARDED_BY(mu_) = false;
+  DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer cublas_workspace_;
   bool cuda_graphs_ ABSL_GUARDED_BY(mu_) = true;

@@ -92,6 +92,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
   (*r)->set_cuda_graphs(options.cuda_graphs);
   if (options.prefill_attention == "mma") {
     (*r)->set_attention_path(CudaModelRunner::AttentionPath::kFlashMma);
+  } else if (options.prefill_attention == "cudnn") {
+    (*r)->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
   }
   LogPool(**r, source);
   return std::unique_ptr<ModelRunner>(*std::move(r));
@@ -109,9 +111,10 @@ absl::StatusOr<DeviceKind> ResolveDevice(
                      options.gpu_memory_utilization));
   }
   if (options.prefill_attention != "auto" &&
-      options.prefill_attention != "mma") {
+      options.prefill_attention != "mma" &&
+      options.prefill_attention != "cudnn") {
     return absl::InvalidArgumentError(
-        absl::StrCat("prefill_attention must be auto or mma, got \"",
+        absl::StrCat("prefill_attention must be auto, mma or cudnn, got \"",
                      options.prefill_attention, "\""));
   }
   absl::StatusOr<DeviceKind> kind =

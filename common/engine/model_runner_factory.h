@@ -45,9 +45,10 @@ struct RunnerOptions {
   /// (CudaModelRunner::set_cuda_graphs). Ignored on CPU.
   bool cuda_graphs = true;
   /// CUDA prefill attention for long chunks: "auto" (the WMMA
-  /// FlashAttention) or "mma" (FlashMmaAttention, CudaModelRunner::
-  /// AttentionPath::kFlashMma). Anything else is INVALID_ARGUMENT; ignored
-  /// on CPU.
+  /// FlashAttention), "mma" (FlashMmaAttention, CudaModelRunner::
+  /// AttentionPath::kFlashMma) or "cudnn" (cuDNN's fused SDPA,
+  /// AttentionPath::kCudnn). Anything else is INVALID_ARGUMENT; ignored on
+  /// CPU.
   std::string prefill_attention = "auto";
 };
 

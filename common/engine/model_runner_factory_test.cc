@@ -42,6 +42,8 @@ TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
   EXPECT_NE(r.status().message().find("prefill_attention"), std::string::npos);
   o.prefill_attention = "mma";  // CUDA only; the CPU runner ignores it
   EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
+  o.prefill_attention = "cudnn";
+  EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
   o.prefill_attention = "auto";
   o.kv_cache.pool_bytes = 1;  // less than one block
   EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),

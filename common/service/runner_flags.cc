@@ -33,8 +33,10 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "eagerly (to debug)");
 ABSL_FLAG(std::string, prefill_attention, "auto",
           "CUDA attention of long prefill chunks: auto (the WMMA "
-          "FlashAttention kernel) or mma (FlashMmaAttention: mma.sync, "
-          "FlashAttention-2 style; not yet measured on a GPU)");
+          "FlashAttention kernel), mma (FlashMmaAttention: mma.sync, "
+          "FlashAttention-2 style) or cudnn (cuDNN 9's fused SDPA, "
+          "FlashAttention where libcudnn or a plan is missing); mma and "
+          "cudnn not yet measured on a GPU");
 
 namespace specserve {
 

@@ -16,7 +16,8 @@ namespace specserve {
 ///   --gpu_memory_utilization F  (default 0.9, vLLM's meaning)
 ///   --cuda_graphs           (CUDA graphs for decode / verify steps,
 ///                            default on; CudaModelRunner::set_cuda_graphs)
-///   --prefill_attention auto|mma  (CUDA attention of long prefill chunks)
+///   --prefill_attention auto|mma|cudnn  (CUDA attention of long prefill
+///                            chunks)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the
 /// services set RunnerOptions::kv_pool_from_device) from
 /// --gpu_memory_utilization on CUDA, 2 GiB on CPU.

@@ -39,6 +39,8 @@ TEST_F(RunnerFlagsTest, CudaGraphsAndPrefillAttentionReachTheOptions) {
   RunnerOptions o = RunnerOptionsFromFlags();
   EXPECT_FALSE(o.cuda_graphs);
   EXPECT_EQ(o.prefill_attention, "mma");
+  absl::SetFlag(&FLAGS_prefill_attention, "cudnn");
+  EXPECT_EQ(RunnerOptionsFromFlags().prefill_attention, "cudnn");
   absl::SetFlag(&FLAGS_device, "cpu");
   o = RunnerOptionsFromFlags();
   o.kv_cache.pool_bytes = size_t{1} << 20;

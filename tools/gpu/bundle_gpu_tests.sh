@@ -5,6 +5,7 @@
 #
 #   OUT/bin/cuda_backend_test, device_test,  the cc_tests of common/cuda
 #     attention_plan_test, flash_mma_test,
+#     cudnn_attention_test,
 #     kv_pool_sizing_test, step_inputs_test,
 #     sampling_kernels_test                  (gtest)
 #   OUT/bin/gpu_bench                        bench/gpu/gpu_bench.cc
@@ -18,7 +19,8 @@
 # and its gfortran runtime: the tests compare against the CPU engine, which
 # dlopen()s libopenblas.so.0. Not bundled: glibc (>= 2.36 on the host:
 # built on Debian 12) and cuBLAS (the toolkit or the PyTorch wheel;
-# tools/gpu/gpu_env.sh finds it). Binaries are stripped and OpenBLAS (35 MiB)
+# tools/gpu/gpu_env.sh finds it), nor cuDNN (dlopen()ed; gpu_env.sh finds
+# the PyTorch wheel's). Binaries are stripped and OpenBLAS (35 MiB)
 # is stored gzipped (11 MiB; gpu_env.sh's unpack_bundle_libs restores it
 # on the GPU machine): ~31 MiB in all, so that with the ~11 MiB of tracked
 # files it stays under the device tool's 64 MiB for what travels.
@@ -37,13 +39,15 @@ BIN_ROOT=${BINARIES_FROM:-bazel-bin}
 # Every CUDA cc_test goes to the GPU machine; keep in step with
 # common/cuda/BUILD.bazel (the bundle test checks the list is complete).
 TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
+       common/cuda/cudnn_attention_test
        common/cuda/device_test common/cuda/flash_mma_test
        common/cuda/kv_pool_sizing_test common/cuda/sampling_kernels_test
        common/cuda/step_inputs_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
 if [ -z "${BINARIES_FROM:-}" ]; then
   bazel build -c opt //common/cuda:attention_plan_test \
-    //common/cuda:cuda_backend_test //common/cuda:device_test \
+    //common/cuda:cuda_backend_test //common/cuda:cudnn_attention_test \
+    //common/cuda:device_test \
     //common/cuda:flash_mma_test //common/cuda:kv_pool_sizing_test \
     //common/cuda:sampling_kernels_test \
     //common/cuda:step_inputs_test \

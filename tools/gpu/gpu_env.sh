@@ -1,7 +1,7 @@
 # shellcheck shell=bash
-# Sourced by the tools/gpu run_*.sh scripts: makes cuBLAS 13 loadable for
-# the bundled binaries (everything else comes with the bundle), and
-# defines unpack_bundle_libs.
+# Sourced by the tools/gpu run_*.sh scripts: makes cuBLAS 13 (and cuDNN 9,
+# where one is installed) loadable for the bundled binaries (everything else
+# comes with the bundle), and defines unpack_bundle_libs.
 # Looks in $CUDA_HOME/lib64, the usual toolkit folders, then the pip wheels
 # PyTorch brings (nvidia-cublas: nvidia/cublas/lib or nvidia/cu13/lib).
 
@@ -38,6 +38,44 @@ if CUBLAS_DIR=$(find_cublas_dir); then
 else
   echo "gpu_env: libcublas.so.13 / libcublasLt.so.13 not found (CUDA 13" \
        "toolkit or the nvidia-cublas wheel); set CUDA_HOME" >&2
+fi
+
+# cuDNN 9 (optional: --prefill_attention=cudnn and cudnn_attention_test
+# use it; everything else runs without). The GPU machine's toolkit has
+# none; PyTorch's wheel brings one (nvidia-cudnn: nvidia/cudnn/lib).
+find_cudnn_dir() {
+  local d
+  for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
+           /usr/lib/x86_64-linux-gnu; do
+    if [ -e "$d/libcudnn.so.9" ]; then
+      echo "$d"
+      return 0
+    fi
+  done
+  if command -v python3 >/dev/null 2>&1; then
+    python3 - <<'PY' 2>/dev/null && return 0
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
+for root in roots:
+    for pattern in ("nvidia/**/libcudnn.so.9", "torch/lib/libcudnn.so.9"):
+        for hit in glob.glob(os.path.join(root, pattern), recursive=True):
+            print(os.path.dirname(hit))
+            sys.exit(0)
+sys.exit(1)
+PY
+  fi
+  return 1
+}
+
+if CUDNN_DIR=$(find_cudnn_dir); then
+  case ":${LD_LIBRARY_PATH:-}:" in
+    *":$CUDNN_DIR:"*) ;;
+    *) export LD_LIBRARY_PATH="$CUDNN_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+  esac
+  echo "gpu_env: cuDNN from $CUDNN_DIR"
+else
+  echo "gpu_env: libcudnn.so.9 not found (optional: only" \
+       "--prefill_attention=cudnn needs it)"
 fi
 
 # glibc >= 2.36 is needed (binaries built on Debian 12).

@@ -1,0 +1,719 @@
+#include "common/cuda/cudnn_attention.h"
+
+#include <cudnn_graph.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace specserve {
+
+namespace {
+
+// Owns one backend descriptor.
+class Desc {
+ public:
+  Desc() = default;
+  explicit Desc(cudnnBackendDescriptor_t d) : d_(d) {}
+  ~Desc() {
+    if (d_ != nullptr) cudnnBackendDestroyDescriptor(d_);
+  }
+  Desc(Desc&& o) noexcept : d_(std::exchange(o.d_, nullptr)) {}
+  Desc& operator=(Desc&& o) noexcept {
+    std::swap(d_, o.d_);
+    return *this;
+  }
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+  cudnnBackendDescriptor_t get() const { return d_; }
+
+ private:
+  cudnnBackendDescriptor_t d_ = nullptr;
+};
+
+// cuDNN's status name and its last error message (which says which
+// attribute or which engine constraint failed).
+absl::Status CudnnError(cudnnStatus_t status, absl::string_view what) {
+  char message[1024] = {0};
+  cudnnGetLastErrorString(message, sizeof(message));
+  return absl::InternalError(absl::StrCat(
+      "cuDNN ", what, ": ", cudnnGetErrorString(status),
+      message[0] != '\0' ? absl::StrCat(" (", message, ")") : ""));
+}
+
+#define SPECSERVE_CUDNN_RETURN(expr, what)                      \
+  do {                                                           \
+    const cudnnStatus_t specserve_cudnn_st_ = (expr);            \
+    if (specserve_cudnn_st_ != CUDNN_STATUS_SUCCESS) {           \
+      return CudnnError(specserve_cudnn_st_, what);              \
+    }                                                            \
+  } while (0)
+
+#define SPECSERVE_RETURN_STATUS(expr)                \
+  do {                                               \
+    absl::Status specserve_st_ = (expr);             \
+    if (!specserve_st_.ok()) return specserve_st_;   \
+  } while (0)
+
+// Tensor UIDs of the variant pack.
+constexpr int64_t kUidQ = 1, kUidK = 2, kUidV = 3, kUidO = 4;
+constexpr int64_t kUidScale = 5, kUidNegInf = 6, kUidSkv = 7, kUidSq = 8;
+
+using Dims = std::array<int64_t, 4>;
+
+// Collects the graph's descriptors, in the form cuDNN's frontend (1.x)
+// lowers an inference SDPA node to for backends 9.0-9.20: the fused
+// engines recognise the pattern, so it is mirrored op for op.
+class SdpaGraph {
+ public:
+  absl::StatusOr<cudnnBackendDescriptor_t> Tensor(int64_t uid,
+                                                  cudnnDataType_t type,
+                                                  const Dims& dims,
+                                                  const Dims& strides,
+                                                  bool is_virtual,
+                                                  bool by_value = false) {
+    cudnnBackendDescriptor_t d = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_TENSOR_DESCRIPTOR, &d),
+        "create tensor");
+    owned_.emplace_back(d);
+    const int64_t alignment = 16;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_DATA_TYPE,
+                                 CUDNN_TYPE_DATA_TYPE, 1, &type),
+        "tensor data type");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_DIMENSIONS,
+                                 CUDNN_TYPE_INT64, 4, dims.data()),
+        "tensor dims");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_STRIDES,
+                                 CUDNN_TYPE_INT64, 4, strides.data()),
+        "tensor strides");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_UNIQUE_ID,
+                                 CUDNN_TYPE_INT64, 1, &uid),
+        "tensor uid");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT,
+                                 CUDNN_TYPE_INT64, 1, &alignment),
+        "tensor alignment");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL,
+                                 CUDNN_TYPE_BOOLEAN, 1, &is_virtual),
+        "tensor is_virtual");
+    if (by_value) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE,
+                                   CUDNN_TYPE_BOOLEAN, 1, &by_value),
+          "tensor is_by_value");
+    }
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(d),
+                           absl::StrCat("finalize tensor ", uid));
+    return d;
+  }
+
+  // A fresh virtual tensor.
+  absl::StatusOr<cudnnBackendDescriptor_t> Virtual(cudnnDataType_t type,
+                                                   const Dims& dims,
+                                                   const Dims& strides) {
+    return Tensor(next_virtual_uid_++, type, dims, strides, true);
+  }
+
+  // y = mode(x[, b[, t]]); `axis` only for GEN_INDEX.
+  absl::Status Pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t math,
+                         cudnnBackendDescriptor_t x,
+                         cudnnBackendDescriptor_t b,
+                         cudnnBackendDescriptor_t t,
+                         cudnnBackendDescriptor_t y, int64_t axis = -1) {
+    cudnnBackendDescriptor_t pw = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, &pw),
+        "create pointwise");
+    owned_.emplace_back(pw);
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(pw, CUDNN_ATTR_POINTWISE_MODE,
+                                 CUDNN_TYPE_POINTWISE_MODE, 1, &mode),
+        "pointwise mode");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(pw, CUDNN_ATTR_POINTWISE_MATH_PREC,
+                                 CUDNN_TYPE_DATA_TYPE, 1, &math),
+        "pointwise math precision");
+    if (mode == CUDNN_POINTWISE_GEN_INDEX) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(pw, CUDNN_ATTR_POINTWISE_AXIS,
+                                   CUDNN_TYPE_INT64, 1, &axis),
+          "pointwise axis");
+    }
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(pw),
+                           absl::StrCat("finalize pointwise mode ", mode));
+
+    cudnnBackendDescriptor_t op = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(
+            CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, &op),
+        "create pointwise op");
+    owned_.emplace_back(op);
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op,
+                                 CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &pw),
+        "pointwise op descriptor");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x),
+        "pointwise x");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y),
+        "pointwise y");
+    if (b != nullptr) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b),
+          "pointwise b");
+    }
+    if (t != nullptr) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &t),
+          "pointwise t");
+    }
+    const float one = 1.0f;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1,
+                                 CUDNN_TYPE_FLOAT, 1, &one),
+        "pointwise alpha1");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2,
+                                 CUDNN_TYPE_FLOAT, 1, &one),
+        "pointwise alpha2");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(op),
+                           absl::StrCat("finalize pointwise op mode ", mode));
+    ops_.push_back(op);
+    return absl::OkStatus();
+  }
+
+  // y = reduce(x) over the dimensions where y has extent 1.
+  absl::Status Reduction(cudnnReduceTensorOp_t reduce,
+                         cudnnBackendDescriptor_t x,
+                         cudnnBackendDescriptor_t y) {
+    cudnnBackendDescriptor_t rd = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, &rd),
+        "create reduction");
+    owned_.emplace_back(rd);
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE,
+                                 CUDNN_TYPE_DATA_TYPE, 1, &f32),
+        "reduction compute type");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(rd, CUDNN_ATTR_REDUCTION_OPERATOR,
+                                 CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1,
+                                 &reduce),
+        "reduction operator");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(rd), "finalize reduction");
+
+    cudnnBackendDescriptor_t op = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(
+            CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, &op),
+        "create reduction op");
+    owned_.emplace_back(op);
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &rd),
+        "reduction op descriptor");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x),
+        "reduction x");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y),
+        "reduction y");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(op),
+                           "finalize reduction op");
+    ops_.push_back(op);
+    return absl::OkStatus();
+  }
+
+  // c = a @ b, batched over the first two dimensions (fp32 accumulation).
+  absl::Status Matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+                      cudnnBackendDescriptor_t c) {
+    cudnnBackendDescriptor_t mm = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_MATMUL_DESCRIPTOR, &mm),
+        "create matmul");
+    owned_.emplace_back(mm);
+    const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(mm, CUDNN_ATTR_MATMUL_COMP_TYPE,
+                                 CUDNN_TYPE_DATA_TYPE, 1, &f32),
+        "matmul compute type");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(mm), "finalize matmul");
+
+    cudnnBackendDescriptor_t op = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR,
+                                     &op),
+        "create matmul op");
+    owned_.emplace_back(op);
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &a),
+        "matmul a");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b),
+        "matmul b");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &c),
+        "matmul c");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_DESC,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &mm),
+        "matmul op descriptor");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(op), "finalize matmul op");
+    ops_.push_back(op);
+    return absl::OkStatus();
+  }
+
+  const std::vector<cudnnBackendDescriptor_t>& ops() const { return ops_; }
+
+  // Hands the descriptors over (they must outlive the operation graph).
+  std::vector<Desc> TakeOwned() { return std::move(owned_); }
+
+ private:
+  std::vector<Desc> owned_;
+  std::vector<cudnnBackendDescriptor_t> ops_;
+  int64_t next_virtual_uid_ = 100;
+};
+
+cudnnDataType_t CudnnType(CudaDType t) {
+  return t == CudaDType::kFP16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
+}
+
+// The SDPA operations for `s` (see the header): b = 1 and the BSHD layouts
+// of the runner's buffers as strides.
+absl::Status BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
+  const int64_t H = s.num_heads, KV = s.num_kv_heads, D = s.head_dim;
+  const int64_t sq = s.s_q, skv = s.s_kv;
+  const cudnnDataType_t io = CudnnType(s.dtype);
+  const cudnnDataType_t f32 = CUDNN_DATA_FLOAT, i32 = CUDNN_DATA_INT32;
+  const cudnnDataType_t boolean = CUDNN_DATA_BOOLEAN;
+  const Dims one = {1, 1, 1, 1};
+
+  // Q [1, H, sq, D] over the buffer [sq, H, D]; K^T [1, KV, D, skv] and
+  // V [1, KV, skv, D] over [skv, KV, D]; O [1, H, sq, D] over [sq, H * D].
+  absl::StatusOr<cudnnBackendDescriptor_t> q =
+      g->Tensor(kUidQ, io, {1, H, sq, D}, {sq * H * D, D, H * D, 1}, false);
+  if (!q.ok()) return q.status();
+  absl::StatusOr<cudnnBackendDescriptor_t> kt = g->Tensor(
+      kUidK, io, {1, KV, D, skv}, {skv * KV * D, D, 1, KV * D}, false);
+  if (!kt.ok()) return kt.status();
+  absl::StatusOr<cudnnBackendDescriptor_t> v = g->Tensor(
+      kUidV, io, {1, KV, skv, D}, {skv * KV * D, D, KV * D, 1}, false);
+  if (!v.ok()) return v.status();
+  absl::StatusOr<cudnnBackendDescriptor_t> o =
+      g->Tensor(kUidO, io, {1, H, sq, D}, {sq * H * D, D, H * D, 1}, false);
+  if (!o.ok()) return o.status();
+  absl::StatusOr<cudnnBackendDescriptor_t> scale =
+      g->Tensor(kUidScale, f32, one, one, false, /*by_value=*/true);
+  if (!scale.ok()) return scale.status();
+  absl::StatusOr<cudnnBackendDescriptor_t> neg_inf =
+      g->Tensor(kUidNegInf, f32, one, one, false, /*by_value=*/true);
+  if (!neg_inf.ok()) return neg_inf.status();
+
+  const Dims score = {1, H, sq, skv};
+  const Dims score_strides = {H * sq * skv, sq * skv, skv, 1};
+  const Dims stat = {1, H, sq, 1};
+  const Dims stat_strides = {H * sq, sq, 1, 1};
+  auto virt = [&](cudnnDataType_t t, const Dims& d, const Dims& st) {
+    return g->Virtual(t, d, st);
+  };
+
+  // S = Q K^T, then S * scale.
+  absl::StatusOr<cudnnBackendDescriptor_t> s0 =
+      virt(f32, score, score_strides);
+  if (!s0.ok()) return s0.status();
+  SPECSERVE_RETURN_STATUS(g->Matmul(*q, *kt, *s0));
+  absl::StatusOr<cudnnBackendDescriptor_t> s1 =
+      virt(f32, score, score_strides);
+  if (!s1.ok()) return s1.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_MUL, f32, *s0, *scale,
+                                       nullptr, *s1));
+
+  // Causal mask: keep column <= row (+ skv - sq when aligned bottom-right).
+  absl::StatusOr<cudnnBackendDescriptor_t> row =
+      virt(i32, score, score_strides);
+  if (!row.ok()) return row.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, *s1,
+                                       nullptr, nullptr, *row, /*axis=*/2));
+  absl::StatusOr<cudnnBackendDescriptor_t> col =
+      virt(i32, score, score_strides);
+  if (!col.ok()) return col.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, *s1,
+                                       nullptr, nullptr, *col, /*axis=*/3));
+  cudnnBackendDescriptor_t shifted_row = *row;
+  if (skv != sq) {
+    absl::StatusOr<cudnnBackendDescriptor_t> skv_t =
+        g->Tensor(kUidSkv, i32, one, one, false, /*by_value=*/true);
+    if (!skv_t.ok()) return skv_t.status();
+    absl::StatusOr<cudnnBackendDescriptor_t> sq_t =
+        g->Tensor(kUidSq, i32, one, one, false, /*by_value=*/true);
+    if (!sq_t.ok()) return sq_t.status();
+    absl::StatusOr<cudnnBackendDescriptor_t> plus =
+        virt(i32, score, score_strides);
+    if (!plus.ok()) return plus.status();
+    SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_ADD, i32, *row,
+                                         *skv_t, nullptr, *plus));
+    absl::StatusOr<cudnnBackendDescriptor_t> minus =
+        virt(i32, score, score_strides);
+    if (!minus.ok()) return minus.status();
+    SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_SUB, i32, *plus,
+                                         *sq_t, nullptr, *minus));
+    shifted_row = *minus;
+  }
+  absl::StatusOr<cudnnBackendDescriptor_t> keep =
+      virt(boolean, score, score_strides);
+  if (!keep.ok()) return keep.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_CMP_GE, boolean,
+                                       shifted_row, *col, nullptr, *keep));
+  absl::StatusOr<cudnnBackendDescriptor_t> s2 =
+      virt(f32, score, score_strides);
+  if (!s2.ok()) return s2.status();
+  // y = keep ? s1 : -inf.
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_BINARY_SELECT, f32,
+                                       *s1, *neg_inf, *keep, *s2));
+
+  // Softmax: max, exp(s - max), sum, the log-sum-exp statistic (unused but
+  // part of the pattern), exp / sum.
+  absl::StatusOr<cudnnBackendDescriptor_t> mx = virt(f32, stat, stat_strides);
+  if (!mx.ok()) return mx.status();
+  SPECSERVE_RETURN_STATUS(g->Reduction(CUDNN_REDUCE_TENSOR_MAX, *s2, *mx));
+  absl::StatusOr<cudnnBackendDescriptor_t> centered =
+      virt(f32, score, score_strides);
+  if (!centered.ok()) return centered.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_SUB, f32, *s2, *mx,
+                                       nullptr, *centered));
+  absl::StatusOr<cudnnBackendDescriptor_t> ex =
+      virt(f32, score, score_strides);
+  if (!ex.ok()) return ex.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_EXP, f32, *centered,
+                                       nullptr, nullptr, *ex));
+  absl::StatusOr<cudnnBackendDescriptor_t> sum = virt(f32, stat, stat_strides);
+  if (!sum.ok()) return sum.status();
+  SPECSERVE_RETURN_STATUS(g->Reduction(CUDNN_REDUCE_TENSOR_ADD, *ex, *sum));
+  absl::StatusOr<cudnnBackendDescriptor_t> log_sum =
+      virt(f32, stat, stat_strides);
+  if (!log_sum.ok()) return log_sum.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_LOG, f32, *sum,
+                                       nullptr, nullptr, *log_sum));
+  absl::StatusOr<cudnnBackendDescriptor_t> stats =
+      virt(f32, stat, stat_strides);
+  if (!stats.ok()) return stats.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_ADD, f32, *mx,
+                                       *log_sum, nullptr, *stats));
+  // P in the I/O type: the A operand of P V.
+  absl::StatusOr<cudnnBackendDescriptor_t> p = virt(io, score, score_strides);
+  if (!p.ok()) return p.status();
+  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_DIV, f32, *ex, *sum,
+                                       nullptr, *p));
+
+  // O = P V.
+  return g->Matmul(*p, *v, *o);
+}
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                       since)
+      .count();
+}
+
+}  // namespace
+
+// An execution plan and the descriptors it was built from.
+struct CudnnAttention::Plan {
+  std::vector<Desc> graph;  // tensors and operations
+  Desc op_graph;
+  Desc plan;
+  int64_t workspace_bytes = 0;
+  bool bottom_right = false;  // s_kv != s_q: the shift tensors are bound
+};
+
+absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& s) {
+  if (s.s_q < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuDNN SDPA: s_q must be >= 1, got ", s.s_q));
+  }
+  if (s.s_kv < s.s_q) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuDNN SDPA: s_kv (", s.s_kv, ") must be >= s_q (", s.s_q, ")"));
+  }
+  if (s.num_kv_heads < 1 || s.num_heads < s.num_kv_heads ||
+      s.num_heads % s.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuDNN SDPA: num_heads (", s.num_heads,
+        ") must be a positive multiple of num_kv_heads (", s.num_kv_heads,
+        ")"));
+  }
+  if (s.head_dim != 64 && s.head_dim != 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuDNN SDPA: head_dim must be 64 or 128, got ", s.head_dim));
+  }
+  if (s.dtype != CudaDType::kBF16 && s.dtype != CudaDType::kFP16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuDNN SDPA: dtype must be bf16 or fp16, got ",
+        CudaDTypeName(s.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+bool CudnnLibraryLoads() {
+  return cudnnGetVersion() / 10000 == CUDNN_MAJOR;
+}
+
+size_t CudnnAttention::LibraryVersion() { return cudnnGetVersion(); }
+
+absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape) {
+  SPECSERVE_RETURN_STATUS(ValidateCudnnSdpaShape(shape));
+  if (!CudnnLibraryLoads()) {
+    return absl::UnavailableError("libcudnn.so.9 does not load on this host");
+  }
+  SdpaGraph g;
+  SPECSERVE_RETURN_STATUS(BuildSdpaOps(shape, &g));
+  return static_cast<int>(g.ops().size());
+}
+
+absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
+    cudaStream_t stream) {
+  if (!CudnnLibraryLoads()) {
+    return absl::UnavailableError(absl::StrCat(
+        "cuDNN ", CUDNN_MAJOR,
+        " not found (libcudnn.so.9 on LD_LIBRARY_PATH or in "
+        "/usr/local/cuda/lib64); version seen: ",
+        cudnnGetVersion()));
+  }
+  cudnnHandle_t handle = nullptr;
+  SPECSERVE_CUDNN_RETURN(cudnnCreate(&handle), "cudnnCreate");
+  std::unique_ptr<CudnnAttention> a(new CudnnAttention(handle));
+  SPECSERVE_CUDNN_RETURN(cudnnSetStream(handle, stream), "cudnnSetStream");
+  return a;
+}
+
+CudnnAttention::CudnnAttention(void* handle) : handle_(handle) {}
+
+CudnnAttention::~CudnnAttention() {
+  plans_.clear();  // descriptors before the handle
+  if (handle_ != nullptr) cudnnDestroy(static_cast<cudnnHandle_t>(handle_));
+}
+
+absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
+    const CudnnSdpaShape& shape) {
+  auto it = plans_.find(shape);
+  if (it != plans_.end()) {
+    if (!it->second.ok()) return it->second.status();
+    return it->second->get();
+  }
+  // Bound the cache: a long-running server sees many chunk shapes.
+  if (plans_.size() >= 512) plans_.clear();
+
+  const auto start = std::chrono::steady_clock::now();
+  auto build = [&]() -> absl::StatusOr<std::unique_ptr<Plan>> {
+    auto plan = std::make_unique<Plan>();
+    plan->bottom_right = shape.s_kv != shape.s_q;
+    SdpaGraph g;
+    SPECSERVE_RETURN_STATUS(BuildSdpaOps(shape, &g));
+    std::vector<cudnnBackendDescriptor_t> ops = g.ops();
+    plan->graph = g.TakeOwned();
+
+    cudnnBackendDescriptor_t og = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR,
+                                     &og),
+        "create operation graph");
+    plan->op_graph = Desc(og);
+    cudnnHandle_t handle = static_cast<cudnnHandle_t>(handle_);
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(og, CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
+                                 CUDNN_TYPE_HANDLE, 1, &handle),
+        "operation graph handle");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(og, CUDNN_ATTR_OPERATIONGRAPH_OPS,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                 static_cast<int64_t>(ops.size()),
+                                 ops.data()),
+        "operation graph ops");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(og),
+                           "finalize operation graph");
+
+    cudnnBackendDescriptor_t heur_raw = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR,
+                                     &heur_raw),
+        "create heuristics");
+    Desc heur(heur_raw);
+    const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(heur_raw,
+                                 CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &og),
+        "heuristics graph");
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_MODE,
+                                 CUDNN_TYPE_HEUR_MODE, 1, &mode),
+        "heuristics mode");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(heur_raw),
+                           "finalize heuristics");
+    int64_t count = 0;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendGetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                                 nullptr),
+        "heuristics result count");
+    if (count <= 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "cuDNN has no engine for causal SDPA s_q=", shape.s_q,
+          " s_kv=", shape.s_kv, " H=", shape.num_heads,
+          " KV=", shape.num_kv_heads, " D=", shape.head_dim));
+    }
+    std::vector<Desc> configs;
+    std::vector<cudnnBackendDescriptor_t> raw(count);
+    for (int64_t i = 0; i < count; ++i) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
+                                       &raw[i]),
+          "create engine config");
+      configs.emplace_back(raw[i]);
+    }
+    int64_t returned = 0;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendGetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count,
+                                 &returned, raw.data()),
+        "heuristics results");
+    absl::Status last = absl::UnimplementedError("no engine config");
+    for (int64_t i = 0; i < returned; ++i) {
+      cudnnBackendDescriptor_t ep = nullptr;
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendCreateDescriptor(
+              CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &ep),
+          "create execution plan");
+      Desc candidate(ep);
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                                   CUDNN_TYPE_HANDLE, 1, &handle),
+          "plan handle");
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &raw[i]),
+          "plan engine config");
+      const cudnnStatus_t st = cudnnBackendFinalize(ep);
+      if (st != CUDNN_STATUS_SUCCESS) {
+        last = CudnnError(st, absl::StrCat("finalize plan ", i));
+        continue;
+      }
+      int64_t ws = 0, n = 0;
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendGetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                   CUDNN_TYPE_INT64, 1, &n, &ws),
+          "plan workspace size");
+      plan->plan = std::move(candidate);
+      plan->workspace_bytes = ws;
+      return plan;
+    }
+    return absl::UnimplementedError(absl::StrCat(
+        "no cuDNN engine config of ", returned,
+        " finalizes for causal SDPA s_q=", shape.s_q, " s_kv=", shape.s_kv,
+        "; last: ", last.message()));
+  };
+  absl::StatusOr<std::unique_ptr<Plan>> built = build();
+  // Descriptor-level failures (INTERNAL) also mean "not this shape".
+  if (!built.ok() && built.status().code() != absl::StatusCode::kUnimplemented) {
+    built = absl::UnimplementedError(built.status().message());
+  }
+  ++plans_built_;
+  plan_build_seconds_ += Seconds(start);
+  auto [pos, inserted] = plans_.emplace(shape, std::move(built));
+  (void)inserted;
+  if (!pos->second.ok()) return pos->second.status();
+  return pos->second->get();
+}
+
+absl::Status CudnnAttention::Prepare(const CudnnSdpaShape& shape) {
+  SPECSERVE_RETURN_STATUS(ValidateCudnnSdpaShape(shape));
+  return GetPlan(shape).status();
+}
+
+absl::Status CudnnAttention::Run(const CudnnSdpaShape& shape, const void* q,
+                                 const void* k, const void* v, void* out,
+                                 float scale) {
+  SPECSERVE_RETURN_STATUS(ValidateCudnnSdpaShape(shape));
+  for (const void* p : {q, k, v, static_cast<const void*>(out)}) {
+    if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+      return absl::InvalidArgumentError(
+          "cuDNN SDPA: q, k, v and out must be non-null and 16-byte aligned");
+    }
+  }
+  absl::StatusOr<const Plan*> plan = GetPlan(shape);
+  if (!plan.ok()) return plan.status();
+  SPECSERVE_RETURN_STATUS(
+      workspace_.Reserve(static_cast<size_t>((*plan)->workspace_bytes)));
+
+  // By-value scalars are read from the host during the call.
+  float scale_value = scale;
+  float neg_inf = -std::numeric_limits<float>::infinity();
+  int32_t skv = shape.s_kv, sq = shape.s_q;
+  std::vector<int64_t> uids = {kUidQ, kUidK, kUidV, kUidO, kUidScale,
+                               kUidNegInf};
+  std::vector<void*> ptrs = {const_cast<void*>(q), const_cast<void*>(k),
+                             const_cast<void*>(v), out, &scale_value,
+                             &neg_inf};
+  if ((*plan)->bottom_right) {
+    uids.push_back(kUidSkv);
+    ptrs.push_back(&skv);
+    uids.push_back(kUidSq);
+    ptrs.push_back(&sq);
+  }
+  cudnnBackendDescriptor_t vp_raw = nullptr;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR,
+                                   &vp_raw),
+      "create variant pack");
+  Desc vp(vp_raw);
+  void* ws = workspace_.get();
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(vp_raw, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
+                               CUDNN_TYPE_INT64,
+                               static_cast<int64_t>(uids.size()),
+                               uids.data()),
+      "variant pack uids");
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(vp_raw, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+                               CUDNN_TYPE_VOID_PTR,
+                               static_cast<int64_t>(ptrs.size()),
+                               ptrs.data()),
+      "variant pack pointers");
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(vp_raw, CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+                               CUDNN_TYPE_VOID_PTR, 1, &ws),
+      "variant pack workspace");
+  SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(vp_raw),
+                         "finalize variant pack");
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendExecute(static_cast<cudnnHandle_t>(handle_),
+                          (*plan)->plan.get(), vp_raw),
+      "execute SDPA");
+  return absl::OkStatus();
+}
+
+}  // namespace specserve

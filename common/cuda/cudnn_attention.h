@@ -1,0 +1,129 @@
+#ifndef SPECSERVE_COMMON_CUDA_CUDNN_ATTENTION_H_
+#define SPECSERVE_COMMON_CUDA_CUDNN_ATTENTION_H_
+
+// Prefill attention through cuDNN 9's fused scaled-dot-product attention
+// (the "flash" SDPA engines), expressed in cuDNN's backend graph API: Q.K^T,
+// a scale, a causal mask, softmax and P.V as one operation graph that
+// cuDNN's heuristics match to a fused kernel (cuDNN developer guide,
+// "Scaled Dot Product Attention"; the graph is the one cuDNN's own frontend
+// builds for cuDNN 9.0-9.20, see docs/ARCHITECTURE.md). libcudnn is loaded
+// lazily (third_party/cuda/cudnn_dlopen.cc): a host without it still runs
+// the binary, and this path reports UNAVAILABLE.
+//
+// Keys and values are dense here: the runner gathers a sequence's cached
+// rows out of the paged pool first (cuda_kernels::GatherKv).
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/cuda/device_buffer.h"
+#include "common/cuda/kernels.h"
+
+namespace specserve {
+
+/// The shape of one causal SDPA call, and the key of the plan cache: cuDNN
+/// plans are built for fixed sizes.
+struct CudnnSdpaShape {
+  int s_q = 0;           ///< query rows (the chunk's new tokens)
+  int s_kv = 0;          ///< keys: cached + new tokens, >= s_q
+  int num_heads = 0;     ///< H, a positive multiple of num_kv_heads (GQA)
+  int num_kv_heads = 0;  ///< KV
+  int head_dim = 0;      ///< D: 64 or 128
+  CudaDType dtype = CudaDType::kBF16;  ///< of Q, K, V and O: bf16 or fp16
+
+  bool operator==(const CudnnSdpaShape& o) const {
+    return s_q == o.s_q && s_kv == o.s_kv && num_heads == o.num_heads &&
+           num_kv_heads == o.num_kv_heads && head_dim == o.head_dim &&
+           dtype == o.dtype;
+  }
+  template <typename H>
+  friend H AbslHashValue(H h, const CudnnSdpaShape& s) {
+    return H::combine(std::move(h), s.s_q, s.s_kv, s.num_heads,
+                      s.num_kv_heads, s.head_dim, static_cast<int>(s.dtype));
+  }
+};
+
+/// INVALID_ARGUMENT (naming the field) unless 1 <= s_q <= s_kv, heads as
+/// documented on CudnnSdpaShape, head_dim 64 or 128 and dtype bf16 / fp16.
+absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& shape);
+
+/// Whether libcudnn (major version 9, what the build's headers declare)
+/// loads on this host. No CUDA call.
+bool CudnnLibraryLoads();
+
+/// Builds and finalizes every tensor and operation descriptor of the SDPA
+/// graph for `shape` (everything short of the operation graph, which needs a
+/// GPU handle) and returns how many operations the graph has. Lets a host
+/// without a GPU check the graph's attribute types and shapes against the
+/// real library. INVALID_ARGUMENT for a bad shape; UNAVAILABLE when libcudnn
+/// does not load; INTERNAL with cuDNN's message when a descriptor is
+/// rejected.
+absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape);
+
+/// Causal grouped-query attention of `shape.s_q` new rows over `s_kv` keys,
+/// on the GPU through cuDNN. Row i of the chunk is cache slot
+/// s_kv - s_q + i and attends to keys [0, s_kv - s_q + i] (the causal mask
+/// aligned bottom-right, as a chunk appended to a cache needs); query head h
+/// reads kv head h / (H / KV); softmax of scale * q.k in fp32.
+///
+/// Not thread-safe: the owner serializes calls (CudaModelRunner holds its
+/// mutex). One plan per shape is built on first use (cuDNN heuristics, mode
+/// A, first engine config that finalizes) and cached; shapes no engine
+/// supports are remembered too, so a caller can fall back cheaply.
+class CudnnAttention {
+ public:
+  /// Creates the cuDNN handle bound to `stream`. UNAVAILABLE when libcudnn
+  /// does not load or its major version is not 9; INTERNAL when the handle
+  /// cannot be created (no GPU included).
+  static absl::StatusOr<std::unique_ptr<CudnnAttention>> Create(
+      cudaStream_t stream);
+  ~CudnnAttention();
+  CudnnAttention(const CudnnAttention&) = delete;
+  CudnnAttention& operator=(const CudnnAttention&) = delete;
+
+  /// Enqueues the attention on the handle's stream.
+  /// q: T [s_q, H, D]; k, v: T [s_kv, KV, D] (dense, row t = slot t);
+  /// out: T [s_q, H * D]; T = shape.dtype; all 16-byte aligned.
+  /// Errors: INVALID_ARGUMENT for a bad shape or null / misaligned pointer;
+  /// UNIMPLEMENTED when no cuDNN engine supports the shape (cached: later
+  /// calls with the shape fail the same way at once); RESOURCE_EXHAUSTED
+  /// when the plan's workspace cannot be allocated; INTERNAL with cuDNN's
+  /// message when execution fails.
+  absl::Status Run(const CudnnSdpaShape& shape, const void* q, const void* k,
+                   const void* v, void* out, float scale);
+
+  /// Finds or builds the plan for `shape` (no GPU work is enqueued).
+  /// Errors as Run's: INVALID_ARGUMENT, UNIMPLEMENTED (cached).
+  absl::Status Prepare(const CudnnSdpaShape& shape);
+
+  /// Plans built so far, and the seconds spent building them (heuristics
+  /// and finalization), for the benchmarks' logs.
+  int plans_built() const { return plans_built_; }
+  double plan_build_seconds() const { return plan_build_seconds_; }
+
+  /// cudnnGetVersion() of the loaded library, e.g. 91900.
+  static size_t LibraryVersion();
+
+ private:
+  struct Plan;
+  explicit CudnnAttention(void* handle);
+  absl::StatusOr<const Plan*> GetPlan(const CudnnSdpaShape& shape);
+
+  void* handle_ = nullptr;  // cudnnHandle_t
+  // Plans by shape; a failed build is cached as its status.
+  absl::flat_hash_map<CudnnSdpaShape, absl::StatusOr<std::unique_ptr<Plan>>>
+      plans_;
+  DeviceBuffer workspace_;
+  int plans_built_ = 0;
+  double plan_build_seconds_ = 0;
+};
+
+}  // namespace specserve
+
+#endif  // SPECSERVE_COMMON_CUDA_CUDNN_ATTENTION_H_
