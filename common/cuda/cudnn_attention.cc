@@ -310,6 +310,8 @@ absl::Status BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
   const cudnnDataType_t io = CudnnType(s.dtype);
   const cudnnDataType_t f32 = CUDNN_DATA_FLOAT, i32 = CUDNN_DATA_INT32;
   const cudnnDataType_t boolean = CUDNN_DATA_BOOLEAN;
+  // Scalars passed by value: rank 4 like the tensors they broadcast over
+  // (pointwise operands must have equal ranks).
   const Dims one = {1, 1, 1, 1};
 
   // Q [1, H, sq, D] over the buffer [sq, H, D]; K^T [1, KV, D, skv] and
