@@ -33,8 +33,12 @@ absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
     stats_.set_ttft_s(Seconds(now - start_));
   }
   chunk->Clear();
-  for (int id : round.token_ids()) {
+  // Logprobs go with their tokens (a target that sent none: none).
+  const bool logprobs = round.logprobs_size() == round.token_ids_size();
+  for (int i = 0; i < round.token_ids_size(); ++i) {
+    const int id = round.token_ids(i);
     chunk->add_token_ids(id);
+    if (logprobs) *chunk->add_logprobs() = round.logprobs(i);
     ++completion_;
     if (!decoder_) continue;
     auto delta = decoder_->Append(id);
@@ -118,6 +122,8 @@ void AppendChunk(const v1::GenerateTextChunk& chunk,
   response->mutable_text()->append(chunk.text());
   response->mutable_token_ids()->Add(chunk.token_ids().begin(),
                                      chunk.token_ids().end());
+  response->mutable_logprobs()->Add(chunk.logprobs().begin(),
+                                    chunk.logprobs().end());
   if (!chunk.finish_reason().empty()) {
     response->set_finish_reason(chunk.finish_reason());
     *response->mutable_usage() = chunk.usage();

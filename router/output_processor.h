@@ -35,8 +35,8 @@ class OutputProcessor {
   /// Takes one target message answered at `now`: one round (one target
   /// forward: the prefill or a verify round), or the several rounds a
   /// continuous stream's message lists in `rounds`. Counts each forward,
-  /// its drafts and accepted tokens, and writes the emitted tokens and
-  /// their text into
+  /// its drafts and accepted tokens, and writes the emitted tokens, their
+  /// logprobs (when the round has one per token) and their text into
   /// `chunk` (cleared first). A stop string ends the request (its text and
   /// everything after it, tokens included, are dropped); so does the
   /// target's finish reason. Errors from the detokenizer.
@@ -87,7 +87,8 @@ class OutputProcessor {
   std::string finish_reason_;
 };
 
-/// Folds a chunk into a unary response: text and token ids appended, the
+/// Folds a chunk into a unary response: text, token ids and logprobs
+/// appended, the
 /// final chunk's finish reason, usage and stats copied.
 void AppendChunk(const v1::GenerateTextChunk& chunk,
                  v1::GenerateTextResponse* response);

@@ -2,8 +2,10 @@
 
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
+#include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -90,6 +92,54 @@ TEST(OutputProcessorTest, CoalescedRoundsCountAsTheirRounds) {
   }
   EXPECT_EQ(prometheus::TextSerializer().Serialize(r1.Collect()),
             prometheus::TextSerializer().Serialize(r2.Collect()));
+}
+
+// Logprobs go with their tokens into the chunks and the unary response,
+// and a stop string drops the tokens after it with their logprobs.
+TEST(OutputProcessorTest, LogprobsStayAlignedWithTokens) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int> ids = *(*tok)->Encode("Once upon a time there", false);
+  ASSERT_GE(ids.size(), 5u);
+  v1::GenerateResponse r;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    r.add_token_ids(ids[i]);
+    v1::TokenLogprob* lp = r.add_logprobs();
+    lp->set_logprob(-static_cast<float>(i));
+    v1::TopLogprob* t = lp->add_top();
+    t->set_id(ids[i]);
+    t->set_logprob(-static_cast<float>(i));
+  }
+  {
+    OutputProcessor out(tok->get(), {}, absl::UnixEpoch(), nullptr);
+    v1::GenerateTextChunk chunk;
+    ASSERT_TRUE(out.AddRound(r, absl::UnixEpoch(), &chunk).ok());
+    ASSERT_EQ(chunk.logprobs_size(), chunk.token_ids_size());
+    v1::GenerateTextResponse response;
+    AppendChunk(chunk, &response);
+    AppendChunk(chunk, &response);
+    ASSERT_EQ(response.logprobs_size(), 2 * static_cast<int>(ids.size()));
+    for (int i = 0; i < response.logprobs_size(); ++i) {
+      EXPECT_EQ(response.logprobs(i).logprob(),
+                -static_cast<float>(i % ids.size()));
+      EXPECT_EQ(response.logprobs(i).top(0).id(), response.token_ids(i));
+    }
+  }
+  {  // " a" ends the text: "a" and what follows are dropped.
+    OutputProcessor out(tok->get(), {" a"}, absl::UnixEpoch(), nullptr);
+    v1::GenerateTextChunk chunk;
+    ASSERT_TRUE(out.AddRound(r, absl::UnixEpoch(), &chunk).ok());
+    EXPECT_TRUE(out.finished());
+    EXPECT_LT(chunk.token_ids_size(), static_cast<int>(ids.size()));
+    EXPECT_EQ(chunk.logprobs_size(), chunk.token_ids_size());
+  }
+  {  // A target that sent none: none.
+    OutputProcessor out(tok->get(), {}, absl::UnixEpoch(), nullptr);
+    v1::GenerateTextChunk chunk;
+    r.clear_logprobs();
+    ASSERT_TRUE(out.AddRound(r, absl::UnixEpoch(), &chunk).ok());
+    EXPECT_EQ(chunk.logprobs_size(), 0);
+  }
 }
 
 }  // namespace

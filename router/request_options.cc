@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/decoding/logprobs.h"
 #include "common/service/wire_options.h"
 #include "common/tokenizer/tokenizer.h"
 #include "router/prompt_limits.h"
@@ -156,6 +157,16 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
     o.stop_token_ids.push_back(s.stop_token_ids(i));
   }
   o.ignore_eos = s.ignore_eos();
+  o.logprobs = s.logprobs();
+  o.top_logprobs = s.top_logprobs();
+  if (o.top_logprobs < 0 || o.top_logprobs > kMaxTopLogprobs) {
+    return Bad("sampling.top_logprobs",
+               absl::StrCat("in [0, ", kMaxTopLogprobs, "]"), o.top_logprobs);
+  }
+  if (o.top_logprobs > 0 && !o.logprobs) {
+    return absl::InvalidArgumentError(
+        "sampling.top_logprobs needs sampling.logprobs = true");
+  }
 
   const v1::SpeculativePrefillConfig& p = request.speculative_prefill();
   o.spec_prefill = p.has_enabled() ? p.enabled() : d.spec_prefill;

@@ -88,6 +88,8 @@ struct ResolvedOptions {
   std::vector<std::string> stop;    ///< non-empty stop strings.
   std::vector<int> stop_token_ids;  ///< >= 0 (vocabulary checked later).
   bool ignore_eos = false;
+  bool logprobs = false;  ///< each token's logprob (target raw logits).
+  int top_logprobs = 0;   ///< in [0, kMaxTopLogprobs]; > 0 only with logprobs.
   bool spec_prefill = false;
   v1::SpecPrefillOptions prefill;  ///< every field set (keep_ratio etc.).
   bool spec_decode = false;
@@ -104,7 +106,8 @@ struct ResolvedOptions {
 /// result once, at the edge. INVALID_ARGUMENT naming the field
 /// ("sampling.top_p must be in (0, 1], got 0"): max_new_tokens < 1,
 /// temperature negative or not finite, top_k < 0, top_p outside (0, 1],
-/// an empty stop string, a negative stop token id, keep_ratio outside
+/// an empty stop string, a negative stop token id, top_logprobs outside
+/// [0, 20] or set without logprobs, keep_ratio outside
 /// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or <
 /// 1, look_ahead outside [0, 64], keep_first / keep_last / min_prompt_tokens <
 /// 0, num_draft_tokens outside [1, 64], an unknown method, prompt_lookup_min

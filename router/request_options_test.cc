@@ -165,6 +165,32 @@ TEST(ResolveOptionsTest, RejectsBadMethodFieldsNamingThem) {
   }
 }
 
+TEST(ResolveOptionsTest, LogprobsAreCheckedAndKept) {
+  v1::GenerateTextRequest req;
+  auto off = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE(off->logprobs);
+  EXPECT_EQ(off->top_logprobs, 0);
+  req.mutable_sampling()->set_logprobs(true);
+  req.mutable_sampling()->set_top_logprobs(20);
+  auto on = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_TRUE(on->logprobs);
+  EXPECT_EQ(on->top_logprobs, 20);
+  for (int bad : {-1, 21}) {
+    req.mutable_sampling()->set_top_logprobs(bad);
+    auto r = ResolveOptions(req, RequestDefaults());
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+    EXPECT_THAT(r.status().message(),
+                HasSubstr("sampling.top_logprobs must be in [0, 20]"));
+  }
+  req.mutable_sampling()->set_logprobs(false);
+  req.mutable_sampling()->set_top_logprobs(3);
+  auto r = ResolveOptions(req, RequestDefaults());
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_THAT(r.status().message(), HasSubstr("needs sampling.logprobs"));
+}
+
 TEST(ValidateDefaultsTest, NamesTheBadDefault) {
   RequestDefaults d;
   d.prompt_lookup_min = 6;

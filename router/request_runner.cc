@@ -305,6 +305,8 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   stop->mutable_stop_token_ids()->Add(opts.stop_token_ids.begin(),
                                       opts.stop_token_ids.end());
   stop->set_ignore_eos(opts.ignore_eos);
+  prefill.set_logprobs(opts.logprobs);
+  prefill.set_top_logprobs(opts.top_logprobs);
 
   // --- Target: prefill, then verify rounds.
   grpc::ClientContext tctx;

@@ -318,6 +318,18 @@ TEST_F(RouterServerTest, BadRequestsAreInvalidArgumentNamingTheField) {
          r->mutable_speculative_decoding()->set_num_draft_tokens(100);
        },
        "num_draft_tokens"},
+      {[](auto* r) {
+         r->mutable_sampling()->set_logprobs(true);
+         r->mutable_sampling()->set_top_logprobs(21);
+       },
+       "top_logprobs"},
+      {[](auto* r) {
+         r->mutable_sampling()->set_logprobs(true);
+         r->mutable_sampling()->set_top_logprobs(-3);
+       },
+       "top_logprobs"},
+      {[](auto* r) { r->mutable_sampling()->set_top_logprobs(1); },
+       "top_logprobs"},
   };
   for (const Case& c : cases) {
     v1::GenerateTextRequest req = Request("Once upon a time", 8);
