@@ -154,6 +154,9 @@ class HttpHandlers {
         endpoint, openai::NewId(chat ? "chatcmpl-" : "cmpl-"),
         parsed->model.empty() ? model : parsed->model,
         absl::ToUnixSeconds(absl::Now()), parsed->include_usage);
+    if (parsed->request.sampling().logprobs()) {
+      builder.EnableLogprobs(s->router_->tokenizer());
+    }
     if (!s->router_->Admit()) {
       return SendError(
           res, absl::ResourceExhaustedError(absl::StrCat(

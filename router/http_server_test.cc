@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -244,6 +245,174 @@ TEST_F(HttpServerTest, CompletionMatchesGrpc) {
   EXPECT_EQ(s["num_draft_tokens"], want.stats().num_draft_tokens());
   EXPECT_EQ(s["num_accepted_tokens"], want.stats().num_accepted_tokens());
   EXPECT_GT(s["ttft_s"].get<double>(), 0);
+}
+
+// logprobs through the whole stack: greedy with every drafting method and
+// Speculative Prefill gives the tokens and logprobs of plain decoding;
+// the greedy token is its own top alternative; streamed chunks carry the
+// logprobs of their own tokens (together those of the unary answer); chat
+// gets its {content: [...]} shape; the gRPC API returns them aligned with
+// token_ids; bad values are 400s.
+TEST_F(HttpServerTest, LogprobsThroughTheStack) {
+  Start();
+  const std::string prompt = StoryPrompt(3);
+  auto completion = [&](json extra) {
+    json req = {{"prompt", prompt}, {"max_tokens", 24}, {"logprobs", 3}};
+    if (extra.is_object()) req.update(extra);
+    auto res = Post("/v1/completions", req.dump());
+    EXPECT_TRUE(res);
+    if (!res) return json();
+    EXPECT_EQ(res->status, 200) << res->body;
+    return json::parse(res->body);
+  };
+  const json plain = completion(
+      {{"speculative_decoding", {{"enabled", false}}},
+       {"speculative_prefill", {{"enabled", false}}}});
+  const json& want = plain["choices"][0]["logprobs"];
+  ASSERT_EQ(want["tokens"].size(), 24u) << plain;
+  std::string joined;
+  for (size_t i = 0; i < 24; ++i) {
+    const float lp = want["token_logprobs"][i].get<float>();
+    EXPECT_LT(lp, 0.f);
+    const json& top = want["top_logprobs"][i];
+    EXPECT_GE(top.size(), 3u);
+    float best = -1e9f;
+    for (auto it = top.begin(); it != top.end(); ++it) {
+      best = std::max(best, it.value().get<float>());
+    }
+    EXPECT_FLOAT_EQ(best, lp);  // greedy: the token is the likeliest
+    EXPECT_EQ(want["text_offset"][i], joined.size());
+    joined += want["tokens"][i].get<std::string>();
+  }
+  EXPECT_EQ(absl::StripLeadingAsciiWhitespace(joined),
+            plain["choices"][0]["text"].get<std::string>());
+  for (const char* method : {"draft", "ngram", "draft_tree"}) {
+    for (bool prefill : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(method, prefill ? " with" : " without",
+                                " speculative prefill"));
+      const json spec = completion(
+          {{"speculative_decoding",
+            {{"enabled", true}, {"method", method}, {"num_draft_tokens", 3}}},
+           {"speculative_prefill", {{"enabled", prefill}, {"keep_ratio", 1.0}}}});
+      const json& got = spec["choices"][0]["logprobs"];
+      EXPECT_EQ(spec["choices"][0]["text"], plain["choices"][0]["text"]);
+      ASSERT_EQ(got["tokens"], want["tokens"]);
+      for (size_t i = 0; i < 24; ++i) {
+        EXPECT_NEAR(got["token_logprobs"][i].get<double>(),
+                    want["token_logprobs"][i].get<double>(), 1e-4);
+        for (auto it = want["top_logprobs"][i].begin();
+             it != want["top_logprobs"][i].end(); ++it) {
+          EXPECT_NEAR(got["top_logprobs"][i][it.key()].get<double>(),
+                      it.value().get<double>(), 1e-4);
+        }
+      }
+      if (std::string(method) != "ngram") {
+        EXPECT_GT(spec["specserve"]["num_drafts"].get<int>(), 0);
+      }
+    }
+  }
+  // Streamed: the chunks' logprobs are the unary answer's, in order.
+  {
+    auto res = Post("/v1/completions",
+                    json{{"prompt", prompt},
+                         {"max_tokens", 24},
+                         {"logprobs", 3},
+                         {"stream", true}}
+                        .dump());
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    const json unary = completion({});
+    const json& u = unary["choices"][0]["logprobs"];
+    json tokens = json::array(), offsets = json::array();
+    for (const json& e : ParseSse(res->body).events) {
+      const json& lp = e["choices"][0]["logprobs"];
+      ASSERT_TRUE(lp.is_object()) << e;
+      EXPECT_EQ(lp["tokens"].size(), lp["token_logprobs"].size());
+      for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+        tokens.push_back(lp["tokens"][i]);
+        offsets.push_back(lp["text_offset"][i]);
+      }
+    }
+    EXPECT_EQ(tokens, u["tokens"]);
+    EXPECT_EQ(offsets, u["text_offset"]);
+  }
+  // Chat, unary and streamed.
+  {
+    json req = {{"messages", {{{"role", "user"}, {"content", prompt}}}},
+                {"max_tokens", 16},
+                {"logprobs", true},
+                {"top_logprobs", 2}};
+    auto unary = Post("/v1/chat/completions", req.dump());
+    ASSERT_TRUE(unary);
+    ASSERT_EQ(unary->status, 200) << unary->body;
+    const json u = json::parse(unary->body);
+    const json& content = u["choices"][0]["logprobs"]["content"];
+    ASSERT_EQ(content.size(), 16u) << u;
+    for (const json& t : content) {
+      EXPECT_TRUE(t["token"].is_string());
+      EXPECT_LE(t["logprob"].get<double>(), 0.0);
+      EXPECT_TRUE(t["bytes"].is_array());
+      ASSERT_EQ(t["top_logprobs"].size(), 2u);
+      EXPECT_EQ(t["top_logprobs"][0]["token"], t["token"]);
+      EXPECT_GE(t["top_logprobs"][0]["logprob"].get<double>(),
+                t["top_logprobs"][1]["logprob"].get<double>());
+    }
+    req["stream"] = true;
+    auto res = Post("/v1/chat/completions", req.dump());
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    json streamed = json::array();
+    for (const json& e : ParseSse(res->body).events) {
+      const json& lp = e["choices"][0]["logprobs"];
+      if (lp.is_null()) continue;  // the role delta
+      for (const json& t : lp["content"]) streamed.push_back(t);
+    }
+    EXPECT_EQ(streamed, content);
+    // Off by default.
+    auto off = Post("/v1/chat/completions",
+                    json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                         {"max_tokens", 4}}
+                        .dump());
+    ASSERT_TRUE(off);
+    EXPECT_TRUE(json::parse(off->body)["choices"][0]["logprobs"].is_null());
+  }
+  // gRPC: aligned with token_ids.
+  {
+    v1::GenerateTextRequest g;
+    g.set_text(prompt);
+    g.mutable_sampling()->set_max_new_tokens(12);
+    g.mutable_sampling()->set_logprobs(true);
+    g.mutable_sampling()->set_top_logprobs(4);
+    g.mutable_speculative_prefill()->set_enabled(false);  // the same context
+    const v1::GenerateTextResponse r = Grpc(g);
+    ASSERT_EQ(r.token_ids_size(), 12);
+    ASSERT_EQ(r.logprobs_size(), 12);
+    for (int i = 0; i < 12; ++i) {
+      EXPECT_NEAR(r.logprobs(i).logprob(),
+                  want["token_logprobs"][i].get<double>(), 1e-4);
+      ASSERT_EQ(r.logprobs(i).top_size(), 4);
+      EXPECT_EQ(r.logprobs(i).top(0).id(), r.token_ids(i));
+    }
+  }
+  // Bad values.
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "logprobs": 21})"),
+              400, "logprobs");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "logprobs": -1})"),
+              400, "logprobs");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "logprobs": "5"})"),
+              400, "logprobs");
+  ExpectError(Post("/v1/chat/completions",
+                   R"({"messages": [{"role": "user", "content": "a"}],
+                       "top_logprobs": 2})"),
+              400, "top_logprobs");
+  ExpectError(Post("/v1/chat/completions",
+                   R"({"messages": [{"role": "user", "content": "a"}],
+                       "logprobs": true, "top_logprobs": 50})"),
+              400, "top_logprobs");
+  ExpectError(Post("/v1/chat/completions",
+                   R"({"messages": [{"role": "user", "content": "a"}],
+                       "logprobs": 3})"),
+              400, "logprobs");
 }
 
 TEST_F(HttpServerTest, TokenIdPromptsAndOneElementBatches) {

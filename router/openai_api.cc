@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -14,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/decoding/logprobs.h"
+#include "common/tokenizer/byte_level.h"
 #include "common/tokenizer/tokenizer.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -108,6 +111,45 @@ bool AsksForSomething(const json& v, bool one_is_default) {
   const auto lhs = *lhs##_or
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// Completions: `logprobs` N in [0, 20] (null = off): each token's logprob
+// and the N likeliest alternatives; `top_logprobs` is chat's. Chat:
+// `logprobs` a boolean, `top_logprobs` in [0, 20] only with logprobs true.
+absl::Status ParseLogprobs(Endpoint endpoint, const json& body,
+                           v1::GenerationSampling* s) {
+  if (endpoint == Endpoint::kCompletions) {
+    if (const json* t = Member(body, "top_logprobs");
+        t != nullptr && AsksForSomething(*t, false)) {
+      return ParamError("top_logprobs",
+                        "'top_logprobs' is a chat completions parameter; "
+                        "completions take 'logprobs': N (0 to 20)");
+    }
+    const json* v = Member(body, "logprobs");
+    if (v == nullptr || (v->is_boolean() && !v->get<bool>())) {
+      return absl::OkStatus();  // null / false: off
+    }
+    if (!v->is_number_integer()) {
+      return WrongType("logprobs", "an integer in [0, 20]", *v);
+    }
+    SPECSERVE_ASSIGN(n, GetInt(body, "logprobs", "logprobs", 0,
+                               kMaxTopLogprobs));
+    s->set_logprobs(true);
+    s->set_top_logprobs(static_cast<int32_t>(*n));
+    return absl::OkStatus();
+  }
+  SPECSERVE_ASSIGN(on, GetBool(body, "logprobs", "logprobs"));
+  SPECSERVE_ASSIGN(top, GetInt(body, "top_logprobs", "top_logprobs", 0,
+                               kMaxTopLogprobs));
+  if (top && !on.value_or(false)) {
+    return ParamError("top_logprobs",
+                      "'top_logprobs' needs 'logprobs': true");
+  }
+  if (on.value_or(false)) {
+    s->set_logprobs(true);
+    s->set_top_logprobs(static_cast<int32_t>(top.value_or(0)));
+  }
+  return absl::OkStatus();
+}
 
 // A list of token ids (non-empty, each in [0, 2^31)).
 absl::Status ParseIds(const json& v, absl::string_view param,
@@ -431,8 +473,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   // Known parameters that would change the answer and are not implemented:
   // refused when they ask for something, rather than silently ignored.
-  for (const char* key : {"logprobs", "top_logprobs", "echo", "suffix",
-                          "best_of", "logit_bias"}) {
+  for (const char* key : {"echo", "suffix", "best_of", "logit_bias"}) {
     const json* v = Member(body, key);
     if (v != nullptr && AsksForSomething(*v, key == std::string("best_of"))) {
       return ParamError(key, absl::StrCat("'", key, "' is not supported"));
@@ -452,6 +493,9 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     out.include_usage = usage.value_or(false);
   }
   if (auto s = ParseSampling(body, r.mutable_sampling()); !s.ok()) {
+    return s;
+  }
+  if (auto s = ParseLogprobs(endpoint, body, r.mutable_sampling()); !s.ok()) {
     return s;
   }
   if (auto s = ParseExtensions(body, &r); !s.ok()) return s;
@@ -591,6 +635,99 @@ ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
       created_(created),
       include_usage_(include_usage) {}
 
+void ResponseBuilder::EnableLogprobs(const Tokenizer* tokenizer) {
+  logprobs_ = true;
+  tokenizer_ = tokenizer;
+}
+
+std::string ResponseBuilder::TokenText(int id) const {
+  if (tokenizer_ == nullptr) return absl::StrCat("token_id:", id);
+  absl::StatusOr<std::string> text = tokenizer_->Decode({id});
+  if (!text.ok()) return absl::StrCat("token_id:", id);
+  // Sentencepiece drops a piece's leading "▁" (a space) when it starts the
+  // decoded text; a token of the output keeps it.
+  absl::StatusOr<std::string> piece = tokenizer_->IdToPiece(id);
+  if (piece.ok() && absl::StartsWith(*piece, "\xe2\x96\x81") &&
+      !absl::StartsWith(*text, " ")) {
+    return absl::StrCat(" ", *text);
+  }
+  return *text;
+}
+
+std::string ResponseBuilder::TokenBytes(int id, const std::string& text) const {
+  // A token that is part of a character decodes to U+FFFD: its own bytes
+  // then come from the piece (sentencepiece "<0xAB>", byte-level BPE).
+  if (tokenizer_ == nullptr || !absl::StrContains(text, "\xef\xbf\xbd")) {
+    return text;
+  }
+  absl::StatusOr<std::string> piece = tokenizer_->IdToPiece(id);
+  if (!piece.ok()) return text;
+  unsigned int byte = 0;
+  if (piece->size() == 6 && absl::StartsWith(*piece, "<0x") &&
+      (*piece)[5] == '>' &&
+      std::sscanf(piece->c_str() + 3, "%2x", &byte) == 1) {
+    return std::string(1, static_cast<char>(byte));
+  }
+  std::string bytes;
+  if (ByteLevelDecode(*piece, &bytes)) return bytes;
+  return text;
+}
+
+json ResponseBuilder::Logprobs(
+    const google::protobuf::RepeatedField<int32_t>& ids,
+    const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs,
+    int64_t* offset) const {
+  if (!logprobs_) return nullptr;
+  auto value = [](float lp) {
+    return std::isnan(lp) ? -9999.0 : std::max<double>(lp, -9999.0);
+  };
+  auto byte_list = [](const std::string& b) {
+    json out = json::array();
+    for (unsigned char c : b) out.push_back(static_cast<int>(c));
+    return out;
+  };
+  const int n = std::min(ids.size(), logprobs.size());
+  if (endpoint_ == Endpoint::kChat) {
+    json content = json::array();
+    for (int i = 0; i < n; ++i) {
+      const std::string text = TokenText(ids[i]);
+      json top = json::array();
+      for (const v1::TopLogprob& t : logprobs[i].top()) {
+        const std::string t_text = TokenText(t.id());
+        top.push_back({{"token", t_text},
+                       {"logprob", value(t.logprob())},
+                       {"bytes", byte_list(TokenBytes(t.id(), t_text))}});
+      }
+      content.push_back({{"token", text},
+                         {"logprob", value(logprobs[i].logprob())},
+                         {"bytes", byte_list(TokenBytes(ids[i], text))},
+                         {"top_logprobs", std::move(top)}});
+    }
+    return {{"content", std::move(content)}};
+  }
+  json tokens = json::array(), token_logprobs = json::array(),
+       top_logprobs = json::array(), text_offset = json::array();
+  for (int i = 0; i < n; ++i) {
+    const std::string text = TokenText(ids[i]);
+    json top = json::object();
+    for (const v1::TopLogprob& t : logprobs[i].top()) {
+      const std::string t_text = TokenText(t.id());
+      if (!top.contains(t_text)) top[t_text] = value(t.logprob());
+    }
+    // vLLM lists the sampled token with the top-N.
+    if (!top.contains(text)) top[text] = value(logprobs[i].logprob());
+    tokens.push_back(text);
+    token_logprobs.push_back(value(logprobs[i].logprob()));
+    top_logprobs.push_back(std::move(top));
+    text_offset.push_back(*offset);
+    *offset += static_cast<int64_t>(text.size());
+  }
+  return {{"tokens", std::move(tokens)},
+          {"token_logprobs", std::move(token_logprobs)},
+          {"top_logprobs", std::move(top_logprobs)},
+          {"text_offset", std::move(text_offset)}};
+}
+
 json ResponseBuilder::Stats(const v1::Usage& usage,
                             const v1::GenerationStats& stats) {
   google::protobuf::util::JsonPrintOptions o;
@@ -616,8 +753,9 @@ json ResponseBuilder::Usage(const v1::Usage& u) const {
 
 json ResponseBuilder::Response(const v1::GenerateTextResponse& r) const {
   const bool chat = endpoint_ == Endpoint::kChat;
+  int64_t offset = 0;
   json choice = {{"index", 0},
-                 {"logprobs", nullptr},
+                 {"logprobs", Logprobs(r.token_ids(), r.logprobs(), &offset)},
                  {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
   if (chat) {
     choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
@@ -653,7 +791,10 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
                     "\n\n");
   };
   auto choice = [&](const std::string& text, const json& finish) {
-    json c = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
+    json c = {{"index", 0},
+              {"logprobs",
+               Logprobs(chunk.token_ids(), chunk.logprobs(), &text_offset_)},
+              {"finish_reason", finish}};
     if (chat) {
       c["delta"] = text.empty() ? json::object() : json{{"content", text}};
     } else {
@@ -671,7 +812,8 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
     emit(c);
     role_sent_ = true;
   }
-  if (!chunk.text().empty() && !last) {
+  const bool has_logprobs = logprobs_ && chunk.logprobs_size() > 0;
+  if ((!chunk.text().empty() || has_logprobs) && !last) {
     json c = Chunk();
     c["choices"] = json::array({choice(chunk.text(), nullptr)});
     emit(c);

@@ -120,12 +120,26 @@ class ResponseBuilder {
   ResponseBuilder(Endpoint endpoint, std::string id, std::string model,
                   int64_t created, bool include_usage);
 
+  /// Asks for each choice's `logprobs` (else null): the tokens' log-
+  /// probabilities the chunks carry (GenerateTextChunk.logprobs), in the
+  /// endpoint's shape. Completions: {tokens, token_logprobs, top_logprobs
+  /// (one {token: logprob} object per token: the top-N and the token),
+  /// text_offset (each token's offset in the completion text, by the
+  /// tokens' texts)}. Chat: {content: [{token, logprob, bytes,
+  /// top_logprobs: [{token, logprob, bytes}] (N)}]}. A token's text is
+  /// `tokenizer`'s decoding of it alone ("token_id:N" without a tokenizer);
+  /// bytes are its UTF-8 bytes, or the piece's own bytes where the token
+  /// is part of a character. -inf is written as -9999.0 (as vLLM).
+  void EnableLogprobs(const Tokenizer* tokenizer);
+
   /// The non-streaming response: one choice, usage, and the `specserve`
   /// object (Stats).
   nlohmann::json Response(const v1::GenerateTextResponse& response) const;
 
   /// The SSE events ("data: {...}\n\n" each) for a runner chunk: chat
-  /// starts with a role delta; empty deltas send nothing; the final chunk
+  /// starts with a role delta; empty deltas send nothing (a delta with
+  /// tokens but no text yet is sent when logprobs are on, for its
+  /// logprobs); the final chunk
   /// sends finish_reason and `specserve`, then (include_usage) a chunk with
   /// no choices and the usage. Every chunk carries "usage": null when
   /// include_usage is set, as OpenAI's do.
@@ -144,6 +158,14 @@ class ResponseBuilder {
  private:
   nlohmann::json Chunk() const;  // the fields every stream chunk has
   nlohmann::json Usage(const v1::Usage& usage) const;
+  // The choice's `logprobs` for `ids` / `logprobs` (aligned); completions'
+  // text_offset starts at *offset and advances it.
+  nlohmann::json Logprobs(
+      const google::protobuf::RepeatedField<int32_t>& ids,
+      const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs,
+      int64_t* offset) const;
+  std::string TokenText(int id) const;
+  std::string TokenBytes(int id, const std::string& text) const;
 
   const Endpoint endpoint_;
   const std::string id_;
@@ -151,6 +173,9 @@ class ResponseBuilder {
   const int64_t created_;
   const bool include_usage_;
   bool role_sent_ = false;
+  bool logprobs_ = false;
+  const Tokenizer* tokenizer_ = nullptr;
+  int64_t text_offset_ = 0;  // streamed completions' text_offset so far
 };
 
 /// A fresh response id: `prefix` + 24 random hex digits.

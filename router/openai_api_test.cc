@@ -3,6 +3,7 @@
 
 #include "router/openai_api.h"
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -176,8 +177,13 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"speculative_prefill", {{"chunk_size", 2.5}}}},
        "speculative_prefill.chunk_size"},
       {{{"prompt", "a"}, {"speculative_prefill", true}}, "speculative_prefill"},
-      {{{"prompt", "a"}, {"logprobs", 2}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", 21}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", -1}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", 1.5}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", "2"}}, "logprobs"},
       {{{"prompt", "a"}, {"logprobs", true}}, "logprobs"},
+      {{{"prompt", "a"}, {"logprobs", 99999999999}}, "logprobs"},
+      {{{"prompt", "a"}, {"top_logprobs", 2}}, "top_logprobs"},
       {{{"prompt", "a"}, {"echo", true}}, "echo"},
       {{{"prompt", "a"}, {"best_of", 3}}, "best_of"},
       {{{"prompt", "a"}, {"suffix", "x"}}, "suffix"},
@@ -188,6 +194,80 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
     ASSERT_FALSE(p.ok()) << c.body;
     EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(ParamOf(p.status()).value_or("(none)"), c.param) << c.body;
+    EXPECT_EQ(HttpStatus(p.status()), 400);
+  }
+}
+
+TEST(ParseRequestTest, CompletionLogprobs) {
+  for (int n : {0, 5, 20}) {
+    auto p = Completion({{"prompt", "a"}, {"logprobs", n}});
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(p->request.sampling().logprobs());
+    EXPECT_EQ(p->request.sampling().top_logprobs(), n);
+  }
+  for (const json& off : {json(nullptr), json(false)}) {
+    auto p = Completion({{"prompt", "a"}, {"logprobs", off}});
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_FALSE(p->request.sampling().has_logprobs());
+    EXPECT_FALSE(p->request.sampling().has_top_logprobs());
+  }
+}
+
+ChatFormat PlainChat() {
+  ChatFormat f;
+  f.add_bos = true;
+  f.render = [](const json& ctx) -> absl::StatusOr<std::string> {
+    std::string out;
+    for (const json& m : ctx["messages"]) {
+      out += m["content"].get<std::string>() + "\n";
+    }
+    return out;
+  };
+  return f;
+}
+
+TEST(ParseRequestTest, ChatLogprobsAndBadInputs) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const ChatFormat f = PlainChat();
+  auto chat = [&](json extra) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}};
+    body.update(extra);
+    return ParseRequest(Endpoint::kChat, body.dump(), f, tok->get());
+  };
+  auto p = chat({{"logprobs", true}, {"top_logprobs", 3}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->request.sampling().logprobs());
+  EXPECT_EQ(p->request.sampling().top_logprobs(), 3);
+  p = chat({{"logprobs", true}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->request.sampling().logprobs());
+  EXPECT_EQ(p->request.sampling().top_logprobs(), 0);
+  for (const json& off : {json{{"logprobs", false}}, json{{"logprobs", nullptr}},
+                          json{{"top_logprobs", nullptr}}}) {
+    p = chat(off);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_FALSE(p->request.sampling().logprobs());
+  }
+  struct Case {
+    json extra;
+    std::string param;
+  };
+  const std::vector<Case> cases = {
+      {{{"top_logprobs", 2}}, "top_logprobs"},  // needs logprobs
+      {{{"logprobs", false}, {"top_logprobs", 0}}, "top_logprobs"},
+      {{{"logprobs", true}, {"top_logprobs", 21}}, "top_logprobs"},
+      {{{"logprobs", true}, {"top_logprobs", -1}}, "top_logprobs"},
+      {{{"logprobs", true}, {"top_logprobs", "3"}}, "top_logprobs"},
+      {{{"logprobs", true}, {"top_logprobs", 2.5}}, "top_logprobs"},
+      {{{"logprobs", 1}}, "logprobs"},
+      {{{"logprobs", "true"}}, "logprobs"},
+  };
+  for (const Case& c : cases) {
+    p = chat(c.extra);
+    ASSERT_FALSE(p.ok()) << c.extra;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ParamOf(p.status()).value_or("(none)"), c.param) << c.extra;
     EXPECT_EQ(HttpStatus(p.status()), 400);
   }
 }
@@ -402,6 +482,131 @@ TEST(ResponseBuilderTest, CompletionResponse) {
   ASSERT_EQ(ev.size(), 1u);
   EXPECT_FALSE(ev[0].contains("usage"));
   EXPECT_EQ(ev[0]["choices"][0]["text"], "x");
+}
+
+// A token's logprob with `top` (id, logprob) alternatives.
+v1::TokenLogprob Lp(float logprob, std::vector<std::pair<int, float>> top) {
+  v1::TokenLogprob lp;
+  lp.set_logprob(logprob);
+  for (auto [id, l] : top) {
+    v1::TopLogprob* t = lp.add_top();
+    t->set_id(id);
+    t->set_logprob(l);
+  }
+  return lp;
+}
+
+TEST(ResponseBuilderTest, CompletionLogprobs) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int> ids = *(*tok)->Encode("Once upon a time", false);
+  ASSERT_GE(ids.size(), 3u);
+  v1::GenerateTextResponse r;
+  r.set_text(*(*tok)->Decode(ids));
+  r.set_finish_reason("length");
+  for (size_t i = 0; i < ids.size(); ++i) {
+    r.add_token_ids(ids[i]);
+    // The token's own entry and a top-2 holding another id first.
+    *r.add_logprobs() =
+        Lp(-0.5f - i, {{ids[(i + 1) % ids.size()], -0.1f}, {ids[i], -0.5f - i}});
+  }
+  ResponseBuilder off(Endpoint::kCompletions, "cmpl-1", "m", 100, false);
+  EXPECT_TRUE(off.Response(r)["choices"][0]["logprobs"].is_null());
+
+  ResponseBuilder b(Endpoint::kCompletions, "cmpl-1", "m", 100, false);
+  b.EnableLogprobs(tok->get());
+  const json lp = b.Response(r)["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), ids.size()) << lp;
+  ASSERT_EQ(lp["token_logprobs"].size(), ids.size());
+  ASSERT_EQ(lp["top_logprobs"].size(), ids.size());
+  ASSERT_EQ(lp["text_offset"].size(), ids.size());
+  std::string joined;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::string token = lp["tokens"][i];
+    EXPECT_EQ(lp["text_offset"][i], joined.size());
+    joined += token;
+    EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), -0.5f - i);
+    EXPECT_TRUE(lp["top_logprobs"][i].is_object());
+    EXPECT_FLOAT_EQ(lp["top_logprobs"][i][token].get<float>(), -0.5f - i);
+    EXPECT_EQ(lp["top_logprobs"][i].size(), 2u);
+  }
+  // Every token but the first keeps its leading space ("▁upon").
+  EXPECT_EQ(joined, " Once upon a time");
+  EXPECT_EQ(lp["tokens"][1], " upon");
+
+  // Streamed: each chunk the logprobs of its own tokens, text_offset going
+  // on from the previous chunk; a chunk of tokens without text yet is sent.
+  ResponseBuilder s(Endpoint::kCompletions, "cmpl-2", "m", 100, false);
+  s.EnableLogprobs(tok->get());
+  v1::GenerateTextChunk c;
+  c.add_token_ids(ids[0]);
+  *c.add_logprobs() = r.logprobs(0);
+  std::vector<json> ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0]["choices"][0]["text"], "");
+  EXPECT_EQ(ev[0]["choices"][0]["logprobs"]["tokens"],
+            json::array({lp["tokens"][0]}));
+  c.Clear();
+  c.set_text("x");
+  c.set_finish_reason("length");
+  c.add_token_ids(ids[1]);
+  c.add_token_ids(ids[2]);
+  *c.add_logprobs() = r.logprobs(1);
+  *c.add_logprobs() = r.logprobs(2);
+  ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  const json& l2 = ev[0]["choices"][0]["logprobs"];
+  EXPECT_EQ(l2["tokens"], json::array({lp["tokens"][1], lp["tokens"][2]}));
+  EXPECT_EQ(l2["text_offset"],
+            json::array({lp["text_offset"][1], lp["text_offset"][2]}));
+  EXPECT_EQ(ev[0]["choices"][0]["finish_reason"], "length");
+}
+
+TEST(ResponseBuilderTest, ChatLogprobs) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int> ids = *(*tok)->Encode("Once upon", false);
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  v1::GenerateTextResponse r;
+  r.set_text("Once upon");
+  r.set_finish_reason("eos");
+  for (int id : ids) {
+    r.add_token_ids(id);
+    *r.add_logprobs() = Lp(-1.25f, {{id, -1.25f}, {5, kNegInf}});
+  }
+  ResponseBuilder b(Endpoint::kChat, "chatcmpl-1", "m", 100, false);
+  b.EnableLogprobs(tok->get());
+  const json j = b.Response(r);
+  const json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), ids.size()) << j;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const json& t = content[i];
+    const std::string token = t["token"];
+    EXPECT_EQ(token, i == 0 ? " Once" : " upon");
+    EXPECT_FLOAT_EQ(t["logprob"].get<float>(), -1.25f);
+    std::string bytes;
+    for (int b : t["bytes"]) bytes.push_back(static_cast<char>(b));
+    EXPECT_EQ(bytes, token);
+    ASSERT_EQ(t["top_logprobs"].size(), 2u);
+    EXPECT_EQ(t["top_logprobs"][0]["token"], token);
+    EXPECT_TRUE(t["top_logprobs"][0]["bytes"].is_array());
+    EXPECT_EQ(t["top_logprobs"][1]["logprob"], -9999.0);  // -inf
+  }
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "Once upon");
+
+  // Streamed deltas carry {content: [...]} of their own tokens.
+  ResponseBuilder s(Endpoint::kChat, "chatcmpl-2", "m", 100, false);
+  s.EnableLogprobs(tok->get());
+  v1::GenerateTextChunk c;
+  c.set_text("Once");
+  c.add_token_ids(ids[0]);
+  *c.add_logprobs() = r.logprobs(0);
+  std::vector<json> ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 2u);  // role, then the delta
+  EXPECT_TRUE(ev[0]["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(ev[1]["choices"][0]["delta"]["content"], "Once");
+  ASSERT_EQ(ev[1]["choices"][0]["logprobs"]["content"].size(), 1u);
+  EXPECT_EQ(ev[1]["choices"][0]["logprobs"]["content"][0]["token"], " Once");
 }
 
 TEST(NewIdTest, PrefixedAndUnique) {

@@ -165,6 +165,62 @@ await check("errors", async () => {
       (e) => e.status === 400 && e.param === "messages");
 });
 
+await check("logprobs (completions and chat, unary and stream)", async () => {
+  const req = {
+    model, prompt: STORY, max_tokens: 16, temperature: 0, logprobs: 3,
+    speculative_decoding: { enabled: true, num_draft_tokens: 4 },
+  };
+  const r = await client.completions.create(req);
+  const lp = r.choices[0].logprobs;
+  assert.equal(lp.tokens.length, r.usage.completion_tokens);
+  assert.equal(lp.token_logprobs.length, lp.tokens.length);
+  assert.equal(lp.top_logprobs.length, lp.tokens.length);
+  assert.equal(lp.text_offset.length, lp.tokens.length);
+  for (let i = 0; i < lp.tokens.length; i++) {
+    assert.ok(lp.token_logprobs[i] <= 0);
+    const top = Object.values(lp.top_logprobs[i]);
+    assert.ok(top.length >= 3);
+    // Greedy: the token is the likeliest.
+    assert.ok(Math.abs(Math.max(...top) - lp.token_logprobs[i]) < 1e-6);
+  }
+  const s = await client.completions.create({ ...req, stream: true });
+  const streamed = [];
+  for await (const chunk of s) {
+    for (const c of chunk.choices) {
+      if (c.logprobs) streamed.push(...c.logprobs.tokens);
+    }
+  }
+  assert.deepEqual(streamed, lp.tokens);
+
+  const chatReq = {
+    model, messages: MESSAGES, max_tokens: 8, temperature: 0,
+    logprobs: true, top_logprobs: 2,
+  };
+  const c = await client.chat.completions.create(chatReq);
+  const content = c.choices[0].logprobs.content;
+  assert.equal(content.length, c.usage.completion_tokens);
+  for (const t of content) {
+    assert.equal(typeof t.token, "string");
+    assert.ok(Array.isArray(t.bytes));
+    assert.equal(t.top_logprobs.length, 2);
+    assert.equal(t.top_logprobs[0].token, t.token);
+  }
+  const cs = await client.chat.completions.create({ ...chatReq, stream: true });
+  const chatStreamed = [];
+  for await (const chunk of cs) {
+    for (const ch of chunk.choices) {
+      if (ch.logprobs) chatStreamed.push(...ch.logprobs.content);
+    }
+  }
+  assert.deepEqual(chatStreamed, content);
+  await assert.rejects(
+      client.chat.completions.create({ model, messages: MESSAGES, top_logprobs: 2 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "top_logprobs");
+  await assert.rejects(
+      client.completions.create({ model, prompt: "x", logprobs: 21 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "logprobs");
+});
+
 await check("abort mid-stream", async () => {
   const controller = new AbortController();
   const s = await client.completions.create(
