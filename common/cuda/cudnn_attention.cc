@@ -447,6 +447,7 @@ double Seconds(std::chrono::steady_clock::time_point since) {
 struct CudnnAttention::Plan {
   std::vector<Desc> graph;  // tensors and operations
   Desc op_graph;
+  Desc engine_config;  // kept alive with the plan built from it
   Desc plan;
   int64_t workspace_bytes = 0;
   bool bottom_right = false;  // s_kv != s_q: the shift tensors are bound
@@ -630,6 +631,7 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
                                    CUDNN_TYPE_INT64, 1, &n, &ws),
           "plan workspace size");
       plan->plan = std::move(candidate);
+      plan->engine_config = std::move(configs[i]);
       plan->workspace_bytes = ws;
       return plan;
     }
