@@ -167,6 +167,36 @@ class E2ETest(unittest.TestCase):
         self.assertEqual(chunks[-1].usage.completion_tokens,
                          unary.usage.completion_tokens)
 
+    def test_j_logprobs_through_both_clients(self):
+        # build_request(logprobs=N): one logprob per token id, the greedy
+        # token first among its N alternatives, the same with speculative
+        # decoding on and off; //tools:client --logprobs prints them.
+        plain = self.stub.Generate(self.request(logprobs=3, spec_decode=False,
+                                                spec_prefill=False), timeout=60)
+        spec = self.stub.Generate(self.request(logprobs=3, num_draft_tokens=4,
+                                               spec_prefill=False), timeout=60)
+        self.assertEqual(list(spec.token_ids), list(plain.token_ids))
+        self.assertEqual(len(plain.logprobs), len(plain.token_ids))
+        for token_id, a, b in zip(plain.token_ids, plain.logprobs,
+                                  spec.logprobs):
+            self.assertEqual(len(a.top), 3)
+            self.assertEqual(a.top[0].id, token_id)
+            self.assertAlmostEqual(a.logprob, b.logprob, delta=1e-4)
+            self.assertLessEqual(a.logprob, 0.0)
+        out = run_json([find_binary("tools/client"), "--router",
+                        self.stack.router.address, "--token_ids",
+                        ",".join(map(str, self.ids)), "--max_new_tokens", "32",
+                        "--temperature", "0", "--no_spec_prefill",
+                        "--logprobs", "3", "--json"])
+        self.assertEqual(out["token_ids"], list(plain.token_ids))
+        self.assertEqual(len(out["logprobs"]), len(out["token_ids"]))
+        self.assertAlmostEqual(out["logprobs"][0]["logprob"],
+                               plain.logprobs[0].logprob, delta=1e-5)
+        bad = self.request(logprobs=21)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.stub.Generate(bad, timeout=60)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
     def test_i_cli_reads_prompts_from_files(self):
         # //tools:client: --prompt_file and --token_ids_file (ids split by
         # commas and whitespace) give what --prompt / --token_ids give.

@@ -2,6 +2,7 @@
 //
 //   bazel run //tools:client -- --router localhost:50050
 //     --prompt "Once upon a time" --max_new_tokens 64 [--stream] [--json]
+//     [--logprobs N]
 //
 // Plaintext by default; --tls (gRPC's default roots) or --tls_ca_file
 // speaks TLS to a router serving it, --tls_cert_file / --tls_key_file add
@@ -52,6 +53,9 @@ ABSL_FLAG(double, top_p, -1, "top-p (-1 = default)");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1 = default)");
 ABSL_FLAG(std::string, stop, "", "stop strings, '|'-separated");
 ABSL_FLAG(std::string, stop_token_ids, "", "stop token ids");
+ABSL_FLAG(int, logprobs, -1,
+          "each token's logprob (target raw logits) with the N likeliest "
+          "alternatives, N in [0, 20] (-1 = off); --json prints them");
 ABSL_FLAG(double, keep_ratio, -1, "Speculative Prefill keep ratio");
 ABSL_FLAG(int, look_ahead, -1, "Speculative Prefill look-ahead tokens");
 ABSL_FLAG(int, chunk_size, -1, "Speculative Prefill chunk size");
@@ -158,6 +162,10 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
       ParseIntList(absl::GetFlag(FLAGS_stop_token_ids), "--stop_token_ids");
   if (!stop_ids.ok()) return stop_ids.status();
   for (int id : *stop_ids) s->add_stop_token_ids(id);
+  if (absl::GetFlag(FLAGS_logprobs) >= 0) {
+    s->set_logprobs(true);
+    s->set_top_logprobs(absl::GetFlag(FLAGS_logprobs));
+  }
   auto* sp = req.mutable_speculative_prefill();
   if (absl::GetFlag(FLAGS_no_spec_prefill)) sp->set_enabled(false);
   if (absl::GetFlag(FLAGS_keep_ratio) >= 0) {
@@ -218,6 +226,19 @@ nlohmann::json StatsJson(const v1::Usage& u, const v1::GenerationStats& s) {
                 {"num_target_forwards", s.num_target_forwards()},
                 {"tokens_per_target_forward", s.tokens_per_target_forward()}};
   return j;
+}
+
+// [{"logprob": x, "top": [[id, logprob], ...]}, ...] of `logprobs`.
+void AppendLogprobs(
+    const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs,
+    nlohmann::json* out) {
+  for (const v1::TokenLogprob& lp : logprobs) {
+    nlohmann::json top = nlohmann::json::array();
+    for (const v1::TopLogprob& t : lp.top()) {
+      top.push_back({t.id(), t.logprob()});
+    }
+    out->push_back({{"logprob", lp.logprob()}, {"top", std::move(top)}});
+  }
 }
 
 void PrintSummary(const nlohmann::json& j) {
@@ -284,9 +305,11 @@ int Run() {
     v1::GenerateTextChunk chunk;
     std::string text;
     std::vector<int> ids;
+    nlohmann::json logprobs = nlohmann::json::array();
     while (reader->Read(&chunk)) {
       text += chunk.text();
       ids.insert(ids.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      AppendLogprobs(chunk.logprobs(), &logprobs);
       if (!json) {
         std::fputs(chunk.text().c_str(), stdout);
         std::fflush(stdout);
@@ -300,6 +323,7 @@ int Run() {
     if (!s.ok()) return Fail(s);
     out["text"] = text;
     out["token_ids"] = ids;
+    if (req->sampling().logprobs()) out["logprobs"] = std::move(logprobs);
   } else {
     v1::GenerateTextResponse resp;
     grpc::Status s = stub->Generate(&ctx, *req, &resp);
@@ -309,6 +333,10 @@ int Run() {
     out["text"] = resp.text();
     out["token_ids"] = std::vector<int>(resp.token_ids().begin(),
                                         resp.token_ids().end());
+    if (req->sampling().logprobs()) {
+      out["logprobs"] = nlohmann::json::array();
+      AppendLogprobs(resp.logprobs(), &out["logprobs"]);
+    }
     if (!json) std::fputs(resp.text().c_str(), stdout);
   }
   if (json) {

@@ -98,13 +98,16 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   num_draft_tokens=None, spec_prefill=None, spec_decode=None,
                   stop=None, spec_decode_method=None, prompt_lookup_min=None,
                   prompt_lookup_max=None, tree_branching=None,
-                  tree_max_nodes=None, tree_min_path_prob=None):
+                  tree_max_nodes=None, tree_min_path_prob=None,
+                  logprobs=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
     list of ints (children per node at each depth); tree_min_path_prob in
     [0, 1), the path probability a tree node needs to grow with one request
-    in flight."""
+    in flight. logprobs: N in [0, 20] returns each token's logprob (the
+    target's raw logits) with the N likeliest alternatives
+    (response.logprobs, aligned with token_ids); None = off."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -118,6 +121,9 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.sampling.seed = seed
     if stop:
         req.sampling.stop.extend(stop)
+    if logprobs is not None:
+        req.sampling.logprobs = True
+        req.sampling.top_logprobs = logprobs
     if keep_ratio is not None:
         req.speculative_prefill.keep_ratio = keep_ratio
     if spec_prefill is not None:
@@ -164,6 +170,9 @@ def main():
     ap.add_argument("--tree_min_path_prob", type=float,
                     help="draft_tree: path probability a node needs to grow "
                          "(one request in flight)")
+    ap.add_argument("--logprobs", type=int,
+                    help="print each token's logprob with the N likeliest "
+                         "alternatives (N in [0, 20])")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tls", action="store_true",
@@ -201,23 +210,33 @@ def main():
                         tree_branching=[int(x) for x in a.tree_branching.split(",")]
                         if a.tree_branching else None,
                         tree_max_nodes=a.tree_max_nodes,
-                        tree_min_path_prob=a.tree_min_path_prob)
+                        tree_min_path_prob=a.tree_min_path_prob,
+                        logprobs=a.logprobs)
     try:
         if a.stream:
             last = None
+            ids, lps = [], []
             for chunk in stub.GenerateStream(req, timeout=a.timeout):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                ids.extend(chunk.token_ids)
+                lps.extend(chunk.logprobs)
                 last = chunk
             usage, stats, finish = last.usage, last.stats, last.finish_reason
         else:
             resp = stub.Generate(req, timeout=a.timeout)
             sys.stdout.write(resp.text)
             usage, stats, finish = resp.usage, resp.stats, resp.finish_reason
+            ids, lps = list(resp.token_ids), list(resp.logprobs)
     except grpc.RpcError as e:
         print("error: %s %s" % (e.code().name, e.details()), file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     print()
+    for token_id, lp in zip(ids, lps):
+        print("token %d logprob %.4f top %s" % (
+            token_id, lp.logprob,
+            " ".join("%d:%.4f" % (t.id, t.logprob) for t in lp.top)),
+            file=sys.stderr)
     print("[finish %s] prompt %d, kept %d, completion %d; TTFT %.4f s; "
           "drafting %s: mean acceptance length %.2f, %d target forwards, "
           "%.2f tokens per forward%s" % (
