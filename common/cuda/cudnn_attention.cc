@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -69,222 +70,92 @@ using Dims = std::array<int64_t, 4>;
 
 // Collects the graph's descriptors, in the form cuDNN's frontend (1.x)
 // lowers an inference SDPA node to for backends 9.0-9.20: the fused
-// engines recognise the pattern, so it is mirrored op for op.
+// engines recognise the pattern, so it is mirrored op for op. The first
+// failure sticks (status()); later calls then do nothing and return null.
 class SdpaGraph {
  public:
-  absl::StatusOr<cudnnBackendDescriptor_t> Tensor(int64_t uid,
-                                                  cudnnDataType_t type,
-                                                  const Dims& dims,
-                                                  const Dims& strides,
-                                                  bool is_virtual,
-                                                  bool by_value = false) {
-    cudnnBackendDescriptor_t d = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_TENSOR_DESCRIPTOR, &d),
-        "create tensor");
-    owned_.emplace_back(d);
+  const absl::Status& status() const { return status_; }
+
+  // A finalized tensor descriptor.
+  cudnnBackendDescriptor_t Tensor(int64_t uid, cudnnDataType_t type,
+                                  const Dims& dims, const Dims& strides,
+                                  bool is_virtual, bool by_value = false) {
     const int64_t alignment = 16;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_DATA_TYPE,
-                                 CUDNN_TYPE_DATA_TYPE, 1, &type),
-        "tensor data type");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_DIMENSIONS,
-                                 CUDNN_TYPE_INT64, 4, dims.data()),
-        "tensor dims");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_STRIDES,
-                                 CUDNN_TYPE_INT64, 4, strides.data()),
-        "tensor strides");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_UNIQUE_ID,
-                                 CUDNN_TYPE_INT64, 1, &uid),
-        "tensor uid");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT,
-                                 CUDNN_TYPE_INT64, 1, &alignment),
-        "tensor alignment");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL,
-                                 CUDNN_TYPE_BOOLEAN, 1, &is_virtual),
-        "tensor is_virtual");
+    cudnnBackendDescriptor_t d = New(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+    Set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type);
+    Set(d, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data());
+    Set(d, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data());
+    Set(d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid);
+    Set(d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment);
+    Set(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual);
     if (by_value) {
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendSetAttribute(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE,
-                                   CUDNN_TYPE_BOOLEAN, 1, &by_value),
-          "tensor is_by_value");
+      Set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value);
     }
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(d),
-                           absl::StrCat("finalize tensor ", uid));
-    return d;
+    return Finalize(d, absl::StrCat("tensor ", uid));
   }
 
   // A fresh virtual tensor.
-  absl::StatusOr<cudnnBackendDescriptor_t> Virtual(cudnnDataType_t type,
-                                                   const Dims& dims,
-                                                   const Dims& strides) {
+  cudnnBackendDescriptor_t Virtual(cudnnDataType_t type, const Dims& dims,
+                                   const Dims& strides) {
     return Tensor(next_virtual_uid_++, type, dims, strides, true);
   }
 
-  // y = mode(x[, b[, t]]); `axis` only for GEN_INDEX.
-  absl::Status Pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t math,
-                         cudnnBackendDescriptor_t x,
-                         cudnnBackendDescriptor_t b,
-                         cudnnBackendDescriptor_t t,
-                         cudnnBackendDescriptor_t y, int64_t axis = -1) {
-    cudnnBackendDescriptor_t pw = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, &pw),
-        "create pointwise");
-    owned_.emplace_back(pw);
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(pw, CUDNN_ATTR_POINTWISE_MODE,
-                                 CUDNN_TYPE_POINTWISE_MODE, 1, &mode),
-        "pointwise mode");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(pw, CUDNN_ATTR_POINTWISE_MATH_PREC,
-                                 CUDNN_TYPE_DATA_TYPE, 1, &math),
-        "pointwise math precision");
+  // y = mode(x[, b[, t]]) with math in `math`; `axis` only for GEN_INDEX.
+  void Pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t math,
+                 cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
+                 cudnnBackendDescriptor_t t, cudnnBackendDescriptor_t y,
+                 int64_t axis = -1) {
+    cudnnBackendDescriptor_t pw = New(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    Set(pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
+    Set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &math);
     if (mode == CUDNN_POINTWISE_GEN_INDEX) {
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendSetAttribute(pw, CUDNN_ATTR_POINTWISE_AXIS,
-                                   CUDNN_TYPE_INT64, 1, &axis),
-          "pointwise axis");
+      Set(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
     }
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(pw),
-                           absl::StrCat("finalize pointwise mode ", mode));
-
-    cudnnBackendDescriptor_t op = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(
-            CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, &op),
-        "create pointwise op");
-    owned_.emplace_back(op);
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op,
-                                 CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &pw),
-        "pointwise op descriptor");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x),
-        "pointwise x");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y),
-        "pointwise y");
-    if (b != nullptr) {
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC,
-                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b),
-          "pointwise b");
-    }
-    if (t != nullptr) {
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC,
-                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &t),
-          "pointwise t");
-    }
+    Finalize(pw, absl::StrCat("pointwise mode ", mode));
     const float one = 1.0f;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1,
-                                 CUDNN_TYPE_FLOAT, 1, &one),
-        "pointwise alpha1");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2,
-                                 CUDNN_TYPE_FLOAT, 1, &one),
-        "pointwise alpha2");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(op),
-                           absl::StrCat("finalize pointwise op mode ", mode));
-    ops_.push_back(op);
-    return absl::OkStatus();
+    cudnnBackendDescriptor_t op =
+        New(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    SetDescriptors(op, {{CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw},
+                        {CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x},
+                        {CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y},
+                        {CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b},
+                        {CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t}});
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &one);
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &one);
+    AddOp(op, absl::StrCat("pointwise op mode ", mode));
   }
 
-  // y = reduce(x) over the dimensions where y has extent 1.
-  absl::Status Reduction(cudnnReduceTensorOp_t reduce,
-                         cudnnBackendDescriptor_t x,
-                         cudnnBackendDescriptor_t y) {
-    cudnnBackendDescriptor_t rd = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, &rd),
-        "create reduction");
-    owned_.emplace_back(rd);
+  // y = reduce(x) over the dimensions where y has extent 1 (fp32).
+  void Reduction(cudnnReduceTensorOp_t reduce, cudnnBackendDescriptor_t x,
+                 cudnnBackendDescriptor_t y) {
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE,
-                                 CUDNN_TYPE_DATA_TYPE, 1, &f32),
-        "reduction compute type");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(rd, CUDNN_ATTR_REDUCTION_OPERATOR,
-                                 CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1,
-                                 &reduce),
-        "reduction operator");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(rd), "finalize reduction");
-
-    cudnnBackendDescriptor_t op = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(
-            CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, &op),
-        "create reduction op");
-    owned_.emplace_back(op);
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &rd),
-        "reduction op descriptor");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x),
-        "reduction x");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y),
-        "reduction y");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(op),
-                           "finalize reduction op");
-    ops_.push_back(op);
-    return absl::OkStatus();
+    cudnnBackendDescriptor_t rd = New(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
+    Set(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32);
+    Set(rd, CUDNN_ATTR_REDUCTION_OPERATOR,
+        CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &reduce);
+    Finalize(rd, "reduction");
+    cudnnBackendDescriptor_t op =
+        New(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    SetDescriptors(op, {{CUDNN_ATTR_OPERATION_REDUCTION_DESC, rd},
+                        {CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x},
+                        {CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y}});
+    AddOp(op, "reduction op");
   }
 
   // c = a @ b, batched over the first two dimensions (fp32 accumulation).
-  absl::Status Matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
-                      cudnnBackendDescriptor_t c) {
-    cudnnBackendDescriptor_t mm = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_MATMUL_DESCRIPTOR, &mm),
-        "create matmul");
-    owned_.emplace_back(mm);
+  void Matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
+              cudnnBackendDescriptor_t c) {
     const cudnnDataType_t f32 = CUDNN_DATA_FLOAT;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(mm, CUDNN_ATTR_MATMUL_COMP_TYPE,
-                                 CUDNN_TYPE_DATA_TYPE, 1, &f32),
-        "matmul compute type");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(mm), "finalize matmul");
-
-    cudnnBackendDescriptor_t op = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR,
-                                     &op),
-        "create matmul op");
-    owned_.emplace_back(op);
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &a),
-        "matmul a");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b),
-        "matmul b");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &c),
-        "matmul c");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(op, CUDNN_ATTR_OPERATION_MATMUL_DESC,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &mm),
-        "matmul op descriptor");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(op), "finalize matmul op");
-    ops_.push_back(op);
-    return absl::OkStatus();
+    cudnnBackendDescriptor_t mm = New(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
+    Set(mm, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32);
+    Finalize(mm, "matmul");
+    cudnnBackendDescriptor_t op =
+        New(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
+    SetDescriptors(op, {{CUDNN_ATTR_OPERATION_MATMUL_ADESC, a},
+                        {CUDNN_ATTR_OPERATION_MATMUL_BDESC, b},
+                        {CUDNN_ATTR_OPERATION_MATMUL_CDESC, c},
+                        {CUDNN_ATTR_OPERATION_MATMUL_DESC, mm}});
+    AddOp(op, "matmul op");
   }
 
   const std::vector<cudnnBackendDescriptor_t>& ops() const { return ops_; }
@@ -293,6 +164,58 @@ class SdpaGraph {
   std::vector<Desc> TakeOwned() { return std::move(owned_); }
 
  private:
+  cudnnBackendDescriptor_t New(cudnnBackendDescriptorType_t type) {
+    if (!status_.ok()) return nullptr;
+    cudnnBackendDescriptor_t d = nullptr;
+    const cudnnStatus_t st = cudnnBackendCreateDescriptor(type, &d);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      status_ = CudnnError(st, absl::StrCat("create descriptor type ", type));
+      return nullptr;
+    }
+    owned_.emplace_back(d);
+    return d;
+  }
+
+  void Set(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name,
+           cudnnBackendAttributeType_t type, int64_t count,
+           const void* value) {
+    if (!status_.ok()) return;
+    const cudnnStatus_t st =
+        cudnnBackendSetAttribute(d, name, type, count, value);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      status_ = CudnnError(st, absl::StrCat("set attribute ", name));
+    }
+  }
+
+  // Descriptor-valued attributes; null descriptors are left unset.
+  void SetDescriptors(
+      cudnnBackendDescriptor_t d,
+      std::initializer_list<
+          std::pair<cudnnBackendAttributeName_t, cudnnBackendDescriptor_t>>
+          attributes) {
+    for (const auto& [name, value] : attributes) {
+      if (value != nullptr) {
+        Set(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+      }
+    }
+  }
+
+  cudnnBackendDescriptor_t Finalize(cudnnBackendDescriptor_t d,
+                                    absl::string_view what) {
+    if (!status_.ok()) return nullptr;
+    const cudnnStatus_t st = cudnnBackendFinalize(d);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      status_ = CudnnError(st, absl::StrCat("finalize ", what));
+      return nullptr;
+    }
+    return d;
+  }
+
+  void AddOp(cudnnBackendDescriptor_t op, absl::string_view what) {
+    if (Finalize(op, what) != nullptr) ops_.push_back(op);
+  }
+
+  absl::Status status_;
   std::vector<Desc> owned_;
   std::vector<cudnnBackendDescriptor_t> ops_;
   int64_t next_virtual_uid_ = 100;
@@ -302,9 +225,10 @@ cudnnDataType_t CudnnType(CudaDType t) {
   return t == CudaDType::kFP16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
 }
 
-// The SDPA operations for `s` (see the header): b = 1 and the BSHD layouts
-// of the runner's buffers as strides.
-absl::Status BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
+// The SDPA operations for `s` (see the header) into *g; g->status() says
+// whether every descriptor finalized. b = 1, and the runner's buffers'
+// BSHD layouts as strides.
+void BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
   const int64_t H = s.num_heads, KV = s.num_kv_heads, D = s.head_dim;
   const int64_t sq = s.s_q, skv = s.s_kv;
   const cudnnDataType_t io = CudnnType(s.dtype);
@@ -313,126 +237,72 @@ absl::Status BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
   // Scalars passed by value: rank 4 like the tensors they broadcast over
   // (pointwise operands must have equal ranks).
   const Dims one = {1, 1, 1, 1};
-
-  // Q [1, H, sq, D] over the buffer [sq, H, D]; K^T [1, KV, D, skv] and
-  // V [1, KV, skv, D] over [skv, KV, D]; O [1, H, sq, D] over [sq, H * D].
-  absl::StatusOr<cudnnBackendDescriptor_t> q =
-      g->Tensor(kUidQ, io, {1, H, sq, D}, {sq * H * D, D, H * D, 1}, false);
-  if (!q.ok()) return q.status();
-  absl::StatusOr<cudnnBackendDescriptor_t> kt = g->Tensor(
-      kUidK, io, {1, KV, D, skv}, {skv * KV * D, D, 1, KV * D}, false);
-  if (!kt.ok()) return kt.status();
-  absl::StatusOr<cudnnBackendDescriptor_t> v = g->Tensor(
-      kUidV, io, {1, KV, skv, D}, {skv * KV * D, D, KV * D, 1}, false);
-  if (!v.ok()) return v.status();
-  absl::StatusOr<cudnnBackendDescriptor_t> o =
-      g->Tensor(kUidO, io, {1, H, sq, D}, {sq * H * D, D, H * D, 1}, false);
-  if (!o.ok()) return o.status();
-  absl::StatusOr<cudnnBackendDescriptor_t> scale =
-      g->Tensor(kUidScale, f32, one, one, false, /*by_value=*/true);
-  if (!scale.ok()) return scale.status();
-  absl::StatusOr<cudnnBackendDescriptor_t> neg_inf =
-      g->Tensor(kUidNegInf, f32, one, one, false, /*by_value=*/true);
-  if (!neg_inf.ok()) return neg_inf.status();
-
   const Dims score = {1, H, sq, skv};
   const Dims score_strides = {H * sq * skv, sq * skv, skv, 1};
   const Dims stat = {1, H, sq, 1};
   const Dims stat_strides = {H * sq, sq, 1, 1};
-  auto virt = [&](cudnnDataType_t t, const Dims& d, const Dims& st) {
-    return g->Virtual(t, d, st);
+
+  // Q [1, H, sq, D] over the buffer [sq, H, D]; K^T [1, KV, D, skv] and
+  // V [1, KV, skv, D] over [skv, KV, D]; O [1, H, sq, D] over [sq, H * D].
+  auto* q = g->Tensor(kUidQ, io, {1, H, sq, D}, {sq * H * D, D, H * D, 1},
+                      false);
+  auto* kt = g->Tensor(kUidK, io, {1, KV, D, skv},
+                       {skv * KV * D, D, 1, KV * D}, false);
+  auto* v = g->Tensor(kUidV, io, {1, KV, skv, D},
+                      {skv * KV * D, D, KV * D, 1}, false);
+  auto* o = g->Tensor(kUidO, io, {1, H, sq, D}, {sq * H * D, D, H * D, 1},
+                      false);
+  auto* scale = g->Tensor(kUidScale, f32, one, one, false, /*by_value=*/true);
+  auto* neg_inf =
+      g->Tensor(kUidNegInf, f32, one, one, false, /*by_value=*/true);
+  auto scores = [&](cudnnDataType_t t) {
+    return g->Virtual(t, score, score_strides);
   };
+  auto stats = [&]() { return g->Virtual(f32, stat, stat_strides); };
 
   // S = Q K^T, then S * scale.
-  absl::StatusOr<cudnnBackendDescriptor_t> s0 =
-      virt(f32, score, score_strides);
-  if (!s0.ok()) return s0.status();
-  SPECSERVE_RETURN_STATUS(g->Matmul(*q, *kt, *s0));
-  absl::StatusOr<cudnnBackendDescriptor_t> s1 =
-      virt(f32, score, score_strides);
-  if (!s1.ok()) return s1.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_MUL, f32, *s0, *scale,
-                                       nullptr, *s1));
+  auto* s0 = scores(f32);
+  g->Matmul(q, kt, s0);
+  auto* s1 = scores(f32);
+  g->Pointwise(CUDNN_POINTWISE_MUL, f32, s0, scale, nullptr, s1);
 
   // Causal mask: keep column <= row (+ skv - sq when aligned bottom-right).
-  absl::StatusOr<cudnnBackendDescriptor_t> row =
-      virt(i32, score, score_strides);
-  if (!row.ok()) return row.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, *s1,
-                                       nullptr, nullptr, *row, /*axis=*/2));
-  absl::StatusOr<cudnnBackendDescriptor_t> col =
-      virt(i32, score, score_strides);
-  if (!col.ok()) return col.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, *s1,
-                                       nullptr, nullptr, *col, /*axis=*/3));
-  cudnnBackendDescriptor_t shifted_row = *row;
+  auto* row = scores(i32);
+  g->Pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, s1, nullptr, nullptr, row, 2);
+  auto* col = scores(i32);
+  g->Pointwise(CUDNN_POINTWISE_GEN_INDEX, f32, s1, nullptr, nullptr, col, 3);
   if (skv != sq) {
-    absl::StatusOr<cudnnBackendDescriptor_t> skv_t =
-        g->Tensor(kUidSkv, i32, one, one, false, /*by_value=*/true);
-    if (!skv_t.ok()) return skv_t.status();
-    absl::StatusOr<cudnnBackendDescriptor_t> sq_t =
-        g->Tensor(kUidSq, i32, one, one, false, /*by_value=*/true);
-    if (!sq_t.ok()) return sq_t.status();
-    absl::StatusOr<cudnnBackendDescriptor_t> plus =
-        virt(i32, score, score_strides);
-    if (!plus.ok()) return plus.status();
-    SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_ADD, i32, *row,
-                                         *skv_t, nullptr, *plus));
-    absl::StatusOr<cudnnBackendDescriptor_t> minus =
-        virt(i32, score, score_strides);
-    if (!minus.ok()) return minus.status();
-    SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_SUB, i32, *plus,
-                                         *sq_t, nullptr, *minus));
-    shifted_row = *minus;
+    auto* skv_t = g->Tensor(kUidSkv, i32, one, one, false, /*by_value=*/true);
+    auto* sq_t = g->Tensor(kUidSq, i32, one, one, false, /*by_value=*/true);
+    auto* plus = scores(i32);
+    g->Pointwise(CUDNN_POINTWISE_ADD, i32, row, skv_t, nullptr, plus);
+    row = scores(i32);
+    g->Pointwise(CUDNN_POINTWISE_SUB, i32, plus, sq_t, nullptr, row);
   }
-  absl::StatusOr<cudnnBackendDescriptor_t> keep =
-      virt(boolean, score, score_strides);
-  if (!keep.ok()) return keep.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_CMP_GE, boolean,
-                                       shifted_row, *col, nullptr, *keep));
-  absl::StatusOr<cudnnBackendDescriptor_t> s2 =
-      virt(f32, score, score_strides);
-  if (!s2.ok()) return s2.status();
-  // y = keep ? s1 : -inf.
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_BINARY_SELECT, f32,
-                                       *s1, *neg_inf, *keep, *s2));
+  auto* keep = scores(boolean);
+  g->Pointwise(CUDNN_POINTWISE_CMP_GE, boolean, row, col, nullptr, keep);
+  auto* s2 = scores(f32);  // keep ? s1 : -inf
+  g->Pointwise(CUDNN_POINTWISE_BINARY_SELECT, f32, s1, neg_inf, keep, s2);
 
   // Softmax: max, exp(s - max), sum, the log-sum-exp statistic (unused but
-  // part of the pattern), exp / sum.
-  absl::StatusOr<cudnnBackendDescriptor_t> mx = virt(f32, stat, stat_strides);
-  if (!mx.ok()) return mx.status();
-  SPECSERVE_RETURN_STATUS(g->Reduction(CUDNN_REDUCE_TENSOR_MAX, *s2, *mx));
-  absl::StatusOr<cudnnBackendDescriptor_t> centered =
-      virt(f32, score, score_strides);
-  if (!centered.ok()) return centered.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_SUB, f32, *s2, *mx,
-                                       nullptr, *centered));
-  absl::StatusOr<cudnnBackendDescriptor_t> ex =
-      virt(f32, score, score_strides);
-  if (!ex.ok()) return ex.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_EXP, f32, *centered,
-                                       nullptr, nullptr, *ex));
-  absl::StatusOr<cudnnBackendDescriptor_t> sum = virt(f32, stat, stat_strides);
-  if (!sum.ok()) return sum.status();
-  SPECSERVE_RETURN_STATUS(g->Reduction(CUDNN_REDUCE_TENSOR_ADD, *ex, *sum));
-  absl::StatusOr<cudnnBackendDescriptor_t> log_sum =
-      virt(f32, stat, stat_strides);
-  if (!log_sum.ok()) return log_sum.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_LOG, f32, *sum,
-                                       nullptr, nullptr, *log_sum));
-  absl::StatusOr<cudnnBackendDescriptor_t> stats =
-      virt(f32, stat, stat_strides);
-  if (!stats.ok()) return stats.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_ADD, f32, *mx,
-                                       *log_sum, nullptr, *stats));
-  // P in the I/O type: the A operand of P V.
-  absl::StatusOr<cudnnBackendDescriptor_t> p = virt(io, score, score_strides);
-  if (!p.ok()) return p.status();
-  SPECSERVE_RETURN_STATUS(g->Pointwise(CUDNN_POINTWISE_DIV, f32, *ex, *sum,
-                                       nullptr, *p));
+  // part of the pattern), exp / sum into P in the I/O type (the A operand
+  // of P V).
+  auto* mx = stats();
+  g->Reduction(CUDNN_REDUCE_TENSOR_MAX, s2, mx);
+  auto* centered = scores(f32);
+  g->Pointwise(CUDNN_POINTWISE_SUB, f32, s2, mx, nullptr, centered);
+  auto* ex = scores(f32);
+  g->Pointwise(CUDNN_POINTWISE_EXP, f32, centered, nullptr, nullptr, ex);
+  auto* sum = stats();
+  g->Reduction(CUDNN_REDUCE_TENSOR_ADD, ex, sum);
+  auto* log_sum = stats();
+  g->Pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, log_sum);
+  g->Pointwise(CUDNN_POINTWISE_ADD, f32, mx, log_sum, nullptr, stats());
+  auto* p = scores(io);
+  g->Pointwise(CUDNN_POINTWISE_DIV, f32, ex, sum, nullptr, p);
 
   // O = P V.
-  return g->Matmul(*p, *v, *o);
+  g->Matmul(p, v, o);
 }
 
 double Seconds(std::chrono::steady_clock::time_point since) {
@@ -493,7 +363,8 @@ absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape) {
     return absl::UnavailableError("libcudnn.so.9 does not load on this host");
   }
   SdpaGraph g;
-  SPECSERVE_RETURN_STATUS(BuildSdpaOps(shape, &g));
+  BuildSdpaOps(shape, &g);
+  SPECSERVE_RETURN_STATUS(g.status());
   return static_cast<int>(g.ops().size());
 }
 
@@ -535,7 +406,8 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
     auto plan = std::make_unique<Plan>();
     plan->bottom_right = shape.s_kv != shape.s_q;
     SdpaGraph g;
-    SPECSERVE_RETURN_STATUS(BuildSdpaOps(shape, &g));
+    BuildSdpaOps(shape, &g);
+    SPECSERVE_RETURN_STATUS(g.status());
     std::vector<cudnnBackendDescriptor_t> ops = g.ops();
     plan->graph = g.TakeOwned();
 

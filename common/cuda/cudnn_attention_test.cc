@@ -18,7 +18,6 @@
 #include <cstdio>
 #include <memory>
 #include <numeric>
-#include <random>
 #include <tuple>
 #include <vector>
 
@@ -43,7 +42,6 @@ using attention_test::Problem;
 using attention_test::Reference;
 using attention_test::RunKernel;
 using attention_test::Scale;
-using attention_test::ToBf16;
 using testing_cuda::DeviceArray;
 
 CudnnSdpaShape ShapeOf(const Case& c) {
@@ -244,95 +242,47 @@ TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
   EXPECT_EQ(attn_->plans_built(), built + 1);
 }
 
-// Timing (prints only): causal prefill at n = 4096 and 16384, H = 32,
-// KV = 8, D = 128, bf16, next to FlashMmaAttention and the WMMA kernel on
-// the same paged inputs (cuDNN's time includes the K / V gather).
+// Timing (prints only): attention_test::TimingProblem at n = 4096 and
+// 16384, cuDNN (its time includes the K / V gather) next to
+// FlashMmaAttention and the WMMA kernel on the same paged inputs.
 TEST_F(CudnnGpuTest, ReportsTflops) {
+  using attention_test::TimingProblem;
   std::printf("device: %s, cuDNN %zu\n", CudaDeviceDescription().c_str(),
               CudnnAttention::LibraryVersion());
-  constexpr int kH = 32, kKV = 8, kD = 128, kBs = 16;
   for (int n : {4096, 16384}) {
-    std::mt19937 rng(n);
-    auto fill = [&rng](std::vector<uint16_t>* v) {
-      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-      for (auto& x : *v) x = ToBf16(u(rng));
-    };
-    const int blocks = (n + kBs - 1) / kBs;
-    const size_t width = static_cast<size_t>(kKV) * kD;
-    std::vector<uint16_t> q(static_cast<size_t>(n) * kH * kD);
-    std::vector<uint16_t> kv(static_cast<size_t>(blocks) * kBs * width);
-    fill(&q);
-    fill(&kv);
-    std::vector<int> table(blocks);
-    std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), rng);
-    DeviceArray d_q(q.size() * 2), d_k(kv.size() * 2), d_v(kv.size() * 2),
-        d_out(q.size() * 2), d_table(table.size() * sizeof(int)),
-        dense_k(n * width * 2), dense_v(n * width * 2);
-    ASSERT_CUDA_OK(d_q.Upload(q));
-    ASSERT_CUDA_OK(d_k.Upload(kv));
-    ASSERT_CUDA_OK(d_v.Upload(kv));
-    ASSERT_CUDA_OK(d_table.Upload(table));
-    ck::AttentionArgs a;
-    a.q = d_q.get();
-    a.k_cache = d_k.get();
-    a.v_cache = d_v.get();
-    a.out = d_out.get();
-    a.dtype = CudaDType::kBF16;
-    a.n = n;
-    a.num_heads = kH;
-    a.num_kv_heads = kKV;
-    a.head_dim = kD;
-    a.scale = 1.0f / std::sqrt(float(kD));
-    a.block_table = static_cast<const int*>(d_table.get());
-    a.block_size = kBs;
-    const CudnnSdpaShape shape{n, n, kH, kKV, kD, CudaDType::kBF16};
+    const TimingProblem p(n);
+    const int width = TimingProblem::kKV * TimingProblem::kD;
+    DeviceArray dense_k(static_cast<size_t>(n) * width * 2),
+        dense_v(static_cast<size_t>(n) * width * 2);
+    const CudnnSdpaShape shape{n, n, TimingProblem::kH, TimingProblem::kKV,
+                               TimingProblem::kD, CudaDType::kBF16};
     const double build0 = attn_->plan_build_seconds();
-    ASSERT_TRUE(attn_->Prepare(shape).ok()) << attn_->Prepare(shape);
+    const absl::Status prepared = attn_->Prepare(shape);
+    ASSERT_TRUE(prepared.ok()) << prepared;
     std::printf("cuDNN plan for n=%d built in %.3f s\n", n,
                 attn_->plan_build_seconds() - build0);
-    auto cudnn = [&]() -> cudaError_t {
-      cudaError_t e = ck::GatherKvRows(d_k.get(), a.dtype, a.block_table, kBs,
-                                       n, width, dense_k.get(), nullptr);
-      if (e != cudaSuccess) return e;
-      e = ck::GatherKvRows(d_v.get(), a.dtype, a.block_table, kBs, n, width,
-                           dense_v.get(), nullptr);
+    const ck::AttentionArgs& a = p.args;
+    attention_test::TimeAndReport("cuDNN SDPA (+gather)", p, [&] {
+      cudaError_t e = ck::GatherKvRows(a.k_cache, a.dtype, a.block_table,
+                                       a.block_size, n, width, dense_k.get(),
+                                       nullptr);
+      if (e == cudaSuccess) {
+        e = ck::GatherKvRows(a.v_cache, a.dtype, a.block_table, a.block_size,
+                             n, width, dense_v.get(), nullptr);
+      }
       if (e != cudaSuccess) return e;
       return attn_->Run(shape, a.q, dense_k.get(), dense_v.get(), a.out,
                         a.scale)
                      .ok()
                  ? cudaSuccess
                  : cudaErrorUnknown;
-    };
-    const double flops = 4.0 * kD * kH * (double(n) * (n + 1) / 2);
-    cudaEvent_t start, stop;
-    ASSERT_CUDA_OK(cudaEventCreate(&start));
-    ASSERT_CUDA_OK(cudaEventCreate(&stop));
-    for (int k = 0; k < 3; ++k) {
-      const char* name = k == 0   ? "cuDNN SDPA (+gather)"
-                         : k == 1 ? "FlashMmaAttention"
-                                  : "FlashAttention (WMMA)";
-      auto launch = [&]() -> cudaError_t {
-        if (k == 0) return cudnn();
-        return k == 1 ? ck::FlashMmaAttention(a, nullptr)
-                      : ck::FlashAttention(a, nullptr);
-      };
-      ASSERT_CUDA_OK(launch());  // warm-up
-      ASSERT_CUDA_OK(cudaDeviceSynchronize());
-      constexpr int kReps = 5;
-      ASSERT_CUDA_OK(cudaEventRecord(start, nullptr));
-      for (int r = 0; r < kReps; ++r) ASSERT_CUDA_OK(launch());
-      ASSERT_CUDA_OK(cudaEventRecord(stop, nullptr));
-      ASSERT_CUDA_OK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      ASSERT_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-      ms /= kReps;
-      std::printf("%-22s n=%-6d H=%d KV=%d D=%d causal: %8.3f ms  %6.1f "
-                  "TFLOP/s\n",
-                  name, n, kH, kKV, kD, ms, flops / (ms * 1e-3) / 1e12);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    });
+    attention_test::TimeAndReport("FlashMmaAttention", p, [&] {
+      return ck::FlashMmaAttention(a, nullptr);
+    });
+    attention_test::TimeAndReport("FlashAttention (WMMA)", p, [&] {
+      return ck::FlashAttention(a, nullptr);
+    });
   }
 }
 

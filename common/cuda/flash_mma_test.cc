@@ -17,18 +17,13 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "absl/base/casts.h"
-#include "absl/strings/str_format.h"
 #include "common/cuda/device.h"
 #include "common/cuda/device_array_test_util.h"
 #include "common/cuda/kernels.h"
@@ -43,13 +38,10 @@ namespace ck = cuda_kernels;
 using attention_test::Case;
 using attention_test::CaseName;
 using attention_test::ExpectClose;
-using attention_test::Kernel;
 using attention_test::MakeProblem;
 using attention_test::Problem;
 using attention_test::Reference;
 using attention_test::RunKernel;
-using attention_test::ToBf16;
-using testing_cuda::DeviceArray;
 
 class FlashMmaTest : public ::testing::TestWithParam<Case> {
  protected:
@@ -195,68 +187,14 @@ TEST(FlashMmaTimingTest, ReportsTflops) {
     GTEST_SKIP() << "no CUDA device: " << CudaDeviceDescription();
   }
   std::printf("device: %s\n", CudaDeviceDescription().c_str());
-  constexpr int kH = 32, kKV = 8, kD = 128, kBs = 16;
   for (int n : {4096, 16384}) {
-    std::mt19937 rng(n);
-    auto fill = [&rng](std::vector<uint16_t>* v) {
-      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-      for (auto& x : *v) x = ToBf16(u(rng));
-    };
-    const int blocks = (n + kBs - 1) / kBs;
-    std::vector<uint16_t> q(static_cast<size_t>(n) * kH * kD);
-    std::vector<uint16_t> kv(static_cast<size_t>(blocks) * kBs * kKV * kD);
-    fill(&q);
-    fill(&kv);
-    std::vector<int> table(blocks);
-    std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), rng);
-    DeviceArray d_q(q.size() * 2), d_k(kv.size() * 2), d_v(kv.size() * 2),
-        d_out(q.size() * 2), d_table(table.size() * sizeof(int));
-    ASSERT_CUDA_OK(d_q.Upload(q));
-    ASSERT_CUDA_OK(d_k.Upload(kv));
-    ASSERT_CUDA_OK(d_v.Upload(kv));
-    ASSERT_CUDA_OK(d_table.Upload(table));
-    ck::AttentionArgs a;
-    a.q = d_q.get();
-    a.k_cache = d_k.get();
-    a.v_cache = d_v.get();
-    a.out = d_out.get();
-    a.dtype = CudaDType::kBF16;
-    a.n = n;
-    a.num_heads = kH;
-    a.num_kv_heads = kKV;
-    a.head_dim = kD;
-    a.scale = 1.0f / std::sqrt(float(kD));
-    a.block_table = static_cast<const int*>(d_table.get());
-    a.block_size = kBs;
-    // Causal: every row i sees i + 1 keys; 2 flops per multiply-add in
-    // Q K^T and in P V.
-    const double flops = 4.0 * kD * kH * (double(n) * (n + 1) / 2);
-    cudaEvent_t start, stop;
-    ASSERT_CUDA_OK(cudaEventCreate(&start));
-    ASSERT_CUDA_OK(cudaEventCreate(&stop));
-    for (const auto& [name, kernel] :
-         {std::pair<const char*, Kernel>{"FlashMmaAttention",
-                                         &ck::FlashMmaAttention},
-          std::pair<const char*, Kernel>{"FlashAttention (WMMA)",
-                                         &ck::FlashAttention}}) {
-      ASSERT_CUDA_OK(kernel(a, nullptr));  // warm-up
-      ASSERT_CUDA_OK(cudaDeviceSynchronize());
-      constexpr int kReps = 5;
-      ASSERT_CUDA_OK(cudaEventRecord(start, nullptr));
-      for (int r = 0; r < kReps; ++r) ASSERT_CUDA_OK(kernel(a, nullptr));
-      ASSERT_CUDA_OK(cudaEventRecord(stop, nullptr));
-      ASSERT_CUDA_OK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      ASSERT_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-      ms /= kReps;
-      std::printf(
-          "%-22s n=%-6d H=%d KV=%d D=%d causal: %8.3f ms  %6.1f "
-          "TFLOP/s\n",
-          name, n, kH, kKV, kD, ms, flops / (ms * 1e-3) / 1e12);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+    const attention_test::TimingProblem p(n);
+    attention_test::TimeAndReport("FlashMmaAttention", p, [&] {
+      return ck::FlashMmaAttention(p.args, nullptr);
+    });
+    attention_test::TimeAndReport("FlashAttention (WMMA)", p, [&] {
+      return ck::FlashAttention(p.args, nullptr);
+    });
   }
 }
 

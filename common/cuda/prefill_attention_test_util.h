@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <random>
 #include <string>
@@ -298,6 +299,91 @@ inline std::vector<Case> Cases() {
     }
   }
   return cases;
+}
+
+/// The timing reports' problem: causal prefill of `n` rows, H = 32, KV = 8,
+/// D = 128, bf16, K / V in a paged pool of block size 16 through a shuffled
+/// table, on the device; `args` is ready for a FlashAttention-style launch.
+struct TimingProblem {
+  static constexpr int kH = 32, kKV = 8, kD = 128, kBs = 16;
+  explicit TimingProblem(int n)
+      : n(n),
+        q(static_cast<size_t>(n) * kH * kD * 2),
+        k(PoolRows(n) * kKV * kD * 2),
+        v(PoolRows(n) * kKV * kD * 2),
+        out(static_cast<size_t>(n) * kH * kD * 2),
+        table(PoolRows(n) / kBs * sizeof(int)) {
+    std::mt19937 rng(n);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    auto upload = [&](testing_cuda::DeviceArray& d, size_t elements) {
+      std::vector<uint16_t> bits(elements);
+      for (uint16_t& x : bits) x = ToBf16(u(rng));
+      EXPECT_EQ(d.Upload(bits), cudaSuccess);
+    };
+    upload(q, static_cast<size_t>(n) * kH * kD);
+    upload(k, PoolRows(n) * kKV * kD);
+    upload(v, PoolRows(n) * kKV * kD);
+    std::vector<int> ids(PoolRows(n) / kBs);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    EXPECT_EQ(table.Upload(ids), cudaSuccess);
+    args.q = q.get();
+    args.k_cache = k.get();
+    args.v_cache = v.get();
+    args.out = out.get();
+    args.dtype = CudaDType::kBF16;
+    args.n = n;
+    args.num_heads = kH;
+    args.num_kv_heads = kKV;
+    args.head_dim = kD;
+    args.scale = 1.0f / std::sqrt(float(kD));
+    args.block_table = static_cast<const int*>(table.get());
+    args.block_size = kBs;
+  }
+  static size_t PoolRows(int n) {
+    return static_cast<size_t>((n + kBs - 1) / kBs) * kBs;
+  }
+  /// Causal: row i sees i + 1 keys; 2 flops per multiply-add in Q K^T and
+  /// in P V.
+  double Flops() const { return 4.0 * kD * kH * (double(n) * (n + 1) / 2); }
+
+  int n;
+  testing_cuda::DeviceArray q, k, v, out, table;
+  cuda_kernels::AttentionArgs args;
+};
+
+/// Milliseconds per call of `launch` on the legacy stream (one untimed
+/// warm-up call, then `reps`), and prints one report line. -1 on a CUDA
+/// error (reported as a test failure).
+template <typename Launch>
+double TimeAndReport(const char* name, const TimingProblem& p, Launch launch,
+                     int reps = 5) {
+  cudaEvent_t start, stop;
+  if (launch() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess ||
+      cudaEventCreate(&start) != cudaSuccess ||
+      cudaEventCreate(&stop) != cudaSuccess) {
+    ADD_FAILURE() << name << ": CUDA error";
+    return -1;
+  }
+  cudaEventRecord(start, nullptr);
+  bool ok = true;
+  for (int r = 0; r < reps; ++r) ok &= launch() == cudaSuccess;
+  cudaEventRecord(stop, nullptr);
+  float ms = 0.0f;
+  ok &= cudaEventSynchronize(stop) == cudaSuccess &&
+        cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (!ok) {
+    ADD_FAILURE() << name << ": CUDA error";
+    return -1;
+  }
+  ms /= reps;
+  std::printf("%-22s n=%-6d H=%d KV=%d D=%d causal: %8.3f ms  %6.1f "
+              "TFLOP/s\n",
+              name, p.n, TimingProblem::kH, TimingProblem::kKV,
+              TimingProblem::kD, ms, p.Flops() / (ms * 1e-3) / 1e12);
+  return ms;
 }
 
 }  // namespace attention_test

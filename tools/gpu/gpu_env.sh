@@ -2,76 +2,61 @@
 # Sourced by the tools/gpu run_*.sh scripts: makes cuBLAS 13 (and cuDNN 9,
 # where one is installed) loadable for the bundled binaries (everything else
 # comes with the bundle), and defines unpack_bundle_libs.
-# Looks in $CUDA_HOME/lib64, the usual toolkit folders, then the pip wheels
-# PyTorch brings (nvidia-cublas: nvidia/cublas/lib or nvidia/cu13/lib).
 
-find_cublas_dir() {
-  local d
+# find_lib_dir LIB [LIB...]: the first folder holding every LIB: $CUDA_HOME/
+# lib64, the usual toolkit folders, then the pip wheels PyTorch brings
+# (nvidia/**: nvidia-cublas, nvidia-cudnn, ...; torch/lib).
+find_lib_dir() {
+  local d lib found
   for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
            /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64 \
            /usr/lib/x86_64-linux-gnu; do
-    if [ -e "$d/libcublas.so.13" ] && [ -e "$d/libcublasLt.so.13" ]; then
+    found=1
+    for lib in "$@"; do [ -e "$d/$lib" ] || found=0; done
+    if [ "$found" = 1 ]; then
       echo "$d"
       return 0
     fi
   done
   if command -v python3 >/dev/null 2>&1; then
-    python3 - <<'PY' 2>/dev/null && return 0
+    python3 - "$@" <<'PY' 2>/dev/null && return 0
 import glob, os, site, sys
+libs = sys.argv[1:]
 roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
 for root in roots:
-    for hit in glob.glob(os.path.join(root, "nvidia", "**", "libcublas.so.13"),
-                         recursive=True):
-        d = os.path.dirname(hit)
-        if os.path.exists(os.path.join(d, "libcublasLt.so.13")):
-            print(d)
-            sys.exit(0)
+    for pattern in ("nvidia/**/" + libs[0], "torch/lib/" + libs[0]):
+        for hit in glob.glob(os.path.join(root, pattern), recursive=True):
+            d = os.path.dirname(hit)
+            if all(os.path.exists(os.path.join(d, l)) for l in libs):
+                print(d)
+                sys.exit(0)
 sys.exit(1)
 PY
   fi
   return 1
 }
 
-if CUBLAS_DIR=$(find_cublas_dir); then
-  export LD_LIBRARY_PATH="$CUBLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# prepend_library_path DIR: DIR first on LD_LIBRARY_PATH (once).
+prepend_library_path() {
+  case ":${LD_LIBRARY_PATH:-}:" in
+    *":$1:"*) ;;
+    *) export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+  esac
+}
+
+if CUBLAS_DIR=$(find_lib_dir libcublas.so.13 libcublasLt.so.13); then
+  prepend_library_path "$CUBLAS_DIR"
   echo "gpu_env: cuBLAS from $CUBLAS_DIR"
 else
   echo "gpu_env: libcublas.so.13 / libcublasLt.so.13 not found (CUDA 13" \
        "toolkit or the nvidia-cublas wheel); set CUDA_HOME" >&2
 fi
 
-# cuDNN 9 (optional: --prefill_attention=cudnn and cudnn_attention_test
-# use it; everything else runs without). The GPU machine's toolkit has
-# none; PyTorch's wheel brings one (nvidia-cudnn: nvidia/cudnn/lib).
-find_cudnn_dir() {
-  local d
-  for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 \
-           /usr/lib/x86_64-linux-gnu; do
-    if [ -e "$d/libcudnn.so.9" ]; then
-      echo "$d"
-      return 0
-    fi
-  done
-  if command -v python3 >/dev/null 2>&1; then
-    python3 - <<'PY' 2>/dev/null && return 0
-import glob, os, site, sys
-roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
-for root in roots:
-    for pattern in ("nvidia/**/libcudnn.so.9", "torch/lib/libcudnn.so.9"):
-        for hit in glob.glob(os.path.join(root, pattern), recursive=True):
-            print(os.path.dirname(hit))
-            sys.exit(0)
-sys.exit(1)
-PY
-  fi
-  return 1
-}
-
-if CUDNN_DIR=$(find_cudnn_dir); then
-  case ":${LD_LIBRARY_PATH:-}:" in
-    *":$CUDNN_DIR:"*) ;;
-    *) export LD_LIBRARY_PATH="$CUDNN_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
-  esac
+# cuDNN 9 is optional: --prefill_attention=cudnn and cudnn_attention_test
+# use it, everything else runs without. The GPU machine's toolkit has none;
+# PyTorch's wheel brings one (nvidia-cudnn).
+if CUDNN_DIR=$(find_lib_dir libcudnn.so.9); then
+  prepend_library_path "$CUDNN_DIR"
   echo "gpu_env: cuDNN from $CUDNN_DIR"
 else
   echo "gpu_env: libcudnn.so.9 not found (optional: only" \
