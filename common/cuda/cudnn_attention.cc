@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -133,6 +134,11 @@ class SdpaGraph {
     Set(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &f32);
     Set(rd, CUDNN_ATTR_REDUCTION_OPERATOR,
         CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &reduce);
+    if (cudnnGetVersion() >= 91100) {  // the frontend always sets it there
+      const bool deterministic = false;
+      Set(rd, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1,
+          &deterministic);
+    }
     Finalize(rd, "reduction");
     cudnnBackendDescriptor_t op =
         New(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
@@ -225,10 +231,21 @@ cudnnDataType_t CudnnType(CudaDType t) {
   return t == CudaDType::kFP16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
 }
 
+// Forms of the graph, tried in this order until cuDNN's heuristics find an
+// engine: the frontend's exactly; the same without the unused log-sum-exp
+// statistic.
+enum class SdpaVariant { kFrontend, kNoStats };
+constexpr SdpaVariant kVariants[] = {SdpaVariant::kFrontend,
+                                     SdpaVariant::kNoStats};
+const char* VariantName(SdpaVariant v) {
+  return v == SdpaVariant::kFrontend ? "frontend" : "no-stats";
+}
+
 // The SDPA operations for `s` (see the header) into *g; g->status() says
 // whether every descriptor finalized. b = 1, and the runner's buffers'
 // BSHD layouts as strides.
-void BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
+void BuildSdpaOps(const CudnnSdpaShape& s, SdpaVariant variant,
+                  SdpaGraph* g) {
   const int64_t H = s.num_heads, KV = s.num_kv_heads, D = s.head_dim;
   const int64_t sq = s.s_q, skv = s.s_kv;
   const cudnnDataType_t io = CudnnType(s.dtype);
@@ -295,9 +312,11 @@ void BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
   g->Pointwise(CUDNN_POINTWISE_EXP, f32, centered, nullptr, nullptr, ex);
   auto* sum = stats();
   g->Reduction(CUDNN_REDUCE_TENSOR_ADD, ex, sum);
-  auto* log_sum = stats();
-  g->Pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, log_sum);
-  g->Pointwise(CUDNN_POINTWISE_ADD, f32, mx, log_sum, nullptr, stats());
+  if (variant == SdpaVariant::kFrontend) {
+    auto* log_sum = stats();
+    g->Pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, log_sum);
+    g->Pointwise(CUDNN_POINTWISE_ADD, f32, mx, log_sum, nullptr, stats());
+  }
   auto* p = scores(io);
   g->Pointwise(CUDNN_POINTWISE_DIV, f32, ex, sum, nullptr, p);
 
@@ -319,6 +338,7 @@ struct CudnnAttention::Plan {
   Desc op_graph;
   Desc engine_config;  // kept alive with the plan built from it
   Desc plan;
+  const char* variant = "";  // SdpaVariant's name
   int64_t workspace_bytes = 0;
   bool bottom_right = false;  // s_kv != s_q: the shift tensors are bound
 };
@@ -363,7 +383,7 @@ absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape) {
     return absl::UnavailableError("libcudnn.so.9 does not load on this host");
   }
   SdpaGraph g;
-  BuildSdpaOps(shape, &g);
+  BuildSdpaOps(shape, SdpaVariant::kFrontend, &g);
   SPECSERVE_RETURN_STATUS(g.status());
   return static_cast<int>(g.ops().size());
 }
@@ -402,11 +422,13 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
   if (plans_.size() >= 512) plans_.clear();
 
   const auto start = std::chrono::steady_clock::now();
-  auto build = [&]() -> absl::StatusOr<std::unique_ptr<Plan>> {
+  auto build = [&](SdpaVariant variant)
+      -> absl::StatusOr<std::unique_ptr<Plan>> {
     auto plan = std::make_unique<Plan>();
     plan->bottom_right = shape.s_kv != shape.s_q;
+    plan->variant = VariantName(variant);
     SdpaGraph g;
-    BuildSdpaOps(shape, &g);
+    BuildSdpaOps(shape, variant, &g);
     SPECSERVE_RETURN_STATUS(g.status());
     std::vector<cudnnBackendDescriptor_t> ops = g.ops();
     plan->graph = g.TakeOwned();
@@ -512,11 +534,17 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
         " finalizes for causal SDPA s_q=", shape.s_q, " s_kv=", shape.s_kv,
         "; last: ", last.message()));
   };
-  absl::StatusOr<std::unique_ptr<Plan>> built = build();
-  // Descriptor-level failures (INTERNAL) also mean "not this shape".
-  if (!built.ok() && built.status().code() != absl::StatusCode::kUnimplemented) {
-    built = absl::UnimplementedError(built.status().message());
+  absl::StatusOr<std::unique_ptr<Plan>> built;
+  std::string errors;
+  for (SdpaVariant variant : kVariants) {
+    built = build(variant);
+    if (built.ok()) break;
+    absl::StrAppend(&errors, errors.empty() ? "" : "; ", VariantName(variant),
+                    " graph: ", built.status().message());
   }
+  // Every failure, descriptor-level ones included, means "not this shape".
+  if (!built.ok()) built = absl::UnimplementedError(errors);
+  if (built.ok()) last_plan_variant_ = (*built)->variant;
   ++plans_built_;
   plan_build_seconds_ += Seconds(start);
   auto [pos, inserted] = plans_.emplace(shape, std::move(built));

@@ -106,6 +106,10 @@ class CudnnAttention {
   /// and finalization), for the benchmarks' logs.
   int plans_built() const { return plans_built_; }
   double plan_build_seconds() const { return plan_build_seconds_; }
+  /// Which form of the graph the last successful plan used ("frontend":
+  /// cuDNN's frontend pattern; "no-stats": without the log-sum-exp
+  /// statistic); empty before one.
+  const std::string& last_plan_variant() const { return last_plan_variant_; }
 
   /// cudnnGetVersion() of the loaded library, e.g. 91900.
   static size_t LibraryVersion();
@@ -122,6 +126,7 @@ class CudnnAttention {
   DeviceBuffer workspace_;
   int plans_built_ = 0;
   double plan_build_seconds_ = 0;
+  std::string last_plan_variant_;
 };
 
 }  // namespace specserve

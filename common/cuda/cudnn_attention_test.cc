@@ -234,8 +234,9 @@ TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
   c.first = 161;
   ASSERT_TRUE(RunCudnn(MakeProblem(c, 6), &out).ok());
   EXPECT_EQ(attn_->plans_built(), built + 1);
-  std::printf("%d plans built in %.3f s\n", attn_->plans_built(),
-              attn_->plan_build_seconds());
+  std::printf("%d plans built in %.3f s, the last from the %s graph\n",
+              attn_->plans_built(), attn_->plan_build_seconds(),
+              attn_->last_plan_variant().c_str());
   EXPECT_EQ(attn_->Run(ShapeOf(c), nullptr, nullptr, nullptr, nullptr, 1.0f)
                 .code(),
             absl::StatusCode::kInvalidArgument);
