@@ -701,8 +701,9 @@ absl::Status CudaModelRunner::Run(
         batch[i].input.tree_parents.empty()) {
       const CudnnSdpaShape shape{a.n, a.first + a.n, H, KV, D, dt};
       use_cudnn[i] = ValidateCudnnSdpaShape(shape).ok() && CudnnSupports(shape);
-      if (use_cudnn[i]) {
-        cudnn_kv_bytes = std::max(cudnn_kv_bytes, tb * shape.s_kv * KV * D);
+      if (use_cudnn[i]) {  // cuDNN reads the padded shape's keys
+        cudnn_kv_bytes = std::max(
+            cudnn_kv_bytes, tb * PaddedCudnnSdpaShape(shape).s_kv * KV * D);
       }
     }
     use_flash[i] = flash && !use_mma[i] && !use_cudnn[i];

@@ -13,6 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/cuda/cuda_status.h"
+#include "absl/strings/string_view.h"
 
 namespace specserve {
 
@@ -57,11 +59,6 @@ absl::Status CudnnError(cudnnStatus_t status, absl::string_view what) {
     }                                                            \
   } while (0)
 
-#define SPECSERVE_RETURN_STATUS(expr)                \
-  do {                                               \
-    absl::Status specserve_st_ = (expr);             \
-    if (!specserve_st_.ok()) return specserve_st_;   \
-  } while (0)
 
 // Tensor UIDs of the variant pack.
 constexpr int64_t kUidQ = 1, kUidK = 2, kUidV = 3, kUidO = 4;
@@ -378,13 +375,13 @@ bool CudnnLibraryLoads() {
 size_t CudnnAttention::LibraryVersion() { return cudnnGetVersion(); }
 
 absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape) {
-  SPECSERVE_RETURN_STATUS(ValidateCudnnSdpaShape(shape));
+  SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
   if (!CudnnLibraryLoads()) {
     return absl::UnavailableError("libcudnn.so.9 does not load on this host");
   }
   SdpaGraph g;
   BuildSdpaOps(shape, SdpaVariant::kFrontend, &g);
-  SPECSERVE_RETURN_STATUS(g.status());
+  SPECSERVE_RETURN_IF_ERROR(g.status());
   return static_cast<int>(g.ops().size());
 }
 
@@ -399,12 +396,13 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
   }
   cudnnHandle_t handle = nullptr;
   SPECSERVE_CUDNN_RETURN(cudnnCreate(&handle), "cudnnCreate");
-  std::unique_ptr<CudnnAttention> a(new CudnnAttention(handle));
+  std::unique_ptr<CudnnAttention> a(new CudnnAttention(handle, stream));
   SPECSERVE_CUDNN_RETURN(cudnnSetStream(handle, stream), "cudnnSetStream");
   return a;
 }
 
-CudnnAttention::CudnnAttention(void* handle) : handle_(handle) {}
+CudnnAttention::CudnnAttention(void* handle, cudaStream_t stream)
+    : handle_(handle), stream_(stream) {}
 
 CudnnAttention::~CudnnAttention() {
   plans_.clear();  // descriptors before the handle
@@ -429,7 +427,7 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
     plan->variant = VariantName(variant);
     SdpaGraph g;
     BuildSdpaOps(shape, variant, &g);
-    SPECSERVE_RETURN_STATUS(g.status());
+    SPECSERVE_RETURN_IF_ERROR(g.status());
     std::vector<cudnnBackendDescriptor_t> ops = g.ops();
     plan->graph = g.TakeOwned();
 
@@ -554,34 +552,70 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
 }
 
 absl::Status CudnnAttention::Prepare(const CudnnSdpaShape& shape) {
-  SPECSERVE_RETURN_STATUS(ValidateCudnnSdpaShape(shape));
-  return GetPlan(shape).status();
+  SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
+  return GetPlan(PaddedCudnnSdpaShape(shape)).status();
+}
+
+CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape) {
+  CudnnSdpaShape padded = shape;
+  int bucket = 1;
+  while (bucket < shape.s_q && bucket < 256) bucket *= 2;
+  if (shape.s_q > 256) bucket = (shape.s_q + 255) / 256 * 256;
+  padded.s_q = bucket;
+  padded.s_kv = shape.s_kv + (bucket - shape.s_q);
+  return padded;
 }
 
 absl::Status CudnnAttention::Run(const CudnnSdpaShape& shape, const void* q,
-                                 const void* k, const void* v, void* out,
-                                 float scale) {
-  SPECSERVE_RETURN_STATUS(ValidateCudnnSdpaShape(shape));
-  for (const void* p : {q, k, v, static_cast<const void*>(out)}) {
+                                 void* k, void* v, void* out, float scale) {
+  SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
+  for (const void* p : {q, static_cast<const void*>(k),
+                        static_cast<const void*>(v),
+                        static_cast<const void*>(out)}) {
     if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 != 0) {
       return absl::InvalidArgumentError(
           "cuDNN SDPA: q, k, v and out must be non-null and 16-byte aligned");
     }
   }
-  absl::StatusOr<const Plan*> plan = GetPlan(shape);
+  const CudnnSdpaShape padded = PaddedCudnnSdpaShape(shape);
+  absl::StatusOr<const Plan*> plan = GetPlan(padded);
   if (!plan.ok()) return plan.status();
-  SPECSERVE_RETURN_STATUS(
+  SPECSERVE_RETURN_IF_ERROR(
       workspace_.Reserve(static_cast<size_t>((*plan)->workspace_bytes)));
+
+  // Padding: zero key / value rows past s_kv; q and out through copies of
+  // padded.s_q rows, the extra query rows zero (their outputs are dropped).
+  const size_t elem = CudaDTypeBytes(shape.dtype);
+  const size_t kv_row = elem * shape.num_kv_heads * shape.head_dim;
+  const size_t q_row = elem * shape.num_heads * shape.head_dim;
+  const size_t extra = static_cast<size_t>(padded.s_q - shape.s_q);
+  const void* run_q = q;
+  void* run_out = out;
+  if (extra > 0) {
+    for (void* plane : {k, v}) {
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+          static_cast<char*>(plane) + kv_row * shape.s_kv, 0, kv_row * extra,
+          stream_));
+    }
+    SPECSERVE_RETURN_IF_ERROR(padded_q_.Reserve(q_row * padded.s_q));
+    SPECSERVE_RETURN_IF_ERROR(padded_out_.Reserve(q_row * padded.s_q));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        padded_q_.get(), q, q_row * shape.s_q, cudaMemcpyDeviceToDevice,
+        stream_));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+        padded_q_.as<char>() + q_row * shape.s_q, 0, q_row * extra, stream_));
+    run_q = padded_q_.get();
+    run_out = padded_out_.get();
+  }
 
   // By-value scalars are read from the host during the call.
   float scale_value = scale;
   float neg_inf = -std::numeric_limits<float>::infinity();
-  int32_t skv = shape.s_kv, sq = shape.s_q;
+  int32_t skv = padded.s_kv, sq = padded.s_q;
   std::vector<int64_t> uids = {kUidQ, kUidK, kUidV, kUidO, kUidScale,
                                kUidNegInf};
-  std::vector<void*> ptrs = {const_cast<void*>(q), const_cast<void*>(k),
-                             const_cast<void*>(v), out, &scale_value,
-                             &neg_inf};
+  std::vector<void*> ptrs = {const_cast<void*>(run_q), k, v, run_out,
+                             &scale_value, &neg_inf};
   if ((*plan)->bottom_right) {
     uids.push_back(kUidSkv);
     ptrs.push_back(&skv);
@@ -617,6 +651,11 @@ absl::Status CudnnAttention::Run(const CudnnSdpaShape& shape, const void* q,
       cudnnBackendExecute(static_cast<cudnnHandle_t>(handle_),
                           (*plan)->plan.get(), vp_raw),
       "execute SDPA");
+  if (run_out != out) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(out, run_out, q_row * shape.s_q,
+                        cudaMemcpyDeviceToDevice, stream_));
+  }
   return absl::OkStatus();
 }
 

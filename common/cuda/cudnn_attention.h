@@ -53,6 +53,15 @@ struct CudnnSdpaShape {
 /// documented on CudnnSdpaShape, head_dim 64 or 128 and dtype bf16 / fp16.
 absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& shape);
 
+/// The shape cuDNN actually runs for `shape`: s_q rounded up to its bucket
+/// (a power of two up to 256, then a multiple of 256) and s_kv grown by
+/// the same number of rows. Padding both ends of the diagonal alike keeps
+/// the bottom-right causal mask of the real rows as it was: real row i sees
+/// keys [0, s_kv - s_q + i], never a padding key. Plans are cached per
+/// padded shape, so prompts of nearby lengths share one (cuDNN plans are
+/// built per fixed size, which costs time at the first call).
+CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape);
+
 /// Whether libcudnn (major version 9, what the build's headers declare)
 /// loads on this host. No CUDA call.
 bool CudnnLibraryLoads();
@@ -88,17 +97,21 @@ class CudnnAttention {
   CudnnAttention& operator=(const CudnnAttention&) = delete;
 
   /// Enqueues the attention on the handle's stream.
-  /// q: T [s_q, H, D]; k, v: T [s_kv, KV, D] (dense, row t = slot t);
-  /// out: T [s_q, H * D]; T = shape.dtype; all 16-byte aligned.
+  /// q: T [s_q, H, D]; k, v: T [s_kv, KV, D] (dense, row t = slot t) with
+  /// room for PaddedCudnnSdpaShape(shape).s_kv rows: Run zeroes the rows
+  /// past s_kv (they are read, and must be finite); out: T [s_q, H * D];
+  /// T = shape.dtype; all 16-byte aligned. When s_q is not its own bucket,
+  /// q and out go through padded copies held here.
   /// Errors: INVALID_ARGUMENT for a bad shape or null / misaligned pointer;
   /// UNIMPLEMENTED when no cuDNN engine supports the shape (cached: later
   /// calls with the shape fail the same way at once); RESOURCE_EXHAUSTED
   /// when the plan's workspace cannot be allocated; INTERNAL with cuDNN's
   /// message when execution fails.
-  absl::Status Run(const CudnnSdpaShape& shape, const void* q, const void* k,
-                   const void* v, void* out, float scale);
+  absl::Status Run(const CudnnSdpaShape& shape, const void* q, void* k,
+                   void* v, void* out, float scale);
 
-  /// Finds or builds the plan for `shape` (no GPU work is enqueued).
+  /// Finds or builds the plan for `shape`'s padded shape (no GPU work is
+  /// enqueued).
   /// Errors as Run's: INVALID_ARGUMENT, UNIMPLEMENTED (cached).
   absl::Status Prepare(const CudnnSdpaShape& shape);
 
@@ -116,14 +129,16 @@ class CudnnAttention {
 
  private:
   struct Plan;
-  explicit CudnnAttention(void* handle);
+  CudnnAttention(void* handle, cudaStream_t stream);
   absl::StatusOr<const Plan*> GetPlan(const CudnnSdpaShape& shape);
 
   void* handle_ = nullptr;  // cudnnHandle_t
+  cudaStream_t stream_ = nullptr;
   // Plans by shape; a failed build is cached as its status.
   absl::flat_hash_map<CudnnSdpaShape, absl::StatusOr<std::unique_ptr<Plan>>>
       plans_;
   DeviceBuffer workspace_;
+  DeviceBuffer padded_q_, padded_out_;  // when s_q is not its own bucket
   int plans_built_ = 0;
   double plan_build_seconds_ = 0;
   std::string last_plan_variant_;

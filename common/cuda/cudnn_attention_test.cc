@@ -19,6 +19,7 @@
 #include <memory>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -75,6 +76,28 @@ TEST(CudnnHostTest, ValidatesShapes) {
     EXPECT_EQ(CheckCudnnSdpaOperations(b.shape).status().code(),
               absl::StatusCode::kInvalidArgument)
         << b.field;
+  }
+}
+
+// Buckets: powers of two up to 256, then multiples of 256; s_kv grows by
+// the same rows, so the causal diagonal's offset s_kv - s_q is kept.
+TEST(CudnnHostTest, PaddedShapesKeepTheDiagonal) {
+  const std::pair<int, int> buckets[] = {
+      {1, 1},     {2, 2},     {3, 4},     {32, 32},    {33, 64},
+      {100, 128}, {256, 256}, {257, 512}, {2000, 2048}, {2048, 2048},
+      {2049, 2304}};
+  for (const auto& [s_q, want] : buckets) {
+    for (int first : {0, 5, 2048}) {
+      const CudnnSdpaShape shape{s_q, s_q + first, 32, 8, 128,
+                                 CudaDType::kBF16};
+      const CudnnSdpaShape p = PaddedCudnnSdpaShape(shape);
+      EXPECT_EQ(p.s_q, want) << s_q;
+      EXPECT_EQ(p.s_kv - p.s_q, first) << s_q;
+      EXPECT_EQ(p.num_heads, 32);
+      EXPECT_EQ(p.num_kv_heads, 8);
+      EXPECT_EQ(p.head_dim, 128);
+      EXPECT_EQ(p.dtype, CudaDType::kBF16);
+    }
   }
 }
 
@@ -138,11 +161,20 @@ class CudnnGpuTest : public ::testing::Test {
   absl::Status RunCudnn(const Problem& p, std::vector<float>* out) {
     const Case& c = p.c;
     const int total = c.first + c.n;
+    const int padded_total = PaddedCudnnSdpaShape(ShapeOf(c)).s_kv;
     const int width = c.num_kv_heads * c.head_dim;
     DeviceArray d_q(p.q.size() * 2), d_k(p.pool_k.size() * 2),
         d_v(p.pool_v.size() * 2), d_out(p.q.size() * 2),
-        dense_k(static_cast<size_t>(total) * width * 2),
-        dense_v(static_cast<size_t>(total) * width * 2);
+        dense_k(static_cast<size_t>(padded_total) * width * 2),
+        dense_v(static_cast<size_t>(padded_total) * width * 2);
+    // NaN in the padding rows: Run must overwrite them (a NaN value row
+    // times a zero probability is NaN).
+    EXPECT_EQ(dense_k.Upload(std::vector<uint16_t>(
+                  static_cast<size_t>(padded_total) * width, 0xFFFF)),
+              cudaSuccess);
+    EXPECT_EQ(dense_v.Upload(std::vector<uint16_t>(
+                  static_cast<size_t>(padded_total) * width, 0xFFFF)),
+              cudaSuccess);
     EXPECT_EQ(d_q.Upload(p.q), cudaSuccess);
     EXPECT_EQ(d_k.Upload(p.pool_k), cudaSuccess);
     EXPECT_EQ(d_v.Upload(p.pool_v), cudaSuccess);
@@ -231,6 +263,11 @@ TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
   EXPECT_GE(built, 1);
   ASSERT_TRUE(RunCudnn(p, &out).ok());
   EXPECT_EQ(attn_->plans_built(), built);
+  c.n = 100;  // the same padded shape (128 rows after 160 keys)
+  const Problem p100 = MakeProblem(c, 7);
+  ASSERT_TRUE(RunCudnn(p100, &out).ok());
+  EXPECT_EQ(attn_->plans_built(), built);
+  ExpectClose(c, out, Reference(p100), 1e-2, "cuDNN SDPA, padded shape");
   c.first = 161;
   ASSERT_TRUE(RunCudnn(MakeProblem(c, 6), &out).ok());
   EXPECT_EQ(attn_->plans_built(), built + 1);
