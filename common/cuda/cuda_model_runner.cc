@@ -262,9 +262,9 @@ bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
                  shape.s_q, shape.s_kv, prepared.ToString().c_str());
   } else if (prepared.ok() && built == 0) {  // the first plan
     std::fprintf(stderr,
-                 "prefill attention: first cuDNN plan (s_q=%d s_kv=%d, %s "
-                 "graph) in %.3f s\n",
-                 shape.s_q, shape.s_kv, cudnn_->last_plan_variant().c_str(),
+                 "prefill attention: first cuDNN plan (s_q=%d s_kv=%d, %s) "
+                 "in %.3f s\n",
+                 shape.s_q, shape.s_kv, cudnn_->last_plan_form().c_str(),
                  cudnn_->plan_build_seconds());
   }
   return prepared.ok();

@@ -228,15 +228,27 @@ cudnnDataType_t CudnnType(CudaDType t) {
   return t == CudaDType::kFP16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
 }
 
-// Forms of the graph, tried in this order until cuDNN's heuristics find an
-// engine: the frontend's exactly; the same without the unused log-sum-exp
-// statistic.
+// Forms of the graph: the frontend's exactly; the same without the unused
+// log-sum-exp statistic.
 enum class SdpaVariant { kFrontend, kNoStats };
-constexpr SdpaVariant kVariants[] = {SdpaVariant::kFrontend,
-                                     SdpaVariant::kNoStats};
-const char* VariantName(SdpaVariant v) {
-  return v == SdpaVariant::kFrontend ? "frontend" : "no-stats";
-}
+
+// How a plan is made, in the order tried until one finalizes. Hopper's
+// fused SDPA engines generate and NVRTC-compile their kernel while the
+// plan is built (~0.4 s a config on a CPU of the build machines); with
+// dynamic shapes and a kernel cache, later shapes of the same pattern reuse
+// the compiled kernel (cuDNN's frontend: set_dynamic_shape_enabled,
+// set_kernel_cache). Fixed-shape plans are the fallback.
+struct PlanForm {
+  SdpaVariant graph;
+  bool dynamic;
+  const char* name;
+};
+constexpr PlanForm kForms[] = {
+    {SdpaVariant::kFrontend, true, "frontend, dynamic shapes"},
+    {SdpaVariant::kFrontend, false, "frontend"},
+    {SdpaVariant::kNoStats, false, "no-stats"},
+};
+constexpr int kNumForms = static_cast<int>(sizeof(kForms) / sizeof(kForms[0]));
 
 // The SDPA operations for `s` (see the header) into *g; g->status() says
 // whether every descriptor finalized. b = 1, and the runner's buffers'
@@ -329,15 +341,29 @@ double Seconds(std::chrono::steady_clock::time_point since) {
 
 }  // namespace
 
-// An execution plan and the descriptors it was built from.
-struct CudnnAttention::Plan {
-  std::vector<Desc> graph;  // tensors and operations
+// An operation graph and the tensor / operation descriptors it was built
+// from, shared by the plans made from it and a kernel cache seeded by it.
+struct GraphDescs {
+  std::vector<Desc> descs;
   Desc op_graph;
+};
+
+// An execution plan and what it was built from.
+struct CudnnAttention::Plan {
+  std::shared_ptr<GraphDescs> graph;
   Desc engine_config;  // kept alive with the plan built from it
   Desc plan;
-  const char* variant = "";  // SdpaVariant's name
+  const char* form = "";  // PlanForm::name
   int64_t workspace_bytes = 0;
+  int engine_configs = 0;  // what the heuristics offered
+  int chosen_config = 0;   // the first that finalized
   bool bottom_right = false;  // s_kv != s_q: the shift tensors are bound
+};
+
+// Compiled kernels of one graph pattern, reused across its shapes.
+struct CudnnAttention::KernelCache {
+  std::shared_ptr<GraphDescs> seed;  // the graph the cache was built from
+  Desc cache;
 };
 
 absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& s) {
@@ -385,6 +411,81 @@ absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape) {
   return static_cast<int>(g.ops().size());
 }
 
+absl::StatusOr<CudnnAttention::PlanCheck> CudnnAttention::CheckPlanForDevice(
+    const CudnnSdpaShape& shape, const std::string& device_json,
+    bool first_form_only) {
+  SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
+  if (!CudnnLibraryLoads() || cudnnGetVersion() < 90800) {
+    return absl::UnavailableError(absl::StrCat(
+        "deviceless planning needs libcudnn.so.9 >= 9.8; version seen: ",
+        cudnnGetVersion()));
+  }
+  cudnnBackendDescriptor_t raw = nullptr;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendCreateDescriptor(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &raw),
+      "create device properties");
+  Desc props(raw);
+  cudnnStatus_t st = cudnnBackendSetAttribute(
+      raw, CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
+      static_cast<int64_t>(device_json.size()), device_json.data());
+  if (st == CUDNN_STATUS_SUCCESS) st = cudnnBackendFinalize(raw);
+  if (st != CUDNN_STATUS_SUCCESS) {
+    return absl::InvalidArgumentError(
+        CudnnError(st, "device properties JSON").message());
+  }
+  std::string errors;
+  KernelCache cache;
+  for (int f = 0; f < (first_form_only ? 1 : kNumForms); ++f) {
+    absl::StatusOr<std::unique_ptr<Plan>> plan = BuildPlan(
+        shape, f, nullptr, raw, kForms[f].dynamic ? &cache : nullptr);
+    if (plan.ok()) {
+      PlanCheck check;
+      check.form = (*plan)->form;
+      check.engine_configs = (*plan)->engine_configs;
+      check.chosen_config = (*plan)->chosen_config;
+      check.workspace_bytes = (*plan)->workspace_bytes;
+      return check;
+    }
+    absl::StrAppend(&errors, errors.empty() ? "" : "; ", kForms[f].name,
+                    ": ", plan.status().message());
+  }
+  return absl::UnimplementedError(errors);
+}
+
+absl::StatusOr<std::string> CudnnAttention::DevicePropertiesJson(
+    int device_id) {
+  if (!CudnnLibraryLoads() || cudnnGetVersion() < 90800) {
+    return absl::UnavailableError(absl::StrCat(
+        "device properties need libcudnn.so.9 >= 9.8; version seen: ",
+        cudnnGetVersion()));
+  }
+  cudnnBackendDescriptor_t raw = nullptr;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendCreateDescriptor(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &raw),
+      "create device properties");
+  Desc props(raw);
+  const int32_t id = device_id;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(raw, CUDNN_ATTR_DEVICEPROP_DEVICE_ID,
+                               CUDNN_TYPE_INT32, 1, &id),
+      "device properties id");
+  SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(raw),
+                         "finalize device properties");
+  int64_t size = 0;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendGetAttribute(raw, CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION,
+                               CUDNN_TYPE_CHAR, 0, &size, nullptr),
+      "device properties JSON size");
+  std::string json(static_cast<size_t>(size), '\0');
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendGetAttribute(raw, CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION,
+                               CUDNN_TYPE_CHAR, size, &size, json.data()),
+      "device properties JSON");
+  json.resize(static_cast<size_t>(size));
+  while (!json.empty() && json.back() == '\0') json.pop_back();
+  return json;
+}
+
 absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
     cudaStream_t stream) {
   if (!CudnnLibraryLoads()) {
@@ -405,8 +506,187 @@ CudnnAttention::CudnnAttention(void* handle, cudaStream_t stream)
     : handle_(handle), stream_(stream) {}
 
 CudnnAttention::~CudnnAttention() {
-  plans_.clear();  // descriptors before the handle
+  plans_.clear();  // plans before the kernel caches and the handle
+  kernel_caches_.clear();
   if (handle_ != nullptr) cudnnDestroy(static_cast<cudnnHandle_t>(handle_));
+}
+
+absl::StatusOr<std::unique_ptr<CudnnAttention::Plan>>
+CudnnAttention::BuildPlan(const CudnnSdpaShape& shape, int form_index,
+                          void* handle_or_null, void* device_properties,
+                          KernelCache* kernel_cache) {
+  const PlanForm& form = kForms[form_index];
+  if (form.dynamic != (kernel_cache != nullptr)) {
+    return absl::InternalError("a dynamic-shape form needs a kernel cache");
+  }
+  auto plan = std::make_unique<Plan>();
+  plan->bottom_right = shape.s_kv != shape.s_q;
+  plan->form = form.name;
+  SdpaGraph g;
+  BuildSdpaOps(shape, form.graph, &g);
+  SPECSERVE_RETURN_IF_ERROR(g.status());
+  std::vector<cudnnBackendDescriptor_t> ops = g.ops();
+  plan->graph = std::make_shared<GraphDescs>();
+  plan->graph->descs = g.TakeOwned();
+
+  cudnnBackendDescriptor_t og = nullptr;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendCreateDescriptor(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR,
+                                   &og),
+      "create operation graph");
+  plan->graph->op_graph = Desc(og);
+  cudnnHandle_t handle = static_cast<cudnnHandle_t>(handle_or_null);
+  cudnnBackendDescriptor_t props =
+      static_cast<cudnnBackendDescriptor_t>(device_properties);
+  if (handle != nullptr) {  // optional since cuDNN 9.8
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(og, CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
+                                 CUDNN_TYPE_HANDLE, 1, &handle),
+        "operation graph handle");
+  }
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(og, CUDNN_ATTR_OPERATIONGRAPH_OPS,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                               static_cast<int64_t>(ops.size()),
+                               ops.data()),
+      "operation graph ops");
+  if (kernel_cache != nullptr) {
+    const bool dynamic = true;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(
+            og, CUDNN_ATTR_OPERATIONGRAPH_IS_DYNAMIC_SHAPE_ENABLED,
+            CUDNN_TYPE_BOOLEAN, 1, &dynamic),
+        "operation graph dynamic shapes");
+  }
+  SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(og),
+                         "finalize operation graph");
+  if (kernel_cache != nullptr && kernel_cache->cache.get() == nullptr) {
+    cudnnBackendDescriptor_t kc = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR,
+                                     &kc),
+        "create kernel cache");
+    Desc owned(kc);
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(kc, CUDNN_ATTR_KERNEL_CACHE_OPERATION_GRAPH,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &og),
+        "kernel cache graph");
+    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(kc), "finalize kernel cache");
+    kernel_cache->cache = std::move(owned);
+    kernel_cache->seed = plan->graph;
+  }
+
+  cudnnBackendDescriptor_t heur_raw = nullptr;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR,
+                                   &heur_raw),
+      "create heuristics");
+  Desc heur(heur_raw);
+  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(heur_raw,
+                               CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &og),
+      "heuristics graph");
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendSetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_MODE,
+                               CUDNN_TYPE_HEUR_MODE, 1, &mode),
+      "heuristics mode");
+  if (props != nullptr) {
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &props),
+        "heuristics device properties");
+  }
+  SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(heur_raw),
+                         "finalize heuristics");
+  int64_t count = 0;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendGetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                               nullptr),
+      "heuristics result count");
+  if (count <= 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "cuDNN has no engine for causal SDPA s_q=", shape.s_q,
+        " s_kv=", shape.s_kv, " H=", shape.num_heads,
+        " KV=", shape.num_kv_heads, " D=", shape.head_dim));
+  }
+  std::vector<Desc> configs;
+  std::vector<cudnnBackendDescriptor_t> raw(count);
+  for (int64_t i = 0; i < count; ++i) {
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
+                                     &raw[i]),
+        "create engine config");
+    configs.emplace_back(raw[i]);
+  }
+  int64_t returned = 0;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendGetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                               CUDNN_TYPE_BACKEND_DESCRIPTOR, count,
+                               &returned, raw.data()),
+      "heuristics results");
+  absl::Status last = absl::UnimplementedError("no engine config");
+  if (returned == 0) {
+    // The heuristics' support checks dropped every config; cuDNN says why.
+    char why[1024] = {0};
+    cudnnGetLastErrorString(why, sizeof(why));
+    last = absl::UnimplementedError(absl::StrCat(
+        count, " heuristics results, none viable",
+        why[0] != '\0' ? absl::StrCat(": ", why) : ""));
+  }
+  for (int64_t i = 0; i < returned; ++i) {
+    cudnnBackendDescriptor_t ep = nullptr;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendCreateDescriptor(
+            CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &ep),
+        "create execution plan");
+    Desc candidate(ep);
+    if (handle != nullptr) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                                   CUDNN_TYPE_HANDLE, 1, &handle),
+          "plan handle");
+    }
+    if (kernel_cache != nullptr) {
+      cudnnBackendDescriptor_t kc = kernel_cache->cache.get();
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_KERNEL_CACHE,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &kc),
+          "plan kernel cache");
+    }
+    if (props != nullptr) {
+      SPECSERVE_CUDNN_RETURN(
+          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &props),
+          "plan device properties");
+    }
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &raw[i]),
+        "plan engine config");
+    const cudnnStatus_t st = cudnnBackendFinalize(ep);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      last = CudnnError(st, absl::StrCat("finalize plan ", i));
+      continue;
+    }
+    int64_t ws = 0, n = 0;
+    SPECSERVE_CUDNN_RETURN(
+        cudnnBackendGetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                 CUDNN_TYPE_INT64, 1, &n, &ws),
+        "plan workspace size");
+    plan->plan = std::move(candidate);
+    plan->engine_config = std::move(configs[i]);
+    plan->workspace_bytes = ws;
+    plan->engine_configs = static_cast<int>(returned);
+    plan->chosen_config = static_cast<int>(i);
+    return plan;
+  }
+  return absl::UnimplementedError(absl::StrCat(
+      "no cuDNN engine config of ", returned,
+      " finalizes for causal SDPA s_q=", shape.s_q, " s_kv=", shape.s_kv,
+      "; last: ", last.message()));
 }
 
 absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
@@ -420,129 +700,25 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
   if (plans_.size() >= 512) plans_.clear();
 
   const auto start = std::chrono::steady_clock::now();
-  auto build = [&](SdpaVariant variant)
-      -> absl::StatusOr<std::unique_ptr<Plan>> {
-    auto plan = std::make_unique<Plan>();
-    plan->bottom_right = shape.s_kv != shape.s_q;
-    plan->variant = VariantName(variant);
-    SdpaGraph g;
-    BuildSdpaOps(shape, variant, &g);
-    SPECSERVE_RETURN_IF_ERROR(g.status());
-    std::vector<cudnnBackendDescriptor_t> ops = g.ops();
-    plan->graph = g.TakeOwned();
-
-    cudnnBackendDescriptor_t og = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR,
-                                     &og),
-        "create operation graph");
-    plan->op_graph = Desc(og);
-    cudnnHandle_t handle = static_cast<cudnnHandle_t>(handle_);
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(og, CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
-                                 CUDNN_TYPE_HANDLE, 1, &handle),
-        "operation graph handle");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(og, CUDNN_ATTR_OPERATIONGRAPH_OPS,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                 static_cast<int64_t>(ops.size()),
-                                 ops.data()),
-        "operation graph ops");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(og),
-                           "finalize operation graph");
-
-    cudnnBackendDescriptor_t heur_raw = nullptr;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR,
-                                     &heur_raw),
-        "create heuristics");
-    Desc heur(heur_raw);
-    const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(heur_raw,
-                                 CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &og),
-        "heuristics graph");
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendSetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_MODE,
-                                 CUDNN_TYPE_HEUR_MODE, 1, &mode),
-        "heuristics mode");
-    SPECSERVE_CUDNN_RETURN(cudnnBackendFinalize(heur_raw),
-                           "finalize heuristics");
-    int64_t count = 0;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendGetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
-                                 nullptr),
-        "heuristics result count");
-    if (count <= 0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "cuDNN has no engine for causal SDPA s_q=", shape.s_q,
-          " s_kv=", shape.s_kv, " H=", shape.num_heads,
-          " KV=", shape.num_kv_heads, " D=", shape.head_dim));
-    }
-    std::vector<Desc> configs;
-    std::vector<cudnnBackendDescriptor_t> raw(count);
-    for (int64_t i = 0; i < count; ++i) {
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
-                                       &raw[i]),
-          "create engine config");
-      configs.emplace_back(raw[i]);
-    }
-    int64_t returned = 0;
-    SPECSERVE_CUDNN_RETURN(
-        cudnnBackendGetAttribute(heur_raw, CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count,
-                                 &returned, raw.data()),
-        "heuristics results");
-    absl::Status last = absl::UnimplementedError("no engine config");
-    for (int64_t i = 0; i < returned; ++i) {
-      cudnnBackendDescriptor_t ep = nullptr;
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendCreateDescriptor(
-              CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &ep),
-          "create execution plan");
-      Desc candidate(ep);
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
-                                   CUDNN_TYPE_HANDLE, 1, &handle),
-          "plan handle");
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendSetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &raw[i]),
-          "plan engine config");
-      const cudnnStatus_t st = cudnnBackendFinalize(ep);
-      if (st != CUDNN_STATUS_SUCCESS) {
-        last = CudnnError(st, absl::StrCat("finalize plan ", i));
-        continue;
-      }
-      int64_t ws = 0, n = 0;
-      SPECSERVE_CUDNN_RETURN(
-          cudnnBackendGetAttribute(ep, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                                   CUDNN_TYPE_INT64, 1, &n, &ws),
-          "plan workspace size");
-      plan->plan = std::move(candidate);
-      plan->engine_config = std::move(configs[i]);
-      plan->workspace_bytes = ws;
-      return plan;
-    }
-    return absl::UnimplementedError(absl::StrCat(
-        "no cuDNN engine config of ", returned,
-        " finalizes for causal SDPA s_q=", shape.s_q, " s_kv=", shape.s_kv,
-        "; last: ", last.message()));
-  };
+  // One kernel cache per graph pattern: the mask's alignment, heads, head
+  // size and dtype.
+  const KernelCacheKey key{shape.s_kv != shape.s_q, shape.num_heads,
+                           shape.num_kv_heads, shape.head_dim,
+                           static_cast<int>(shape.dtype)};
+  std::unique_ptr<KernelCache>& cache = kernel_caches_[key];
+  if (cache == nullptr) cache = std::make_unique<KernelCache>();
   absl::StatusOr<std::unique_ptr<Plan>> built;
   std::string errors;
-  for (SdpaVariant variant : kVariants) {
-    built = build(variant);
+  for (int f = 0; f < kNumForms; ++f) {
+    built = BuildPlan(shape, f, handle_, nullptr,
+                      kForms[f].dynamic ? cache.get() : nullptr);
     if (built.ok()) break;
-    absl::StrAppend(&errors, errors.empty() ? "" : "; ", VariantName(variant),
-                    " graph: ", built.status().message());
+    absl::StrAppend(&errors, errors.empty() ? "" : "; ", kForms[f].name,
+                    ": ", built.status().message());
   }
   // Every failure, descriptor-level ones included, means "not this shape".
   if (!built.ok()) built = absl::UnimplementedError(errors);
-  if (built.ok()) last_plan_variant_ = (*built)->variant;
+  if (built.ok()) last_plan_form_ = (*built)->form;
   ++plans_built_;
   plan_build_seconds_ += Seconds(start);
   auto [pos, inserted] = plans_.emplace(shape, std::move(built));

@@ -16,8 +16,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -119,17 +121,54 @@ class CudnnAttention {
   /// and finalization), for the benchmarks' logs.
   int plans_built() const { return plans_built_; }
   double plan_build_seconds() const { return plan_build_seconds_; }
-  /// Which form of the graph the last successful plan used ("frontend":
-  /// cuDNN's frontend pattern; "no-stats": without the log-sum-exp
-  /// statistic); empty before one.
-  const std::string& last_plan_variant() const { return last_plan_variant_; }
+  /// How the last successful plan was made: "frontend, dynamic shapes"
+  /// (cuDNN's frontend pattern, kernels shared across shapes through a
+  /// kernel cache), "frontend" (one compiled kernel per shape) or
+  /// "no-stats" (without the log-sum-exp statistic); empty before one.
+  const std::string& last_plan_form() const { return last_plan_form_; }
 
   /// cudnnGetVersion() of the loaded library, e.g. 91900.
   static size_t LibraryVersion();
 
+  /// What planning a shape for a device chose.
+  struct PlanCheck {
+    std::string form;        ///< how the plan was made (last_plan_form)
+    int engine_configs = 0;  ///< engine configs the heuristics offered
+    int chosen_config = 0;   ///< index of the first that finalized
+    int64_t workspace_bytes = 0;
+  };
+
+  /// Plans `shape` as it is (no padding) for the device that
+  /// `device_json` describes, without a GPU (cuDNN 9.8+'s deviceless
+  /// ahead-of-time compilation: the operation graph without a handle, the
+  /// heuristics and the execution plan from a DEVICEPROP descriptor
+  /// deserialized from `device_json`, the JSON DevicePropertiesJson gives on
+  /// that device). Lets a host without a GPU check that cuDNN's engines take
+  /// the graph. INVALID_ARGUMENT for a bad shape or JSON cuDNN rejects;
+  /// UNAVAILABLE when libcudnn does not load or is older than 9.8;
+  /// UNIMPLEMENTED (with every form's reason) when no plan finalizes.
+  /// `first_form_only` tries only the form the runner tries first.
+  static absl::StatusOr<PlanCheck> CheckPlanForDevice(
+      const CudnnSdpaShape& shape, const std::string& device_json,
+      bool first_form_only = false);
+
+  /// cuDNN's JSON description of CUDA device `device_id` (needs the GPU).
+  /// UNAVAILABLE as CheckPlanForDevice; INTERNAL with cuDNN's message.
+  static absl::StatusOr<std::string> DevicePropertiesJson(int device_id);
+
  private:
   struct Plan;
+  struct KernelCache;
+  // A graph pattern: bottom-right mask, heads, kv heads, head_dim, dtype.
+  using KernelCacheKey = std::tuple<bool, int, int, int, int>;
   CudnnAttention(void* handle, cudaStream_t stream);
+  // One plan for `shape` made as kForms[form_index] says (cudnn_attention
+  // .cc), with a handle (serving) or a DEVICEPROP descriptor
+  // (CheckPlanForDevice); `kernel_cache` for the dynamic-shape form only
+  // (seeded by the first graph that uses it).
+  static absl::StatusOr<std::unique_ptr<Plan>> BuildPlan(
+      const CudnnSdpaShape& shape, int form_index, void* handle_or_null,
+      void* device_properties, KernelCache* kernel_cache);
   absl::StatusOr<const Plan*> GetPlan(const CudnnSdpaShape& shape);
 
   void* handle_ = nullptr;  // cudnnHandle_t
@@ -137,11 +176,13 @@ class CudnnAttention {
   // Plans by shape; a failed build is cached as its status.
   absl::flat_hash_map<CudnnSdpaShape, absl::StatusOr<std::unique_ptr<Plan>>>
       plans_;
+  absl::flat_hash_map<KernelCacheKey, std::unique_ptr<KernelCache>>
+      kernel_caches_;
   DeviceBuffer workspace_;
   DeviceBuffer padded_q_, padded_out_;  // when s_q is not its own bucket
   int plans_built_ = 0;
   double plan_build_seconds_ = 0;
-  std::string last_plan_variant_;
+  std::string last_plan_form_;
 };
 
 }  // namespace specserve

@@ -12,6 +12,7 @@
 #include "common/cuda/cudnn_attention.h"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -124,6 +125,98 @@ TEST(CudnnHostTest, OperationsFinalizeAgainstTheLibrary) {
       }
     }
   }
+}
+
+// An H100 SXM5 80GB as cuDNN describes a device (CUDNN_ATTR_DEVICEPROP_
+// JSON_REPRESENTATION), written from NVIDIA's published figures:
+// compute capability 9.0, 132 SMs, 227 KiB of opt-in shared memory per
+// block, 50 MiB of L2, PCI device id 0x2330. CudnnGpuTest.DevicePropertiesJson
+// prints the JSON of the GPU it runs on, to replace this one.
+constexpr char kH100Json[] = R"({
+  "maxGridSize": [2147483647, 65535, 65535], "maxBlockSize": [1024, 1024, 64],
+  "regsPerBlock": 65536, "multiProcessorCount": 132, "warpSize": 32,
+  "maxSharedMemoryPerBlock": 49152, "maxSharedMemoryPerBlockOptin": 232448,
+  "reservedSharedMemoryPerBlock": 1024, "maxRegistersPerSM": 65536,
+  "maxCtasPerSM": 32, "maxThreadsPerBlock": 1024, "maxThreadsPerSM": 2048,
+  "pciDeviceId": 9008, "isTccDriver": 0, "supportCoopLaunch": 1,
+  "smClockRateKHz": 1980000, "memClockRateKHz": 2619000,
+  "l2CacheSize": 52428800, "deviceName": "NVIDIA H100 80GB HBM3",
+  "totalGlobalMem": 85031714816, "cudaDeviceId": 0, "deviceVer": 900,
+  "driverVer": 13000})";
+
+// cuDNN's fused SDPA engines for Hopper are runtime-compiled: planning
+// generates the kernel, compiles it with NVRTC and loads it through the
+// driver. Without a GPU the driver is missing and the engines are not even
+// tried; the toolkit's stub libcuda (every call fails) lets them get as far
+// as the load. Loaded only where no driver is: on a GPU machine the real
+// one is used. True when some libcuda is loaded.
+bool LoadDriverOrStub() {
+  if (dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL) != nullptr) return true;
+  // The stub's SONAME is libcuda.so.1, so cuDNN's later dlopen finds it.
+  return dlopen("/usr/local/cuda/lib64/stubs/libcuda.so",
+                RTLD_NOW | RTLD_GLOBAL) != nullptr;
+}
+
+// cuDNN's own heuristics and plan finalization, run for an H100 without
+// one (deviceless ahead-of-time planning, cuDNN 9.8+), for full prefills
+// and chunks after cached keys, padded as the runner pads them, both dtypes
+// and head dims, GQA 4 and 2: the heuristics offer engine configs for the
+// graph, and the first one's kernel is generated and compiled by NVRTC.
+// With the stub driver the plan then fails at the module load, the one
+// step that needs a GPU (the message names cuLibraryLoadData); with a real
+// driver it finalizes.
+TEST(CudnnHostTest, EnginesTakeTheGraphOnAnH100) {
+  if (!CudnnLibraryLoads() || CudnnAttention::LibraryVersion() < 90800) {
+    GTEST_SKIP() << "libcudnn.so.9 >= 9.8 does not load here";
+  }
+  if (!LoadDriverOrStub()) {
+    GTEST_SKIP() << "neither libcuda.so.1 nor the toolkit's stub loads";
+  }
+  for (CudaDType dt : {CudaDType::kBF16, CudaDType::kFP16}) {
+    for (int d : {64, 128}) {
+      for (const auto& [s_q, s_kv, h] :
+           {std::tuple<int, int, int>{2048, 2048, 32},
+            {2048, 8192, 32},
+            {100, 100, 16},
+            {33, 1000, 16}}) {
+        const CudnnSdpaShape shape =
+            PaddedCudnnSdpaShape({s_q, s_kv, h, 8, d, dt});
+        absl::StatusOr<CudnnAttention::PlanCheck> check =
+            CudnnAttention::CheckPlanForDevice(shape, kH100Json,
+                                               /*first_form_only=*/true);
+        if (!check.ok()) {
+          // Compiled, then refused by the stub driver: as far as a host
+          // without a GPU can go.
+          const std::string why(check.status().message());
+          EXPECT_NE(why.find("cuLibraryLoadData"), std::string::npos)
+              << CudaDTypeName(dt) << " D=" << d << " s_q=" << shape.s_q
+              << " s_kv=" << shape.s_kv << ": " << why;
+          continue;
+        }
+        std::printf("%s D=%d H=%d s_q=%d s_kv=%d: %s, config %d of %d, "
+                    "workspace %lld B\n",
+                    CudaDTypeName(dt), d, h, shape.s_q, shape.s_kv,
+                    check->form.c_str(), check->chosen_config,
+                    check->engine_configs,
+                    static_cast<long long>(check->workspace_bytes));
+      }
+    }
+  }
+  // Every form in turn for one shape: the fixed-shape frontend form
+  // compiles too; the statistic-less form finds no engine on Hopper.
+  absl::StatusOr<CudnnAttention::PlanCheck> all = CudnnAttention::CheckPlanForDevice(
+      {2048, 4096, 32, 8, 128, CudaDType::kBF16}, kH100Json);
+  if (!all.ok()) {
+    const std::string why(all.status().message());
+    const size_t fixed = why.find("; frontend: ");
+    ASSERT_NE(fixed, std::string::npos) << why;
+    EXPECT_NE(why.find("cuLibraryLoadData", fixed), std::string::npos) << why;
+  }
+  EXPECT_EQ(CudnnAttention::CheckPlanForDevice(
+                {64, 64, 32, 8, 128, CudaDType::kBF16}, "{}")
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CudnnHostTest, CreateFailsCleanlyWithoutAGpu) {
@@ -248,6 +341,21 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudnnCaseTest,
                            return CaseName(info.param);
                          });
 
+// The JSON cuDNN gives for this GPU (to check kH100Json against), and
+// the same planning from it.
+TEST_F(CudnnGpuTest, DevicePropertiesJson) {
+  absl::StatusOr<std::string> json = CudnnAttention::DevicePropertiesJson(0);
+  ASSERT_TRUE(json.ok()) << json.status();
+  std::printf("cuDNN device properties: %s\n", json->c_str());
+  const CudnnSdpaShape shape{2048, 4096, 32, 8, 128, CudaDType::kBF16};
+  absl::StatusOr<CudnnAttention::PlanCheck> mine =
+      CudnnAttention::CheckPlanForDevice(shape, *json);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  std::printf("planned from this GPU's JSON: %s, config %d of %d\n",
+              mine->form.c_str(), mine->chosen_config,
+              mine->engine_configs);
+}
+
 // One plan per shape: a second call with the shape builds nothing; a new
 // shape builds one more; bad arguments fail before any plan is built.
 TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
@@ -271,9 +379,9 @@ TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
   c.first = 161;
   ASSERT_TRUE(RunCudnn(MakeProblem(c, 6), &out).ok());
   EXPECT_EQ(attn_->plans_built(), built + 1);
-  std::printf("%d plans built in %.3f s, the last from the %s graph\n",
+  std::printf("%d plans built in %.3f s, the last: %s\n",
               attn_->plans_built(), attn_->plan_build_seconds(),
-              attn_->last_plan_variant().c_str());
+              attn_->last_plan_form().c_str());
   EXPECT_EQ(attn_->Run(ShapeOf(c), nullptr, nullptr, nullptr, nullptr, 1.0f)
                 .code(),
             absl::StatusCode::kInvalidArgument);

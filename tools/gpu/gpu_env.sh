@@ -62,6 +62,14 @@ else
   echo "gpu_env: libcudnn.so.9 not found (optional: only" \
        "--prefill_attention=cudnn needs it)"
 fi
+# cuDNN's fused attention engines for Hopper compile their kernels at run
+# time with NVRTC (the toolkit's, or PyTorch's nvidia-cuda-nvrtc wheel).
+if NVRTC_DIR=$(find_lib_dir libnvrtc.so.13); then
+  prepend_library_path "$NVRTC_DIR"
+  echo "gpu_env: NVRTC from $NVRTC_DIR"
+else
+  echo "gpu_env: libnvrtc.so.13 not found: cuDNN attention will fall back"
+fi
 
 # glibc >= 2.36 is needed (binaries built on Debian 12).
 GLIBC_VERSION=$(ldd --version 2>/dev/null | head -1 | grep -o '[0-9]*\.[0-9]*$' || true)
