@@ -172,6 +172,10 @@ TEST(CudnnHostTest, EnginesTakeTheGraphOnAnH100) {
   if (!LoadDriverOrStub()) {
     GTEST_SKIP() << "neither libcuda.so.1 nor the toolkit's stub loads";
   }
+  if (dlopen("libnvrtc.so.13", RTLD_NOW) == nullptr &&
+      dlopen("/usr/local/cuda/lib64/libnvrtc.so.13", RTLD_NOW) == nullptr) {
+    GTEST_SKIP() << "no NVRTC 13: cuDNN cannot compile its kernels here";
+  }
   for (CudaDType dt : {CudaDType::kBF16, CudaDType::kFP16}) {
     for (int d : {64, 128}) {
       for (const auto& [s_q, s_kv, h] :
