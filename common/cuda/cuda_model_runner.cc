@@ -235,6 +235,16 @@ absl::StatusOr<std::vector<float>> CudaModelRunner::CopyKeysToHost(
 void CudaModelRunner::set_attention_path(AttentionPath path) {
   absl::MutexLock lock(&mu_);
   attention_path_ = path;
+  if (path != AttentionPath::kCudnn) return;
+  // cuDNN compiles its kernels while planning (once per mask alignment
+  // with dynamic shapes): pay that here, not in a request's prefill.
+  const ModelConfig& c = config();
+  for (int s_kv : {kWarmCudnnRows, 2 * kWarmCudnnRows}) {
+    const CudnnSdpaShape shape{kWarmCudnnRows, s_kv, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim,
+                               weights_->dtype()};
+    if (ValidateCudnnSdpaShape(shape).ok()) CudnnSupports(shape);
+  }
 }
 
 bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {

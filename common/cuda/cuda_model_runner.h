@@ -97,7 +97,11 @@ class CudaModelRunner : public ModelRunner {
   /// cuDNN call per sequence and layer; where libcudnn is missing or no
   /// cuDNN engine takes the shape, FlashAttention runs instead. The
   /// services' --prefill_attention=cudnn.
+  /// Selecting kCudnn plans (and so compiles) cuDNN's kernels for a full
+  /// and an appended chunk of kWarmCudnnRows rows at once, so requests do
+  /// not wait for the compiler.
   enum class AttentionPath { kAuto, kFlash, kSplitK, kFlashMma, kCudnn };
+  static constexpr int kWarmCudnnRows = 2048;
   static constexpr int kFlashMinRows = 32;
 
   /// Creates the stream, the cuBLAS handle and the KV pool.
