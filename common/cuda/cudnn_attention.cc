@@ -228,33 +228,28 @@ cudnnDataType_t CudnnType(CudaDType t) {
   return t == CudaDType::kFP16 ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
 }
 
-// Forms of the graph: the frontend's exactly; the same without the unused
-// log-sum-exp statistic.
-enum class SdpaVariant { kFrontend, kNoStats };
-
 // How a plan is made, in the order tried until one finalizes. Hopper's
 // fused SDPA engines generate and NVRTC-compile their kernel while the
 // plan is built (~0.4 s a config on a CPU of the build machines); with
 // dynamic shapes and a kernel cache, later shapes of the same pattern reuse
 // the compiled kernel (cuDNN's frontend: set_dynamic_shape_enabled,
 // set_kernel_cache). Fixed-shape plans are the fallback.
+// (Without the unused log-sum-exp statistic no Hopper engine takes the
+// graph: deviceless planning shows engine 0 rejecting it.)
 struct PlanForm {
-  SdpaVariant graph;
   bool dynamic;
   const char* name;
 };
 constexpr PlanForm kForms[] = {
-    {SdpaVariant::kFrontend, true, "frontend, dynamic shapes"},
-    {SdpaVariant::kFrontend, false, "frontend"},
-    {SdpaVariant::kNoStats, false, "no-stats"},
+    {true, "dynamic shapes"},
+    {false, "fixed shape"},
 };
 constexpr int kNumForms = static_cast<int>(sizeof(kForms) / sizeof(kForms[0]));
 
 // The SDPA operations for `s` (see the header) into *g; g->status() says
 // whether every descriptor finalized. b = 1, and the runner's buffers'
 // BSHD layouts as strides.
-void BuildSdpaOps(const CudnnSdpaShape& s, SdpaVariant variant,
-                  SdpaGraph* g) {
+void BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
   const int64_t H = s.num_heads, KV = s.num_kv_heads, D = s.head_dim;
   const int64_t sq = s.s_q, skv = s.s_kv;
   const cudnnDataType_t io = CudnnType(s.dtype);
@@ -321,11 +316,9 @@ void BuildSdpaOps(const CudnnSdpaShape& s, SdpaVariant variant,
   g->Pointwise(CUDNN_POINTWISE_EXP, f32, centered, nullptr, nullptr, ex);
   auto* sum = stats();
   g->Reduction(CUDNN_REDUCE_TENSOR_ADD, ex, sum);
-  if (variant == SdpaVariant::kFrontend) {
-    auto* log_sum = stats();
-    g->Pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, log_sum);
-    g->Pointwise(CUDNN_POINTWISE_ADD, f32, mx, log_sum, nullptr, stats());
-  }
+  auto* log_sum = stats();
+  g->Pointwise(CUDNN_POINTWISE_LOG, f32, sum, nullptr, nullptr, log_sum);
+  g->Pointwise(CUDNN_POINTWISE_ADD, f32, mx, log_sum, nullptr, stats());
   auto* p = scores(io);
   g->Pointwise(CUDNN_POINTWISE_DIV, f32, ex, sum, nullptr, p);
 
@@ -406,7 +399,7 @@ absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape) {
     return absl::UnavailableError("libcudnn.so.9 does not load on this host");
   }
   SdpaGraph g;
-  BuildSdpaOps(shape, SdpaVariant::kFrontend, &g);
+  BuildSdpaOps(shape, &g);
   SPECSERVE_RETURN_IF_ERROR(g.status());
   return static_cast<int>(g.ops().size());
 }
@@ -523,7 +516,7 @@ CudnnAttention::BuildPlan(const CudnnSdpaShape& shape, int form_index,
   plan->bottom_right = shape.s_kv != shape.s_q;
   plan->form = form.name;
   SdpaGraph g;
-  BuildSdpaOps(shape, form.graph, &g);
+  BuildSdpaOps(shape, &g);
   SPECSERVE_RETURN_IF_ERROR(g.status());
   std::vector<cudnnBackendDescriptor_t> ops = g.ops();
   plan->graph = std::make_shared<GraphDescs>();

@@ -121,10 +121,9 @@ class CudnnAttention {
   /// and finalization), for the benchmarks' logs.
   int plans_built() const { return plans_built_; }
   double plan_build_seconds() const { return plan_build_seconds_; }
-  /// How the last successful plan was made: "frontend, dynamic shapes"
-  /// (cuDNN's frontend pattern, kernels shared across shapes through a
-  /// kernel cache), "frontend" (one compiled kernel per shape) or
-  /// "no-stats" (without the log-sum-exp statistic); empty before one.
+  /// How the last successful plan was made: "dynamic shapes" (kernels
+  /// shared across shapes through a kernel cache) or "fixed shape" (one
+  /// compiled kernel per shape); empty before one.
   const std::string& last_plan_form() const { return last_plan_form_; }
 
   /// cudnnGetVersion() of the loaded library, e.g. 91900.
