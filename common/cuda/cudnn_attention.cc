@@ -326,6 +326,21 @@ void BuildSdpaOps(const CudnnSdpaShape& s, SdpaGraph* g) {
   g->Matmul(p, v, o);
 }
 
+// An empty device-properties descriptor (cuDNN 9.8+). UNAVAILABLE when
+// libcudnn is missing or older.
+absl::StatusOr<Desc> NewDeviceProperties() {
+  if (!CudnnLibraryLoads() || cudnnGetVersion() < 90800) {
+    return absl::UnavailableError(absl::StrCat(
+        "cuDNN device properties need libcudnn.so.9 >= 9.8; version seen: ",
+        cudnnGetVersion()));
+  }
+  cudnnBackendDescriptor_t raw = nullptr;
+  SPECSERVE_CUDNN_RETURN(
+      cudnnBackendCreateDescriptor(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &raw),
+      "create device properties");
+  return Desc(raw);
+}
+
 double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                        since)
@@ -408,16 +423,9 @@ absl::StatusOr<CudnnAttention::PlanCheck> CudnnAttention::CheckPlanForDevice(
     const CudnnSdpaShape& shape, const std::string& device_json,
     bool first_form_only) {
   SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
-  if (!CudnnLibraryLoads() || cudnnGetVersion() < 90800) {
-    return absl::UnavailableError(absl::StrCat(
-        "deviceless planning needs libcudnn.so.9 >= 9.8; version seen: ",
-        cudnnGetVersion()));
-  }
-  cudnnBackendDescriptor_t raw = nullptr;
-  SPECSERVE_CUDNN_RETURN(
-      cudnnBackendCreateDescriptor(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &raw),
-      "create device properties");
-  Desc props(raw);
+  absl::StatusOr<Desc> props = NewDeviceProperties();
+  if (!props.ok()) return props.status();
+  cudnnBackendDescriptor_t raw = props->get();
   cudnnStatus_t st = cudnnBackendSetAttribute(
       raw, CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
       static_cast<int64_t>(device_json.size()), device_json.data());
@@ -447,16 +455,9 @@ absl::StatusOr<CudnnAttention::PlanCheck> CudnnAttention::CheckPlanForDevice(
 
 absl::StatusOr<std::string> CudnnAttention::DevicePropertiesJson(
     int device_id) {
-  if (!CudnnLibraryLoads() || cudnnGetVersion() < 90800) {
-    return absl::UnavailableError(absl::StrCat(
-        "device properties need libcudnn.so.9 >= 9.8; version seen: ",
-        cudnnGetVersion()));
-  }
-  cudnnBackendDescriptor_t raw = nullptr;
-  SPECSERVE_CUDNN_RETURN(
-      cudnnBackendCreateDescriptor(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR, &raw),
-      "create device properties");
-  Desc props(raw);
+  absl::StatusOr<Desc> props = NewDeviceProperties();
+  if (!props.ok()) return props.status();
+  cudnnBackendDescriptor_t raw = props->get();
   const int32_t id = device_id;
   SPECSERVE_CUDNN_RETURN(
       cudnnBackendSetAttribute(raw, CUDNN_ATTR_DEVICEPROP_DEVICE_ID,
