@@ -347,14 +347,14 @@ double Seconds(std::chrono::steady_clock::time_point since) {
       .count();
 }
 
-}  // namespace
-
 // An operation graph and the tensor / operation descriptors it was built
 // from, shared by the plans made from it and a kernel cache seeded by it.
 struct GraphDescs {
   std::vector<Desc> descs;
   Desc op_graph;
 };
+
+}  // namespace
 
 // An execution plan and what it was built from.
 struct CudnnAttention::Plan {
