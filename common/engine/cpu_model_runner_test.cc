@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
 #include "common/engine/small_head_attention.h"
 #include "common/engine/test_util.h"
@@ -519,6 +520,17 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
             absl::StatusCode::kInvalidArgument);
   in.argmax_only = false;
   in.sampling = nullptr;
+  // logprobs_top_n: in [-1, 20], and only with argmax_only or sampling.
+  for (const auto& [top_n, argmax_only] :
+       {std::pair<int, bool>{21, true}, {-2, true}, {0, false}}) {
+    in.logprobs_top_n = top_n;
+    in.argmax_only = argmax_only;
+    const absl::Status st = model.Forward(in, cache.get(), &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << top_n;
+    EXPECT_NE(st.message().find("logprobs_top_n"), std::string::npos) << st;
+  }
+  in.logprobs_top_n = -1;
+  in.argmax_only = false;
   EXPECT_EQ(cache->size(), 0);
   in.logit_rows = {};
   ASSERT_TRUE(model.Forward(in, cache.get(), &out).ok());
@@ -621,10 +633,12 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
     batch[1].input.argmax_only = true;
     batch[2].kv = c2.get();
     batch[2].input.argmax_only = true;
+    batch[2].input.logprobs_top_n = 3;  // and each row's logprobs
     std::vector<ForwardOutput> reduced;
     ASSERT_TRUE(model.Forward(batch, &reduced).ok());
     EXPECT_LT(MaxAbsDiff(reduced[0].logits, alone[0].logits), 1e-5);
     EXPECT_TRUE(reduced[0].argmax.empty());
+    EXPECT_TRUE(reduced[1].token_logprobs.empty());
     for (int i = 1; i < 3; ++i) {
       EXPECT_TRUE(reduced[i].logits.empty()) << i;
       ASSERT_EQ(reduced[i].argmax.size(), alone[i].logit_rows.size()) << i;
@@ -635,6 +649,24 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
             << i << " row " << r;
       }
     }
+    // The logprobs of each row's argmax, as ComputeTokenLogprobs gives them
+    // from the logits of the sequence alone.
+    ASSERT_EQ(reduced[2].token_logprobs.size(), reduced[2].argmax.size());
+    for (size_t r = 0; r < reduced[2].argmax.size(); ++r) {
+      const TokenLogprobs want = ComputeTokenLogprobs(
+          absl::MakeConstSpan(alone[2].logits_row(static_cast<int>(r), vocab),
+                              vocab),
+          reduced[2].argmax[r], 3);
+      const TokenLogprobs& got = reduced[2].token_logprobs[r];
+      EXPECT_NEAR(got.logprob, want.logprob, 1e-4) << r;
+      ASSERT_EQ(got.top.size(), 3u) << r;
+      for (int j = 0; j < 3; ++j) {
+        EXPECT_EQ(got.top[j].first, want.top[j].first) << r << " " << j;
+        EXPECT_NEAR(got.top[j].second, want.top[j].second, 1e-4) << r;
+      }
+      EXPECT_EQ(got.top[0].first, reduced[2].argmax[r]) << r;
+    }
+    batch[2].input.logprobs_top_n = -1;
 
     // Row sampling of the verify round (sequence c): each row's SampleRow
     // outcome on the logits it gets alone, and no logits.
@@ -659,6 +691,7 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
     batch[2].kv = c3.get();
     batch[2].input.argmax_only = false;
     batch[2].input.sampling = &rs;
+    batch[2].input.logprobs_top_n = 0;  // each decided row's token only
     std::vector<ForwardOutput> sampled;
     ASSERT_TRUE(model.Forward(batch, &sampled).ok());
     EXPECT_TRUE(sampled[2].logits.empty());
@@ -678,6 +711,15 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
           rs.uniforms[2 * r + 1]);
       EXPECT_EQ(sampled[2].sampled[r], want.token) << r;
       EXPECT_EQ(sampled[2].accepted[r], want.accepted) << r;
+      // The logprob of the row's token: its draft if accepted, else the
+      // sample.
+      ASSERT_GT(sampled[2].token_logprobs.size(), static_cast<size_t>(r));
+      const TokenLogprobs lp = ComputeTokenLogprobs(
+          absl::MakeConstSpan(alone[2].logits_row(r, vocab), vocab),
+          want.accepted ? rs.draft_ids[r] : want.token, 0);
+      EXPECT_NEAR(sampled[2].token_logprobs[r].logprob, lp.logprob, 1e-4)
+          << r;
+      EXPECT_TRUE(sampled[2].token_logprobs[r].top.empty()) << r;
       stopped = !want.accepted;
       if (stopped) EXPECT_GE(sampled[2].sampled[r], 0) << r;
     }

@@ -99,6 +99,16 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
           absl::StrCat("query capture row ", r, " outside [0, ", n, ")"));
     }
   }
+  if (in.logprobs_top_n < -1 || in.logprobs_top_n > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs_top_n must be in [-1, ", kMaxTopLogprobs,
+                     "], got ", in.logprobs_top_n));
+  }
+  if (in.logprobs_top_n >= 0 && !in.argmax_only && in.sampling == nullptr) {
+    return absl::InvalidArgumentError(
+        "logprobs_top_n needs argmax_only or sampling (with logits, the "
+        "caller has the rows)");
+  }
   if (in.sampling != nullptr) {
     if (absl::Status s = ValidateRowSampling(*in.sampling, in.argmax_only,
                                              logit_rows.size(), c.vocab_size);
@@ -202,9 +212,14 @@ void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
     ForwardOutput& o = (*out)[i];
     const size_t rows = o.logits.size() / vocab;
     o.argmax.resize(rows);
+    const int top_n = batch[i].input.logprobs_top_n;
     for (size_t r = 0; r < rows; ++r) {
-      o.argmax[r] =
-          Argmax(absl::MakeConstSpan(o.logits.data() + r * vocab, vocab));
+      const auto row = absl::MakeConstSpan(o.logits.data() + r * vocab, vocab);
+      o.argmax[r] = Argmax(row);
+      if (top_n >= 0) {
+        o.token_logprobs.push_back(
+            ComputeTokenLogprobs(row, o.argmax[r], top_n));
+      }
     }
     o.logits.clear();
   }
@@ -222,13 +237,20 @@ void SampleOnHost(absl::Span<const SequenceForward> batch, int vocab,
     o.accepted.assign(rows, 0);
     // Rows in order up to the first one not accepted: verification reads
     // no further, and each row costs a ComputeDistribution.
+    const int top_n = batch[i].input.logprobs_top_n;
     for (size_t r = 0; r < rows; ++r) {
+      const auto logits =
+          absl::MakeConstSpan(o.logits.data() + r * vocab, vocab);
       const RowSample row = SampleRow(
-          absl::MakeConstSpan(o.logits.data() + r * vocab, vocab), s->params,
-          s->draft_ids[r], s->draft_q[r] != nullptr ? *s->draft_q[r] : kNoDraft,
+          logits, s->params, s->draft_ids[r],
+          s->draft_q[r] != nullptr ? *s->draft_q[r] : kNoDraft,
           s->uniforms[2 * r], s->uniforms[2 * r + 1]);
       o.sampled[r] = row.token;
       o.accepted[r] = row.accepted ? 1 : 0;
+      if (top_n >= 0) {
+        o.token_logprobs.push_back(ComputeTokenLogprobs(
+            logits, row.accepted ? s->draft_ids[r] : row.token, top_n));
+      }
       if (!row.accepted) break;
     }
     o.logits.clear();

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/logprobs.h"
 #include "common/decoding/sampling.h"
 #include "common/engine/paged_kv_cache.h"
 #include "common/model/config.h"
@@ -70,6 +71,14 @@ struct ForwardInput {
   /// ForwardOutput::sampled and ::accepted, leave ::logits empty. Owned by
   /// the caller; null = return logits (or argmax).
   const RowSampling* sampling = nullptr;
+  /// With argmax_only or sampling, >= 0 also returns each decided row's
+  /// log-probability of the token it produced (its argmax; its accepted
+  /// draft or sampled token) and its top `logprobs_top_n` alternatives, as
+  /// specserve::ComputeTokenLogprobs computes them from the raw logits
+  /// (OpenAI logprobs, vLLM's raw_logprobs), in
+  /// ForwardOutput::token_logprobs. So a backend still returns no logits.
+  /// -1 = none; at most kMaxTopLogprobs.
+  int logprobs_top_n = -1;
 };
 
 /// One sequence's output of a forward pass.
@@ -90,6 +99,10 @@ struct ForwardOutput {
   /// CUDA backend decides every row.
   std::vector<int> sampled;
   std::vector<uint8_t> accepted;
+  /// With ForwardInput::logprobs_top_n >= 0: per decided row (every row
+  /// with argmax_only; with sampling at least the rows up to the first one
+  /// not accepted), the logprobs of the token the row produced.
+  std::vector<TokenLogprobs> token_logprobs;
   /// [num_layers, capture_query_rows.size(), num_heads, head_dim] post-RoPE
   /// queries, layer-major; empty when no rows were captured or they went
   /// to a QueryCapture.

@@ -285,14 +285,18 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.token_ids = plan_tokens_;
   entry->input.position_ids = plan_positions_;
   // Greedy rounds need each row's argmax only; sampled chain rounds each
-  // row's SampleRow outcome (on CUDA both stay on the device). A sampled
-  // tree's recursive rejection over siblings reads the logits, and so does
-  // a request for logprobs: its final rows come back as logits and are
-  // reduced on the host in CompleteForward.
-  entry->input.argmax_only =
-      request_.sampling.greedy() && !(final_planned_ && request_.logprobs);
+  // row's SampleRow outcome (on CUDA both stay on the device), and with
+  // logprobs the backend adds each row's logprobs. A sampled tree's
+  // recursive rejection over siblings reads the logits (its logprobs are
+  // computed from them in CompleteForward).
+  const bool greedy = request_.sampling.greedy();
+  entry->input.argmax_only = greedy;
   entry->input.sampling = nullptr;
-  if (final_planned_ && !request_.sampling.greedy() && parents_.empty()) {
+  entry->input.logprobs_top_n =
+      final_planned_ && request_.logprobs && (greedy || parents_.empty())
+          ? request_.top_logprobs
+          : -1;
+  if (final_planned_ && !greedy && parents_.empty()) {
     // Two uniforms per row, drawn for every row so a seeded request's
     // draws do not depend on where the first rejection falls.
     row_sampling_.params = request_.sampling;
@@ -305,7 +309,7 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
       row_sampling_.uniforms.push_back(rng_.Uniform());
       row_sampling_.uniforms.push_back(rng_.Uniform());
     }
-    if (!request_.logprobs) entry->input.sampling = &row_sampling_;
+    entry->input.sampling = &row_sampling_;
   }
   planned_at_ = MonotonicNowNs();
   return absl::OkStatus();
@@ -322,11 +326,10 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   }
   const int k = static_cast<int>(drafts_.size());
   const bool greedy = request_.sampling.greedy();
-  // What PlanForward asked for: argmax ids, row samples or logits (always
-  // logits with logprobs).
+  // What PlanForward asked for: argmax ids, row samples (each with its
+  // row's logprobs when asked) or, for a sampled tree, logits.
   const bool row_sampled = !greedy && parents_.empty();
-  const bool host = request_.logprobs;  // reduce the logits here
-  const bool reduced = !host && (greedy || row_sampled);
+  const bool reduced = greedy || row_sampled;
   const size_t want = static_cast<size_t>(k + 1) * (reduced ? 1 : c.vocab_size);
   const size_t got = !reduced  ? out.logits.size()
                      : greedy  ? out.argmax.size()
@@ -339,35 +342,12 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
         !reduced ? " logits" : greedy ? " argmax ids" : " row samples",
         ", expected ", want));
   }
-  // With logprobs, what the backend would have computed from the same rows
-  // (ReduceToArgmax, SampleOnHost): the same tokens as without.
-  std::vector<int> host_argmax, host_sampled;
-  std::vector<uint8_t> host_accepted;
   auto row = [&](int r) {
     return absl::MakeConstSpan(out.logits_row(r, c.vocab_size), c.vocab_size);
   };
-  if (host && greedy) {
-    host_argmax.resize(k + 1);
-    for (int r = 0; r <= k; ++r) host_argmax[r] = Argmax(row(r));
-  } else if (host && row_sampled) {
-    static const SparseDist kNoDraft;
-    host_sampled.assign(k + 1, -1);
-    host_accepted.assign(k + 1, 0);
-    for (int r = 0; r <= k; ++r) {
-      const RowSample s = SampleRow(
-          row(r), row_sampling_.params, row_sampling_.draft_ids[r],
-          row_sampling_.draft_q[r] != nullptr ? *row_sampling_.draft_q[r]
-                                              : kNoDraft,
-          row_sampling_.uniforms[2 * r], row_sampling_.uniforms[2 * r + 1]);
-      host_sampled[r] = s.token;
-      host_accepted[r] = s.accepted ? 1 : 0;
-      if (!s.accepted) break;
-    }
-  }
-  const std::vector<int>& argmax = host ? host_argmax : out.argmax;
-  const std::vector<int>& sampled = host ? host_sampled : out.sampled;
-  const std::vector<uint8_t>& accepted_rows =
-      host ? host_accepted : out.accepted;
+  const std::vector<int>& argmax = out.argmax;
+  const std::vector<int>& sampled = out.sampled;
+  const std::vector<uint8_t>& accepted_rows = out.accepted;
   // The logit row each emitted token came from: a chain's token i from
   // row i; a tree's first from row 0 (the last context token), then each
   // from the row of the accepted node before it.
@@ -407,6 +387,16 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     token_rows.push_back(0);
     for (int node : verdict->path) token_rows.push_back(1 + node);
   }
+  if (request_.logprobs && reduced) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (static_cast<size_t>(token_rows[i]) >= out.token_logprobs.size()) {
+        Abort();
+        return absl::InternalError(absl::StrCat(
+            "forward returned logprobs for ", out.token_logprobs.size(),
+            " rows; token ", i, " came from row ", token_rows[i]));
+      }
+    }
+  }
   // Keep the context (prompt, or up to the last emitted token) and the
   // accepted drafts in place.
   if (auto s = cache_->Truncate(context_size() + kept); !s.ok()) {
@@ -429,10 +419,12 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   round.tokens.assign(tokens.begin(), tokens.begin() + stop.num_emit);
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
-  if (host) {
+  if (request_.logprobs) {  // the backend's, or a sampled tree's logits
     for (int i = 0; i < stop.num_emit; ++i) {
-      round.logprobs.push_back(ComputeTokenLogprobs(
-          row(token_rows[i]), round.tokens[i], request_.top_logprobs));
+      round.logprobs.push_back(
+          reduced ? out.token_logprobs[token_rows[i]]
+                  : ComputeTokenLogprobs(row(token_rows[i]), round.tokens[i],
+                                         request_.top_logprobs));
     }
   }
   round.forward_ns = round_ns_ + (MonotonicNowNs() - planned_at_);
