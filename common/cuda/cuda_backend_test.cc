@@ -49,6 +49,7 @@
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/speculation/target_session.h"
@@ -1785,6 +1786,52 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
 // out for the same rows otherwise (up to rounding at a boundary); two
 // sampling sequences with different params around a logits one check the
 // packing of their rows.
+// logprobs_top_n with argmax_only: each row's logprobs, computed on the
+// device from the logits it keeps, equal ComputeTokenLogprobs of the same
+// rows' logits handed out by a logits sequence of the same batch (same
+// kernels, same numbers), for the argmax token; no logits come back. The
+// step runs eagerly (no graph).
+TEST_P(ModelTest, DeviceLogprobsEqualHostLogprobsOfLogits) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size, n = 12, top_n = std::min(5, vocab);
+  std::vector<int> ids(n);
+  for (int& id : ids) id = Uniform(0, vocab - 1);
+  const std::vector<int> pos = Iota(0, n);
+  std::vector<std::unique_ptr<KvSequence>> kv =
+      NewSeqs(*e.gpu, 2, c.max_position_embeddings);
+  ASSERT_EQ(kv.size(), 2u);
+  std::vector<SequenceForward> batch(2);
+  batch[0].kv = kv[0].get();
+  batch[0].input = AllRows(ids, pos);
+  batch[0].input.argmax_only = true;
+  batch[0].input.logprobs_top_n = top_n;
+  batch[1].kv = kv[1].get();
+  batch[1].input = AllRows(ids, pos);
+  const int64_t replays = e.gpu->graph_replays();
+  std::vector<ForwardOutput> out;
+  ASSERT_OK(e.gpu->Forward(batch, &out));
+  EXPECT_EQ(e.gpu->graph_replays(), replays);
+  EXPECT_TRUE(out[0].logits.empty());
+  ASSERT_EQ(out[0].argmax.size(), static_cast<size_t>(n));
+  ASSERT_EQ(out[0].token_logprobs.size(), static_cast<size_t>(n));
+  EXPECT_TRUE(out[1].token_logprobs.empty());
+  for (int r = 0; r < n; ++r) {
+    const TokenLogprobs want = ComputeTokenLogprobs(
+        absl::MakeConstSpan(out[1].logits_row(r, vocab), vocab),
+        out[0].argmax[r], top_n);
+    const TokenLogprobs& got = out[0].token_logprobs[r];
+    EXPECT_NEAR(got.logprob, want.logprob, 1e-4) << "row " << r;
+    ASSERT_EQ(got.top.size(), static_cast<size_t>(top_n)) << "row " << r;
+    for (int k = 0; k < top_n; ++k) {
+      EXPECT_NEAR(got.top[k].second, want.top[k].second, 1e-4)
+          << "row " << r << " rank " << k;
+    }
+    EXPECT_EQ(got.top[0].first, out[0].argmax[r]) << "row " << r;
+  }
+}
+
 TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
   Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
   ASSERT_NE(e.gpu, nullptr);

@@ -247,6 +247,75 @@ void CudaModelRunner::set_attention_path(AttentionPath path) {
   }
 }
 
+absl::Status CudaModelRunner::RowLogprobsOnDevice(
+    absl::Span<const SequenceForward> batch, const std::vector<int>& lr0,
+    const std::vector<int>& argmax, const std::vector<int>& samp_out,
+    int num_sampled, const float* d_logits,
+    std::vector<TokenLogprobs>* row_logprobs) {
+  const int vocab = config().vocab_size;
+  std::vector<int> ints;  // rows, then tokens
+  std::vector<int> tokens;
+  int top_n = 0, samp_next = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ForwardInput& in = batch[i].input;
+    const int rows = lr0[i + 1] - lr0[i];
+    if (in.logprobs_top_n >= 0) {
+      top_n = std::max(top_n, std::min(in.logprobs_top_n, vocab));
+      for (int r = 0; r < rows; ++r) {
+        int token = -1;  // the row's token: argmax, accepted draft or sample
+        if (in.argmax_only) {
+          token = argmax[lr0[i] + r];
+        } else if (in.sampling != nullptr) {
+          const bool accepted = samp_out[num_sampled + samp_next + r] != 0;
+          token = accepted ? in.sampling->draft_ids[r]
+                           : samp_out[samp_next + r];
+        }
+        ints.push_back(lr0[i] + r);
+        tokens.push_back(token);
+      }
+    }
+    if (in.sampling != nullptr) samp_next += rows;
+  }
+  const int jobs = static_cast<int>(tokens.size());
+  row_logprobs->assign(lr0.back(), TokenLogprobs());
+  if (jobs == 0) return absl::OkStatus();
+  ints.insert(ints.end(), tokens.begin(), tokens.end());
+  const size_t top = static_cast<size_t>(jobs) * top_n;
+  const size_t int_bytes = sizeof(int) * (ints.size() + top);
+  SPECSERVE_RETURN_IF_ERROR(logprobs_ws_.Reserve(
+      int_bytes + sizeof(float) * (jobs + top)));
+  int* d_ints = logprobs_ws_.as<int>();
+  int* d_top_ids = d_ints + ints.size();
+  float* d_lp = reinterpret_cast<float*>(logprobs_ws_.as<char>() + int_bytes);
+  float* d_top_lp = d_lp + jobs;
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d_ints, ints.data(), sizeof(int) * ints.size(),
+                      cudaMemcpyHostToDevice, stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RowLogprobs(
+      d_logits, vocab, d_ints, d_ints + jobs, jobs, top_n, d_lp, d_top_ids,
+      d_top_lp, stream_));
+  std::vector<float> lp(jobs + top);
+  std::vector<int> ids(top);
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      lp.data(), d_lp, sizeof(float) * lp.size(), cudaMemcpyDeviceToHost,
+      stream_));
+  if (top > 0) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(ids.data(), d_top_ids, sizeof(int) * top,
+                        cudaMemcpyDeviceToHost, stream_));
+  }
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  for (int j = 0; j < jobs; ++j) {
+    TokenLogprobs& t = (*row_logprobs)[ints[j]];
+    t.logprob = lp[j];
+    for (int k = 0; k < top_n; ++k) {
+      const size_t at = static_cast<size_t>(j) * top_n + k;
+      t.top.emplace_back(ids[at], lp[jobs + at]);
+    }
+  }
+  return absl::OkStatus();
+}
+
 bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
   if (cudnn_ == nullptr) {
     if (cudnn_unavailable_) return false;
@@ -917,11 +986,26 @@ absl::Status CudaModelRunner::Run(
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
+  // Logprobs (ForwardInput::logprobs_top_n) of the tokens just decided, on
+  // the device: [rows, 1 + 2 * top_n] values come back, not the logits.
+  std::vector<TokenLogprobs> row_logprobs;
+  SPECSERVE_RETURN_IF_ERROR(
+      RowLogprobsOnDevice(batch, lr0, argmax, samp_out, NS, reg.logits,
+                          &row_logprobs));
+
   out->assign(S, ForwardOutput());
   int samp_next = 0;
   for (int i = 0; i < S; ++i) {
     ForwardOutput& o = (*out)[i];
     o.logit_rows = logit_rows[i];
+    if (batch[i].input.logprobs_top_n >= 0) {
+      const int top_n = batch[i].input.logprobs_top_n;
+      for (int r = lr0[i]; r < lr0[i + 1]; ++r) {
+        TokenLogprobs lp = row_logprobs[r];
+        if (static_cast<int>(lp.top.size()) > top_n) lp.top.resize(top_n);
+        o.token_logprobs.push_back(std::move(lp));
+      }
+    }
     if (batch[i].input.argmax_only) {
       o.argmax.assign(argmax.begin() + lr0[i], argmax.begin() + lr0[i + 1]);
     } else if (batch[i].input.sampling != nullptr) {

@@ -204,6 +204,18 @@ class CudaModelRunner : public ModelRunner {
       const std::vector<int>& first, std::vector<ForwardOutput>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AllocateGraphLayout() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ForwardInput::logprobs_top_n: after the step's argmax / SampleRows
+  // results reached the host, the logprobs of each such sequence's row
+  // tokens from the logits still on the device (RowLogprobs), indexed by
+  // logit row (lr0: per-sequence logit row starts; samp_out: SampleRows'
+  // [2, num_sampled] ids and flags). Synchronises the stream.
+  absl::Status RowLogprobsOnDevice(absl::Span<const SequenceForward> batch,
+                                   const std::vector<int>& lr0,
+                                   const std::vector<int>& argmax,
+                                   const std::vector<int>& samp_out,
+                                   int num_sampled, const float* d_logits,
+                                   std::vector<TokenLogprobs>* row_logprobs)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether cuDNN's SDPA takes `shape` (creates the handle and builds the
   // plan on first use); false, after one log line, where it cannot.
   bool CudnnSupports(const CudnnSdpaShape& shape)
@@ -223,6 +235,7 @@ class CudaModelRunner : public ModelRunner {
   std::unique_ptr<CudnnAttention> cudnn_ ABSL_GUARDED_BY(mu_);
   bool cudnn_unavailable_ ABSL_GUARDED_BY(mu_) = false;
   DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer logprobs_ws_ ABSL_GUARDED_BY(mu_);  // RowLogprobsOnDevice
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer cublas_workspace_;
   bool cuda_graphs_ ABSL_GUARDED_BY(mu_) = true;

@@ -79,6 +79,24 @@ size_t SampleRowsScratchBytes(int num_rows, int vocab);
 /// no-op (cudaSuccess, pointers unchecked, nothing launched).
 cudaError_t SampleRows(const SampleRowsArgs& args, cudaStream_t stream);
 
+/// specserve::ComputeTokenLogprobs (common/decoding/logprobs.h) on the
+/// device for `num_rows` jobs, one block each (logprobs.cu): job j's
+/// log-softmax of logits row rows[j] at token tokens[j], and the row's top
+/// `top_n` (id, logprob) pairs, descending, ties to the lower id; NaN
+/// logits count as -inf; max-shifted log-sum-exp summed in double. So a
+/// step that wants logprobs copies back [rows, 1 + 2 * top_n] values, not
+/// [rows, vocab] logits.
+/// logits: fp32 [*, vocab]; rows, tokens: int [num_rows] (a token outside
+/// [0, vocab) gets NaN); out_logprob: fp32 [num_rows]; out_top_ids: int
+/// [num_rows, top_n]; out_top_logprobs: fp32 [num_rows, top_n] (both may be
+/// null when top_n == 0). top_n in [0, min(vocab, 64)].
+/// cudaErrorInvalidValue, before any launch, for vocab < 1, num_rows < 0,
+/// top_n out of range or a missing pointer; num_rows == 0 launches nothing.
+cudaError_t RowLogprobs(const float* logits, int vocab, const int* rows,
+                        const int* tokens, int num_rows, int top_n,
+                        float* out_logprob, int* out_top_ids,
+                        float* out_top_logprobs, cudaStream_t stream);
+
 }  // namespace cuda_kernels
 }  // namespace specserve
 

@@ -36,6 +36,7 @@
 #include "absl/types/span.h"
 #include "common/cuda/device.h"
 #include "common/cuda/device_array_test_util.h"
+#include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stats.h"
@@ -746,6 +747,110 @@ TEST_F(SampleRowsTest, ReportsTimeAtLlama3Vocab) {
           "SampleRows vocab %d rows %d %s: %.3f ms\n", vocab, num_rows,
           mode == 0 ? "full support" : (mode == 1 ? "top_k 50" : "top_p 0.9"),
           ms);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// RowLogprobs: the device twin of ComputeTokenLogprobs.
+// ---------------------------------------------------------------------------
+
+TEST(RowLogprobsArgsTest, RejectsBadArgumentsBeforeAnyCudaCall) {
+  // Fake device pointers: never dereferenced, every call is rejected or
+  // has no rows.
+  const float* logits = reinterpret_cast<const float*>(uintptr_t{0x10000});
+  const int* ints = reinterpret_cast<const int*>(uintptr_t{0x20000});
+  float* lp = reinterpret_cast<float*>(uintptr_t{0x30000});
+  int* ids = reinterpret_cast<int*>(uintptr_t{0x40000});
+  float* top = reinterpret_cast<float*>(uintptr_t{0x50000});
+  EXPECT_EQ(ck::RowLogprobs(logits, 0, ints, ints, 1, 0, lp, ids, top,
+                            nullptr),
+            cudaErrorInvalidValue);  // vocab
+  EXPECT_EQ(ck::RowLogprobs(logits, 10, ints, ints, -1, 0, lp, ids, top,
+                            nullptr),
+            cudaErrorInvalidValue);  // rows
+  EXPECT_EQ(ck::RowLogprobs(logits, 10, ints, ints, 1, 11, lp, ids, top,
+                            nullptr),
+            cudaErrorInvalidValue);  // top_n > vocab
+  EXPECT_EQ(ck::RowLogprobs(logits, 1000, ints, ints, 1, 65, lp, ids, top,
+                            nullptr),
+            cudaErrorInvalidValue);  // top_n > 64
+  EXPECT_EQ(ck::RowLogprobs(logits, 10, ints, ints, 1, 2, lp, nullptr, top,
+                            nullptr),
+            cudaErrorInvalidValue);  // top ids
+  EXPECT_EQ(ck::RowLogprobs(nullptr, 10, ints, ints, 1, 0, lp, ids, top,
+                            nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::RowLogprobs(nullptr, 10, nullptr, nullptr, 0, 0, nullptr,
+                            nullptr, nullptr, nullptr),
+            cudaSuccess);  // no rows: nothing launched
+}
+
+// Rows of every kind ComputeTokenLogprobs handles (random, ties, NaN,
+// -inf, one +inf, all -inf, a one-entry vocabulary is separate), read in
+// a scrambled order, at a small and a Llama 3 vocabulary: the same
+// logprob (1e-5 absolute) and the same top ids in the same order.
+TEST_F(SampleRowsTest, RowLogprobsMatchComputeTokenLogprobs) {
+  for (int vocab : {37, 128256}) {
+    SCOPED_TRACE(vocab);
+    std::mt19937 rng(vocab);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    constexpr int kRows = 8, kTop = 20;
+    std::vector<float> logits(static_cast<size_t>(kRows) * vocab);
+    for (float& x : logits) x = normal(rng);
+    auto row = [&](int r) { return logits.data() + static_cast<size_t>(r) * vocab; };
+    // Row 1: ties (a few values repeated across ids).
+    for (int i = 0; i < vocab; ++i) row(1)[i] = static_cast<float>(i % 3);
+    // Row 2: NaNs and -infs mixed in.
+    for (int i = 0; i < vocab; i += 5) row(2)[i] = std::nanf("");
+    for (int i = 1; i < vocab; i += 7) {
+      row(2)[i] = -std::numeric_limits<float>::infinity();
+    }
+    // Row 3: one +inf.
+    row(3)[vocab / 2] = std::numeric_limits<float>::infinity();
+    // Row 4: all -inf.
+    for (int i = 0; i < vocab; ++i) {
+      row(4)[i] = -std::numeric_limits<float>::infinity();
+    }
+    // Jobs read the rows in a scrambled order; each job's token is some id.
+    const std::vector<int> rows = {5, 0, 1, 2, 3, 4, 7, 6};
+    std::vector<int> tokens;
+    for (int r : rows) tokens.push_back((r * 7919 + 3) % vocab);
+    const int top_n = std::min(kTop, vocab);
+    DeviceArray d_logits(logits.size() * sizeof(float)),
+        d_rows(rows.size() * sizeof(int)), d_tokens(rows.size() * sizeof(int)),
+        d_lp(rows.size() * sizeof(float)),
+        d_ids(rows.size() * top_n * sizeof(int)),
+        d_top(rows.size() * top_n * sizeof(float));
+    ASSERT_CUDA_OK(d_logits.Upload(logits));
+    ASSERT_CUDA_OK(d_rows.Upload(rows));
+    ASSERT_CUDA_OK(d_tokens.Upload(tokens));
+    ASSERT_CUDA_OK(ck::RowLogprobs(d_logits.as<float>(), vocab,
+                                   d_rows.as<int>(), d_tokens.as<int>(),
+                                   static_cast<int>(rows.size()), top_n,
+                                   d_lp.as<float>(), d_ids.as<int>(),
+                                   d_top.as<float>(), nullptr));
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> lp(rows.size()), top(rows.size() * top_n);
+    std::vector<int> ids(rows.size() * top_n);
+    ASSERT_CUDA_OK(d_lp.Download(&lp));
+    ASSERT_CUDA_OK(d_ids.Download(&ids));
+    ASSERT_CUDA_OK(d_top.Download(&top));
+    auto same = [](float got, float want) {
+      if (std::isinf(want) || std::isinf(got)) return got == want;
+      return std::fabs(got - want) <= 1e-5f;
+    };
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const TokenLogprobs want = ComputeTokenLogprobs(
+          absl::MakeConstSpan(row(rows[j]), vocab), tokens[j], top_n);
+      EXPECT_TRUE(same(lp[j], want.logprob))
+          << "job " << j << ": " << lp[j] << " vs " << want.logprob;
+      for (int k = 0; k < top_n; ++k) {
+        const size_t at = j * top_n + k;
+        EXPECT_EQ(ids[at], want.top[k].first) << "job " << j << " rank " << k;
+        EXPECT_TRUE(same(top[at], want.top[k].second))
+            << "job " << j << " rank " << k;
+      }
     }
   }
 }

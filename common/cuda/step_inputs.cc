@@ -82,7 +82,7 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
     const int n = static_cast<int>(in.token_ids.size());
     if (in.argmax_only == (in.sampling != nullptr) ||
         batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
-        !in.tree_parents.empty() ||
+        !in.tree_parents.empty() || in.logprobs_top_n >= 0 ||
         static_cast<int>(logit_rows[i].size()) != n) {
       return false;
     }

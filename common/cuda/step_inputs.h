@@ -57,7 +57,8 @@ int GraphBucket(int rows);
 
 /// Whether a step can run from a CUDA graph: every sequence greedy
 /// (argmax_only) or sampled on the device (ForwardInput::sampling), without
-/// query capture or tree, asking for the logits of all its rows in order;
+/// query capture, tree or logprobs, asking for the logits of all its rows
+/// in order;
 /// no sequence with >= flash_min_rows rows when `flash_min_rows` > 0 (those
 /// go to FlashAttention, launched per sequence); at most max_rows rows in
 /// all, and at most max_q draft-distribution entries over the sampled rows.

@@ -138,6 +138,9 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
       with([](Step& s) { s.batch[1].input.capture_query_rows = {3}; }));
   EXPECT_FALSE(
       with([](Step& s) { s.batch[1].input.tree_parents = {-1, 0, 0, 1}; }));
+  // Logprobs run eagerly (RowLogprobs after the step).
+  EXPECT_FALSE(with([](Step& s) { s.batch[1].input.logprobs_top_n = 0; }));
+  EXPECT_TRUE(with([](Step& s) { s.batch[1].input.logprobs_top_n = -1; }));
   // Not every row a logit row, or not in order.
   EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {3}; }));
   EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {0, 2, 1, 3}; }));
