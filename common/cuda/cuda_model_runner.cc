@@ -277,8 +277,8 @@ absl::Status CudaModelRunner::RowLogprobsOnDevice(
     if (in.sampling != nullptr) samp_next += rows;
   }
   const int jobs = static_cast<int>(tokens.size());
+  if (jobs == 0) return absl::OkStatus();  // most steps: nothing, no work
   row_logprobs->assign(lr0.back(), TokenLogprobs());
-  if (jobs == 0) return absl::OkStatus();
   ints.insert(ints.end(), tokens.begin(), tokens.end());
   const size_t top = static_cast<size_t>(jobs) * top_n;
   const size_t int_bytes = sizeof(int) * (ints.size() + top);
@@ -1001,7 +1001,7 @@ absl::Status CudaModelRunner::Run(
     if (batch[i].input.logprobs_top_n >= 0) {
       const int top_n = batch[i].input.logprobs_top_n;
       for (int r = lr0[i]; r < lr0[i + 1]; ++r) {
-        TokenLogprobs lp = row_logprobs[r];
+        TokenLogprobs lp = std::move(row_logprobs[r]);
         if (static_cast<int>(lp.top.size()) > top_n) lp.top.resize(top_n);
         o.token_logprobs.push_back(std::move(lp));
       }

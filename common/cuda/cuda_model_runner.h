@@ -208,7 +208,8 @@ class CudaModelRunner : public ModelRunner {
   // results reached the host, the logprobs of each such sequence's row
   // tokens from the logits still on the device (RowLogprobs), indexed by
   // logit row (lr0: per-sequence logit row starts; samp_out: SampleRows'
-  // [2, num_sampled] ids and flags). Synchronises the stream.
+  // [2, num_sampled] ids and flags). Synchronises the stream; leaves
+  // *row_logprobs empty (and does nothing) when no sequence asked.
   absl::Status RowLogprobsOnDevice(absl::Span<const SequenceForward> batch,
                                    const std::vector<int>& lr0,
                                    const std::vector<int>& argmax,

@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "common/decoding/row_sampling.h"
 #include "common/util/clock.h"
 
 namespace specserve {
