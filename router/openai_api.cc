@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "common/decoding/logprobs.h"
 #include "common/tokenizer/byte_level.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/tokenizer/utf8.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace specserve {
@@ -662,10 +662,8 @@ std::string ResponseBuilder::TokenBytes(int id, const std::string& text) const {
   }
   absl::StatusOr<std::string> piece = tokenizer_->IdToPiece(id);
   if (!piece.ok()) return text;
-  unsigned int byte = 0;
-  if (piece->size() == 6 && absl::StartsWith(*piece, "<0x") &&
-      (*piece)[5] == '>' &&
-      std::sscanf(piece->c_str() + 3, "%2x", &byte) == 1) {
+  unsigned char byte = 0;
+  if (ParseBytePiece(*piece, &byte)) {
     return std::string(1, static_cast<char>(byte));
   }
   std::string bytes;
