@@ -195,7 +195,9 @@ TEST_F(DraftSessionTest, GreedyTreeKeepsExactlyTheConfidentNodes) {
       ASSERT_FALSE(top.empty());
       want.insert(top);
       EXPECT_EQ(TreePaths(*dp, pp), want) << "round " << round;
-      if (tau > 0.99) EXPECT_EQ(dp->size(), 1u);
+      if (tau > 0.99) {
+        EXPECT_EQ(dp->size(), 1u);
+      }
       // Accept the full tree's first root-to-leaf path, then a bonus token.
       emitted.clear();
       for (size_t i = 0; i < df->size(); ++i) {
