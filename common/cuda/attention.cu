@@ -12,6 +12,7 @@
 #include "common/cuda/attention_layout.h"
 #include "common/cuda/cuda_types.cuh"
 #include "common/cuda/kernels.h"
+#include "common/cuda/launch.cuh"
 
 namespace specserve {
 namespace cuda_kernels {
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(kSkThreads)
                           float* __restrict__ part_o,
                           float* __restrict__ part_m,
                           float* __restrict__ part_l) {
-  extern __shared__ float sk_smem[];
+  SPECSERVE_DYNAMIC_SHARED(float, sk_smem);
   const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
   const int group = H / KV;
   const int n = a.n, first = a.first;
@@ -252,7 +253,7 @@ static_assert(kBatchedAttentionQueryTile == kSkQueries,
 template <typename T>
 __global__ void __launch_bounds__(kSkThreads)
     BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
-  extern __shared__ float ba_smem[];
+  SPECSERVE_DYNAMIC_SHARED(float, ba_smem);
   // A graph's launch is sized to the capacity; the step's work is shorter.
   if (a.device_counts != nullptr && blockIdx.x >= a.device_counts[0]) return;
   const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
@@ -486,7 +487,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kFaThreads)
     FlashAttentionKernel(AttentionArgs a) {
   using L = FaLayout<T, D>;
-  extern __shared__ __align__(128) unsigned char fa_smem[];
+  SPECSERVE_DYNAMIC_SHARED(unsigned char, fa_smem);
   T* Qs = reinterpret_cast<T*>(fa_smem);
   T* Ks = Qs + kFaRows * L::kLdT;
   T* Vs = Ks + kFaRows * L::kLdT;
@@ -644,7 +645,8 @@ cudaError_t LaunchFlash(const AttentionArgs& a, cudaStream_t stream) {
       static_cast<int>(L::kBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(CeilDiv(a.n, kFaRows), a.num_heads);
-  FlashAttentionKernel<T, D><<<grid, kFaThreads, L::kBytes, stream>>>(a);
+  SPECSERVE_LAUNCH(grid, kFaThreads, L::kBytes, stream,
+                   FlashAttentionKernel<T, D>)(a);
   return cudaGetLastError();
 }
 
@@ -734,10 +736,11 @@ cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
   const size_t smem = SkSmemBytes(args.head_dim);
   SPECSERVE_DISPATCH_DTYPE(
       args.dtype, T,
-      SplitKAttentionKernel<T><<<grid, kSkThreads, smem, stream>>>(
-          args, keys_per_split, key_tile, part_o, part_m, part_l);
-      SplitKCombineKernel<T><<<args.n * args.num_heads,
-                               args.head_dim >= 128 ? 128 : 32, 0, stream>>>(
+      SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
+                       SplitKAttentionKernel<T>)(args, keys_per_split, key_tile,
+                                                 part_o, part_m, part_l);
+      SPECSERVE_LAUNCH(args.n * args.num_heads, args.head_dim >= 128 ? 128 : 32,
+                       0, stream, SplitKCombineKernel<T>)(
           args.n, args.num_heads, args.head_dim, num_splits, part_o, part_m,
           part_l, static_cast<T*>(args.out)));
   return cudaGetLastError();
@@ -765,12 +768,12 @@ cudaError_t BatchedAttention(const BatchedAttentionArgs& args,
   const size_t smem = SkSmemBytes(a.head_dim);
   SPECSERVE_DISPATCH_DTYPE(
       a.dtype, T,
-      BatchedAttentionKernel<T><<<grid, kSkThreads, smem, stream>>>(
-          a, key_tile);
+      SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
+                       BatchedAttentionKernel<T>)(a, key_tile);
       if (a.num_combine > 0) {
-        BatchedCombineKernel<T>
-            <<<dim3(a.num_combine, a.num_heads), a.head_dim >= 128 ? 128 : 32,
-               0, stream>>>(a);
+        SPECSERVE_LAUNCH(dim3(a.num_combine, a.num_heads),
+                         a.head_dim >= 128 ? 128 : 32, 0, stream,
+                         BatchedCombineKernel<T>)(a);
       });
   return cudaGetLastError();
 }

@@ -32,6 +32,7 @@
 #include "common/cuda/cuda_types.cuh"
 #include "common/cuda/flash_mma.h"
 #include "common/cuda/kernels.h"
+#include "common/cuda/launch.cuh"
 
 namespace specserve {
 namespace cuda_kernels {
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2)
   constexpr int kKSteps = D / 16;
   constexpr int kSTiles = kKeys / 8;
   constexpr int kOTiles = D / 8;
-  extern __shared__ __align__(128) unsigned char fm_smem[];
+  SPECSERVE_DYNAMIC_SHARED(unsigned char, fm_smem);
   T* const qs = reinterpret_cast<T*>(fm_smem);
   T* const ks = qs + kRows * kLd;
   T* const vs = ks + 2 * L::kTile;
@@ -391,7 +392,7 @@ cudaError_t Launch(const AttentionArgs& a, cudaStream_t stream) {
       static_cast<int>(kBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(a.num_heads, CeilDiv(a.n, kRows));
-  FlashMmaKernel<T, D><<<grid, kThreads, kBytes, stream>>>(a);
+  SPECSERVE_LAUNCH(grid, kThreads, kBytes, stream, FlashMmaKernel<T, D>)(a);
   return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@
 
 #include "common/cuda/cuda_types.cuh"
 #include "common/cuda/kernels.h"
+#include "common/cuda/launch.cuh"
 
 namespace specserve {
 namespace cuda_kernels {
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(kLogitThreads)
                            int prompt_len, int rows, int num_heads,
                            int num_kv_heads, int head_dim, float scale,
                            int tile, float* __restrict__ logits) {
-  extern __shared__ float il_smem[];
+  SPECSERVE_DYNAMIC_SHARED(float, il_smem);
   const int D = head_dim, group = num_heads / num_kv_heads;
   const int g = blockIdx.y;
   const int j0 = blockIdx.x * tile;
@@ -153,7 +154,8 @@ cudaError_t ImportanceLogits(const float* q, const void* keys,
   const size_t smem = sizeof(float) * 2 * tile * (head_dim + 1);
   SPECSERVE_DISPATCH_DTYPE(
       key_dtype, T,
-      ImportanceLogitsKernel<T><<<grid, kLogitThreads, smem, stream>>>(
+      SPECSERVE_LAUNCH(grid, kLogitThreads, smem, stream,
+                       ImportanceLogitsKernel<T>)(
           q, static_cast<const T*>(keys), key_row_stride, prompt_len, rows,
           num_heads, num_kv_heads, head_dim, scale, tile, logits));
   return cudaGetLastError();
@@ -162,7 +164,8 @@ cudaError_t ImportanceLogits(const float* q, const void* keys,
 cudaError_t ImportanceSoftmax(float* logits, int num_rows, int len,
                               cudaStream_t stream) {
   if (num_rows <= 0 || len <= 0) return cudaErrorInvalidValue;
-  ImportanceSoftmaxKernel<<<num_rows, 256, 0, stream>>>(logits, len);
+  SPECSERVE_LAUNCH(num_rows, 256, 0, stream, ImportanceSoftmaxKernel)(
+      logits, len);
   return cudaGetLastError();
 }
 
@@ -174,7 +177,8 @@ cudaError_t ImportancePoolFold(const float* probs, int rows, int num_heads,
     return cudaErrorInvalidValue;
   }
   const size_t total = static_cast<size_t>(rows) * len;
-  ImportancePoolFoldKernel<<<GridFor(total, 256), 256, 0, stream>>>(
+  SPECSERVE_LAUNCH(GridFor(total, 256), 256, 0, stream,
+                   ImportancePoolFoldKernel)(
       probs, rows, num_heads, len, kernel, is_max, running);
   return cudaGetLastError();
 }
@@ -182,7 +186,7 @@ cudaError_t ImportancePoolFold(const float* probs, int rows, int num_heads,
 cudaError_t ImportanceMeanRows(const float* running, int rows, int len,
                                float scale, float* out, cudaStream_t stream) {
   if (rows <= 0 || len <= 0) return cudaErrorInvalidValue;
-  ImportanceMeanRowsKernel<<<GridFor(len, 256), 256, 0, stream>>>(
+  SPECSERVE_LAUNCH(GridFor(len, 256), 256, 0, stream, ImportanceMeanRowsKernel)(
       running, rows, len, scale, out);
   return cudaGetLastError();
 }

@@ -5,6 +5,7 @@
 
 #include "common/cuda/cuda_types.cuh"
 #include "common/cuda/kernels.h"
+#include "common/cuda/launch.cuh"
 
 namespace specserve {
 
@@ -108,7 +109,7 @@ __global__ void RmsNormKernel(const float* __restrict__ x,
 // and k head, and the stores of q, k and v.
 template <typename T>
 __global__ void RopeQkvStoreKernel(RopeArgs a) {
-  extern __shared__ float cs_sn[];  // [half] cos, then [half] sin
+  SPECSERVE_DYNAMIC_SHARED(float, cs_sn);  // [half] cos, then [half] sin
   const int half = a.head_dim / 2;
   const int D = a.head_dim, H = a.num_heads, KV = a.num_kv_heads;
   const size_t row = blockIdx.x;
@@ -258,20 +259,20 @@ __global__ void ArgmaxRowsKernel(const float* __restrict__ logits, int vocab,
 cudaError_t ConvertFromF32(const float* src, void* dst, CudaDType dst_dtype,
                            size_t n, cudaStream_t stream) {
   if (n == 0) return cudaGetLastError();
-  SPECSERVE_DISPATCH_DTYPE(dst_dtype, T,
-                           ConvertFromF32Kernel<T>
-                           <<<GridFor(n), kThreads, 0, stream>>>(
-                               src, static_cast<T*>(dst), n));
+  SPECSERVE_DISPATCH_DTYPE(
+      dst_dtype, T,
+      SPECSERVE_LAUNCH(GridFor(n), kThreads, 0, stream,
+                       ConvertFromF32Kernel<T>)(src, static_cast<T*>(dst), n));
   return cudaGetLastError();
 }
 
 cudaError_t ConvertToF32(const void* src, CudaDType src_dtype, float* dst,
                          size_t n, cudaStream_t stream) {
   if (n == 0) return cudaGetLastError();
-  SPECSERVE_DISPATCH_DTYPE(src_dtype, T,
-                           ConvertToF32Kernel<T>
-                           <<<GridFor(n), kThreads, 0, stream>>>(
-                               static_cast<const T*>(src), dst, n));
+  SPECSERVE_DISPATCH_DTYPE(
+      src_dtype, T,
+      SPECSERVE_LAUNCH(GridFor(n), kThreads, 0, stream, ConvertToF32Kernel<T>)(
+          static_cast<const T*>(src), dst, n));
   return cudaGetLastError();
 }
 
@@ -279,10 +280,10 @@ cudaError_t EmbeddingGather(const void* table, CudaDType dtype, const int* ids,
                             int n, int hidden, float* out,
                             cudaStream_t stream) {
   if (n <= 0 || hidden <= 0) return cudaErrorInvalidValue;
-  SPECSERVE_DISPATCH_DTYPE(dtype, T,
-                           EmbeddingGatherKernel<T><<<n, kThreads, 0, stream>>>(
-                               static_cast<const T*>(table), ids, hidden,
-                               out));
+  SPECSERVE_DISPATCH_DTYPE(
+      dtype, T,
+      SPECSERVE_LAUNCH(n, kThreads, 0, stream, EmbeddingGatherKernel<T>)(
+          static_cast<const T*>(table), ids, hidden, out));
   return cudaGetLastError();
 }
 
@@ -291,9 +292,10 @@ cudaError_t RmsNorm(const float* x, const int* rows, int num_rows, int dim,
                     cudaStream_t stream) {
   if (num_rows <= 0 || dim <= 0) return cudaErrorInvalidValue;
   const int threads = dim >= 4096 ? 1024 : (dim >= 1024 ? 512 : 128);
-  SPECSERVE_DISPATCH_DTYPE(out_dtype, T,
-                           RmsNormKernel<T><<<num_rows, threads, 0, stream>>>(
-                               x, rows, dim, w, eps, static_cast<T*>(out)));
+  SPECSERVE_DISPATCH_DTYPE(
+      out_dtype, T,
+      SPECSERVE_LAUNCH(num_rows, threads, 0, stream, RmsNormKernel<T>)(
+          x, rows, dim, w, eps, static_cast<T*>(out)));
   return cudaGetLastError();
 }
 
@@ -304,9 +306,9 @@ cudaError_t RopeQkvStore(const RopeArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const size_t smem = sizeof(float) * args.head_dim;
-  SPECSERVE_DISPATCH_DTYPE(args.dtype, T,
-                           RopeQkvStoreKernel<T>
-                           <<<args.n, 128, smem, stream>>>(args));
+  SPECSERVE_DISPATCH_DTYPE(
+      args.dtype, T,
+      SPECSERVE_LAUNCH(args.n, 128, smem, stream, RopeQkvStoreKernel<T>)(args));
   return cudaGetLastError();
 }
 
@@ -317,8 +319,8 @@ cudaError_t AddBias(float* x, size_t stride, int rows, int cols,
     return cudaErrorInvalidValue;
   }
   const size_t total = static_cast<size_t>(rows) * cols;
-  AddBiasKernel<<<GridFor(total), kThreads, 0, stream>>>(x, stride, rows,
-                                                         cols, bias);
+  SPECSERVE_LAUNCH(GridFor(total), kThreads, 0, stream, AddBiasKernel)(
+      x, stride, rows, cols, bias);
   return cudaGetLastError();
 }
 
@@ -334,7 +336,7 @@ cudaError_t HeadRmsNorm(float* qkv, int n, int num_heads, int num_kv_heads,
   const int threads = head_dim >= 256 ? 256 : ((head_dim + 31) / 32) * 32;
   const unsigned blocks =
       static_cast<unsigned>(n) * static_cast<unsigned>(num_heads + num_kv_heads);
-  HeadRmsNormKernel<<<blocks, threads, 0, stream>>>(
+  SPECSERVE_LAUNCH(blocks, threads, 0, stream, HeadRmsNormKernel)(
       qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps);
   return cudaGetLastError();
 }
@@ -343,11 +345,10 @@ cudaError_t SiluMul(const void* gu, int rows, int ffn, void* out,
                     CudaDType dtype, cudaStream_t stream) {
   if (rows <= 0 || ffn <= 0) return cudaErrorInvalidValue;
   const size_t total = static_cast<size_t>(rows) * ffn;
-  SPECSERVE_DISPATCH_DTYPE(dtype, T,
-                           SiluMulKernel<T>
-                           <<<GridFor(total), kThreads, 0, stream>>>(
-                               static_cast<const T*>(gu), rows, ffn,
-                               static_cast<T*>(out)));
+  SPECSERVE_DISPATCH_DTYPE(
+      dtype, T,
+      SPECSERVE_LAUNCH(GridFor(total), kThreads, 0, stream, SiluMulKernel<T>)(
+          static_cast<const T*>(gu), rows, ffn, static_cast<T*>(out)));
   return cudaGetLastError();
 }
 
@@ -355,7 +356,8 @@ cudaError_t ArgmaxRows(const float* logits, int rows, int vocab, int* out,
                        cudaStream_t stream) {
   if (rows < 0 || vocab <= 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaGetLastError();
-  ArgmaxRowsKernel<<<rows, kThreads, 0, stream>>>(logits, vocab, out);
+  SPECSERVE_LAUNCH(rows, kThreads, 0, stream, ArgmaxRowsKernel)(
+      logits, vocab, out);
   return cudaGetLastError();
 }
 
@@ -366,10 +368,11 @@ cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
       block_size < 1 || count < 1 || row_width < 1) {
     return cudaErrorInvalidValue;
   }
-  SPECSERVE_DISPATCH_DTYPE(dtype, T,
-                           GatherKvRowsKernel<T><<<count, 128, 0, stream>>>(
-                               static_cast<const T*>(pool), block_table,
-                               block_size, row_width, static_cast<T*>(dst)));
+  SPECSERVE_DISPATCH_DTYPE(
+      dtype, T,
+      SPECSERVE_LAUNCH(count, 128, 0, stream, GatherKvRowsKernel<T>)(
+          static_cast<const T*>(pool), block_table, block_size, row_width,
+          static_cast<T*>(dst)));
   return cudaGetLastError();
 }
 

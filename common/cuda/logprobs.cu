@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 
+#include "common/cuda/launch.cuh"
 #include "common/cuda/sampling_kernels.h"
 
 namespace specserve {
@@ -163,7 +164,7 @@ cudaError_t RowLogprobs(const float* logits, int vocab, const int* rows,
       (top_n > 0 && (out_top_ids == nullptr || out_top_logprobs == nullptr))) {
     return cudaErrorInvalidValue;
   }
-  RowLogprobsKernel<<<num_rows, kLpThreads, 0, stream>>>(
+  SPECSERVE_LAUNCH(num_rows, kLpThreads, 0, stream, RowLogprobsKernel)(
       logits, vocab, rows, tokens, top_n, out_logprob, out_top_ids,
       out_top_logprobs);
   return cudaGetLastError();

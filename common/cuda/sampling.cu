@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "common/cuda/cuda_types.cuh"
+#include "common/cuda/launch.cuh"
 #include "common/cuda/sampling_kernels.h"
 
 namespace specserve {
@@ -429,7 +430,7 @@ cudaError_t SampleRows(const SampleRowsArgs& args, cudaStream_t stream) {
        args.q_probs == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  SampleRowsKernel<<<args.num_rows, kThreads, 0, stream>>>(args);
+  SPECSERVE_LAUNCH(args.num_rows, kThreads, 0, stream, SampleRowsKernel)(args);
   return cudaGetLastError();
 }
 
