@@ -1,0 +1,53 @@
+"""cuda_emu_library: .cu sources compiled as host C++ for the emulated device.
+
+Each .cu file is copied to a .cc (Bazel's cc rules take no .cu) and compiled
+by the host compiler with common/cuda/emu/cuda_emu.h force-included and
+SPECSERVE_CUDA_EMU defined: kernels become host functions that
+//common/cuda/emu:cuda_emu runs one fiber per CUDA thread. Link the result
+with :cuda_emu instead of //third_party:cuda (no libcudart, no cuBLAS).
+"""
+
+load("//third_party:cuda.bzl", "CUDA_HOST_COPTS")
+
+# -O2: the emulated kernels run every CUDA thread on the host.
+CUDA_EMU_COPTS = CUDA_HOST_COPTS + [
+    "-DSPECSERVE_CUDA_EMU",
+    "-include",
+    "common/cuda/emu/cuda_emu.h",
+    "-O2",
+    "-Wno-unknown-pragmas",  # #pragma unroll
+]
+
+def cuda_emu_library(name, srcs, hdrs = [], textual_hdrs = [], deps = []):
+    """The emulated twin of a cuda_library (same sources, same headers).
+
+    Args:
+      name: the cc_library's name.
+      srcs: .cu files of this package.
+      hdrs: public headers, as in the cuda_library.
+      textual_hdrs: headers only the .cu files include.
+      deps: cc_library deps (emulated twins, not nvcc-built libraries).
+    """
+    ccs = []
+    for src in srcs:
+        if not src.endswith(".cu"):
+            fail("cuda_emu_library %s: %s is not a .cu file" % (name, src))
+        stem = src[:-len(".cu")].replace("/", "_")
+        out = "_%s_emu/%s.cc" % (name, stem)
+        native.genrule(
+            name = "%s_%s_cc" % (name, stem),
+            srcs = [src],
+            outs = [out],
+            cmd = "cp $< $@",
+            visibility = ["//visibility:private"],
+        )
+        ccs.append(out)
+    native.cc_library(
+        name = name,
+        testonly = True,
+        srcs = ccs,
+        hdrs = hdrs,
+        textual_hdrs = textual_hdrs,
+        copts = CUDA_EMU_COPTS,
+        deps = deps + ["//common/cuda/emu:cuda_emu"],
+    )
