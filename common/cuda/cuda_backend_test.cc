@@ -1087,6 +1087,9 @@ class BatchedAttentionTest : public CudaTest {
       const int* info =
           plan->seq_info.data() + static_cast<size_t>(i) * ck::kSeqInfoFields;
       split_seqs += info[ck::kSeqSplits] > 1;
+      // A sequence without rows has nothing to compare (and the
+      // per-sequence kernels reject n = 0).
+      if (seqs[i].n == 0) continue;
       SCOPED_TRACE(absl::StrCat("sequence ", i, ": n=", seqs[i].n,
                                 " first=", seqs[i].first,
                                 " splits=", info[ck::kSeqSplits]));
@@ -1844,8 +1847,15 @@ TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
       NewSeqs(*e.gpu, 3, c.max_position_embeddings);
   ASSERT_EQ(kv.size(), 3u);
   // Row r verifies ids[r + 1] with a q that gives it 0.5 (rows r < n - 1).
+  // A random id is rarely accepted at q = 0.5, so every third row's q gives
+  // its draft 1e-30: accepted whenever the target's probability is larger
+  // (with params a's full support, always).
   std::vector<SparseDist> qs(n - 1);
   for (int r = 0; r + 1 < n; ++r) {
+    if (r % 3 == 0) {
+      qs[r] = {{ids[r + 1], 1e-30f}, {(ids[r + 1] + 1) % vocab, 1.0f}};
+      continue;
+    }
     qs[r] = {{ids[r + 1], 0.5f}, {(ids[r + 1] + 1) % vocab, 0.3f},
              {(ids[r + 1] + 7) % vocab, 0.2f}};
   }
@@ -1970,15 +1980,19 @@ void CheckGraphReplay(const std::string& model, bool sampled,
         pos[i].push_back(len[i] + r);
       }
       if (!sampled || i % 2 == 0) continue;
-      // Row r verifies ids[i][r + 1] with q giving it 0.6.
+      // Row r verifies ids[i][r + 1] with q giving it 0.6. A random id is
+      // rarely accepted that way: sequences i % 4 == 1 sample from the full
+      // support and their q gives the draft 1e-30, so it is accepted.
       RowSampling& rs = jobs[i];
-      rs.params = {0.8f, i % 4 == 1 ? 0 : 50, 0.95f, 0};
+      const bool full = i % 4 == 1;
+      rs.params = {0.8f, full ? 0 : 50, full ? 1.0f : 0.95f, 0};
       qs[i].resize(rows);
       for (int r = 0; r < rows; ++r) {
         const bool draft = r + 1 < rows;
         if (draft) {
-          qs[i][r] = {{ids[i][r + 1], 0.6f},
-                      {(ids[i][r + 1] + 1) % vocab, 0.4f}};
+          const float q = full ? 1e-30f : 0.6f;
+          qs[i][r] = {{ids[i][r + 1], q},
+                      {(ids[i][r + 1] + 1) % vocab, 1.0f - q}};
         }
         rs.draft_ids.push_back(draft ? ids[i][r + 1] : -1);
         rs.uniforms.push_back(u01(*gen));
@@ -2651,19 +2665,29 @@ TEST_P(ModelTest, TreeAttentionMatchesCpu) {
   }
 }
 
-// Speculative decoding with token trees on the device (fp32, so argmax
-// ties between forward shapes are out of reach): TargetSession rounds with
-// random trees, some nodes on the true continuation, emit exactly the
-// GPU's own plain greedy decoding.
+// Speculative decoding with token trees on the device: TargetSession
+// rounds with random trees, some nodes on the true continuation, emit the
+// GPU's own plain greedy decoding. The device holds bf16 weights only, and
+// a tree row's logits come from other kernels than a decode row's (last-bit
+// differences), so the two may part only where plain greedy's top two
+// logits were within 2e-2 of each other.
 TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
-  Engines e = LoadEngines(GetParam(), CudaDType::kF32);
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
   ASSERT_NE(e.gpu, nullptr);
   const ModelConfig& c = e.cpu->config();
   const int vocab = c.vocab_size, kNew = 40;
   std::vector<int> prompt(24);
   for (int& id : prompt) id = Uniform(0, vocab - 1);
-  // Plain greedy on the GPU, one token per forward.
+  // Plain greedy on the GPU, one token per forward, with each choice's
+  // margin over the runner-up.
   std::vector<int> want;
+  std::vector<float> margin;
+  auto top2_margin = [vocab](const float* row) {
+    std::vector<float> sorted(row, row + vocab);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
+                      std::greater<float>());
+    return sorted[0] - sorted[1];
+  };
   {
     std::unique_ptr<KvSequence> kv = NewSeq(*e.gpu, c.max_position_embeddings);
     ASSERT_NE(kv, nullptr);
@@ -2671,6 +2695,7 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
     ForwardOutput out;
     ASSERT_OK(e.gpu->Forward(AllRows(prompt, pos), kv.get(), &out));
     int tok = Argmax(out.logits_row(23, vocab), vocab);
+    margin.push_back(top2_margin(out.logits_row(23, vocab)));
     for (int i = 0; i < kNew; ++i) {
       want.push_back(tok);
       const int p = 24 + i;
@@ -2679,6 +2704,7 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
       d.position_ids = absl::MakeConstSpan(&p, 1);
       ASSERT_OK(e.gpu->Forward(d, kv.get(), &out));
       tok = Argmax(out.logits.data(), vocab);
+      margin.push_back(top2_margin(out.logits.data()));
     }
   }
   TargetRequest r;
@@ -2710,7 +2736,13 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
     got.insert(got.end(), round->tokens.begin(), round->tokens.end());
     deep += round->num_accepted >= 2;
   }
-  EXPECT_EQ(got, want);
+  ASSERT_EQ(got.size(), want.size());
+  size_t same = 0;
+  while (same < got.size() && got[same] == want[same]) ++same;
+  if (same < got.size()) {
+    EXPECT_LT(margin[same], 2e-2f)
+        << "tree rounds part from plain greedy at token " << same;
+  }
   EXPECT_GT(deep, 0);
 }
 
