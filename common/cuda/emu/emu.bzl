@@ -7,7 +7,7 @@ SPECSERVE_CUDA_EMU defined: kernels become host functions that
 with :cuda_emu instead of //third_party:cuda (no libcudart, no cuBLAS).
 """
 
-load("//third_party:cuda.bzl", "CUDA_HOST_COPTS")
+load("//third_party:cuda.bzl", "CUDA_HOST_COPTS", "cuda_library")
 
 # -O2: the emulated kernels run every CUDA thread on the host.
 CUDA_EMU_COPTS = CUDA_HOST_COPTS + [
@@ -50,4 +50,30 @@ def cuda_emu_library(name, srcs, hdrs = [], textual_hdrs = [], deps = []):
         textual_hdrs = textual_hdrs,
         copts = CUDA_EMU_COPTS,
         deps = deps + ["//common/cuda/emu:cuda_emu"],
+    )
+
+def cuda_library_with_emu_twin(name, srcs, hdrs = [], textual_hdrs = [], deps = [], emu_deps = []):
+    """A cuda_library `name` and its emulated twin `name`_emu, same sources.
+
+    Args:
+      name: the nvcc-built cc_library; `name`_emu is the emulated one.
+      srcs: .cu files.
+      hdrs: public headers.
+      textual_hdrs: headers only the .cu files include.
+      deps: deps of the nvcc-built library.
+      emu_deps: deps of the twin (the twins of `deps`).
+    """
+    cuda_library(
+        name = name,
+        srcs = srcs,
+        hdrs = hdrs,
+        textual_hdrs = textual_hdrs,
+        deps = deps,
+    )
+    cuda_emu_library(
+        name = name + "_emu",
+        srcs = srcs,
+        hdrs = hdrs,
+        textual_hdrs = textual_hdrs,
+        deps = emu_deps,
     )
