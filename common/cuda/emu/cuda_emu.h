@@ -206,25 +206,28 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+namespace specserve {
+namespace cuda_emu {
+template <typename To, typename From>
+To BitCast(From v) {
+  static_assert(sizeof(To) == sizeof(From), "same size");
+  To out;
+  std::memcpy(&out, &v, sizeof(To));
+  return out;
+}
+}  // namespace cuda_emu
+}  // namespace specserve
 inline unsigned __float_as_uint(float x) {
-  unsigned u;
-  std::memcpy(&u, &x, 4);
-  return u;
+  return ::specserve::cuda_emu::BitCast<unsigned>(x);
 }
 inline float __uint_as_float(unsigned u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
+  return ::specserve::cuda_emu::BitCast<float>(u);
 }
 inline int __float_as_int(float x) {
-  int u;
-  std::memcpy(&u, &x, 4);
-  return u;
+  return ::specserve::cuda_emu::BitCast<int>(x);
 }
 inline float __int_as_float(int u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
+  return ::specserve::cuda_emu::BitCast<float>(u);
 }
 
 // ---------------------------------------------------------------------------
