@@ -73,7 +73,7 @@ struct CpCopy {
 };
 
 struct Fiber {
-  void* sp = nullptr;  // saved stack pointer while switched out
+  void* sp = nullptr;     // saved stack pointer while switched out
   char* stack = nullptr;  // kStackBytes above a guard page
   uint3 tid;
   int linear = 0;
@@ -95,7 +95,6 @@ struct Scheduler {
   std::vector<unsigned char> smem;  // + 128 for alignment
   unsigned char* smem_base = nullptr;
   std::vector<unsigned char> slots;  // threads * kSlotBytes
-  std::vector<uint8_t> slot_valid;
   const KernelBody* body = nullptr;
   std::string error;
 #if SPECSERVE_EMU_ASAN
@@ -132,8 +131,8 @@ void ToFiber(Scheduler& s, Fiber& f) {
 void ToScheduler(Scheduler& s, Fiber& f, bool exiting) {
 #if SPECSERVE_EMU_ASAN
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(exiting ? nullptr : &fake,
-                                 s.main_stack_bottom, s.main_stack_size);
+  __sanitizer_start_switch_fiber(exiting ? nullptr : &fake, s.main_stack_bottom,
+                                 s.main_stack_size);
   specserve_emu_switch(&f.sp, s.main_sp);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
@@ -199,17 +198,16 @@ std::string Describe(const Scheduler& s) {
     if (f.wait == Wait::kWarp) {
       ++at_warp;
       if (who.size() < 200) {
-        who += " t" + std::to_string(i) + "(mask " +
-               std::to_string(f.mask) + ")";
+        who +=
+            " t" + std::to_string(i) + "(mask " + std::to_string(f.mask) + ")";
       }
     }
   }
   return "block (" + std::to_string(s.block_idx.x) + "," +
-         std::to_string(s.block_idx.y) + "," +
-         std::to_string(s.block_idx.z) + "): " + std::to_string(at_block) +
-         " threads at __syncthreads, " + std::to_string(at_warp) +
-         " at a warp collective," + who + " " + std::to_string(done) +
-         " exited";
+         std::to_string(s.block_idx.y) + "," + std::to_string(s.block_idx.z) +
+         "): " + std::to_string(at_block) + " threads at __syncthreads, " +
+         std::to_string(at_warp) + " at a warp collective," + who + " " +
+         std::to_string(done) + " exited";
 }
 
 // Releases the lanes of the warp at `base` whose warp collective has every
@@ -317,7 +315,8 @@ bool RunBlock(Scheduler& s) {
   }
 }
 
-// --- Runtime state ------------------------------------------------------------
+// --- Runtime state
+// ------------------------------------------------------------
 
 thread_local cudaError_t t_last_error = cudaSuccess;
 
@@ -342,7 +341,7 @@ struct Runtime {
   size_t total = 0;
   std::map<const void*, size_t> max_dynamic_smem;
   Stream default_stream;
-  std::vector<Stream*> capturing;  // streams now capturing
+  std::vector<Stream*> capturing;    // streams now capturing
   cudaError_t sticky = cudaSuccess;  // a failed kernel, as on a device
 };
 
@@ -350,8 +349,8 @@ Runtime& Rt() {
   static Runtime* r = [] {
     auto* r = new Runtime;
     const char* env = std::getenv("SPECSERVE_CUDA_EMU_MEMORY_BYTES");
-    r->total = env != nullptr ? std::strtoull(env, nullptr, 10)
-                              : (size_t{2} << 30);
+    r->total =
+        env != nullptr ? std::strtoull(env, nullptr, 10) : (size_t{2} << 30);
     return r;
   }();
   return *r;
@@ -396,26 +395,36 @@ bool IsDeviceRange(const void* p, size_t bytes) {
 
 bool IsDevicePointer(const void* p) { return IsDeviceRange(p, 1); }
 
-cudaError_t CheckCopy(void* dst, const void* src, size_t bytes,
-                      cudaMemcpyKind kind) {
-  if (bytes == 0) return cudaSuccess;
+// A copy's device side(s) against the allocations: `dst_bytes` from dst and
+// `src_bytes` from src must each lie inside one allocation where `kind`
+// says that side is on the device.
+cudaError_t CheckCopy(void* dst, size_t dst_bytes, const void* src,
+                      size_t src_bytes, cudaMemcpyKind kind) {
+  if (dst_bytes == 0 && src_bytes == 0) return cudaSuccess;
   const bool dst_dev = kind == cudaMemcpyHostToDevice ||
                        kind == cudaMemcpyDeviceToDevice ||
                        (kind == cudaMemcpyDefault && IsDevicePointer(dst));
   const bool src_dev = kind == cudaMemcpyDeviceToHost ||
                        kind == cudaMemcpyDeviceToDevice ||
                        (kind == cudaMemcpyDefault && IsDevicePointer(src));
-  if (dst_dev && !IsDeviceRange(dst, bytes)) {
-    std::fprintf(stderr, "cuda_emu: copy of %zu bytes to %p leaves device "
-                 "memory\n", bytes, dst);
+  if (dst_dev && !IsDeviceRange(dst, dst_bytes)) {
+    std::fprintf(stderr,
+                 "cuda_emu: copy of %zu bytes to %p leaves device memory\n",
+                 dst_bytes, dst);
     return cudaErrorInvalidValue;
   }
-  if (src_dev && !IsDeviceRange(src, bytes)) {
-    std::fprintf(stderr, "cuda_emu: copy of %zu bytes from %p leaves device "
-                 "memory\n", bytes, src);
+  if (src_dev && !IsDeviceRange(src, src_bytes)) {
+    std::fprintf(stderr,
+                 "cuda_emu: copy of %zu bytes from %p leaves device memory\n",
+                 src_bytes, src);
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;
+}
+
+cudaError_t CheckCopy(void* dst, const void* src, size_t bytes,
+                      cudaMemcpyKind kind) {
+  return CheckCopy(dst, bytes, src, bytes, kind);
 }
 
 void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
@@ -429,8 +438,8 @@ void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
     s.fibers.resize(s.threads);
   }
   s.smem.assign(smem_bytes + 128, 0xff);  // uninitialized, as on a device
-  s.smem_base = s.smem.data() + (128 - reinterpret_cast<uintptr_t>(
-                                           s.smem.data()) % 128) % 128;
+  s.smem_base = s.smem.data() +
+                (128 - reinterpret_cast<uintptr_t>(s.smem.data()) % 128) % 128;
   s.slots.assign(static_cast<size_t>(s.threads) * kSlotBytes, 0);
   s.body = &body;
   s.error.clear();
@@ -454,7 +463,8 @@ void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
 
 }  // namespace
 
-// --- Kernel-side API ------------------------------------------------------------
+// --- Kernel-side API
+// ------------------------------------------------------------
 
 uint3 ThreadIdx() { return Sched().current->tid; }
 uint3 BlockIdx() { return Sched().block_idx; }
@@ -479,8 +489,7 @@ void WarpExchange(const void* mine, void* all, size_t bytes, unsigned mask) {
   for (int l = 0; l < 32; ++l) {
     if (((mask >> l) & 1u) != 0 && base + l < s.threads) {
       std::memcpy(out + l * bytes,
-                  &s.slots[static_cast<size_t>(base + l) * kSlotBytes],
-                  bytes);
+                  &s.slots[static_cast<size_t>(base + l) * kSlotBytes], bytes);
     } else {
       std::memset(out + l * bytes, 0, bytes);
     }
@@ -490,8 +499,8 @@ void WarpExchange(const void* mine, void* all, size_t bytes, unsigned mask) {
 
 void WarpPublish(uint64_t v) {
   Scheduler& s = Sched();
-  std::memcpy(&s.slots[static_cast<size_t>(s.current->linear) * kSlotBytes],
-              &v, sizeof(v));
+  std::memcpy(&s.slots[static_cast<size_t>(s.current->linear) * kSlotBytes], &v,
+              sizeof(v));
 }
 
 uint64_t WarpSlot(int lane) {
@@ -574,7 +583,8 @@ void EnqueueOnStream(cudaStream_t stream, std::function<void()> op) {
 }  // namespace cuda_emu
 }  // namespace specserve
 
-// --- The CUDA runtime API -------------------------------------------------------
+// --- The CUDA runtime API
+// -------------------------------------------------------
 
 using specserve::cuda_emu::CheckCopy;
 using specserve::cuda_emu::CheckNotCapturing;
@@ -597,27 +607,37 @@ cudaError_t cudaPeekAtLastError(void) { return emu::t_last_error; }
 
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration:
       return "cudaErrorInvalidConfiguration";
-    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
     case cudaErrorStreamCaptureUnsupported:
       return "cudaErrorStreamCaptureUnsupported";
     case cudaErrorStreamCaptureInvalidated:
       return "cudaErrorStreamCaptureInvalidated";
-    case cudaErrorIllegalState: return "cudaErrorIllegalState";
-    case cudaErrorNotSupported: return "cudaErrorNotSupported";
-    default: return "cudaErrorUnknown";
+    case cudaErrorIllegalState:
+      return "cudaErrorIllegalState";
+    case cudaErrorNotSupported:
+      return "cudaErrorNotSupported";
+    default:
+      return "cudaErrorUnknown";
   }
 }
 
 const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
     case cudaErrorInvalidConfiguration:
       return "invalid configuration argument";
     case cudaErrorLaunchFailure:
@@ -627,7 +647,8 @@ const char* cudaGetErrorString(cudaError_t e) {
       return "operation not permitted when stream is capturing";
     case cudaErrorStreamCaptureInvalidated:
       return "operation failed due to a previous error during capture";
-    default: return cudaGetErrorName(e);
+    default:
+      return cudaGetErrorName(e);
   }
 }
 
@@ -680,19 +701,32 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr,
                                    int device) {
   if (device != 0) return SetError(cudaErrorInvalidDevice);
   switch (attr) {
-    case cudaDevAttrMultiProcessorCount: *value = emu::kSms; break;
+    case cudaDevAttrMultiProcessorCount:
+      *value = emu::kSms;
+      break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
       *value = static_cast<int>(emu::kMaxSmem);
       break;
     case cudaDevAttrMaxSharedMemoryPerBlock:
       *value = static_cast<int>(emu::kDefaultSmem);
       break;
-    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
-    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
-    case cudaDevAttrWarpSize: *value = 32; break;
-    case cudaDevAttrL2CacheSize: *value = 50 << 20; break;
-    default: return SetError(cudaErrorNotSupported);
+    case cudaDevAttrComputeCapabilityMajor:
+      *value = 9;
+      break;
+    case cudaDevAttrComputeCapabilityMinor:
+      *value = 0;
+      break;
+    case cudaDevAttrMaxThreadsPerBlock:
+      *value = 1024;
+      break;
+    case cudaDevAttrWarpSize:
+      *value = 32;
+      break;
+    case cudaDevAttrL2CacheSize:
+      *value = 50 << 20;
+      break;
+    default:
+      return SetError(cudaErrorNotSupported);
   }
   return cudaSuccess;
 }
@@ -758,15 +792,10 @@ cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src,
   if (Rt().sticky != cudaSuccess) return Rt().sticky;
   if (width > dpitch || width > spitch) return SetError(cudaErrorInvalidValue);
   if (height == 0 || width == 0) return cudaSuccess;
-  const size_t dspan = dpitch * (height - 1) + width;
-  const size_t sspan = spitch * (height - 1) + width;
-  const bool dst_dev =
-      kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
-  const bool src_dev =
-      kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
-  if ((dst_dev && !IsDeviceRange(dst, dspan)) ||
-      (src_dev && !IsDeviceRange(src, sspan))) {
-    return SetError(cudaErrorInvalidValue);
+  if (cudaError_t e = CheckCopy(dst, dpitch * (height - 1) + width, src,
+                                spitch * (height - 1) + width, kind);
+      e != cudaSuccess) {
+    return SetError(e);
   }
   for (size_t r = 0; r < height; ++r) {
     std::memmove(static_cast<char*>(dst) + r * dpitch,
@@ -883,8 +912,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start,
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamBeginCapture(cudaStream_t stream,
-                                   cudaStreamCaptureMode) {
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode) {
   emu::Stream* s = StreamOf(stream);
   if (s == &Rt().default_stream || s->capture != nullptr) {
     return SetError(cudaErrorIllegalState);
@@ -903,9 +931,8 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
   {
     auto& r = Rt();
     std::lock_guard<std::mutex> l(r.mu);
-    r.capturing.erase(
-        std::remove(r.capturing.begin(), r.capturing.end(), s),
-        r.capturing.end());
+    r.capturing.erase(std::remove(r.capturing.begin(), r.capturing.end(), s),
+                      r.capturing.end());
   }
   emu::Graph* g = s->capture;
   s->capture = nullptr;
@@ -920,9 +947,8 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
                                   cudaStreamCaptureStatus* status) {
-  *status = StreamOf(stream)->capture != nullptr
-                ? cudaStreamCaptureStatusActive
-                : cudaStreamCaptureStatusNone;
+  *status = StreamOf(stream)->capture != nullptr ? cudaStreamCaptureStatusActive
+                                                 : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 

@@ -5,8 +5,9 @@
 // is (CI, the build machines). The .cu sources are compiled as host C++
 // with this header force-included (-include, -DSPECSERVE_CUDA_EMU; see
 // emu.bzl) and linked against cuda_emu.cc instead of libcudart. Each CUDA
-// thread of a block runs as a fiber (its own stack) on one OS thread; blocks run
-// one after another. What this checks that a plain host port would not:
+// thread of a block runs as a fiber (its own stack) on one OS thread;
+// blocks run one after another. What this checks that a plain host port
+// would not:
 //   - __syncthreads / __syncwarp / shuffles are real barriers: a thread
 //     only passes once every participant arrived, and a barrier that can
 //     never complete (divergent __syncthreads, a warp collective with an
@@ -173,8 +174,8 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 template <typename T>
 T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   const int lane = ::specserve::cuda_emu::Lane();
-  const int src =
-      (lane % width) < static_cast<int>(delta) ? lane : lane - static_cast<int>(delta);
+  const int d = static_cast<int>(delta);
+  const int src = (lane % width) < d ? lane : lane - d;
   return ::specserve::cuda_emu::ShuffleFrom(mask, v, src);
 }
 
@@ -353,7 +354,8 @@ void MmaM16n8k16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   float A[16][16], B[16][8];
   for (int l = 0; l < 32; ++l) {
     const int g = l >> 2, t = l & 3;
-    for (int r = 0; r < 4; ++r) {  // a[r]: rows g (+8 for r odd), cols +8 for r >= 2
+    // a[r]: row g (+8 for r odd), cols 2t, 2t + 1 (+8 for r >= 2).
+    for (int r = 0; r < 4; ++r) {
       const int row = g + ((r & 1) ? 8 : 0), col = 2 * t + ((r & 2) ? 8 : 0);
       A[row][col] = cuda_emu::Half16ToFloat<T>(all[l].a[r] & 0xffffu);
       A[row][col + 1] = cuda_emu::Half16ToFloat<T>(all[l].a[r] >> 16);
@@ -365,7 +367,8 @@ void MmaM16n8k16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     }
   }
   const int lane = cuda_emu::Lane(), g = lane >> 2, t = lane & 3;
-  for (int i = 0; i < 4; ++i) {  // d[i]: row g (+8 for i >= 2), col 2t + (i & 1)
+  // d[i]: row g (+8 for i >= 2), col 2t + (i & 1).
+  for (int i = 0; i < 4; ++i) {
     const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
     float s = d[i];
     for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];

@@ -124,11 +124,10 @@ TEST(CudaEmuTest, LaunchLimitsAreADevicesLimits) {
   const int big = 64 << 10;
   Launch(FillSharedKernel, dim3(1), dim3(128), big, nullptr)(out, big);
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);  // > 48 KiB
-  ASSERT_EQ(cudaFuncSetAttribute(reinterpret_cast<const void*>(
-                                     &FillSharedKernel),
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 big),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaFuncSetAttribute(reinterpret_cast<const void*>(&FillSharedKernel),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, big),
+      cudaSuccess);
   Launch(FillSharedKernel, dim3(1), dim3(128), big, nullptr)(out, big);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(Download(out, 1)[0], 7);
@@ -165,8 +164,7 @@ __global__ void MmaKernel(const uint16_t* a, const uint16_t* b, float* d,
   cuda_kernels::LdMatrixX4(af, &as[(r + 8 * (m & 1)) * 16 + 8 * (m >> 1)]);
   // B^T tiles via .trans: matrices (k 0-7, n 0-7), (k 8-15, n 0-7),
   // (k 0-7, n 8-15), (k 8-15, n 8-15).
-  cuda_kernels::LdMatrixX4Trans(
-      bf, &bs[(r + 8 * (m & 1)) * 16 + 8 * (m >> 1)]);
+  cuda_kernels::LdMatrixX4Trans(bf, &bs[(r + 8 * (m & 1)) * 16 + 8 * (m >> 1)]);
   const int g = lane >> 2, t = lane & 3;
   for (int nt = 0; nt < 2; ++nt) {
     float acc[4] = {0, 0, 0, 0};
@@ -222,10 +220,8 @@ TEST(CudaEmuTest, LdmatrixAndMmaFollowThePtxFragmentLayouts) {
 __global__ void WmmaKernel(const __nv_bfloat16* a, const __nv_bfloat16* bt,
                            float* d) {
   namespace wmma = nvcuda::wmma;
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>
-      fa;
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>
-      fb;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
   wmma::fill_fragment(acc, 1.0f);
   wmma::load_matrix_sync(fa, a, 16);
@@ -291,7 +287,7 @@ TEST(CudaEmuTest, CpAsyncLandsAtItsWait) {
   uint32_t* zeroed = DeviceAlloc<uint32_t>(32);
   cudaMemcpy(d_src, src.data(), 512, cudaMemcpyHostToDevice);
   Launch(CpAsyncKernel, dim3(1), dim3(32), 0, nullptr)(d_src, before, after,
-                                                        zeroed);
+                                                       zeroed);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   const auto b = Download(before, 32), a = Download(after, 32),
              z = Download(zeroed, 32);
@@ -339,8 +335,7 @@ TEST(CudaEmuTest, GraphsRecordLaunchesAndCopiesAndReplayThem) {
             cudaSuccess);
   void* p = nullptr;
   EXPECT_EQ(cudaMalloc(&p, 64), cudaErrorStreamCaptureUnsupported);
-  EXPECT_EQ(cudaStreamEndCapture(s, &graph),
-            cudaErrorStreamCaptureInvalidated);
+  EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaErrorStreamCaptureInvalidated);
   cudaGetLastError();
   cudaFree(x);
   cudaFree(y);
