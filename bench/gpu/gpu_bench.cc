@@ -5,8 +5,9 @@
 //   .device/gpu/gpu_bench --speculator DIR --target DIR [--json_out F]
 //
 // Everything is measured in the same run, on the same device:
-//  * ceilings: cuBLAS bf16 GEMM peak (8192^3, fp32 accumulation) and the
-//    device-to-device copy bandwidth (bytes read + written);
+//  * ceilings: cuBLAS bf16 GEMM peak (8192^3 unless --peak_gemm_size, fp32
+//    accumulation) and the device-to-device copy bandwidth (bytes read +
+//    written, 4 GiB unless --copy_bytes);
 //  * GEMM MFU: the target's per-layer projections through cuBLAS at M =
 //    prompt length, as a fraction of that peak;
 //  * per prompt length (4K..32K): target prefill of the full prompt with
@@ -73,6 +74,10 @@ ABSL_FLAG(int, reps, 3, "timed repetitions of each prefill (median)");
 ABSL_FLAG(std::string, dtype, "bf16", "weights / KV dtype: bf16 | fp16");
 ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
 ABSL_FLAG(uint64_t, seed, 0, "prompt token seed");
+ABSL_FLAG(int, peak_gemm_size, 8192,
+          "m = n = k of the cuBLAS GEMM that measures the peak");
+ABSL_FLAG(int64_t, copy_bytes, int64_t{4} << 30,
+          "bytes of the device-to-device copy that measures bandwidth");
 
 namespace specserve {
 namespace {
@@ -368,12 +373,19 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "error: cublasCreate failed\n");
     return 1;
   }
-  const double peak = CublasPeakTflops(handle, dt, 8192);
-  const double copy_bw = CopyBandwidthGBps(static_cast<size_t>(4) << 30);
+  const int peak_size = absl::GetFlag(FLAGS_peak_gemm_size);
+  const int64_t copy_bytes = absl::GetFlag(FLAGS_copy_bytes);
+  if (peak_size <= 0 || copy_bytes <= 0) {
+    std::fprintf(stderr,
+                 "error: --peak_gemm_size and --copy_bytes must be > 0\n");
+    return 2;
+  }
+  const double peak = CublasPeakTflops(handle, dt, peak_size);
+  const double copy_bw = CopyBandwidthGBps(static_cast<size_t>(copy_bytes));
   const double nominal_bw = NominalBandwidthGBps();
-  std::printf("cuBLAS %s GEMM 8192^3: %.1f TFLOP/s; D2D copy %.0f GB/s "
+  std::printf("cuBLAS %s GEMM %d^3: %.1f TFLOP/s; D2D copy %.0f GB/s "
               "(nominal %.0f GB/s)\n",
-              CudaDTypeName(dt), peak, copy_bw, nominal_bw);
+              CudaDTypeName(dt), peak_size, peak, copy_bw, nominal_bw);
   top.Num("cublas_peak_tflops", peak);
   top.Num("copy_bandwidth_gbps", copy_bw);
   top.Num("nominal_bandwidth_gbps", nominal_bw);
@@ -415,8 +427,11 @@ int Main(int argc, char** argv) {
                 "cuBLAS peak):\n  M      qkv    o      gate_up down\n",
                 peak);
     for (int M : lens) {
-      const size_t max_in = std::max(c.hidden_size, c.intermediate_size);
-      const size_t max_out = 2 * static_cast<size_t>(c.intermediate_size);
+      size_t max_in = 0, max_out = 0;  // q/k/v/o need not be hidden wide
+      for (const Shape& s : shapes) {
+        max_in = std::max<size_t>(max_in, s.in);
+        max_out = std::max<size_t>(max_out, s.out);
+      }
       absl::StatusOr<DeviceBuffer> x =
           DeviceBuffer::Allocate(static_cast<size_t>(2) * M * max_in);
       absl::StatusOr<DeviceBuffer> y =
@@ -458,10 +473,12 @@ int Main(int argc, char** argv) {
   std::uniform_int_distribution<int> tok(
       0, std::min(target.config.vocab_size, spec.config.vocab_size) - 1);
 
-  // Warm-up: cuBLAS heuristics, kernel loading.
+  // Warm-up: cuBLAS heuristics, kernel loading. No longer than the
+  // longest prompt: the KV pools are sized for that.
   {
-    std::vector<int> ids(512), pos(512);
-    for (int i = 0; i < 512; ++i) ids[i] = tok(rng), pos[i] = i;
+    const int n = std::min(512, max_len);
+    std::vector<int> ids(n), pos(n);
+    for (int i = 0; i < n; ++i) ids[i] = tok(rng), pos[i] = i;
     TimePrefill(target, tcache.get(), ids, pos);
     TimePrefill(spec, scache.get(), ids, pos);
   }

@@ -87,6 +87,14 @@ constexpr Preset kPresets[] = {
     // attention_bias: true (q/k/v and o biases), as some Llama derivatives.
     {"llama-bias-tiny", "llama", 64, 128, 2, 4, 2, 16, 512, 4096, 10000.0,
      1e-5f, true, 1, 2, "", 1, 1, 4, 0, 0.2f, true},
+    // The GPU benchmark's pair (llama-3.2-1b speculator, llama-3.1-8b
+    // target) at test size: their head_dim (64, 128), GQA ratio (4) and
+    // rope_scaling, 2 layers, vocab 512. The emulated gpu_bench smoke test
+    // runs on them.
+    {"llama-3.2-1b-tiny", "llama", 128, 256, 2, 4, 1, 64, 512, 131072,
+     500000.0, 1e-5f, true, 1, 2, "llama3", 32, 1, 4, 8192, 0.2f},
+    {"llama-3.1-8b-tiny", "llama", 128, 256, 2, 4, 1, 128, 512, 131072,
+     500000.0, 1e-5f, false, 1, 2, "llama3", 8, 1, 4, 8192, 0.2f},
 };
 
 constexpr float kInitStd = 0.02f;

@@ -43,7 +43,8 @@ TEST(PresetTest, NamesAndConfigs) {
                           "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b",
                           "llama-3-draft-small", "llama-tiny",
                           "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
-                          "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"));
+                          "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny",
+                          "llama-3.2-1b-tiny", "llama-3.1-8b-tiny"));
   for (const std::string& name : PresetNames()) {
     absl::StatusOr<ModelConfig> c = PresetConfig(name);
     ASSERT_TRUE(c.ok()) << name;
@@ -112,7 +113,8 @@ TEST(PresetTest, ParameterCountsMatchTheRealModels) {
 TEST(SyntheticTest, TinyPresetsLoadWithTheirArchitectureTensors) {
   for (const std::string name :
        {"llama-tiny", "llama3-tiny", "llama-linear-tiny", "qwen2-tiny",
-        "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny"}) {
+        "qwen2-yarn-tiny", "qwen3-tiny", "llama-bias-tiny",
+        "llama-3.2-1b-tiny", "llama-3.1-8b-tiny"}) {
     for (const std::string dtype : {"F32", "BF16"}) {
       SCOPED_TRACE(name + " " + dtype);
       const std::string dir = TmpDir(name + "-" + dtype);

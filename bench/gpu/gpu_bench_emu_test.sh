@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Smoke run of gpu_bench on the emulated device (see BUILD.bazel): tiny
+# checkpoints shaped like the GPU run's pair, small ceilings, one rep. The
+# figures mean nothing here; the test checks that every stage ran and that
+# the JSON holds what bench/results and the README are made from.
+set -euo pipefail
+BENCH="$1"
+MAKE_CKPT="$2"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}"
+
+for preset in llama-3.2-1b-tiny llama-3.1-8b-tiny; do
+  "$MAKE_CKPT" --preset "$preset" --out "$TMP/$preset" --seed 0 --dtype BF16
+done
+"$BENCH" --speculator "$TMP/llama-3.2-1b-tiny" \
+  --target "$TMP/llama-3.1-8b-tiny" --prompt_lens 96,200 --keep 0.1,0.3 \
+  --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1,3 --reps 1 \
+  --peak_gemm_size 64 --copy_bytes 1048576 --json_out "$TMP/gpu_bench.json" |
+  tee "$TMP/gpu_bench.log"
+
+python3 - "$TMP/gpu_bench.json" <<'PY'
+import json, math, sys
+j = json.load(open(sys.argv[1]))
+for key in ("device", "dtype", "command", "cublas_peak_tflops",
+            "copy_bandwidth_gbps", "gemm", "rows"):
+    assert key in j, key
+assert j["dtype"] == "bf16", j["dtype"]
+assert {(g["m"], g["gemm"]) for g in j["gemm"]} == {
+    (m, g) for m in (96, 200) for g in ("qkv", "o", "gate_up", "down")}
+rows = j["rows"]
+assert [(r["prompt_len"], r["keep"]) for r in rows] == [
+    (96, 0.1), (96, 0.3), (200, 0.1), (200, 0.3)], rows
+positive = ("target_full_prefill_s", "target_full_prefill_mma_s",
+            "target_full_prefill_cudnn_s", "target_best_full_prefill_s",
+            "target_kept_prefill_s", "spec_prefill_s", "spec_lookahead_s",
+            "scoring_s", "ttft_s", "target_decode_tok_s",
+            "target_decode_eager_tok_s", "spec_decode_tok_s")
+for r in rows:
+    for k in positive:
+        assert math.isfinite(r[k]) and r[k] > 0, (k, r)
+    # Selection keeps whole chunks of 8 plus the last token; at least the
+    # ratio's share and never the whole prompt.
+    P, kept = r["prompt_len"], r["kept_tokens"]
+    assert math.ceil(r["keep"] * P) <= kept < P, r
+    assert r["attention_path"] in ("auto", "mma", "cudnn"), r
+    assert [v["k"] for v in r["verify"]] == [1, 3], r
+    assert all(v["seconds"] > 0 for v in r["verify"]), r
+    assert abs(r["ttft_s"] - r["scoring_s"] - r["target_kept_prefill_s"]) \
+        < 1e-6 * max(1.0, r["ttft_s"]) + 1e-9, r
+print("gpu_bench_emu_test: %d rows OK" % len(rows))
+PY
