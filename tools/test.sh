@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test: the whole Bazel test suite, then the services' tests and
-# the end-to-end test under AddressSanitizer + UBSan and ThreadSanitizer,
-# then the libFuzzer targets.
+# Runs every test: the whole Bazel test suite, the stack on the emulated
+# CUDA device, then the services' tests and the end-to-end test under
+# AddressSanitizer + UBSan and ThreadSanitizer, then the libFuzzer targets.
 # Tests that compare against npm reference packages (tokenizers, templates,
 # the OpenAI client) find them through SPECSERVE_NODE_MODULES, installed
 # here first.
@@ -45,6 +45,11 @@ done
 echo "layering: //router:router links no engine or model-service code"
 
 step plain //... "$@"
+# The GPU stack benchmark's script with the services on the emulated CUDA
+# device (--config=cuda_emu): the CUDA serving path end to end, no GPU.
+start=$SECONDS
+bash tools/gpu/emu_stack_smoke.sh 2>&1 | tee -a "$LOG"
+STEPS+=("emulated stack: $((SECONDS - start)) s")
 # The services' tests and the end-to-end test under ASan + UBSan and under
 # TSan (.bazelrc; sentencepiece through the built-in tokenizer), plus the
 # safetensors header mutation test and the built-in sentencepiece

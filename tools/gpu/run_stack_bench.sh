@@ -27,7 +27,9 @@
 # STREAM_NEW_TOKENS (default 128), STREAM_REQUESTS (requests per stream,
 # default 2), ANCHOR (auto | off, default auto: the transformers anchor
 # runs when python3 imports torch with a CUDA device), SERVICE_ARGS (more
-# flags for both model services, e.g. --nocuda_graphs to time eager steps).
+# flags for both model services, e.g. --nocuda_graphs to time eager steps),
+# LOGS (folder for the services' logs and prompts; default a fresh temp
+# folder).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STACK=${STACK:-.device/stack}
@@ -60,7 +62,8 @@ if [ -z "${SPECULATOR:-}" ] || [ -z "${TARGET:-}" ]; then
   TARGET=${TARGET:-$SYN/llama-3.1-8b}
 fi
 
-LOGS=$(mktemp -d)
+LOGS=${LOGS:-$(mktemp -d)}
+mkdir -p "$LOGS"
 # start() runs in a command substitution (a subshell), so the PIDs go to
 # files that the EXIT trap reads.
 cleanup() {

@@ -44,7 +44,6 @@ def cuda_emu_library(name, srcs, hdrs = [], textual_hdrs = [], deps = []):
         ccs.append(out)
     native.cc_library(
         name = name,
-        testonly = True,
         srcs = ccs,
         hdrs = hdrs,
         textual_hdrs = textual_hdrs,
