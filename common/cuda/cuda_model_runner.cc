@@ -1233,6 +1233,11 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
       cuda_graphs_ = false;
       return false;
     }
+    // One line per captured graph (at most two per bucket), as vLLM logs
+    // its captures: shows in a service's log which buckets serve from
+    // graphs.
+    std::fprintf(stderr, "cuda graph captured: %d-row bucket, %s\n", b,
+                 sampled ? "sampled" : "greedy");
   }
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream_));
   std::vector<int> argmax(N), samp_out(sampled ? 2 * Nm : 0);

@@ -47,6 +47,12 @@ for s in speculator_service target_service; do
   grep -q "on cuda, sized by --gpu_memory_utilization" "$WORK/logs/$s.log" ||
     fail "$s did not size a CUDA KV pool"
 done
+# Decode steps ran from CUDA graphs, and no capture failed.
+grep -q "cuda graph captured: 1-row bucket, greedy" \
+  "$WORK/logs/target_service.log" || fail "the target captured no graph"
+if grep -q "cuda graphs off" "$WORK"/logs/*_service.log; then
+  fail "a service turned CUDA graphs off"
+fi
 # Every table is there with a number in each cell.
 for L in 100 300; do
   grep -Eq "^\| $L \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$" "$WORK/out.md" ||
