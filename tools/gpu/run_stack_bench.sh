@@ -19,8 +19,8 @@
 # Env: STACK (default .device/stack), DEVICE (cuda | cpu, default cuda),
 # SPECULATOR / TARGET (model directories; default: synthetic
 # llama-3.2-1b -> llama-3.1-8b in BF16, made under $SYN, default
-# /tmp/specserve_synthetic), LENGTHS (default "4096 8192 16384 32768"),
-# REPS (default 3; the median is reported), NEW_TOKENS (default 64),
+# $CKPT_DIR or /tmp/specserve_gpu_ckpt as in run_gpu_bench.sh), LENGTHS
+# (default "4096 8192 16384 32768"), REPS (default 3; the median is reported), NEW_TOKENS (default 64),
 # SPECULATOR_GPU_UTIL / TARGET_GPU_UTIL (--gpu_memory_utilization of each,
 # default 0.15 / 0.75), STREAMS (default "1 16 64 128"; empty skips the
 # concurrency table), STREAM_PROMPT_TOKENS (default 256),
@@ -37,7 +37,9 @@ DEVICE=${DEVICE:-cuda}
 LENGTHS=${LENGTHS:-"4096 8192 16384 32768"}
 REPS=${REPS:-3}
 NEW_TOKENS=${NEW_TOKENS:-64}
-SYN=${SYN:-/tmp/specserve_synthetic}
+# The same folder run_gpu_bench.sh writes them to: a device session makes
+# the 16 GB of checkpoints once.
+SYN=${SYN:-${CKPT_DIR:-/tmp/specserve_gpu_ckpt}}
 export LD_LIBRARY_PATH="$STACK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if [ "$DEVICE" = cuda ]; then
   # shellcheck source=tools/gpu/gpu_env.sh
@@ -53,7 +55,8 @@ for b in router speculator_service target_service client \
 done
 if [ -z "${SPECULATOR:-}" ] || [ -z "${TARGET:-}" ]; then
   for p in llama-3.2-1b llama-3.1-8b; do
-    if [ ! -e "$SYN/$p/model.safetensors" ]; then
+    # config.json is written last: its presence means the write finished.
+    if [ ! -s "$SYN/$p/model.safetensors" ] || [ ! -s "$SYN/$p/config.json" ]; then
       "$STACK/bin/make_synthetic_checkpoint" --preset "$p" --dtype BF16 \
         --out "$SYN/$p"
     fi
