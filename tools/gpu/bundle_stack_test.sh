@@ -31,14 +31,18 @@ OUT=$(env -i PATH=/usr/bin:/bin HOME="$STACK" STACK="$STACK" DEVICE=cpu \
   STREAM_NEW_TOKENS=8 STREAM_REQUESTS=2 ANCHOR=off \
   bash tools/gpu/run_stack_bench.sh)
 echo "$OUT"
-# Two TTFT rows and one decode row, every cell a positive number; then
-# one row per stream count: positive tokens/s, every request served.
+# Two TTFT rows and one decode row, every cell a positive number; the
+# lossless checks; then one row per stream count: positive tokens/s, every
+# request served.
 python3 - "$OUT" <<'PY'
 import sys
 rows = [[c.strip() for c in l.strip().strip("|").split("|")]
         for l in sys.argv[1].splitlines()
         if l.startswith("| ") and l[2].isdigit()]
 assert len(rows) == 5, rows
+# stack_checks.sh ran: three drafting methods x two prefills, then sampling.
+checks = [l for l in sys.argv[1].splitlines() if l.startswith("stack_checks:")]
+assert len(checks) == 7 and checks[-1].endswith("OK"), checks
 for cells in rows[:3]:
     assert all(float(c) > 0 for c in cells), cells
 assert [r[0] for r in rows[3:]] == ["1", "3"], rows

@@ -29,7 +29,8 @@
 # runs when python3 imports torch with a CUDA device), SERVICE_ARGS (more
 # flags for both model services, e.g. --nocuda_graphs to time eager steps),
 # LOGS (folder for the services' logs and prompts; default a fresh temp
-# folder).
+# folder), CHECKS (1, the default: tools/gpu/stack_checks.sh's lossless
+# greedy checks of every drafting method after the decode table; 0 skips).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STACK=${STACK:-.device/stack}
@@ -163,6 +164,12 @@ FIELD=decode
 plain=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --no_spec_decode)
 spec=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --num_draft_tokens 4)
 echo "| $L | $plain | $spec |"
+
+if [ "${CHECKS:-1}" = 1 ]; then
+  echo
+  ROUTER="127.0.0.1:$RPORT" CLIENT="$STACK/bin/client" WORK="$LOGS/checks" \
+    bash tools/gpu/stack_checks.sh
+fi
 
 STREAMS=${STREAMS-"1 16 64 128"}
 if [ -n "$STREAMS" ]; then
