@@ -29,7 +29,7 @@ done
 STACK="$WORK/stack" LOGS="$WORK/logs" DEVICE=cuda \
   SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
   LENGTHS="100 300" REPS=1 NEW_TOKENS=8 SPECULATOR_GPU_UTIL=0.2 \
-  TARGET_GPU_UTIL=0.3 STREAMS="1 4" STREAM_PROMPT_TOKENS=64 \
+  TARGET_GPU_UTIL=0.3 STREAMS="1 40" STREAM_PROMPT_TOKENS=64 \
   STREAM_NEW_TOKENS=16 STREAM_REQUESTS=1 ANCHOR=off \
   tools/gpu/run_stack_bench.sh | tee "$WORK/out.md"
 
@@ -61,4 +61,7 @@ done
 grep -Eq "^\| 100 \| [0-9.]+ \| [0-9.]+ \|$" "$WORK/out.md" ||
   fail "no decode row"
 grep -q "Concurrent streams" "$WORK/out.md" || fail "no streams table"
+# 40 streams decoded together from a graph of their bucket.
+grep -q "cuda graph captured: 40-row bucket, greedy" \
+  "$WORK/logs/target_service.log" || fail "no 40-row graph"
 echo "emu_stack_smoke: OK"
