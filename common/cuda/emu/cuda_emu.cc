@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -95,6 +97,10 @@ struct Scheduler {
   std::vector<unsigned char> smem;  // + 128 for alignment
   unsigned char* smem_base = nullptr;
   std::vector<unsigned char> slots;  // threads * kSlotBytes
+  size_t smem_bytes = 0;
+  // Blocks, warps and the lanes of a warp run last to first: see
+  // LaunchOrderReversed.
+  bool reverse = false;
   const KernelBody* body = nullptr;
   std::string error;
 #if SPECSERVE_EMU_ASAN
@@ -259,7 +265,8 @@ int ReleaseWarp(Scheduler& s, int base) {
 // Runs the current block to completion; false (s.error set) on a kernel
 // error or a barrier that can never complete. Warp by warp: a warp's lanes
 // run until each waits (or exits), its warp collectives are released and
-// it runs on, until it reaches __syncthreads or ends; then the next warp.
+// it runs on, until it reaches __syncthreads or ends; then the next warp
+// (warps and lanes last to first when s.reverse).
 bool RunBlock(Scheduler& s) {
   for (int i = 0; i < s.threads; ++i) {
     Fiber& f = s.fibers[i];
@@ -283,11 +290,14 @@ bool RunBlock(Scheduler& s) {
     f.open.clear();
     f.groups.clear();
   }
+  const int warps = (s.threads + 31) / 32;
   while (true) {
-    for (int base = 0; base < s.threads; base += 32) {
+    for (int w = 0; w < warps; ++w) {
+      const int base = 32 * (s.reverse ? warps - 1 - w : w);
       const int end = std::min(base + 32, s.threads);
       while (true) {
-        for (int i = base; i < end; ++i) {
+        for (int k = 0; k < end - base; ++k) {
+          const int i = s.reverse ? end - 1 - k : base + k;
           if (s.fibers[i].wait == Wait::kRunnable) ToFiber(s, s.fibers[i]);
           if (!s.error.empty()) return false;
         }
@@ -427,6 +437,30 @@ cudaError_t CheckCopy(void* dst, const void* src, size_t bytes,
   return CheckCopy(dst, bytes, src, bytes, kind);
 }
 
+// Whether this launch runs its blocks, the warps of a block and the lanes
+// of a warp last to first. A device promises no order among them, so a
+// kernel that reads what another thread wrote without a barrier between
+// them (a race) gets the stale value in one of the two orders. By
+// SPECSERVE_CUDA_EMU_ORDER: "forward", "reverse", or "alternate" (the
+// default: launches alternate, so each kernel of a test runs both ways).
+bool LaunchOrderReversed() {
+  static const int mode = [] {
+    const char* env = std::getenv("SPECSERVE_CUDA_EMU_ORDER");
+    const std::string m = env == nullptr ? "alternate" : env;
+    if (m == "forward") return 0;
+    if (m == "reverse") return 1;
+    if (m != "alternate") {
+      std::fprintf(stderr,
+                   "cuda_emu: SPECSERVE_CUDA_EMU_ORDER=%s is not forward, "
+                   "reverse or alternate; alternating\n",
+                   m.c_str());
+    }
+    return 2;
+  }();
+  static uint64_t launches = 0;  // under LaunchMutex
+  return mode == 2 ? (launches++ & 1) != 0 : mode == 1;
+}
+
 void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
              const KernelBody& body) {
   std::lock_guard<std::mutex> l(LaunchMutex());
@@ -437,25 +471,29 @@ void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
   if (s.fibers.size() < static_cast<size_t>(s.threads)) {
     s.fibers.resize(s.threads);
   }
-  s.smem.assign(smem_bytes + 128, 0xff);  // uninitialized, as on a device
+  s.smem.resize(smem_bytes + 128);
+  s.smem_bytes = smem_bytes;
   s.smem_base = s.smem.data() +
                 (128 - reinterpret_cast<uintptr_t>(s.smem.data()) % 128) % 128;
   s.slots.assign(static_cast<size_t>(s.threads) * kSlotBytes, 0);
   s.body = &body;
   s.error.clear();
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
-        s.block_idx = make_uint3(x, y, z);
-        if (!RunBlock(s)) {
-          std::fprintf(stderr, "cuda_emu: kernel %p failed: %s\n", fn,
-                       s.error.c_str());
-          SetError(cudaErrorLaunchFailure);
-          Rt().sticky = cudaErrorLaunchFailure;
-          s.current = nullptr;
-          return;
-        }
-      }
+  s.reverse = LaunchOrderReversed();
+  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
+  for (uint64_t n = 0; n < blocks; ++n) {
+    const uint64_t b = s.reverse ? blocks - 1 - n : n;
+    s.block_idx = make_uint3(b % grid.x, (b / grid.x) % grid.y,
+                             b / (uint64_t{grid.x} * grid.y));
+    // Each block's dynamic shared memory starts uninitialized (0xff bytes:
+    // NaN as floats), not holding the last block's values.
+    std::memset(s.smem_base, 0xff, s.smem_bytes);
+    if (!RunBlock(s)) {
+      std::fprintf(stderr, "cuda_emu: kernel %p failed: %s\n", fn,
+                   s.error.c_str());
+      SetError(cudaErrorLaunchFailure);
+      Rt().sticky = cudaErrorLaunchFailure;
+      s.current = nullptr;
+      return;
     }
   }
   s.current = nullptr;

@@ -5,7 +5,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -117,6 +119,62 @@ __global__ void FillSharedKernel(unsigned char* out, int bytes) {
   for (int i = threadIdx.x; i < bytes; i += blockDim.x) smem[i] = 7;
   __syncthreads();
   if (threadIdx.x == 0) out[0] = smem[bytes - 1];
+}
+
+// A race: each thread writes its slot of dynamic shared memory, then,
+// with no __syncthreads between, reads its neighbours' (the next lane's and
+// the next warp's). What it reads depends on who ran first; the first
+// word of each block reports what the block found there before writing.
+__global__ void RacyNeighbourKernel(int* out) {
+  int* smem = reinterpret_cast<int*>(cuda_emu::DynamicShared());
+  const int t = threadIdx.x, n = blockDim.x;
+  const int before = smem[t];
+  smem[t] = t;
+  out[blockIdx.x * 3 * n + 3 * t] = smem[(t + 1) % n];
+  out[blockIdx.x * 3 * n + 3 * t + 1] = smem[(t + 32) % n];
+  out[blockIdx.x * 3 * n + 3 * t + 2] = before;
+}
+
+// Launches alternate between running blocks, warps and lanes first to last
+// and last to first, so a race reads the stale value in one of two
+// consecutive launches; each block's dynamic shared memory starts as 0xff
+// bytes, not as the last block's.
+TEST(CudaEmuTest, RacesShowUnderOneOfTwoOrdersAndSharedMemoryStartsPoisoned) {
+  if (const char* o = std::getenv("SPECSERVE_CUDA_EMU_ORDER");
+      o != nullptr && std::string(o) != "alternate") {
+    GTEST_SKIP() << "SPECSERVE_CUDA_EMU_ORDER=" << o;
+  }
+  const int n = 64, blocks = 2;
+  int* out = DeviceAlloc<int>(blocks * 3 * n);
+  std::vector<std::vector<int>> runs;
+  for (int launch = 0; launch < 2; ++launch) {
+    Launch(RacyNeighbourKernel, dim3(blocks), dim3(n), n * sizeof(int),
+           nullptr)(out);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    runs.push_back(Download(out, blocks * 3 * n));
+  }
+  int stale_next[2] = {0, 0}, stale_warp[2] = {0, 0};
+  for (int r = 0; r < 2; ++r) {
+    for (int b = 0; b < blocks; ++b) {
+      for (int t = 0; t < n; ++t) {
+        const int* o = &runs[r][(b * n + t) * 3];
+        EXPECT_EQ(o[2], -1) << "block " << b << " thread " << t;
+        // Either the neighbour's value or the poison: nothing else.
+        EXPECT_TRUE(o[0] == (t + 1) % n || o[0] == -1) << o[0];
+        EXPECT_TRUE(o[1] == (t + 32) % n || o[1] == -1) << o[1];
+        stale_next[r] += o[0] == -1;
+        stale_warp[r] += o[1] == -1;
+      }
+    }
+  }
+  // Each order leaves some reads stale, and the two orders leave different
+  // ones stale.
+  EXPECT_GT(stale_next[0], 0);
+  EXPECT_GT(stale_next[1], 0);
+  EXPECT_GT(stale_warp[0], 0);
+  EXPECT_GT(stale_warp[1], 0);
+  EXPECT_NE(runs[0], runs[1]);
+  cudaFree(out);
 }
 
 TEST(CudaEmuTest, LaunchLimitsAreADevicesLimits) {
