@@ -26,13 +26,7 @@ for t in "${BINS[@]}"; do
   cp "$BIN_DIR/${p%%:*}/${p##*:}" "$WORK/stack/bin/"
 done
 
-STACK="$WORK/stack" LOGS="$WORK/logs" DEVICE=cuda \
-  SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
-  LENGTHS="100 300" REPS=1 NEW_TOKENS=8 SPECULATOR_GPU_UTIL=0.2 \
-  TARGET_GPU_UTIL=0.3 STREAMS="1 40" STREAM_PROMPT_TOKENS=64 \
-  STREAM_NEW_TOKENS=16 STREAM_REQUESTS=1 ANCHOR=off \
-  tools/gpu/run_stack_bench.sh | tee "$WORK/out.md"
-
+# On a failure: why, then the end of each service's log.
 fail() {
   echo "emu_stack_smoke: $*" >&2
   for f in "$WORK"/logs/*.log; do
@@ -41,6 +35,14 @@ fail() {
   done
   exit 1
 }
+if ! STACK="$WORK/stack" LOGS="$WORK/logs" DEVICE=cuda \
+  SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
+  LENGTHS="100 300" REPS=1 NEW_TOKENS=8 SPECULATOR_GPU_UTIL=0.2 \
+  TARGET_GPU_UTIL=0.3 STREAMS="1 40" STREAM_PROMPT_TOKENS=64 \
+  STREAM_NEW_TOKENS=16 STREAM_REQUESTS=1 ANCHOR=off \
+  tools/gpu/run_stack_bench.sh | tee "$WORK/out.md"; then
+  fail "run_stack_bench.sh failed"
+fi
 # Both model services ran on the (emulated) CUDA device, pool sized from
 # --gpu_memory_utilization.
 for s in speculator_service target_service; do

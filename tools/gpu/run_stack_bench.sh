@@ -20,7 +20,8 @@
 # SPECULATOR / TARGET (model directories; default: synthetic
 # llama-3.2-1b -> llama-3.1-8b in BF16, made under $SYN, default
 # $CKPT_DIR or /tmp/specserve_gpu_ckpt as in run_gpu_bench.sh), LENGTHS
-# (default "4096 8192 16384 32768"), REPS (default 3; the median is reported), NEW_TOKENS (default 64),
+# (default "4096 8192 16384 32768"), REPS (default 3; the median is
+# reported), NEW_TOKENS (default 64),
 # SPECULATOR_GPU_UTIL / TARGET_GPU_UTIL (--gpu_memory_utilization of each,
 # default 0.15 / 0.75), STREAMS (default "1 16 64 128"; empty skips the
 # concurrency table), STREAM_PROMPT_TOKENS (default 256),
