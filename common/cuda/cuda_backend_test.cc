@@ -1211,7 +1211,7 @@ constexpr double kRoundingTieRel = 1e-6;
 // rounding (kRoundingTieRel) are free: inputs can tie structurally (a
 // prompt shorter than the pooling window gives its middle tokens exactly
 // 1 / pool_kernel_size each, whatever the logits). Of the other near-ties,
-// no more than a fifth of the kept chunks may differ.
+// no more than a fifth of the kept chunks (at least one) may differ.
 void ExpectSelectionsAgree(const std::vector<float>& got,
                            const std::vector<float>& want, float keep,
                            int chunk, double tie_rel) {
@@ -1240,7 +1240,9 @@ void ExpectSelectionsAgree(const std::vector<float>& got,
         << ", threshold " << threshold << ") kept by one side only";
     if (gap > kRoundingTieRel * threshold) ++near_ties;
   }
-  EXPECT_LE(near_ties * 5, static_cast<int>(wk.size()))
+  // One near-tie swap is always possible (CI met one with 2 chunks kept:
+  // a fifth of 2 would allow none).
+  EXPECT_LE(near_ties, std::max(1, static_cast<int>(wk.size()) / 5))
       << near_ties << " chunks that are not rounding ties kept by one side "
       << "only (" << differing << " in all) of " << wk.size() << " kept";
   if (differing == 0) {

@@ -5,7 +5,9 @@
 
 #include "common/cuda/emu/cuda_emu.h"
 
+#include <signal.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -102,6 +104,7 @@ struct Scheduler {
   // LaunchOrderReversed.
   bool reverse = false;
   const KernelBody* body = nullptr;
+  const void* fn = nullptr;  // the kernel running now, for fault reports
   std::string error;
 #if SPECSERVE_EMU_ASAN
   const void* main_stack_bottom = nullptr;
@@ -344,9 +347,24 @@ struct Stream {
   bool invalidated = false;
 };
 
+// One cudaMalloc: its own mapping, the span placed at the mapping's end
+// against a PROT_NONE guard page, so a kernel reading or writing past the
+// 256-byte-rounded end faults at once (an illegal address on a device,
+// reported by OnSegv) instead of touching a neighbour; the rounding slack
+// between `bytes` and the guard keeps its 0xff fill unless something writes
+// past the end (CheckSlack).
+struct Allocation {
+  size_t bytes = 0;      // asked for
+  size_t rounded = 0;    // bytes rounded up to 256 (at least 256)
+  void* map = nullptr;   // the mapping: data pages, then the guard page
+  size_t map_bytes = 0;
+};
+
+constexpr size_t kPageBytes = 4096;
+
 struct Runtime {
   std::mutex mu;
-  std::map<uintptr_t, size_t> allocations;  // start -> bytes
+  std::map<uintptr_t, Allocation> allocations;  // by start
   size_t allocated = 0;
   size_t total = 0;
   std::map<const void*, size_t> max_dynamic_smem;
@@ -400,7 +418,72 @@ bool IsDeviceRange(const void* p, size_t bytes) {
   auto it = r.allocations.upper_bound(a);
   if (it == r.allocations.begin()) return false;
   --it;
-  return a >= it->first && a + bytes <= it->first + it->second;
+  return a >= it->first && a + bytes <= it->first + it->second.bytes;
+}
+
+// The first allocation whose rounding slack no longer holds its 0xff fill:
+// something wrote past its end. Empty when none.
+std::string CheckSlack() {
+  Runtime& r = Rt();
+  std::lock_guard<std::mutex> l(r.mu);
+  for (const auto& [start, a] : r.allocations) {
+    const auto* p = reinterpret_cast<const unsigned char*>(start);
+    for (size_t i = a.bytes; i < a.rounded; ++i) {
+      if (p[i] != 0xff) {
+        return "a write " + std::to_string(i - a.bytes) +
+               " bytes past the end of a " + std::to_string(a.bytes) +
+               "-byte allocation";
+      }
+    }
+  }
+  return "";
+}
+
+// SIGSEGV on an allocation's guard page: says which allocation and, inside
+// a launch, which kernel, block and thread; then the previous handler (or
+// the default crash) takes the fault. Not async-signal-safe in general; it
+// runs only on the way to a crash.
+struct sigaction g_previous_segv;
+
+void OnSegv(int sig, siginfo_t* info, void* context) {
+  const auto at = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (const auto& [start, a] : Rt().allocations) {  // no lock: crashing
+    const uintptr_t guard =
+        reinterpret_cast<uintptr_t>(a.map) + a.map_bytes - kPageBytes;
+    if (at < guard || at >= guard + kPageBytes) continue;
+    char msg[320];
+    const Scheduler& s = Sched();
+    int n = std::snprintf(msg, sizeof(msg),
+                          "cuda_emu: illegal address: byte %zu of a "
+                          "%zu-byte device allocation (past its end)",
+                          static_cast<size_t>(at - start), a.bytes);
+    if (s.current != nullptr && n > 0 && n < static_cast<int>(sizeof(msg))) {
+      n += std::snprintf(msg + n, sizeof(msg) - n,
+                         " in kernel %p, block (%u,%u,%u), thread %d", s.fn,
+                         s.block_idx.x, s.block_idx.y, s.block_idx.z,
+                         s.current->linear);
+    }
+    if (n > 0 && n < static_cast<int>(sizeof(msg)) - 1) msg[n++] = '\n';
+    if (n > 0) (void)!write(2, msg, std::min<size_t>(n, sizeof(msg)));
+    break;
+  }
+  // Returning re-runs the access under the previous handler.
+  sigaction(SIGSEGV, &g_previous_segv, nullptr);
+  (void)sig;
+  (void)context;
+}
+
+void InstallSegvReport() {
+  static const bool installed = [] {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = &OnSegv;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_previous_segv);
+    return true;
+  }();
+  (void)installed;
 }
 
 bool IsDevicePointer(const void* p) { return IsDeviceRange(p, 1); }
@@ -477,6 +560,7 @@ void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
                 (128 - reinterpret_cast<uintptr_t>(s.smem.data()) % 128) % 128;
   s.slots.assign(static_cast<size_t>(s.threads) * kSlotBytes, 0);
   s.body = &body;
+  s.fn = fn;
   s.error.clear();
   s.reverse = LaunchOrderReversed();
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
@@ -497,6 +581,12 @@ void RunGrid(const void* fn, dim3 grid, dim3 block, size_t smem_bytes,
     }
   }
   s.current = nullptr;
+  if (const std::string slack = CheckSlack(); !slack.empty()) {
+    std::fprintf(stderr, "cuda_emu: kernel %p: illegal address: %s\n", fn,
+                 slack.c_str());
+    SetError(cudaErrorIllegalAddress);
+    Rt().sticky = cudaErrorIllegalAddress;
+  }
 }
 
 }  // namespace
@@ -655,6 +745,8 @@ const char* cudaGetErrorName(cudaError_t e) {
       return "cudaErrorInvalidConfiguration";
     case cudaErrorLaunchFailure:
       return "cudaErrorLaunchFailure";
+    case cudaErrorIllegalAddress:
+      return "cudaErrorIllegalAddress";
     case cudaErrorStreamCaptureUnsupported:
       return "cudaErrorStreamCaptureUnsupported";
     case cudaErrorStreamCaptureInvalidated:
@@ -680,6 +772,9 @@ const char* cudaGetErrorString(cudaError_t e) {
       return "invalid configuration argument";
     case cudaErrorLaunchFailure:
       return "unspecified launch failure (emulated kernel failed; see "
+             "stderr)";
+    case cudaErrorIllegalAddress:
+      return "an illegal memory access was encountered (emulated; see "
              "stderr)";
     case cudaErrorStreamCaptureUnsupported:
       return "operation not permitted when stream is capturing";
@@ -789,11 +884,27 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
     }
     r.allocated += rounded;
   }
-  void* mem = std::aligned_alloc(256, rounded);
-  if (mem == nullptr) return SetError(cudaErrorMemoryAllocation);
+  emu::InstallSegvReport();
+  emu::Allocation a;
+  a.bytes = bytes;
+  a.rounded = rounded;
+  const size_t data = (rounded + emu::kPageBytes - 1) / emu::kPageBytes *
+                      emu::kPageBytes;
+  a.map_bytes = data + emu::kPageBytes;
+  a.map = mmap(nullptr, a.map_bytes, PROT_READ | PROT_WRITE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (a.map == MAP_FAILED) {
+    std::lock_guard<std::mutex> l(r.mu);
+    r.allocated -= rounded;
+    return SetError(cudaErrorMemoryAllocation);
+  }
+  char* base = static_cast<char*>(a.map);
+  mprotect(base + data, emu::kPageBytes, PROT_NONE);
+  // 256-byte aligned: data is whole pages and rounded a multiple of 256.
+  char* mem = base + data - rounded;
   std::memset(mem, 0xff, rounded);  // NaN as fp32: a read before a write shows
   std::lock_guard<std::mutex> l(r.mu);
-  r.allocations[reinterpret_cast<uintptr_t>(mem)] = bytes;
+  r.allocations[reinterpret_cast<uintptr_t>(mem)] = a;
   *p = mem;
   return cudaSuccess;
 }
@@ -801,14 +912,18 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
   auto& r = Rt();
+  void* map = nullptr;
+  size_t map_bytes = 0;
   {
     std::lock_guard<std::mutex> l(r.mu);
     auto it = r.allocations.find(reinterpret_cast<uintptr_t>(p));
     if (it == r.allocations.end()) return SetError(cudaErrorInvalidValue);
-    r.allocated -= std::max<size_t>((it->second + 255) / 256 * 256, 256);
+    r.allocated -= it->second.rounded;
+    map = it->second.map;
+    map_bytes = it->second.map_bytes;
     r.allocations.erase(it);
   }
-  std::free(p);
+  munmap(map, map_bytes);
   return cudaSuccess;
 }
 

@@ -177,6 +177,45 @@ TEST(CudaEmuTest, RacesShowUnderOneOfTwoOrdersAndSharedMemoryStartsPoisoned) {
   cudaFree(out);
 }
 
+// Writes x[i] = i for i < n: n past the allocation's end is a bug.
+__global__ void WriteIndicesKernel(int* x, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = i;
+}
+
+// Reads x[at] into out[0].
+__global__ void ReadAtKernel(const int* x, long long at, int* out) {
+  if (threadIdx.x == 0) out[0] = x[at];
+}
+
+// An allocation ends at a guard page (its size rounded up to 256 bytes):
+// a kernel that writes into the rounding slack fails the launch with
+// cudaErrorIllegalAddress, as a device would for an illegal address, and
+// one that reaches past the slack dies naming the allocation and the
+// kernel's block and thread.
+TEST(CudaEmuTest, AccessesPastAnAllocationAreIllegalAddresses) {
+  int* x = DeviceAlloc<int>(10);  // 40 bytes: 216 bytes of slack
+  Launch(WriteIndicesKernel, dim3(1), dim3(32), 0, nullptr)(x, 10);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  Launch(WriteIndicesKernel, dim3(1), dim3(32), 0, nullptr)(x, 11);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorIllegalAddress);  // sticky
+  ASSERT_EQ(cudaDeviceReset(), cudaSuccess);
+  cudaFree(x);
+
+  int* y = DeviceAlloc<int>(64);  // 256 bytes: no slack
+  int* out = DeviceAlloc<int>(1);
+  Launch(ReadAtKernel, dim3(1), dim3(32), 0, nullptr)(y, 63, out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_DEATH(
+      {
+        Launch(ReadAtKernel, dim3(1), dim3(32), 0, nullptr)(y, 64, out);
+      },
+      "illegal address: byte 256 of a 256-byte device allocation \\(past "
+      "its end\\) in kernel .*, block \\(0,0,0\\), thread 0");
+  cudaFree(y);
+  cudaFree(out);
+}
+
 TEST(CudaEmuTest, LaunchLimitsAreADevicesLimits) {
   unsigned char* out = DeviceAlloc<unsigned char>(1);
   const int big = 64 << 10;
