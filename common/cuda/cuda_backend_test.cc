@@ -2674,7 +2674,8 @@ TEST_P(ModelTest, TreeAttentionMatchesCpu) {
 // GPU's own plain greedy decoding. The device holds bf16 weights only, and
 // a tree row's logits come from other kernels than a decode row's (last-bit
 // differences), so the two may part only where plain greedy's top two
-// logits were within 2e-2 of each other.
+// logits were within 2e-2 of each other; and tree rounds do accept paths
+// of two tokens or more.
 TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
   Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
   ASSERT_NE(e.gpu, nullptr);
@@ -2721,16 +2722,21 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
   std::vector<int> got;
   int deep = 0;
   while (!(*session)->finished()) {
-    const int n = Uniform(0, 16);
+    // The first round's first two nodes are plain greedy's first two
+    // tokens, a chain: it accepts both unless the tree rows part from plain
+    // greedy at once (a near tie), so `deep` does not depend on luck.
+    const bool first = got.empty();
+    const int n = std::max(first ? 2 : 0, Uniform(0, 16));
     std::vector<DraftToken> drafts(n);
     std::vector<int> parents(n), depth(n);
     std::vector<bool> truth(n);
     for (int i = 0; i < n; ++i) {
-      parents[i] = Uniform(0, i) - 1;
+      parents[i] = first && i < 2 ? i - 1 : Uniform(0, i) - 1;
       depth[i] = parents[i] < 0 ? 0 : depth[parents[i]] + 1;
       const size_t at = got.size() + depth[i];
       const bool parent_true = parents[i] < 0 || truth[parents[i]];
-      drafts[i].id = parent_true && at < want.size() && Uniform(0, 1) == 1
+      drafts[i].id = parent_true && at < want.size() &&
+                             ((first && i < 2) || Uniform(0, 1) == 1)
                          ? want[at]
                          : Uniform(0, vocab - 1);
       truth[i] = parent_true && at < want.size() && drafts[i].id == want[at];
@@ -2747,7 +2753,11 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
     EXPECT_LT(margin[same], 2e-2f)
         << "tree rounds part from plain greedy at token " << same;
   }
-  EXPECT_GT(deep, 0);
+  // Parted at token 0 or 1 (a tie; seen once in ten seeded runs), the
+  // drafts built from plain greedy no longer match what the session emits.
+  if (same >= 2) {
+    EXPECT_GT(deep, 0);
+  }
 }
 
 // The graphs' workspace (host arithmetic, no GPU): at least its two big
