@@ -422,14 +422,16 @@ bool IsDeviceRange(const void* p, size_t bytes) {
 }
 
 // The first allocation whose rounding slack no longer holds its 0xff fill:
-// something wrote past its end. Empty when none.
+// something wrote past its end. Empty when none. The slack is refilled, so
+// each such write is reported once.
 std::string CheckSlack() {
   Runtime& r = Rt();
   std::lock_guard<std::mutex> l(r.mu);
   for (const auto& [start, a] : r.allocations) {
-    const auto* p = reinterpret_cast<const unsigned char*>(start);
+    auto* p = reinterpret_cast<unsigned char*>(start);
     for (size_t i = a.bytes; i < a.rounded; ++i) {
       if (p[i] != 0xff) {
+        std::memset(p + a.bytes, 0xff, a.rounded - a.bytes);
         return "a write " + std::to_string(i - a.bytes) +
                " bytes past the end of a " + std::to_string(a.bytes) +
                "-byte allocation";

@@ -200,6 +200,9 @@ TEST(CudaEmuTest, AccessesPastAnAllocationAreIllegalAddresses) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorIllegalAddress);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorIllegalAddress);  // sticky
   ASSERT_EQ(cudaDeviceReset(), cudaSuccess);
+  // Reported once: the next good launch succeeds.
+  Launch(WriteIndicesKernel, dim3(1), dim3(32), 0, nullptr)(x, 10);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   cudaFree(x);
 
   int* y = DeviceAlloc<int>(64);  // 256 bytes: no slack
