@@ -36,9 +36,10 @@ if [ "$size_kib" -gt $((48 * 1024)) ]; then
   echo "bundle is ${size_kib} KiB, over 48 MiB" >&2
   exit 1
 fi
-# Every cc_test of common/cuda is in the bundle's list, but the *_emu_test
+# Every cc_test of common/cuda (plain, or the GPU side of a
+# cuda_test_with_emu_twin) is in the bundle's list, but the *_emu_test
 # twins (the emulated device, for machines without a GPU).
-sed -n 's/^ *name = "\(.*\)",$/\1/p' <(awk '/^cc_test\(/ {t = 1} t && /name =/ {print; t = 0}' \
+sed -n 's/^ *name = "\(.*\)",$/\1/p' <(awk '/^(cc_test|cuda_test_with_emu_twin)\(/ {t = 1} t && /name =/ {print; t = 0}' \
   common/cuda/BUILD.bazel) | grep -v '_emu_test$' | sort > "$GPU/want.txt"
 sort "$GPU/tests.txt" > "$GPU/have.txt"
 if ! diff "$GPU/want.txt" "$GPU/have.txt"; then

@@ -76,3 +76,44 @@ def cuda_library_with_emu_twin(name, srcs, hdrs = [], textual_hdrs = [], deps = 
         textual_hdrs = textual_hdrs,
         deps = emu_deps,
     )
+
+def cuda_test_with_emu_twin(name, srcs, deps, device_deps, emu_deps, size, emu_size, emu_args = [], data = []):
+    """A GPU cc_test `name` and its twin on the emulated device, same sources.
+
+    `name` is one self-contained binary (linkstatic) that
+    tools/gpu/bundle_gpu_tests.sh bundles for the GPU machine; its GPU cases
+    skip without one. The twin, `name` with `_test` replaced by `_emu_test`,
+    runs them on //common/cuda/emu (in CI) and is not bundled.
+
+    Args:
+      name: the GPU test's name, ending in _test.
+      srcs: the test sources.
+      deps: deps both share.
+      device_deps: the nvcc-built libraries and //third_party:cuda.
+      emu_deps: their emulated twins.
+      size: the GPU test's size.
+      emu_size: the twin's size (emulated kernels run on the host).
+      emu_args: the twin's args, e.g. a --gtest_filter leaving out timing
+        reports and cases too slow to emulate.
+      data: runfiles both read.
+    """
+    if not name.endswith("_test"):
+        fail("cuda_test_with_emu_twin %s: the name must end in _test" % name)
+    native.cc_test(
+        name = name,
+        size = size,
+        linkstatic = True,
+        srcs = srcs,
+        copts = CUDA_HOST_COPTS,
+        data = data,
+        deps = deps + device_deps,
+    )
+    native.cc_test(
+        name = name[:-len("_test")] + "_emu_test",
+        size = emu_size,
+        srcs = srcs,
+        args = emu_args,
+        copts = CUDA_HOST_COPTS,
+        data = data,
+        deps = deps + emu_deps,
+    )
