@@ -13,12 +13,6 @@
 
 #include "common/cuda/emu/cuda_emu.h"
 
-namespace specserve {
-namespace cuda_emu {
-void EnqueueOnStream(cudaStream_t stream, std::function<void()> op);
-}  // namespace cuda_emu
-}  // namespace specserve
-
 namespace {
 
 struct Handle {

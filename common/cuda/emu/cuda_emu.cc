@@ -627,22 +627,6 @@ void WarpExchange(const void* mine, void* all, size_t bytes, unsigned mask) {
   SyncWarp(mask);  // nobody overwrites a slot before every lane read it
 }
 
-void WarpPublish(uint64_t v) {
-  Scheduler& s = Sched();
-  std::memcpy(&s.slots[static_cast<size_t>(s.current->linear) * kSlotBytes], &v,
-              sizeof(v));
-}
-
-uint64_t WarpSlot(int lane) {
-  Scheduler& s = Sched();
-  const int i = (s.current->linear & ~31) + lane;
-  uint64_t v = 0;
-  if (i < s.threads) {
-    std::memcpy(&v, &s.slots[static_cast<size_t>(i) * kSlotBytes], sizeof(v));
-  }
-  return v;
-}
-
 void KernelError(const char* what) {
   Scheduler& s = Sched();
   if (s.error.empty()) {
@@ -704,8 +688,6 @@ void Submit(cudaStream_t stream, const void* fn, dim3 grid, dim3 block,
   });
 }
 
-/// Runs `op` on `stream` (now, or into the graph it captures). For the
-/// emulated cuBLAS.
 void EnqueueOnStream(cudaStream_t stream, std::function<void()> op) {
   Enqueue(stream, std::move(op));
 }
@@ -929,17 +911,6 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
-                       cudaMemcpyKind kind) {
-  if (cudaError_t e = CheckNotCapturing(); e != cudaSuccess) return e;
-  if (Rt().sticky != cudaSuccess) return Rt().sticky;
-  if (cudaError_t e = CheckCopy(dst, src, bytes, kind); e != cudaSuccess) {
-    return SetError(e);
-  }
-  if (bytes > 0) std::memmove(dst, src, bytes);
-  return cudaSuccess;
-}
-
 cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src,
                          size_t spitch, size_t width, size_t height,
                          cudaMemcpyKind kind) {
@@ -959,21 +930,18 @@ cudaError_t cudaMemcpy2D(void* dst, size_t dpitch, const void* src,
   return cudaSuccess;
 }
 
+// One row of cudaMemcpy2D.
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes,
+                       cudaMemcpyKind kind) {
+  return cudaMemcpy2D(dst, bytes, src, bytes, bytes, 1, kind);
+}
+
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes,
                             cudaMemcpyKind kind, cudaStream_t stream) {
   if (cudaError_t e = CheckCopy(dst, src, bytes, kind); e != cudaSuccess) {
     return SetError(e);
   }
   if (bytes > 0) Enqueue(stream, [=] { std::memmove(dst, src, bytes); });
-  return cudaSuccess;
-}
-
-cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
-  if (cudaError_t e = CheckNotCapturing(); e != cudaSuccess) return e;
-  if (bytes > 0 && !IsDeviceRange(dst, bytes)) {
-    return SetError(cudaErrorInvalidValue);
-  }
-  if (bytes > 0) std::memset(dst, value, bytes);
   return cudaSuccess;
 }
 
@@ -984,6 +952,12 @@ cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes,
   }
   if (bytes > 0) Enqueue(stream, [=] { std::memset(dst, value, bytes); });
   return cudaSuccess;
+}
+
+// On the default stream, which never captures: it runs now.
+cudaError_t cudaMemset(void* dst, int value, size_t bytes) {
+  if (cudaError_t e = CheckNotCapturing(); e != cudaSuccess) return e;
+  return cudaMemsetAsync(dst, value, bytes, nullptr);
 }
 
 cudaError_t cudaDeviceSynchronize(void) {

@@ -21,8 +21,14 @@
 //     cudaMemcpy, and the API calls CUDA forbids during stream capture;
 //   - CUDA graphs record launches and copies with their arguments, and
 //     replay them.
-// What it does not check: timing, memory-model races between threads that
-// the barriers do not order (a fiber runs until its next barrier), and
+//   - launches alternate between running blocks, warps and lanes first to
+//     last and last to first, and each block's dynamic shared memory
+//     starts as 0xff bytes, so a read no barrier orders after another
+//     thread's write sees the stale value in one of two launches;
+//   - each allocation ends at a guard page: an access past it is an
+//     illegal address, as on a device.
+// What it does not check: timing, races between interleaved instructions
+// of threads that run at once (a fiber runs until its next barrier), and
 // floating-point results bit for bit (host libm, fp32 tensor-core sums in
 // a different order).
 
@@ -104,30 +110,23 @@ Launcher<P...> Launch(void (*fn)(P...), dim3 grid, dim3 block, size_t smem,
   return Launcher<P...>{fn, grid, block, smem, stream};
 }
 
-inline int Lane() { return LinearThreadIdx() & 31; }
+/// Runs `op` on `stream`: now, or into the graph the stream captures (the
+/// emulated cuBLAS's GEMMs).
+void EnqueueOnStream(cudaStream_t stream, std::function<void()> op);
 
-/// Shuffle support: this lane's exchange slot gets `v` (8 bytes).
-void WarpPublish(uint64_t v);
-/// Lane `lane`'s slot in this warp (after a SyncWarp).
-uint64_t WarpSlot(int lane);
+inline int Lane() { return LinearThreadIdx() & 31; }
 
 // A shuffle: the value of lane `src` (every lane of `mask` takes part).
 template <typename T>
 T ShuffleFrom(unsigned mask, T v, int src) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
                 "shuffles move 4- or 8-byte values");
-  uint64_t mine = 0;
-  std::memcpy(&mine, &v, sizeof(T));
-  WarpPublish(mine);
-  SyncWarp(mask);
   if (((mask >> src) & 1u) == 0) {
     KernelError("shuffle reads a lane outside its mask");
   }
-  const uint64_t theirs = WarpSlot(src);
-  SyncWarp(mask);  // nobody overwrites a slot before every lane read it
-  T out;
-  std::memcpy(&out, &theirs, sizeof(T));
-  return out;
+  T all[32];
+  WarpExchange(&v, all, sizeof(T), mask);
+  return all[src];
 }
 
 }  // namespace cuda_emu
