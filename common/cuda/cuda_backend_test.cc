@@ -37,6 +37,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -1478,6 +1479,14 @@ int Argmax(const float* x, int n) {
   return static_cast<int>(std::max_element(x, x + n) - x);
 }
 
+// The largest and second-largest of row[0, n), n >= 2.
+std::pair<float, float> TopTwo(const float* row, int n) {
+  std::vector<float> sorted(row, row + n);
+  std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
+                    std::greater<float>());
+  return {sorted[0], sorted[1]};
+}
+
 // Compares the logits rows of a CPU and a GPU forward: relative error of the
 // whole batch under `tol` (the check a wrong kernel fails, with errors of
 // order 1), and the same top-1 token in every row whose CPU margin (top-1
@@ -1502,13 +1511,11 @@ void ExpectLogitsMatch(const ForwardOutput& cpu, const ForwardOutput& gpu,
     mean /= vocab;
     for (int j = 0; j < vocab; ++j) sq += (c[j] - mean) * (c[j] - mean);
     const double sd = std::sqrt(sq / vocab);
-    std::vector<float> sorted(c, c + vocab);
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
-                      std::greater<float>());
-    if (sorted[0] - sorted[1] <= 10 * tol * sd) continue;
+    const auto [top, second] = TopTwo(c, vocab);
+    if (top - second <= 10 * tol * sd) continue;
     EXPECT_EQ(Argmax(gpu.logits_row(r, vocab), vocab), Argmax(c, vocab))
-        << "row " << cpu.logit_rows[r] << " (CPU margin "
-        << sorted[0] - sorted[1] << ", logit sd " << sd << ")";
+        << "row " << cpu.logit_rows[r] << " (CPU margin " << top - second
+        << ", logit sd " << sd << ")";
   }
 }
 
@@ -1770,14 +1777,12 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
   int clear = 0;
   for (int r = 0; r < n; ++r) {
     const float* row = out[1].logits_row(r, vocab);
-    std::vector<float> sorted(row, row + vocab);
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
-                      std::greater<float>());
-    if (sorted[0] - sorted[1] > 1e-3f) {
+    const auto [top, second] = TopTwo(row, vocab);
+    if (top - second > 1e-3f) {
       EXPECT_EQ(out[0].argmax[r], Argmax(row, vocab)) << "row " << r;
       ++clear;
     }
-    EXPECT_GE(row[out[0].argmax[r]], sorted[0] - 1e-3f) << "row " << r;
+    EXPECT_GE(row[out[0].argmax[r]], top - 1e-3f) << "row " << r;
     const float* alone = full.logits_row(r, vocab);
     EXPECT_GE(alone[out[0].argmax[r]],
               *std::max_element(alone, alone + vocab) - 0.05f)
@@ -2036,16 +2041,14 @@ void CheckGraphReplay(const std::string& model, bool sampled,
         }
         ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
         const float* row = eo[i].logits_row(r, vocab);
-        std::vector<float> sorted(row, row + vocab);
-        std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
-                          std::greater<float>());
+        const auto [top, second] = TopTwo(row, vocab);
         const int got = go[i].argmax[r];
         if (got == Argmax(row, vocab)) {
           ++exact;
         } else {
-          EXPECT_LT(sorted[0] - sorted[1], 2e-2f) << i << "/" << r;
+          EXPECT_LT(top - second, 2e-2f) << i << "/" << r;
         }
-        EXPECT_GE(row[got], sorted[0] - 2e-2f) << i << "/" << r;
+        EXPECT_GE(row[got], top - 2e-2f) << i << "/" << r;
       }
       len[i] += rows;
     }
@@ -2688,10 +2691,8 @@ TEST_P(ModelTest, GreedyTreeRoundsEqualPlainGreedy) {
   std::vector<int> want;
   std::vector<float> margin;
   auto top2_margin = [vocab](const float* row) {
-    std::vector<float> sorted(row, row + vocab);
-    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(),
-                      std::greater<float>());
-    return sorted[0] - sorted[1];
+    const auto [top, second] = TopTwo(row, vocab);
+    return top - second;
   };
   {
     std::unique_ptr<KvSequence> kv = NewSeq(*e.gpu, c.max_position_embeddings);
