@@ -819,6 +819,17 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   }
   absl::Status s = w->WriteBytes(header->data(), header->size());
   if (!s.ok()) return s;
+  // WriteAt bypasses the FILE buffer: the header must be in the file first.
+  if (std::fflush(w->file_) != 0) {
+    return absl::InternalError(
+        absl::StrCat(path, ": write failed: ", std::strerror(errno)));
+  }
+  uint64_t offset = header->size();
+  for (const TensorSpec& spec : w->specs_) {
+    w->offsets_.push_back(offset);
+    offset += static_cast<uint64_t>(NumElements(spec.shape)) *
+              DTypeSize(spec.dtype);
+  }
   return w;
 }
 
@@ -838,6 +849,10 @@ absl::Status SafetensorsWriter::Append(absl::Span<const float> values) {
   if (file_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(path_, ": Append after Finish"));
+  }
+  if (written_at_.load() > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": Append after WriteAt"));
   }
   constexpr size_t kChunk = 1 << 16;
   while (true) {
@@ -873,14 +888,70 @@ absl::Status SafetensorsWriter::Append(absl::Span<const float> values) {
   }
 }
 
+absl::Status SafetensorsWriter::WriteAt(size_t tensor, int64_t first,
+                                        absl::Span<const float> values) {
+  if (file_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": WriteAt after Finish"));
+  }
+  if (current_ != 0 || written_in_current_ != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path_, ": WriteAt after Append"));
+  }
+  if (tensor >= specs_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path_, ": tensor index ", tensor, " of ", specs_.size()));
+  }
+  const TensorSpec& spec = specs_[tensor];
+  const int64_t n = NumElements(spec.shape);
+  const int64_t count = static_cast<int64_t>(values.size());
+  if (first < 0 || count > n || first > n - count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": elements [", first, ", ", first + count,
+                     ") outside tensor '", spec.name, "' of ", n));
+  }
+  const size_t width = DTypeSize(spec.dtype);
+  std::vector<uint8_t> bytes;
+  const void* data = values.data();
+  if (spec.dtype != DType::kF32) {
+    bytes.resize(values.size() * width);
+    EncodeValues(values.data(), values.size(), spec.dtype, bytes.data());
+    data = bytes.data();
+  }
+  const size_t size = values.size() * width;
+  const uint64_t at = offsets_[tensor] + static_cast<uint64_t>(first) * width;
+  const int fd = fileno(file_);
+  for (size_t done = 0; done < size;) {
+    const ssize_t k = pwrite(fd, static_cast<const char*>(data) + done,
+                             size - done, static_cast<off_t>(at + done));
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      return absl::InternalError(
+          absl::StrCat(path_, ": write failed: ", std::strerror(errno)));
+    }
+    done += static_cast<size_t>(k);
+  }
+  written_at_.fetch_add(count);
+  return absl::OkStatus();
+}
+
 absl::Status SafetensorsWriter::Finish() {
   if (file_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(path_, ": Finish called twice"));
   }
-  absl::Status s = Append({});  // skips trailing empty tensors
-  if (!s.ok()) return s;
-  if (current_ != specs_.size()) {
+  if (const int64_t at = written_at_.load(); at > 0) {
+    int64_t total = 0;
+    for (const TensorSpec& spec : specs_) total += NumElements(spec.shape);
+    if (at != total) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path_, ": WriteAt wrote ", at, " of ", total, " elements"));
+    }
+  } else {
+    absl::Status s = Append({});  // skips trailing empty tensors
+    if (!s.ok()) return s;
+  }
+  if (written_at_.load() == 0 && current_ != specs_.size()) {
     return absl::FailedPreconditionError(
         absl::StrCat(path_, ": tensor '", specs_[current_].name, "' got ",
                      written_in_current_, " of ",

@@ -7,6 +7,7 @@
 // "__metadata__": {string: string}}, then the raw little-endian data buffer
 // (offsets are relative to its start).
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -282,8 +283,10 @@ absl::StatusOr<std::string> BuildSafetensorsHeader(
 
 /// Streams a safetensors file to disk without holding all values in memory
 /// (the synthetic-checkpoint writer produces GBs): the header is written on
-/// Create, then Append supplies fp32 values that fill the tensors in `specs`
-/// order, converted to each tensor's dtype.
+/// Create, then either Append supplies fp32 values that fill the tensors in
+/// `specs` order, or WriteAt puts ranges of them at their place in the file
+/// from any number of threads at once; each converted to its tensor's
+/// dtype. One file takes one of the two ways.
 class SafetensorsWriter {
  public:
   /// Creates/truncates `path` and writes the header (errors as
@@ -296,10 +299,19 @@ class SafetensorsWriter {
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
 
   /// Appends values; they may span tensor boundaries. FAILED_PRECONDITION if
-  /// more values arrive than the tensors hold.
+  /// more values arrive than the tensors hold, or after WriteAt.
   absl::Status Append(absl::Span<const float> values);
-  /// Flushes and closes. FAILED_PRECONDITION if tensors are not complete;
-  /// INTERNAL on I/O failure.
+  /// Writes `values` as elements [first, first + values.size()) of tensor
+  /// `tensor` (an index into `specs`) at their byte offset in the file
+  /// (pwrite(2)). Thread-safe for disjoint ranges, in any order; the ranges
+  /// of all calls must not overlap (Finish checks only their total).
+  /// INVALID_ARGUMENT for a tensor index or range outside `specs`;
+  /// FAILED_PRECONDITION after Append or Finish; INTERNAL on I/O failure.
+  absl::Status WriteAt(size_t tensor, int64_t first,
+                       absl::Span<const float> values);
+  /// Flushes and closes. FAILED_PRECONDITION if tensors are not complete
+  /// (for WriteAt: fewer elements written than the tensors hold); INTERNAL
+  /// on I/O failure.
   absl::Status Finish();
 
  private:
@@ -312,6 +324,9 @@ class SafetensorsWriter {
   size_t current_ = 0;              // index into specs_
   int64_t written_in_current_ = 0;  // elements of specs_[current_] written
   std::vector<uint8_t> scratch_;
+  // WriteAt: each tensor's first byte in the file, and elements written.
+  std::vector<uint64_t> offsets_;
+  std::atomic<int64_t> written_at_{0};
 };
 
 /// Serialises `tensors` to safetensors bytes in memory (errors as

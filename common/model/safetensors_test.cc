@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -11,7 +12,9 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <iterator>
 #include <string>
+#include <thread>  // NOLINT: WriteAt from several threads
 #include <vector>
 
 #include "absl/status/status.h"
@@ -518,6 +521,93 @@ TEST(SafetensorsWriterTest, ChunkedAppendsMatchOneShot) {
   for (size_t i = 0; i < b.size(); ++i) {
     ASSERT_EQ(rb[i], HalfToFloat(FloatToHalf(b[i])));
   }
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// WriteAt from several threads, chunks out of order, gives the bytes of one
+// in-order Append.
+TEST(SafetensorsWriterTest, WriteAtFromThreadsMatchesAppend) {
+  const std::string dir = TmpDir("at");
+  std::vector<TensorSpec> specs = {{"a", {10, 100}, DType::kBF16},
+                                   {"z", {0}, DType::kF32},
+                                   {"b", {333}, DType::kF16},
+                                   {"c", {257}, DType::kF32}};
+  std::vector<float> all(1000 + 333 + 257);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = std::sin(0.37f * i) * 3;
+  absl::StatusOr<std::unique_ptr<SafetensorsWriter>> w =
+      SafetensorsWriter::Create(dir + "/append.st", specs, {{"k", "v"}});
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Append(all).ok());
+  ASSERT_TRUE((*w)->Finish().ok());
+
+  w = SafetensorsWriter::Create(dir + "/at.st", specs, {{"k", "v"}});
+  ASSERT_TRUE(w.ok());
+  // (tensor, first element, count, offset into `all`), in reverse order.
+  struct Range {
+    size_t tensor;
+    int64_t first, count;
+    size_t at;
+  };
+  std::vector<Range> ranges;
+  const int64_t sizes[] = {1000, 0, 333, 257};
+  size_t at = 0;
+  for (size_t t = 0; t < 4; ++t) {
+    for (int64_t f = 0; f < sizes[t]; f += 61) {
+      ranges.push_back({t, f, std::min<int64_t>(61, sizes[t] - f), at + f});
+    }
+    at += sizes[t];
+  }
+  std::reverse(ranges.begin(), ranges.end());
+  std::atomic<size_t> next{0};
+  std::atomic<bool> ok{true};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < ranges.size();) {
+      const Range& r = ranges[i];
+      if (!(*w)->WriteAt(r.tensor, r.first,
+                         absl::MakeConstSpan(all.data() + r.at, r.count))
+               .ok()) {
+        ok = false;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int i = 0; i < 4; ++i) pool.emplace_back(work);
+  for (std::thread& t : pool) t.join();
+  ASSERT_TRUE(ok);
+  ASSERT_TRUE((*w)->Finish().ok());
+  EXPECT_EQ(ReadBytes(dir + "/at.st"), ReadBytes(dir + "/append.st"));
+}
+
+TEST(SafetensorsWriterTest, WriteAtRejectsBadRanges) {
+  const std::string dir = TmpDir("atbad");
+  absl::StatusOr<std::unique_ptr<SafetensorsWriter>> w =
+      SafetensorsWriter::Create(dir + "/f.st", {{"a", {2}}, {"b", {3}}}, {});
+  ASSERT_TRUE(w.ok());
+  const float v[4] = {1, 2, 3, 4};
+  absl::Status s = (*w)->WriteAt(2, 0, absl::MakeConstSpan(v, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(s), HasSubstr("tensor index 2 of 2"));
+  s = (*w)->WriteAt(1, 1, absl::MakeConstSpan(v, 3));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(s), HasSubstr("[1, 4) outside tensor 'b' of 3"));
+  EXPECT_EQ((*w)->WriteAt(0, -1, absl::MakeConstSpan(v, 1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*w)->WriteAt(1, 0, absl::MakeConstSpan(v, 3)).ok());
+  EXPECT_EQ((*w)->Append(absl::MakeConstSpan(v, 1)).code(),
+            absl::StatusCode::kFailedPrecondition);
+  s = (*w)->Finish();  // tensor a never written
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(Message(s), HasSubstr("wrote 3 of 5 elements"));
+
+  w = SafetensorsWriter::Create(dir + "/g.st", {{"a", {2}}}, {});
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Append(absl::MakeConstSpan(v, 1)).ok());
+  EXPECT_EQ((*w)->WriteAt(0, 1, absl::MakeConstSpan(v, 1)).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -10,10 +11,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>  // NOLINT: a pool of plain workers
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 
 namespace specserve {
@@ -247,27 +250,54 @@ absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
       SafetensorsWriter::Create(tmp_path, specs, metadata);
   if (!w.ok()) return w.status();
 
-  constexpr size_t kChunk = size_t{1} << 18;  // 1 MiB of fp32
-  std::vector<float> buf(kChunk);
+  // Counter-based streams make every chunk independent of the others: the
+  // chunks are drawn and written by all cores at once (pwrite at their
+  // offsets), and the bytes are the same whatever the thread count.
+  constexpr uint64_t kChunk = uint64_t{1} << 20;  // elements
+  struct Chunk {
+    size_t tensor;
+    uint64_t first, count;
+  };
+  std::vector<Chunk> chunks;
   for (size_t t = 0; t < tensors.size(); ++t) {
-    const uint64_t key = Mix64(seed ^ Mix64(t + 1));
     uint64_t n = 1;
     for (int64_t d : tensors[t].spec.shape) n *= static_cast<uint64_t>(d);
-    for (uint64_t done = 0; done < n;) {
-      const size_t m =
-          static_cast<size_t>(std::min<uint64_t>(kChunk, n - done));
-      if (tensors[t].std == 0.0f) {
-        std::fill(buf.begin(), buf.begin() + m, tensors[t].mean);
-      } else {
-        FillNormal(key, done, tensors[t].std, buf.data(), m);
-        for (size_t i = 0; i < m; ++i) buf[i] += tensors[t].mean;
-      }
-      if ((s = (*w)->Append(absl::MakeConstSpan(buf.data(), m))); !s.ok()) {
-        return s;
-      }
-      done += m;
+    for (uint64_t first = 0; first < n; first += kChunk) {
+      chunks.push_back({t, first, std::min(kChunk, n - first)});
     }
   }
+  std::atomic<size_t> next{0};
+  absl::Mutex mu;
+  absl::Status first_error;
+  auto work = [&] {
+    std::vector<float> buf(kChunk);
+    for (size_t i; (i = next.fetch_add(1)) < chunks.size();) {
+      const Chunk& c = chunks[i];
+      const SyntheticTensor& t = tensors[c.tensor];
+      const size_t m = static_cast<size_t>(c.count);
+      if (t.std == 0.0f) {
+        std::fill(buf.begin(), buf.begin() + m, t.mean);
+      } else {
+        FillNormal(Mix64(seed ^ Mix64(c.tensor + 1)), c.first, t.std,
+                   buf.data(), m);
+        for (size_t j = 0; j < m; ++j) buf[j] += t.mean;
+      }
+      absl::Status st = (*w)->WriteAt(c.tensor, static_cast<int64_t>(c.first),
+                                      absl::MakeConstSpan(buf.data(), m));
+      if (!st.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) first_error = st;
+        next.store(chunks.size());  // stop every worker
+      }
+    }
+  };
+  const size_t threads = std::clamp<size_t>(
+      std::thread::hardware_concurrency(), 1, std::max<size_t>(1, chunks.size()));
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (!first_error.ok()) return first_error;
   if ((s = (*w)->Finish()); !s.ok()) return s;
   if (std::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
     return absl::InternalError(absl::StrCat(
