@@ -10,7 +10,8 @@
 #
 # Stages let the work fit the device tool's 10-minute command limit while
 # the machine stays warm between calls (checkpoints stay in $CKPT_DIR):
-#   checkpoints  ~3-4 min (8B: 16 GB of BF16 written by one thread)
+#   checkpoints  8B: 16 GB of BF16 drawn and written by every core (52 s on
+#                the 2-core build machine; 1B: 5 s)
 #   engine       gpu_bench (loads both models, ~1 min, then the runs)
 #   torch        torch_bench.py on the target
 # With the device tool, e.g.:

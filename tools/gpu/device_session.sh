@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# A whole device session in one call: the GPU tests of the work that has not
+# run on a GPU yet, the engine benchmark, the stack benchmark through the
+# router and, if time is left, the rest of the CUDA suite and the PyTorch
+# anchor, in that order of value, inside a time budget. A device session is
+# about 15 minutes of device time, start-up included, and one command may
+# run 10: so everything goes in one call, each phase runs under its own
+# deadline, and every phase writes its log to the results folder as it goes
+# (the device tool returns what is there even when the call times out).
+#
+#   tools/gpu/bundle_device.sh                 # on the build machine
+#   run(command="tools/gpu/device_session.sh", carry=[".device/session"],
+#       timeout_s=600)
+#
+# Phases (each one starts only if the time it needs is left):
+#   tests        the GPU tests of bench/results/GPU_PENDING.md's table
+#                (GPU_FILTER), while the synthetic 1B / 8B checkpoints are
+#                written on the CPU side
+#   engine       bench/gpu/gpu_bench (run_gpu_bench.sh engine): prefill
+#                with each attention path, scoring, kept prefills, decode
+#                eager and from graphs, verify
+#   stack        run_stack_bench.sh, shortened (STACK_LENGTHS, REPS=1):
+#                TTFT through the router, decode, the lossless checks, 1 /
+#                16 / 64 / 128 HTTP streams and the transformers anchor
+#   suite        every CUDA test program, unfiltered
+#   torch        bench/gpu/torch_bench.py, PyTorch's full prefill and decode
+# Then summary.md: each phase's status and seconds, and the tables.
+#
+# Env: BUDGET_S (default 560: seconds for the whole call, start to end),
+# PHASES (default "tests engine stack suite torch"), GPU_FILTER,
+# STACK_LENGTHS (default "4096 32768"), STACK_ATTENTION (the stack's
+# --prefill_attention; default: the engine benchmark's pick), SPECULATOR /
+# TARGET (the stack's models: no checkpoints are written), SESSION (the carried folder,
+# default .device/session), RESULTS (default $OUT, else
+# bench/results/session), DEVICE_SESSION_DRY=1 (check the bundle and print
+# the plan; run nothing: the CI check). Exit status: 0 when every phase
+# that ran passed, 1 otherwise, 3 if the bundle is missing or incomplete.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 3
+T0=$SECONDS
+BUDGET_S=${BUDGET_S:-560}
+PHASES=${PHASES:-"tests engine stack suite torch"}
+SESSION=${SESSION:-.device/session}
+RESULTS=${RESULTS:-${OUT:-bench/results/session}}
+GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:ModelRunnerFactoryTest.*'}
+STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
+export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
+DRY=${DEVICE_SESSION_DRY:-0}
+mkdir -p "$RESULTS"
+SUMMARY="$RESULTS/summary.md"
+
+# The bundle: bundle_device.sh packs the test / bench bundle and the stack
+# bundle into one xz tarball (the two side by side pass the carry limit).
+ALL="$SESSION/all"
+if [ ! -x "$ALL/bin/gpu_bench" ]; then
+  if [ ! -s "$SESSION/bundle.tar.xz" ]; then
+    echo "device_session: $SESSION/bundle.tar.xz not found: run" \
+         "tools/gpu/bundle_device.sh and carry $SESSION" >&2
+    exit 3
+  fi
+  mkdir -p "$ALL"
+  tar -xJf "$SESSION/bundle.tar.xz" -C "$ALL" || exit 3
+fi
+for b in gpu_bench make_synthetic_checkpoint router speculator_service \
+         target_service client; do
+  if [ ! -x "$ALL/bin/$b" ]; then
+    echo "device_session: $ALL/bin/$b missing" >&2
+    exit 3
+  fi
+done
+while read -r t; do
+  [ -x "$ALL/bin/$t" ] || { echo "device_session: test $t missing" >&2; exit 3; }
+done < "$ALL/tests.txt"
+export BUNDLE="$ALL" STACK="$ALL"
+
+# A dry run pretends each phase takes all its time (DRY_SPENT), so the
+# plan it prints shows which phases a real session would reach.
+DRY_SPENT=0
+left() { echo $((BUDGET_S - (SECONDS - T0) - DRY_SPENT)); }
+
+# phase NAME NEED_S CAP_S CMD...: runs CMD (a shell string) in its own
+# process group, its output to $RESULTS/NAME.log, for at most min(CAP_S,
+# time left - 10 s); skipped when less than NEED_S is left. The whole group
+# is stopped at the deadline, so a benchmark's services cannot outlive it.
+declare -a ROWS=()
+FAILED=0
+phase() {
+  local name=$1 need=$2 cap=$3 cmd=$4 budget rc start pg
+  budget=$(( $(left) - 10 ))
+  (( budget > cap )) && budget=$cap
+  if (( budget < need )); then
+    echo "device_session: $name skipped: ${budget} s left, needs $need" >&2
+    ROWS+=("| $name | skipped (time) | 0 |")
+    return 0
+  fi
+  if [ "$DRY" = 1 ]; then
+    echo "device_session: would run $name (up to ${budget} s): $cmd"
+    ROWS+=("| $name | dry run | $budget |")
+    DRY_SPENT=$((DRY_SPENT + budget))
+    return 0
+  fi
+  echo "device_session: $name (up to ${budget} s)" >&2
+  start=$SECONDS
+  setsid bash -c "$cmd" > "$RESULTS/$name.log" 2>&1 < /dev/null &
+  pg=$!
+  RUNNING=$pg
+  while kill -0 "$pg" 2>/dev/null && (( SECONDS - start < budget )); do
+    sleep 1
+  done
+  if kill -0 "$pg" 2>/dev/null; then
+    kill -TERM -- "-$pg" 2>/dev/null
+    sleep 5
+    kill -KILL -- "-$pg" 2>/dev/null
+    wait "$pg" 2>/dev/null
+    rc=timeout
+  else
+    wait "$pg"
+    rc=$?
+  fi
+  RUNNING=
+  [ "$rc" = 0 ] || FAILED=1
+  ROWS+=("| $name | $([ "$rc" = 0 ] && echo passed || echo "failed ($rc)") | $((SECONDS - start)) |")
+  echo "device_session: $name: exit $rc after $((SECONDS - start)) s" >&2
+}
+# A stop of the whole call (the device tool's limit) stops every phase.
+RUNNING=
+CK_PID=
+trap 'for g in $RUNNING $CK_PID; do kill -KILL -- "-$g" 2>/dev/null; done' EXIT
+trap 'exit 143' TERM INT
+
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
+  --format=csv > "$RESULTS/gpu_info.txt" 2>&1 || true
+
+# The checkpoints (CPU, disk) are written while the tests use the GPU,
+# unless the stack is given its models (SPECULATOR / TARGET).
+if [ "$DRY" != 1 ] && [ -z "${TARGET:-}" ] &&
+   { has engine || has stack || has torch; }; then
+  setsid bash -c "tools/gpu/run_gpu_bench.sh checkpoints" \
+    > "$RESULTS/checkpoints.log" 2>&1 < /dev/null &
+  CK_PID=$!
+fi
+has tests && phase tests 30 180 \
+  "tools/gpu/run_gpu_tests.sh --gtest_filter='$GPU_FILTER'"
+if [ -n "$CK_PID" ]; then
+  ck_start=$SECONDS
+  while kill -0 "$CK_PID" 2>/dev/null && (( $(left) > 60 )); do sleep 1; done
+  if kill -0 "$CK_PID" 2>/dev/null; then
+    kill -KILL -- "-$CK_PID" 2>/dev/null
+    CK_PID=
+    ROWS+=("| checkpoints | failed (time) | $((SECONDS - ck_start)) |")
+    FAILED=1
+  elif wait "$CK_PID"; then
+    CK_PID=
+    ROWS+=("| checkpoints | passed | waited $((SECONDS - ck_start)) |")
+  else
+    CK_PID=
+    ROWS+=("| checkpoints | failed | waited $((SECONDS - ck_start)) |")
+    FAILED=1
+  fi
+fi
+has engine && phase engine 90 240 \
+  "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh engine"
+# The stack runs long prefills on the attention path the engine benchmark
+# found fastest among those whose logits agree with the default's
+# (gpu_bench: "prefill attention for the rest of the N row: PATH", the
+# longest prompt's line), unless STACK_ATTENTION names one.
+path=${STACK_ATTENTION:-}
+if [ -z "$path" ] && [ -s "$RESULTS/engine.log" ]; then
+  path=$(sed -n 's/^prefill attention for the rest of the [0-9]* row: \([a-z]*\)$/\1/p' \
+    "$RESULTS/engine.log" | tail -1)
+fi
+path=${path:-auto}
+echo "device_session: the stack's prefill attention: $path" >&2
+has stack && phase stack 120 330 \
+  "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='--prefill_attention=$path' tools/gpu/run_stack_bench.sh"
+has suite && phase suite 60 300 "tools/gpu/run_gpu_tests.sh"
+has torch && phase torch 60 240 \
+  "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh torch"
+
+{
+  echo "# Device session, $(date -u +%Y-%m-%dT%H:%MZ), $(($SECONDS - T0)) s"
+  echo
+  echo "GPU: $(tail -n +2 "$RESULTS/gpu_info.txt" 2>/dev/null | head -1)"
+  echo
+  echo "Stack prefill attention: $path (from the engine benchmark unless set)"
+  echo
+  echo "| phase | status | s |"
+  echo "|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+  for f in tests suite; do
+    [ -s "$RESULTS/$f.log" ] || continue
+    echo
+    echo "## $f: failed tests"
+    echo
+    grep -E '^\[  FAILED  \]|exited [0-9]' "$RESULTS/$f.log" | sort -u ||
+      echo "none listed (a timed-out phase lists none: see $f.log)"
+  done
+  [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }
+} > "$SUMMARY"
+cat "$SUMMARY"
+exit "$FAILED"

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Checks tools/gpu/bundle_device.sh and device_session.sh without a GPU:
+# packs the Bazel-built test, bench and stack programs into the one tarball
+# a device session carries, checks it leaves room under the device tool's
+# 64 MiB, then runs device_session.sh from the tarball alone in an empty
+# environment: first a dry run (it unpacks, finds every program, and plans
+# the phases inside the budget), then the tests and stack phases for real
+# on the CPU with the bundled models: the GPU tests skip, the stack's
+# tables come back, and summary.md reports both.
+set -euo pipefail
+ROOT="$PWD"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}"
+SESSION="$TMP/session"
+BINARIES_FROM="$ROOT" bash tools/gpu/bundle_device.sh "$SESSION"
+# With the ~11 MiB of tracked files, what travels must stay under 64 MiB.
+size_kib=$(du -sk "$SESSION/bundle.tar.xz" | cut -f1)
+if [ "$size_kib" -gt $((40 * 1024)) ]; then
+  echo "bundle.tar.xz is ${size_kib} KiB, over 40 MiB" >&2
+  exit 1
+fi
+
+run_env=(env -i PATH=/usr/bin:/bin HOME="$TMP" SESSION="$SESSION")
+"${run_env[@]}" RESULTS="$TMP/dry" DEVICE_SESSION_DRY=1 \
+  bash tools/gpu/device_session.sh > "$TMP/dry.log" 2>&1 ||
+  { cat "$TMP/dry.log"; exit 1; }
+cat "$TMP/dry.log"
+# The tarball unpacked to every program, the test list included.
+for b in gpu_bench make_synthetic_checkpoint router speculator_service \
+         target_service client cuda_backend_test; do
+  test -x "$SESSION/all/bin/$b"
+done
+grep -q "^cuda_backend_test$" "$SESSION/all/tests.txt"
+# The plan reaches the three phases the open issues need.
+for p in tests engine stack; do
+  grep -q "would run $p (up to [0-9]* s)" "$TMP/dry.log" ||
+    { echo "the dry run plans no $p phase" >&2; exit 1; }
+done
+
+# For real, on the CPU: the stack on the bundled pair, no checkpoints.
+set +e
+"${run_env[@]}" RESULTS="$TMP/real" PHASES="tests stack" ALLOW_NO_GPU=1 \
+  DEVICE=cpu SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
+  STACK_LENGTHS="96 200" NEW_TOKENS=8 STREAMS="1 2" STREAM_PROMPT_TOKENS=32 \
+  STREAM_NEW_TOKENS=8 ANCHOR=off BUDGET_S=400 \
+  bash tools/gpu/device_session.sh > "$TMP/real.log" 2>&1
+rc=$?
+set -e
+cat "$TMP/real.log"
+[ "$rc" -eq 0 ] || { echo "device_session.sh exited $rc" >&2; exit 1; }
+S="$TMP/real/summary.md"
+grep -q "^| tests | passed | [0-9]* |$" "$S"
+grep -q "^| stack | passed | [0-9]* |$" "$S"
+grep -q "no CUDA device" "$TMP/real/tests.log"
+# No engine log: the stack ran on the default path.
+grep -q "^Stack prefill attention: auto" "$S"
+# The stack's tables made it into the summary: two TTFT rows, a decode row.
+for L in 96 200; do
+  grep -Eq "^\| $L \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$" "$S" ||
+    { echo "no TTFT row for $L in the summary" >&2; exit 1; }
+done
+grep -Eq "^\| 96 \| [0-9.]+ \| [0-9.]+ \|$" "$S"
+echo ok
