@@ -830,12 +830,17 @@ void CheckTreeEqualsChains(const std::string& model_name, int nodes,
     in.position_ids = cpos;
     ASSERT_TRUE(model.Forward(in, chain.get(), &out).ok());
     // fp32 rounding differs with the rows per GEMM (the linear layers see
-    // other row counts): 1e-5 relative to the largest logit.
+    // other row counts): 1e-5 relative to the largest logit. A bf16 cache
+    // rounds K and V after that: a last-bit fp32 difference can move a
+    // stored element by one bf16 ulp (2^-8 relative), which moved logits by
+    // up to 2.6e-4 (seen once); 1e-3 there. The masks themselves are
+    // checked exactly by TreeMasksHideExactlyTheNonAncestors.
+    const float tol = kv_dtype == KvCacheDType::kBF16 ? 1e-3f : 1e-5f;
     float scale = 1.f;
     for (float v : out.logits) scale = std::max(scale, std::fabs(v));
     const float diff = MaxAbsDiff(out.logits, node_logits[i]) / scale;
     worst = std::max(worst, diff);
-    EXPECT_LT(diff, 1e-5) << model_name << " node " << i << " of " << nodes;
+    EXPECT_LT(diff, tol) << model_name << " node " << i << " of " << nodes;
   }
   std::printf(
       "%s, %d nodes%s, %s KV: max |logit diff| / max |logit| vs chains "
