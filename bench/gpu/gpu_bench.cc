@@ -225,13 +225,12 @@ Model LoadModel(const std::string& dir, CudaDType dt, int kv_tokens) {
   Model m;
   m.name = dir;
   const double t0 = Now();
-  absl::StatusOr<ModelWeights> host = LoadModelWeights(dir);
-  Die(host.status(), dir.c_str());
-  m.config = host->config;
+  // As the services load: from the file to the device, no host fp32 copy.
   absl::StatusOr<std::shared_ptr<const CudaWeights>> w =
-      CudaWeights::Upload(*host, dt);
-  Die(w.status(), "upload");
+      CudaWeights::Load(dir, dt);
+  Die(w.status(), dir.c_str());
   m.weights = *w;
+  m.config = m.weights->config();
   KvCacheOptions kv;
   kv.pool_bytes = CudaModelRunner::BytesPerToken(m.config, dt) *
                   static_cast<size_t>(kv.block_size) *

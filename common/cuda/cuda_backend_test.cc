@@ -354,6 +354,10 @@ TEST(CudaHostTest, FactoriesValidateBeforeAllocating) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CudaWeights::Upload(w, CudaDType::kBF16).status().code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaWeights::Load("models/stories260K", CudaDType::kF32)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CudaModelRunner::Create(nullptr).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
@@ -370,6 +374,75 @@ TEST(CudaHostTest, BytesPerTokenFollowTheDType) {
             CudaModelRunner::BytesPerToken(c, CudaDType::kBF16));
   EXPECT_EQ(CudaModelRunner::BytesPerToken(c, CudaDType::kF32),
             CpuModelRunner::BytesPerToken(c));
+}
+
+// `n` bytes at device address `dev`.
+std::vector<uint8_t> DeviceBytes(const void* dev, size_t n) {
+  std::vector<uint8_t> host(n);
+  EXPECT_CUDA_OK(cudaMemcpy(host.data(), dev, n, cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// Load (file -> device) equals Upload of LoadModelWeights bit for bit, for
+// every tensor: the copy-as-stored path (a bf16 checkpoint on bf16) and the
+// widen-and-convert path (fp32 checkpoint; bf16 on fp16), tied and untied.
+TEST_F(CudaTest, LoadEqualsUploadOfHostWeights) {
+  ModelConfig untied = *PresetConfig("llama3-tiny");
+  untied.tie_word_embeddings = false;
+  const std::string bf16_dir = ::testing::TempDir() + "/cuda_load_bf16";
+  ASSERT_TRUE(WriteSyntheticCheckpointForConfig(untied, bf16_dir, seed_,
+                                                DType::kBF16)
+                  .ok());
+  struct Case {
+    std::string dir;
+    CudaDType dt;
+  } cases[] = {{bf16_dir, CudaDType::kBF16},
+               {bf16_dir, CudaDType::kFP16},
+               {"models/stories260K", CudaDType::kBF16},
+               {"models/stories260K", CudaDType::kFP16}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(absl::StrCat(k.dir, " as ", CudaDTypeName(k.dt)));
+    absl::StatusOr<ModelWeights> host = LoadModelWeights(k.dir);
+    ASSERT_TRUE(host.ok()) << host.status();
+    absl::StatusOr<std::shared_ptr<const CudaWeights>> want =
+        CudaWeights::Upload(*host, k.dt);
+    ASSERT_TRUE(want.ok()) << want.status();
+    absl::StatusOr<std::shared_ptr<const CudaWeights>> got =
+        CudaWeights::Load(k.dir, k.dt);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const CudaWeights& a = **want;
+    const CudaWeights& b = **got;
+    const ModelConfig& c = a.config();
+    EXPECT_EQ(b.bytes(), a.bytes());
+    EXPECT_EQ(b.config().num_hidden_layers, c.num_hidden_layers);
+    EXPECT_EQ(b.lm_head() == b.embed(), a.lm_head() == a.embed());
+    const size_t w = CudaDTypeBytes(k.dt);
+    const size_t hidden = c.hidden_size, ffn = c.intermediate_size;
+    const size_t table = size_t{static_cast<size_t>(c.vocab_size)} * hidden;
+    auto same = [&](const void* x, const void* y, size_t bytes,
+                    const std::string& name) {
+      EXPECT_TRUE(DeviceBytes(x, bytes) == DeviceBytes(y, bytes)) << name;
+    };
+    same(a.embed(), b.embed(), table * w, "embed");
+    same(a.lm_head(), b.lm_head(), table * w, "lm_head");
+    same(a.final_norm(), b.final_norm(), hidden * 4, "final_norm");
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+      const CudaLayerWeights& x = a.layer(l);
+      const CudaLayerWeights& y = b.layer(l);
+      const std::string p = absl::StrCat("layer ", l, " ");
+      same(x.wqkv, y.wqkv, size_t(c.qkv_dim()) * hidden * w, p + "wqkv");
+      same(x.wo, y.wo, hidden * c.num_attention_heads * c.head_dim * w,
+           p + "wo");
+      same(x.w_gate_up, y.w_gate_up, 2 * ffn * hidden * w, p + "w_gate_up");
+      same(x.w_down, y.w_down, hidden * ffn * w, p + "w_down");
+      same(x.attn_norm, y.attn_norm, hidden * 4, p + "attn_norm");
+      same(x.mlp_norm, y.mlp_norm, hidden * 4, p + "mlp_norm");
+    }
+  }
+  EXPECT_EQ(CudaWeights::Load("models/no-such-model", CudaDType::kBF16)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
 }
 
 // ---------------------------------------------------------------------------

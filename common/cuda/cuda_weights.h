@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,6 +47,19 @@ class CudaWeights {
   static absl::StatusOr<std::shared_ptr<const CudaWeights>> Upload(
       const ModelWeights& weights, CudaDType dtype = CudaDType::kBF16);
 
+  /// Loads the checkpoint in `model_dir` (config.json + safetensors, read
+  /// as LoadModelWeights reads them) to the current CUDA device as `dtype`
+  /// without an fp32 copy of the model on the host: each Linear weight and
+  /// the embedding table go from the mapped file to the device, copied as
+  /// stored when stored in `dtype` (a bf16 checkpoint on bf16), else widened
+  /// to fp32 64 MiB at a time and converted on the device; the result
+  /// equals Upload(LoadModelWeights(model_dir), dtype) bit for bit. Host
+  /// memory: the norms and biases, and one 64 MiB slice. Errors: those of
+  /// LoadModelWeights (NOT_FOUND, INVALID_ARGUMENT naming the file and
+  /// tensor) and of Upload.
+  static absl::StatusOr<std::shared_ptr<const CudaWeights>> Load(
+      const std::string& model_dir, CudaDType dtype = CudaDType::kBF16);
+
   const ModelConfig& config() const { return config_; }
   CudaDType dtype() const { return dtype_; }
   /// T [vocab, hidden].
@@ -63,7 +77,13 @@ class CudaWeights {
   size_t bytes() const { return bytes_; }
 
  private:
+  struct Preloaded;
   CudaWeights() = default;
+  // Upload and Load: the model from `weights`, its Linear weights and
+  // embeddings taken from `pre` where Load put them on the device.
+  static absl::StatusOr<std::shared_ptr<const CudaWeights>> Assemble(
+      const ModelWeights& weights, CudaDType dtype, DeviceBuffer& staging,
+      Preloaded* pre);
 
   ModelConfig config_;
   CudaDType dtype_ = CudaDType::kBF16;

@@ -1,6 +1,9 @@
 #include "common/engine/model_runner_factory.h"
 
 #include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_model_runner.h"
@@ -51,10 +54,16 @@ KvCacheOptions CpuPool(const RunnerOptions& options,
   return kv;
 }
 
-// The CUDA path of CreateModelRunner: uploads `weights`, sizes the pool
-// from the memory left when kv_pool_from_device.
+// Puts a model on the device as `dtype`: CudaWeights::Upload or Load.
+using CudaWeightsSource =
+    std::function<absl::StatusOr<std::shared_ptr<const CudaWeights>>(
+        CudaDType)>;
+
+// The CUDA path of CreateModelRunner: puts the weights on the device
+// through `source`, sizes the pool from the memory left when
+// kv_pool_from_device.
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
-    const ModelWeights& weights, const RunnerOptions& options) {
+    const CudaWeightsSource& source_weights, const RunnerOptions& options) {
   absl::StatusOr<CudaDType> dt = ParseCudaDType(options.cuda_dtype);
   if (!dt.ok()) return dt.status();
   KvCacheOptions kv = options.kv_cache;
@@ -64,8 +73,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     before = QueryCudaMemory();
     if (!before.ok()) return before.status();
   }
-  absl::StatusOr<std::shared_ptr<const CudaWeights>> gw =
-      CudaWeights::Upload(weights, *dt);
+  absl::StatusOr<std::shared_ptr<const CudaWeights>> gw = source_weights(*dt);
   if (!gw.ok()) return gw.status();
   if (options.kv_pool_from_device) {
     GpuMemoryBudget m;
@@ -188,7 +196,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
       [&](const KvCacheOptions& kv, std::optional<WeightDType> wt) {
         return CpuModelRunner::Create(std::move(weights), kv, wt);
       },
-      [&] { return CreateCudaRunner(*weights, options); });
+      [&] {
+        return CreateCudaRunner(
+            [&](CudaDType dt) { return CudaWeights::Upload(*weights, dt); },
+            options);
+      });
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
@@ -198,7 +210,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
       [&](const KvCacheOptions& kv, std::optional<WeightDType> wt) {
         return CpuModelRunner::Create(std::move(weights), kv, wt);
       },
-      [&] { return CreateCudaRunner(weights, options); });
+      [&] {
+        return CreateCudaRunner(
+            [&](CudaDType dt) { return CudaWeights::Upload(weights, dt); },
+            options);
+      });
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
@@ -208,10 +224,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
       [&](const KvCacheOptions& kv, std::optional<WeightDType> wt) {
         return CpuModelRunner::Load(model_dir, kv, wt);
       },
-      [&]() -> absl::StatusOr<std::unique_ptr<ModelRunner>> {
-        absl::StatusOr<ModelWeights> w = LoadModelWeights(model_dir);
-        if (!w.ok()) return w.status();
-        return CreateCudaRunner(*w, options);
+      [&] {
+        // Straight from the file to the device: no fp32 copy of the model
+        // on the host (32 GB for an 8B).
+        return CreateCudaRunner(
+            [&](CudaDType dt) { return CudaWeights::Load(model_dir, dt); },
+            options);
       });
 }
 
