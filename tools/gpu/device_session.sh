@@ -59,7 +59,12 @@ if [ ! -x "$ALL/bin/gpu_bench" ]; then
     exit 3
   fi
   mkdir -p "$ALL"
-  tar -xJf "$SESSION/bundle.tar.xz" -C "$ALL" || exit 3
+  if command -v xz > /dev/null 2>&1; then
+    tar -xJf "$SESSION/bundle.tar.xz" -C "$ALL" || exit 3
+  else  # a minimal image without xz-utils: Python's lzma reads it
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+      "$SESSION/bundle.tar.xz" "$ALL" || exit 3
+  fi
 fi
 for b in gpu_bench make_synthetic_checkpoint router speculator_service \
          target_service client; do
