@@ -209,7 +209,9 @@ TEST(PackGraphStepTest, PadsToTheBucketAndPlansTheRealSequences) {
   const std::vector<int> context = {9, 2, 13};
   for (int grow = 0; grow < 13; ++grow) {
     for (int i = 0; i < 3; ++i) {
-      if (grow < context[i]) ASSERT_TRUE(seqs[i]->Reserve(1).ok());
+      if (grow < context[i]) {
+        ASSERT_TRUE(seqs[i]->Reserve(1).ok());
+      }
     }
   }
   const std::vector<int> rows = {1, 4, 1};

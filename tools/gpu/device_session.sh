@@ -28,7 +28,8 @@
 #
 # Env: BUDGET_S (default 560: seconds for the whole call, start to end),
 # PHASES (default "tests engine stack suite torch"), GPU_FILTER,
-# STACK_LENGTHS (default "4096 32768"), STACK_ATTENTION (the stack's
+# ENGINE_ARGS (more gpu_bench flags), STACK_LENGTHS (default "4096
+# 32768"), STACK_ATTENTION (the stack's
 # --prefill_attention; default: the engine benchmark's pick), SPECULATOR /
 # TARGET (the stack's models: no checkpoints are written), SESSION (the carried folder,
 # default .device/session), RESULTS (default $OUT, else
@@ -42,7 +43,7 @@ BUDGET_S=${BUDGET_S:-560}
 PHASES=${PHASES:-"tests engine stack suite torch"}
 SESSION=${SESSION:-.device/session}
 RESULTS=${RESULTS:-${OUT:-bench/results/session}}
-GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:ModelRunnerFactoryTest.*'}
+GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:ModelRunnerFactoryTest.*'}
 STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
 export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 DRY=${DEVICE_SESSION_DRY:-0}
@@ -166,7 +167,7 @@ if [ -n "$CK_PID" ]; then
   fi
 fi
 has engine && phase engine 90 240 \
-  "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh engine"
+  "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh engine ${ENGINE_ARGS:-}"
 # The stack runs long prefills on the attention path the engine benchmark
 # found fastest among those whose logits agree with the default's
 # (gpu_bench: "prefill attention for the rest of the N row: PATH", the

@@ -4,11 +4,13 @@
 # a device session carries, checks it leaves room under the device tool's
 # 64 MiB, then runs device_session.sh from the tarball alone in an empty
 # environment: first a dry run (it unpacks, finds every program, and plans
-# the phases inside the budget), then the tests and stack phases for real
-# on the CPU with the bundled models: the GPU tests skip, the stack's
-# tables come back, and summary.md reports both.
+# the phases inside the budget), then the tests, engine and stack phases
+# for real without a GPU: the GPU tests skip, gpu_bench runs on the
+# emulated device, the stack on the CPU on the prefill path gpu_bench
+# picked, and summary.md reports all three with the stack's tables.
 set -euo pipefail
 ROOT="$PWD"
+EMU_BENCH="$ROOT/$1"  # gpu_bench on the emulated device
 TMP="${TEST_TMPDIR:-$(mktemp -d)}"
 SESSION="$TMP/session"
 BINARIES_FROM="$ROOT" bash tools/gpu/bundle_device.sh "$SESSION"
@@ -36,12 +38,24 @@ for p in tests engine stack; do
     { echo "the dry run plans no $p phase" >&2; exit 1; }
 done
 
-# For real, on the CPU: the stack on the bundled pair, no checkpoints.
+# For real, without a GPU: the tests skip; the engine phase runs gpu_bench
+# built for the emulated device (swapped into the unpacked bundle) on tiny
+# twins of the 1B / 8B pair, written where the session looks for the real
+# ones; the stack runs on the CPU on the bundled pair.
+cp "$EMU_BENCH" "$SESSION/all/bin/gpu_bench"
+CKPT="$TMP/ckpt"
+"$SESSION/all/bin/make_synthetic_checkpoint" --preset llama-3.2-1b-tiny \
+  --out "$CKPT/llama-3.2-1b" --dtype BF16
+"$SESSION/all/bin/make_synthetic_checkpoint" --preset llama-3.1-8b-tiny \
+  --out "$CKPT/llama-3.1-8b" --dtype BF16
 set +e
-"${run_env[@]}" RESULTS="$TMP/real" PHASES="tests stack" ALLOW_NO_GPU=1 \
+"${run_env[@]}" RESULTS="$TMP/real" PHASES="tests engine stack" \
+  ALLOW_NO_GPU=1 CKPT_DIR="$CKPT" ENGINE_ARGS="--prompt_lens 96,200 \
+  --keep 0.1 --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1 \
+  --reps 1 --peak_gemm_size 64 --copy_bytes 1048576" \
   DEVICE=cpu SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
   STACK_LENGTHS="96 200" NEW_TOKENS=8 STREAMS="1 2" STREAM_PROMPT_TOKENS=32 \
-  STREAM_NEW_TOKENS=8 ANCHOR=off BUDGET_S=400 \
+  STREAM_NEW_TOKENS=8 ANCHOR=off BUDGET_S=500 \
   bash tools/gpu/device_session.sh > "$TMP/real.log" 2>&1
 rc=$?
 set -e
@@ -50,9 +64,16 @@ cat "$TMP/real.log"
 S="$TMP/real/summary.md"
 grep -q "^| tests | passed | [0-9]* |$" "$S"
 grep -q "^| stack | passed | [0-9]* |$" "$S"
+grep -q "^| engine | passed | [0-9]* |$" "$S"
 grep -q "no CUDA device" "$TMP/real/tests.log"
-# No engine log: the stack ran on the default path.
-grep -q "^Stack prefill attention: auto" "$S"
+test -s "$TMP/real/gpu_bench.json"
+# The stack ran on the path gpu_bench picked at its longest prompt.
+picked=$(sed -n 's/^prefill attention for the rest of the 200 row: //p' \
+  "$TMP/real/engine.log")
+[[ "$picked" =~ ^(auto|mma|cudnn)$ ]] ||
+  { echo "gpu_bench picked '$picked'" >&2; exit 1; }
+grep -q "^Stack prefill attention: $picked " "$S" ||
+  { echo "the stack did not run on $picked" >&2; exit 1; }
 # The stack's tables made it into the summary: two TTFT rows, a decode row.
 for L in 96 200; do
   grep -Eq "^\| $L \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$" "$S" ||
