@@ -79,15 +79,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# start NAME ARGS...: runs $STACK/bin/NAME, echoes its gRPC port once it
-# prints "listening on <port>" (600 s for weights to load).
-start() {
+# launch NAME ARGS...: runs $STACK/bin/NAME in the background, its log in
+# $LOGS/NAME.log. port NAME: echoes its gRPC port once it prints
+# "listening on <port>" (600 s for weights to load). start = both.
+launch() {
   local name=$1
   shift
-: > "$LOGS/$name.log"
+  : > "$LOGS/$name.log"
   "$STACK/bin/$name" "$@" > "$LOGS/$name.log" 2>&1 &
-  local pid=$! i
-  echo "$pid" > "$LOGS/$name.pid"
+  echo "$!" > "$LOGS/$name.pid"
+}
+port() {
+  local name=$1 pid i
+  pid=$(cat "$LOGS/$name.pid")
   for ((i = 0; i < 6000; ++i)); do
     if grep -q "listening on" "$LOGS/$name.log"; then
       sed -n 's/.*listening on \([0-9]*\).*/\1/p' "$LOGS/$name.log" | head -1
@@ -100,17 +104,26 @@ start() {
   cat "$LOGS/$name.log" >&2
   return 1
 }
+start() {
+  launch "$@"
+  port "$1"
+}
 
 # Both services share the one GPU: their --gpu_memory_utilization shares
 # (vLLM's meaning, each sizes its KV pool from its own) must sum to < 1.
+# The two load their weights at the same time: each sizes its pool from
+# its share of the device's total memory, not from what the other has
+# taken yet, so the order does not matter.
 read -r -a EXTRA <<< "${SERVICE_ARGS:-}"
-SPORT=$(start speculator_service --model "$SPECULATOR" --port 0 \
+launch speculator_service --model "$SPECULATOR" --port 0 \
   --metrics_port 0 --device "$DEVICE" \
   --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}" \
-  ${EXTRA[@]+"${EXTRA[@]}"})
-TPORT=$(start target_service --model "$TARGET" --port 0 --metrics_port 0 \
+  ${EXTRA[@]+"${EXTRA[@]}"}
+launch target_service --model "$TARGET" --port 0 --metrics_port 0 \
   --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}" \
-  ${EXTRA[@]+"${EXTRA[@]}"})
+  ${EXTRA[@]+"${EXTRA[@]}"}
+SPORT=$(port speculator_service)
+TPORT=$(port target_service)
 HPORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); \
 print(s.getsockname()[1]); s.close()")
 RPORT=$(start router --port 0 --metrics_port 0 --http_port "$HPORT" \
