@@ -22,7 +22,7 @@
 #   stack        run_stack_bench.sh, shortened (STACK_LENGTHS, REPS=1):
 #                TTFT through the router, decode, the lossless checks, 1 /
 #                16 / 64 / 128 HTTP streams and the transformers anchor
-#   suite        every CUDA test program, unfiltered
+#   suite        the rest of the CUDA tests (all but GPU_FILTER's)
 #   torch        bench/gpu/torch_bench.py, PyTorch's full prefill and decode
 # Then summary.md: each phase's status and seconds, and the tables.
 #
@@ -181,7 +181,8 @@ path=${path:-auto}
 echo "device_session: the stack's prefill attention: $path" >&2
 has stack && phase stack 120 330 \
   "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='--prefill_attention=$path' tools/gpu/run_stack_bench.sh"
-has suite && phase suite 60 300 "tools/gpu/run_gpu_tests.sh"
+has suite && phase suite 60 300 \
+  "tools/gpu/run_gpu_tests.sh --gtest_filter='-$GPU_FILTER'"
 has torch && phase torch 60 240 \
   "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh torch"
 
