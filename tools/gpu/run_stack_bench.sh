@@ -133,24 +133,26 @@ echo "stack up: speculator :$SPORT, target :$TPORT, router :$RPORT" \
 
 VOCAB=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" \
   "$TARGET/config.json")
-# ids LEN: the path of a file of LEN random token ids (seeded),
-# comma-separated, BOS-free. A file, not an argument: a 32K-token prompt
-# exceeds the kernel's argument-length limit.
+# ids LEN TAG: the path of a file of LEN random token ids seeded by LEN
+# and TAG, comma-separated, BOS-free. A file, not an argument: a
+# 32K-token prompt exceeds the kernel's argument-length limit.
 ids() {
-  local f="$LOGS/prompt_$1.txt"
-  [ -e "$f" ] || python3 -c "import random,sys; r=random.Random(int(sys.argv[1])); \
+  local f="$LOGS/prompt_$1_$2.txt"
+  [ -e "$f" ] || python3 -c "import random,sys; r=random.Random(sys.argv[1] + '/' + sys.argv[3]); \
 print(','.join(str(r.randrange(3, int(sys.argv[2]))) for _ in range(int(sys.argv[1]))))" \
-    "$1" "$VOCAB" > "$f"
+    "$1" "$VOCAB" "$2" > "$f"
   echo "$f"
 }
-# ask LEN NEW FLAGS...: the median over REPS of the client's JSON field
-# FIELD (env), printed with 4 decimals.
+# ask LEN NEW TAG FLAGS...: the median over REPS of the client's JSON
+# field FIELD (env), printed with 4 decimals. Every request has a prompt
+# of its own (TAG and the rep seed it): the services' prefix caches must
+# not serve one request's prefill from another's.
 ask() {
-  local len=$1 new=$2
-  shift 2
+  local len=$1 new=$2 tag=$3
+  shift 3
   local prompt vals=()
-  prompt=$(ids "$len")
   for ((r = 0; r < REPS; ++r)); do
+    prompt=$(ids "$len" "$tag-$r")
     vals+=("$("$STACK/bin/client" --router "127.0.0.1:$RPORT" \
       --token_ids_file "$prompt" --max_new_tokens "$new" --temperature 0 \
       --deadline_ms 600000 --json "$@" |
@@ -161,13 +163,24 @@ print(s['ttft_s'] if sys.argv[1]=='ttft' else (u['completion_tokens']-1)/d)" "$F
   printf '%s\n' "${vals[@]}" | sort -g | awk '{v[NR]=$1} END {printf "%.4f", v[int((NR+1)/2)]}'
 }
 
+# One untimed request per configuration first: what a process does once
+# (lazy kernel loading, cuBLAS and cuDNN plans, the first pool blocks)
+# is not a request's time to first token.
+WARM=${LENGTHS%% *}
+FIELD=ttft
+REPS_SET=$REPS
+REPS=1
+ask "$WARM" 2 warm-full --no_spec_prefill --no_spec_decode > /dev/null
+ask "$WARM" 2 warm-keep --keep_ratio 0.3 --num_draft_tokens 4 > /dev/null
+REPS=$REPS_SET
+
 echo "| prompt tokens | TTFT full prefill s | TTFT keep 0.3 s | TTFT keep 0.1 s |"
 echo "|---|---|---|---|"
 for L in $LENGTHS; do
   FIELD=ttft
-  full=$(ask "$L" 1 --no_spec_prefill --no_spec_decode)
-  k3=$(ask "$L" 1 --keep_ratio 0.3 --no_spec_decode)
-  k1=$(ask "$L" 1 --keep_ratio 0.1 --no_spec_decode)
+  full=$(ask "$L" 1 full --no_spec_prefill --no_spec_decode)
+  k3=$(ask "$L" 1 keep0.3 --keep_ratio 0.3 --no_spec_decode)
+  k1=$(ask "$L" 1 keep0.1 --keep_ratio 0.1 --no_spec_decode)
   echo "| $L | $full | $k3 | $k1 |"
 done
 echo
@@ -175,8 +188,8 @@ echo "| prompt tokens | decode tok/s, plain | decode tok/s, speculative k=4 |"
 echo "|---|---|---|"
 L=${LENGTHS%% *}
 FIELD=decode
-plain=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --no_spec_decode)
-spec=$(ask "$L" "$NEW_TOKENS" --no_spec_prefill --num_draft_tokens 4)
+plain=$(ask "$L" "$NEW_TOKENS" plain --no_spec_prefill --no_spec_decode)
+spec=$(ask "$L" "$NEW_TOKENS" spec --no_spec_prefill --num_draft_tokens 4)
 echo "| $L | $plain | $spec |"
 
 if [ "${CHECKS:-1}" = 1 ]; then
