@@ -2146,6 +2146,49 @@ TEST_P(ModelTest, SampledGraphReplayEqualsEager) {
   CheckGraphReplay(GetParam(), /*sampled=*/true, &rng_);
 }
 
+// WarmUp captures one greedy and one sampled graph per bucket up to its
+// max_batch, leaves the pool as it found it, and later steps of those
+// buckets replay without capturing again; with graphs off it captures
+// nothing, and its prefill still runs.
+TEST_P(ModelTest, WarmUpCapturesEveryBucketAndFreesItsSequences) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16, 64 * 128);
+  ASSERT_NE(e.gpu, nullptr);
+  const int vocab = e.cpu->config().vocab_size;
+  const int free_before = e.gpu->kv_cache().num_free_blocks();
+  ASSERT_OK(e.gpu->WarmUp(/*prefill_rows=*/100, /*max_batch=*/8));
+  EXPECT_EQ(e.gpu->graphs_captured(), 2 * 4);  // buckets 1, 2, 4, 8
+  EXPECT_EQ(e.gpu->kv_cache().num_free_blocks(), free_before);
+  // A greedy step of 3 sequences (bucket 4) replays what WarmUp captured.
+  std::vector<std::unique_ptr<KvSequence>> seqs;
+  std::vector<int> ids(3);
+  for (int i = 0; i < 3; ++i) {
+    seqs.push_back(NewSeq(*e.gpu, 16));
+    ASSERT_NE(seqs.back(), nullptr);
+    ids[i] = Uniform(0, vocab - 1);
+  }
+  const int zero = 0;
+  std::vector<SequenceForward> batch(3);
+  for (int i = 0; i < 3; ++i) {
+    batch[i].kv = seqs[i].get();
+    batch[i].input.token_ids = absl::MakeConstSpan(&ids[i], 1);
+    batch[i].input.position_ids = absl::MakeConstSpan(&zero, 1);
+    batch[i].input.argmax_only = true;
+  }
+  const int64_t replays = e.gpu->graph_replays();
+  std::vector<ForwardOutput> out;
+  ASSERT_OK(e.gpu->Forward(batch, &out));
+  EXPECT_EQ(e.gpu->graph_replays(), replays + 1);
+  EXPECT_EQ(e.gpu->graphs_captured(), 2 * 4);
+
+  Engines off = LoadEngines(GetParam(), CudaDType::kBF16, 64 * 128);
+  ASSERT_NE(off.gpu, nullptr);
+  off.gpu->set_cuda_graphs(false);
+  ASSERT_OK(off.gpu->WarmUp(100, 8));
+  EXPECT_EQ(off.gpu->graphs_captured(), 0);
+  EXPECT_EQ(off.gpu->kv_cache().num_free_blocks(),
+            off.gpu->kv_cache().num_blocks());
+}
+
 TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {
   // Speculative Prefill: kept tokens at their original positions, decoding
   // continues at the original prompt length.

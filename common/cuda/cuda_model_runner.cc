@@ -364,6 +364,77 @@ int64_t CudaModelRunner::graph_replays() {
   return graph_replays_;
 }
 
+int CudaModelRunner::graphs_captured() {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (cudaGraphExec_t g : graphs_) n += g != nullptr;
+  for (cudaGraphExec_t g : sampled_graphs_) n += g != nullptr;
+  return n;
+}
+
+absl::Status CudaModelRunner::WarmUp(int prefill_rows, int max_batch) {
+  const ModelConfig& c = config();
+  const int block = cache_->block_size();
+  // Token ids spread over the vocabulary; any would do.
+  auto token = [&c](int i) {
+    return static_cast<int>((int64_t{i} * 7919 + 13) % c.vocab_size);
+  };
+  const int n = std::min({prefill_rows, c.max_position_embeddings,
+                          cache_->num_blocks() / 2 * block});
+  if (n > 0) {
+    absl::StatusOr<std::unique_ptr<KvSequence>> seq = NewSequence(n);
+    if (!seq.ok()) return seq.status();
+    std::vector<int> ids(n), pos(n);
+    for (int i = 0; i < n; ++i) {
+      ids[i] = token(i);
+      pos[i] = i;
+    }
+    ForwardInput in;
+    in.token_ids = ids;
+    in.position_ids = pos;
+    in.argmax_only = true;
+    ForwardOutput out;
+    SPECSERVE_RETURN_IF_ERROR(Forward(in, seq->get(), &out));
+  }
+  const int top = std::min(max_batch, kMaxGraphRows);
+  for (int rows = 1; rows <= top && cuda_graphs(); ++rows) {
+    const int b = cuda_step::GraphBucket(rows);
+    // Each bucket once, and only while the pool has a block per row.
+    if (b != rows || b > top || b > cache_->num_free_blocks()) continue;
+    std::vector<std::unique_ptr<KvSequence>> seqs;
+    std::vector<int> ids(b);
+    for (int i = 0; i < b; ++i) {
+      absl::StatusOr<std::unique_ptr<KvSequence>> s = NewSequence(2);
+      if (!s.ok()) return s.status();
+      seqs.push_back(*std::move(s));
+      ids[i] = token(i);
+    }
+    const int positions[2] = {0, 1};
+    // One greedy step, then one sampled step (a graph each).
+    RowSampling sampling;
+    sampling.params.temperature = 1.0f;
+    sampling.draft_ids = {-1};
+    sampling.draft_q = {nullptr};
+    sampling.uniforms = {0.5, 0.5};
+    for (int step = 0; step < 2; ++step) {
+      std::vector<SequenceForward> batch(b);
+      for (int i = 0; i < b; ++i) {
+        batch[i].kv = seqs[i].get();
+        batch[i].input.token_ids = absl::MakeConstSpan(&ids[i], 1);
+        batch[i].input.position_ids = absl::MakeConstSpan(&positions[step], 1);
+        if (step == 0) {
+          batch[i].input.argmax_only = true;
+        } else {
+          batch[i].input.sampling = &sampling;
+        }
+      }
+      std::vector<ForwardOutput> out;
+      SPECSERVE_RETURN_IF_ERROR(Forward(batch, &out));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<QueryCapture>> CudaModelRunner::NewQueryCapture(
     int max_rows) {
   absl::StatusOr<std::unique_ptr<CudaQueryCapture>> c =

@@ -157,6 +157,20 @@ class CudaModelRunner : public ModelRunner {
   bool cuda_graphs();
   /// Steps run from a graph so far.
   int64_t graph_replays();
+  /// Graphs captured so far (greedy and sampled, all buckets).
+  int graphs_captured();
+
+  /// Does at start-up what a server's first requests would otherwise pay
+  /// for (vLLM's profile run and graph capture at start): one prefill
+  /// chunk of `prefill_rows` rows (at most max_position_embeddings and
+  /// half the pool), which loads the long-prefill attention path's kernels
+  /// and plans and cuBLAS's for that many rows; then, with CUDA graphs on,
+  /// one greedy and one sampled decode step of every bucket up to
+  /// `max_batch` rows (GraphBucket: 1, 2, 4, 8, 16, ...), capturing their
+  /// graphs, while the pool has a free block per row. Its sequences are
+  /// freed before it returns. Errors as Forward; a failed capture only
+  /// turns graphs off, as in Forward.
+  absl::Status WarmUp(int prefill_rows, int max_batch = kMaxGraphRows);
 
   absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
       int max_rows) override;

@@ -6,6 +6,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device.h"
@@ -104,6 +106,21 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     (*r)->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
   }
   LogPool(**r, source);
+  if (options.warm_up) {
+    // A failed warm-up (a pool too small for it, say) does not stop the
+    // service: requests then pay the first-use costs themselves.
+    const absl::Time start = absl::Now();
+    const absl::Status warm = (*r)->WarmUp(kWorkspaceReserveRows);
+    const double s = absl::ToDoubleSeconds(absl::Now() - start);
+    if (warm.ok()) {
+      std::fprintf(stderr,
+                   "warm-up: %d-row prefill and %d cuda graphs in %.2f s\n",
+                   kWorkspaceReserveRows, (*r)->graphs_captured(), s);
+    } else {
+      std::fprintf(stderr, "warning: warm-up failed after %.2f s: %s\n", s,
+                   warm.ToString().c_str());
+    }
+  }
   return std::unique_ptr<ModelRunner>(*std::move(r));
 }
 

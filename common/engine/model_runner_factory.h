@@ -50,6 +50,10 @@ struct RunnerOptions {
   /// AttentionPath::kCudnn). Anything else is INVALID_ARGUMENT; ignored on
   /// CPU.
   std::string prefill_attention = "auto";
+  /// CUDA: CudaModelRunner::WarmUp at creation (a kWorkspaceReserveRows-row
+  /// prefill chunk, then every graph bucket captured), so the first
+  /// requests do not pay for lazy loading and captures. Ignored on CPU.
+  bool warm_up = true;
 };
 
 /// The CPU pool when RunnerOptions::kv_pool_from_device is set (2 GiB).

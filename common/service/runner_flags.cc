@@ -31,6 +31,10 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "128 rows from CUDA graphs captured per batch-size bucket (1, 2, "
           "4, 8, then multiples of 8); --nocuda_graphs runs every step "
           "eagerly (to debug)");
+ABSL_FLAG(bool, warm_up, true,
+          "CUDA: at start-up, before listening, run one 2048-row prefill "
+          "chunk and capture every CUDA graph bucket (vLLM's start-up "
+          "capture), so the first requests do not pay for them");
 ABSL_FLAG(std::string, prefill_attention, "auto",
           "CUDA attention of long prefill chunks: auto (the WMMA "
           "FlashAttention kernel), mma (FlashMmaAttention: mma.sync, "
@@ -50,6 +54,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   o.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  o.warm_up = absl::GetFlag(FLAGS_warm_up);
   o.prefill_attention = absl::GetFlag(FLAGS_prefill_attention);
   return o;
 }

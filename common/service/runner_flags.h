@@ -18,6 +18,8 @@ namespace specserve {
 ///                            default on; CudaModelRunner::set_cuda_graphs)
 ///   --prefill_attention auto|mma|cudnn  (CUDA attention of long prefill
 ///                            chunks)
+///   --warm_up               (CUDA: prefill chunk and graph captures at
+///                            start-up, default on; CudaModelRunner::WarmUp)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the
 /// services set RunnerOptions::kv_pool_from_device) from
 /// --gpu_memory_utilization on CUDA, 2 GiB on CPU.
