@@ -44,7 +44,10 @@ for r in rows:
     assert r["attention_path"] in ("auto", "mma", "cudnn"), r
     assert [v["k"] for v in r["verify"]] == [1, 3], r
     assert all(v["seconds"] > 0 for v in r["verify"]), r
-    assert abs(r["ttft_s"] - r["scoring_s"] - r["target_kept_prefill_s"]) \
-        < 1e-6 * max(1.0, r["ttft_s"]) + 1e-9, r
+    # The JSON holds 6 significant digits: each value is off by up to
+    # 5e-6 of itself (a 1e-6 bound failed once: 1.61865 vs 1.49076 +
+    # 0.127888).
+    t, s, k = r["ttft_s"], r["scoring_s"], r["target_kept_prefill_s"]
+    assert abs(t - s - k) <= 1e-5 * (t + s + k) + 1e-9, r
 print("gpu_bench_emu_test: %d rows OK" % len(rows))
 PY
