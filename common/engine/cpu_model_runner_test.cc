@@ -721,7 +721,9 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
           << r;
       EXPECT_TRUE(sampled[2].token_logprobs[r].top.empty()) << r;
       stopped = !want.accepted;
-      if (stopped) EXPECT_GE(sampled[2].sampled[r], 0) << r;
+      if (stopped) {
+        EXPECT_GE(sampled[2].sampled[r], 0) << r;
+      }
     }
     EXPECT_TRUE(stopped);  // row 4 has no draft
     EXPECT_TRUE(sampled[0].sampled.empty());
