@@ -204,6 +204,13 @@ has torch && phase torch 60 240 \
     grep -E '^\[  FAILED  \]|exited [0-9]' "$RESULTS/$f.log" | sort -u ||
       echo "none listed (a timed-out phase lists none: see $f.log)"
   done
+  if [ -s "$RESULTS/engine.log" ]; then
+    echo
+    echo "## engine"
+    echo
+    grep -E '^(target .* loaded in|target full prefill at|prefill attention for the rest|(mma|cudnn) at [0-9]+:)' \
+      "$RESULTS/engine.log" || true
+  fi
   [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }
 } > "$SUMMARY"
 cat "$SUMMARY"
