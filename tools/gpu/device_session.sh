@@ -88,6 +88,14 @@ left() { echo $((BUDGET_S - (SECONDS - T0) - DRY_SPENT)); }
 # process group, its output to $RESULTS/NAME.log, for at most min(CAP_S,
 # time left - 10 s); skipped when less than NEED_S is left. The whole group
 # is stopped at the deadline, so a benchmark's services cannot outlive it.
+# Each phase in a process group of its own (setsid, util-linux); where
+# there is no setsid, `set -m` gives every background job its own group.
+if command -v setsid > /dev/null 2>&1; then
+  SETSID=setsid
+else
+  SETSID=
+  set -m
+fi
 declare -a ROWS=()
 FAILED=0
 phase() {
@@ -107,7 +115,7 @@ phase() {
   fi
   echo "device_session: $name (up to ${budget} s)" >&2
   start=$SECONDS
-  setsid bash -c "$cmd" > "$RESULTS/$name.log" 2>&1 < /dev/null &
+  $SETSID bash -c "$cmd" > "$RESULTS/$name.log" 2>&1 < /dev/null &
   pg=$!
   RUNNING=$pg
   while kill -0 "$pg" 2>/dev/null && (( SECONDS - start < budget )); do
@@ -143,7 +151,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
 # unless the stack is given its models (SPECULATOR / TARGET).
 if [ "$DRY" != 1 ] && [ -z "${TARGET:-}" ] &&
    { has engine || has stack || has torch; }; then
-  setsid bash -c "tools/gpu/run_gpu_bench.sh checkpoints" \
+  $SETSID bash -c "tools/gpu/run_gpu_bench.sh checkpoints" \
     > "$RESULTS/checkpoints.log" 2>&1 < /dev/null &
   CK_PID=$!
 fi
