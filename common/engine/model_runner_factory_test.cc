@@ -1,5 +1,6 @@
 #include "common/engine/model_runner_factory.h"
 
+#include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/device.h"
 #include "gtest/gtest.h"
 
@@ -98,6 +99,10 @@ TEST(ModelRunnerFactoryTest, CudaPoolSizedFromUtilization) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_GT((*r)->kv_cache().num_blocks(), 0);
   EXPECT_LT((*r)->kv_cache().bytes_capacity(), mem->total_bytes / 2);
+  // RunnerOptions::warm_up (on by default) captured the graph buckets.
+  auto* cuda = dynamic_cast<CudaModelRunner*>(r->get());
+  ASSERT_NE(cuda, nullptr);
+  EXPECT_GT(cuda->graphs_captured(), 0);
 }
 
 TEST(ModelRunnerFactoryTest, AutoPicksCudaOnlyWithAGpu) {

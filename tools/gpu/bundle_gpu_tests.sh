@@ -7,7 +7,10 @@
 #     attention_plan_test, flash_mma_test,
 #     cudnn_attention_test,
 #     kv_pool_sizing_test, step_inputs_test,
-#     sampling_kernels_test                  (gtest)
+#     sampling_kernels_test,                 (gtest)
+#     model_runner_factory_test              (common/engine: the CUDA
+#                                            runner through the factory,
+#                                            pool sizing and warm-up)
 #   OUT/bin/gpu_bench                        bench/gpu/gpu_bench.cc
 #   OUT/bin/make_synthetic_checkpoint        synthetic weights for the bench
 #   OUT/lib/                                 their shared libraries
@@ -42,7 +45,8 @@ TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
        common/cuda/cudnn_attention_test
        common/cuda/device_test common/cuda/flash_mma_test
        common/cuda/kv_pool_sizing_test common/cuda/sampling_kernels_test
-       common/cuda/step_inputs_test)
+       common/cuda/step_inputs_test
+       common/engine/model_runner_factory_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
 if [ -z "${BINARIES_FROM:-}" ]; then
   bazel build -c opt //common/cuda:attention_plan_test \
@@ -50,7 +54,7 @@ if [ -z "${BINARIES_FROM:-}" ]; then
     //common/cuda:device_test \
     //common/cuda:flash_mma_test //common/cuda:kv_pool_sizing_test \
     //common/cuda:sampling_kernels_test \
-    //common/cuda:step_inputs_test \
+    //common/cuda:step_inputs_test //common/engine:model_runner_factory_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint
 fi
 rm -rf "$OUT"

@@ -39,8 +39,12 @@ fi
 # Every cc_test of common/cuda (plain, or the GPU side of a
 # cuda_test_with_emu_twin) is in the bundle's list, but the *_emu_test
 # twins (the emulated device, for machines without a GPU).
-sed -n 's/^ *name = "\(.*\)",$/\1/p' <(awk '/^(cc_test|cuda_test_with_emu_twin)\(/ {t = 1} t && /name =/ {print; t = 0}' \
-  common/cuda/BUILD.bazel) | grep -v '_emu_test$' | sort > "$GPU/want.txt"
+{
+  sed -n 's/^ *name = "\(.*\)",$/\1/p' <(awk '/^(cc_test|cuda_test_with_emu_twin)\(/ {t = 1} t && /name =/ {print; t = 0}' \
+    common/cuda/BUILD.bazel) | grep -v '_emu_test$'
+  # The GPU tests outside common/cuda.
+  echo model_runner_factory_test
+} | sort > "$GPU/want.txt"
 sort "$GPU/tests.txt" > "$GPU/have.txt"
 if ! diff "$GPU/want.txt" "$GPU/have.txt"; then
   echo "tests.txt differs from the cc_tests of common/cuda/BUILD.bazel" >&2
