@@ -104,6 +104,16 @@ absl::StatusOr<DeviceBuffer> UploadView(const LinearView& v, size_t expected,
   return buf;
 }
 
+// The fp32 staging buffer Upload and Load convert through, for `dtype`
+// (INVALID_ARGUMENT for kF32: the device holds bf16 or fp16 weights).
+absl::StatusOr<DeviceBuffer> StagingFor(CudaDType dtype) {
+  if (dtype == CudaDType::kF32) {
+    return absl::InvalidArgumentError(
+        "CudaWeights: dtype must be bf16 or fp16, got f32");
+  }
+  return DeviceBuffer::Allocate(kStagingFloats * sizeof(float));
+}
+
 }  // namespace
 
 // The Linear weights and embeddings Load has already put on the device.
@@ -117,30 +127,21 @@ struct CudaWeights::Preloaded {
 
 absl::StatusOr<std::shared_ptr<const CudaWeights>> CudaWeights::Upload(
     const ModelWeights& weights, CudaDType dtype) {
-  if (dtype == CudaDType::kF32) {
-    return absl::InvalidArgumentError(
-        "CudaWeights: dtype must be bf16 or fp16, got f32");
-  }
+  // Before any device allocation: hosts without a GPU see these errors.
   if (static_cast<int>(weights.layers.size()) !=
       weights.config.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "CudaWeights: ", weights.layers.size(), " layers, config has ",
         weights.config.num_hidden_layers));
   }
-  absl::StatusOr<DeviceBuffer> staging =
-      DeviceBuffer::Allocate(kStagingFloats * sizeof(float));
+  absl::StatusOr<DeviceBuffer> staging = StagingFor(dtype);
   if (!staging.ok()) return staging.status();
   return Assemble(weights, dtype, *staging, nullptr);
 }
 
 absl::StatusOr<std::shared_ptr<const CudaWeights>> CudaWeights::Load(
     const std::string& model_dir, CudaDType dtype) {
-  if (dtype == CudaDType::kF32) {
-    return absl::InvalidArgumentError(
-        "CudaWeights: dtype must be bf16 or fp16, got f32");
-  }
-  absl::StatusOr<DeviceBuffer> staging =
-      DeviceBuffer::Allocate(kStagingFloats * sizeof(float));
+  absl::StatusOr<DeviceBuffer> staging = StagingFor(dtype);
   if (!staging.ok()) return staging.status();
   Preloaded pre;
   LoadWeightsOptions lo;
@@ -195,11 +196,11 @@ absl::StatusOr<std::shared_ptr<const CudaWeights>> CudaWeights::Assemble(
     const ModelWeights& weights, CudaDType dtype, DeviceBuffer& staging_buf,
     Preloaded* pre) {
   const ModelConfig& c = weights.config;
-  if (static_cast<int>(weights.layers.size()) != c.num_hidden_layers ||
-      (pre != nullptr &&
-       static_cast<int>(pre->layers.size()) != c.num_hidden_layers)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CudaWeights: ", weights.layers.size(), " layers, config has ",
+  // Upload checked `weights`; Load's loader called on_linear_layer per layer.
+  if (pre != nullptr &&
+      static_cast<int>(pre->layers.size()) != c.num_hidden_layers) {
+    return absl::InternalError(absl::StrCat(
+        "CudaWeights: ", pre->layers.size(), " layers loaded, config has ",
         c.num_hidden_layers));
   }
   std::shared_ptr<CudaWeights> out(new CudaWeights());
