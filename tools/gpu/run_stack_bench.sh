@@ -167,12 +167,10 @@ print(s['ttft_s'] if sys.argv[1]=='ttft' else (u['completion_tokens']-1)/d)" "$F
 # (lazy kernel loading, cuBLAS and cuDNN plans, the first pool blocks)
 # is not a request's time to first token.
 WARM=${LENGTHS%% *}
-FIELD=ttft
-REPS_SET=$REPS
-REPS=1
-ask "$WARM" 2 warm-full --no_spec_prefill --no_spec_decode > /dev/null
-ask "$WARM" 2 warm-keep --keep_ratio 0.3 --num_draft_tokens 4 > /dev/null
-REPS=$REPS_SET
+FIELD=ttft REPS=1 ask "$WARM" 2 warm-full --no_spec_prefill --no_spec_decode \
+  > /dev/null
+FIELD=ttft REPS=1 ask "$WARM" 2 warm-keep --keep_ratio 0.3 \
+  --num_draft_tokens 4 > /dev/null
 
 echo "| prompt tokens | TTFT full prefill s | TTFT keep 0.3 s | TTFT keep 0.1 s |"
 echo "|---|---|---|---|"
