@@ -3,7 +3,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -11,13 +10,13 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>  // NOLINT: a pool of plain workers
+#include <thread>  // NOLINT: hardware_concurrency
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/engine/thread_pool.h"
 
 namespace specserve {
 namespace {
@@ -266,38 +265,32 @@ absl::Status WriteImpl(const ModelConfig& config, const std::string& dir,
       chunks.push_back({t, first, std::min(kChunk, n - first)});
     }
   }
-  std::atomic<size_t> next{0};
-  absl::Mutex mu;
-  absl::Status first_error;
-  auto work = [&] {
-    std::vector<float> buf(kChunk);
-    for (size_t i; (i = next.fetch_add(1)) < chunks.size();) {
-      const Chunk& c = chunks[i];
-      const SyntheticTensor& t = tensors[c.tensor];
-      const size_t m = static_cast<size_t>(c.count);
-      if (t.std == 0.0f) {
-        std::fill(buf.begin(), buf.begin() + m, t.mean);
-      } else {
-        FillNormal(Mix64(seed ^ Mix64(c.tensor + 1)), c.first, t.std,
-                   buf.data(), m);
-        for (size_t j = 0; j < m; ++j) buf[j] += t.mean;
-      }
-      absl::Status st = (*w)->WriteAt(c.tensor, static_cast<int64_t>(c.first),
-                                      absl::MakeConstSpan(buf.data(), m));
-      if (!st.ok()) {
-        absl::MutexLock lock(&mu);
-        if (first_error.ok()) first_error = st;
-        next.store(chunks.size());  // stop every worker
-      }
-    }
-  };
-  const size_t threads = std::clamp<size_t>(
-      std::thread::hardware_concurrency(), 1, std::max<size_t>(1, chunks.size()));
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  if (!first_error.ok()) return first_error;
+  // One status per chunk: workers never share one.
+  std::vector<absl::Status> status(chunks.size());
+  ThreadPool pool(static_cast<int>(std::clamp<size_t>(
+      std::thread::hardware_concurrency(), 1,
+      std::max<size_t>(1, chunks.size()))));
+  pool.ParallelFor(
+      static_cast<int>(chunks.size()), 1, [&](int begin, int end) {
+        std::vector<float> buf(kChunk);
+        for (int i = begin; i < end; ++i) {
+          const Chunk& c = chunks[i];
+          const SyntheticTensor& t = tensors[c.tensor];
+          const size_t m = static_cast<size_t>(c.count);
+          if (t.std == 0.0f) {
+            std::fill(buf.begin(), buf.begin() + m, t.mean);
+          } else {
+            FillNormal(Mix64(seed ^ Mix64(c.tensor + 1)), c.first, t.std,
+                       buf.data(), m);
+            for (size_t j = 0; j < m; ++j) buf[j] += t.mean;
+          }
+          status[i] = (*w)->WriteAt(c.tensor, static_cast<int64_t>(c.first),
+                                    absl::MakeConstSpan(buf.data(), m));
+        }
+      });
+  for (const absl::Status& st : status) {
+    if (!st.ok()) return st;
+  }
   if ((s = (*w)->Finish()); !s.ok()) return s;
   if (std::rename(tmp_path.c_str(), final_path.c_str()) != 0) {
     return absl::InternalError(absl::StrCat(

@@ -43,9 +43,10 @@ int64_t CountParameters(const ModelConfig& config);
 /// SplitMix64 stream per tensor seeded by `seed`: the same seed gives the
 /// same bytes. RMSNorm weights are 1; biases are N(0, 0.1^2) and Qwen3's
 /// q/k norm weights 1 + N(0, 0.1^2) (same approximation). `dtype` is the stored type: "F32",
-/// "BF16" or "F16". Every core draws and writes 1M-element chunks in
-/// place (about 6 MB of memory per core, whatever the model's size); the
-/// bytes do not depend on the thread count. Errors: NOT_FOUND for an unknown preset, INVALID_ARGUMENT for an
+/// "BF16" or "F16". Every core (a ThreadPool of hardware_concurrency
+/// threads) draws and writes 1M-element chunks in place (about 6 MB of
+/// memory per core, whatever the model's size); the bytes do not depend on
+/// the thread count. Errors: NOT_FOUND for an unknown preset, INVALID_ARGUMENT for an
 /// unknown dtype, INTERNAL naming the path on I/O failure.
 absl::Status WriteSyntheticCheckpoint(const std::string& preset,
                                       const std::string& dir, uint64_t seed,
