@@ -77,7 +77,7 @@ def cuda_library_with_emu_twin(name, srcs, hdrs = [], textual_hdrs = [], deps = 
         deps = emu_deps,
     )
 
-def cuda_test_with_emu_twin(name, srcs, deps, device_deps, emu_deps, size, emu_size, emu_args = [], data = []):
+def cuda_test_with_emu_twin(name, srcs, deps, device_deps, emu_deps, size, emu_size, emu_args = [], emu_shard_count = None, data = []):
     """A GPU cc_test `name` and its twin on the emulated device, same sources.
 
     `name` is one self-contained binary (linkstatic) that
@@ -95,6 +95,8 @@ def cuda_test_with_emu_twin(name, srcs, deps, device_deps, emu_deps, size, emu_s
       emu_size: the twin's size (emulated kernels run on the host).
       emu_args: the twin's args, e.g. a --gtest_filter leaving out timing
         reports and cases too slow to emulate.
+      emu_shard_count: the twin's shard count: its cases spread over the
+        cores instead of one long test at the end of a CI step.
       data: runfiles both read.
     """
     if not name.endswith("_test"):
@@ -111,6 +113,7 @@ def cuda_test_with_emu_twin(name, srcs, deps, device_deps, emu_deps, size, emu_s
     native.cc_test(
         name = name[:-len("_test")] + "_emu_test",
         size = emu_size,
+        shard_count = emu_shard_count,
         srcs = srcs,
         args = emu_args,
         copts = CUDA_HOST_COPTS,
