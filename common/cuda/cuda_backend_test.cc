@@ -1980,7 +1980,9 @@ TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
       const bool got_acc = out[i].accepted[r] != 0;
       const int got = out[i].sampled[r];
       accepted += got_acc;
-      if (got_acc) EXPECT_EQ(got, -1) << i << "/" << r;
+      if (got_acc) {
+        EXPECT_EQ(got, -1) << i << "/" << r;
+      }
       if (got_acc == want.accepted && got == want.token) {
         ++exact;
         continue;
