@@ -505,7 +505,7 @@ int Main(int argc, char** argv) {
     // last-row logits are from the default's; the fastest path whose
     // argmax agrees runs the rest of the row (scoring, kept prefills).
     CudaModelRunner::AttentionPath best = CudaModelRunner::AttentionPath::kAuto;
-    const char* best_name = "auto";
+    const char* best_name = "flash";  // --prefill_attention=flash
     double t_best = t_full;
     auto time_path = [&](CudaModelRunner::AttentionPath path,
                          const char* name) {

@@ -41,7 +41,7 @@ for r in rows:
     # ratio's share and never the whole prompt.
     P, kept = r["prompt_len"], r["kept_tokens"]
     assert math.ceil(r["keep"] * P) <= kept < P, r
-    assert r["attention_path"] in ("auto", "mma", "cudnn"), r
+    assert r["attention_path"] in ("flash", "mma", "cudnn"), r
     assert [v["k"] for v in r["verify"]] == [1, 3], r
     assert all(v["seconds"] > 0 for v in r["verify"]), r
     # The JSON holds 6 significant digits: each value is off by up to

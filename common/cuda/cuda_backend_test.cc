@@ -50,6 +50,7 @@
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/cuda/prefill_tuning.h"
 #include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
 #include "common/engine/cpu_model_runner.h"
@@ -1456,12 +1457,13 @@ struct Engines {
   std::unique_ptr<CudaModelRunner> gpu;
 };
 
-// Both runners of `model`, each with a pool of `pool_tokens` tokens (0 = one
-// sequence at the max context) in blocks of `block_size`.
-Engines LoadEngines(const std::string& model, CudaDType dt,
-                    int pool_tokens = 0, int block_size = 16) {
+// Both runners of the checkpoint in `dir`, each with a pool of
+// `pool_tokens` tokens (0 = one sequence at the max context) in blocks of
+// `block_size`.
+Engines LoadEnginesFromDir(const std::string& dir, CudaDType dt,
+                           int pool_tokens = 0, int block_size = 16) {
   Engines e;
-  absl::StatusOr<ModelWeights> w = LoadModelWeights("models/" + model);
+  absl::StatusOr<ModelWeights> w = LoadModelWeights(dir);
   EXPECT_TRUE(w.ok()) << w.status();
   if (!w.ok()) return e;
   e.cpu_weights = std::make_shared<const ModelWeights>(*std::move(w));
@@ -1485,6 +1487,12 @@ Engines LoadEngines(const std::string& model, CudaDType dt,
   EXPECT_TRUE(gpu.ok()) << gpu.status();
   if (gpu.ok()) e.gpu = *std::move(gpu);
   return e;
+}
+
+// LoadEnginesFromDir of the bundled model `model` (models/<model>).
+Engines LoadEngines(const std::string& model, CudaDType dt,
+                    int pool_tokens = 0, int block_size = 16) {
+  return LoadEnginesFromDir("models/" + model, dt, pool_tokens, block_size);
 }
 
 // A new sequence of `runner` with room for `max_tokens` (null on failure,
@@ -2189,6 +2197,73 @@ TEST_P(ModelTest, WarmUpCapturesEveryBucketAndFreesItsSequences) {
   EXPECT_EQ(off.gpu->graphs_captured(), 0);
   EXPECT_EQ(off.gpu->kv_cache().num_free_blocks(),
             off.gpu->kv_cache().num_blocks());
+}
+
+// TunePrefillAttention times the prefill kernels that apply on the bench
+// pair's tiny twins (head_dim 64 and 128, bf16: FlashAttention, the mma
+// kernel, cuDNN where libcudnn loads), keeps one that ran and agrees,
+// frees its sequence, and the model still matches the CPU after it; a
+// context too short for a chunk of kFlashMinRows rows is refused and
+// leaves the path alone.
+TEST_F(CudaTest, TunePrefillAttentionKeepsAnAgreeingKernel) {
+  for (const char* preset : {"llama-3.2-1b-tiny", "llama-3.1-8b-tiny"}) {
+    SCOPED_TRACE(preset);
+    const std::string dir = ::testing::TempDir() + "/tune_" + preset;
+    ASSERT_OK(WriteSyntheticCheckpoint(preset, dir, seed_, "BF16"));
+    Engines e = LoadEnginesFromDir(dir, CudaDType::kBF16, 1024);
+    ASSERT_NE(e.gpu, nullptr);
+    const int free_before = e.gpu->kv_cache().num_free_blocks();
+
+    absl::StatusOr<PrefillTuning> short_context =
+        e.gpu->TunePrefillAttention(/*context_tokens=*/40, /*chunk_rows=*/2048);
+    EXPECT_EQ(short_context.status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(e.gpu->attention_path(), CudaModelRunner::AttentionPath::kAuto);
+
+    absl::StatusOr<PrefillTuning> t =
+        e.gpu->TunePrefillAttention(/*context_tokens=*/256, /*chunk_rows=*/64,
+                                    /*reps=*/1);
+    ASSERT_OK(t.status());
+    std::printf("%s: %s\n", preset, DescribePrefillTuning(*t).c_str());
+    EXPECT_EQ(t->context_tokens, 256);
+    EXPECT_EQ(t->chunk_rows, 64);
+    ASSERT_EQ(t->trials.size(), 3u);
+    EXPECT_EQ(t->trials[0].name, "flash");
+    EXPECT_TRUE(t->trials[0].ran);
+    EXPECT_GT(t->trials[0].seconds, 0);
+    // The mma kernel takes head_dim 64 and 128 in bf16, and is right.
+    EXPECT_EQ(t->trials[1].name, "mma");
+    EXPECT_TRUE(t->trials[1].ran) << t->trials[1].note;
+    EXPECT_TRUE(t->trials[1].agrees) << t->trials[1].max_rel_diff;
+    EXPECT_LT(t->trials[1].max_rel_diff, kBatchTolBf16);
+    EXPECT_EQ(t->trials[2].name, "cudnn");
+    if (t->trials[2].ran) {
+      EXPECT_TRUE(t->trials[2].agrees) << t->trials[2].max_rel_diff;
+    } else {
+      EXPECT_FALSE(t->trials[2].note.empty());
+    }
+    ASSERT_EQ(t->chosen, ChoosePrefillTrial(t->trials));
+    EXPECT_TRUE(t->trials[t->chosen].ran);
+    const CudaModelRunner::AttentionPath kept[] = {
+        CudaModelRunner::AttentionPath::kAuto,
+        CudaModelRunner::AttentionPath::kFlashMma,
+        CudaModelRunner::AttentionPath::kCudnn};
+    EXPECT_EQ(e.gpu->attention_path(), kept[t->chosen]);
+    EXPECT_EQ(e.gpu->kv_cache().num_free_blocks(), free_before);
+
+    // A prefill on the kept kernel still matches the CPU.
+    const int vocab = e.cpu->config().vocab_size, n = 150;
+    std::vector<int> ids(n);
+    for (int& id : ids) id = Uniform(0, vocab - 1);
+    const ForwardInput in = AllRows(ids, Iota(0, n));
+    std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, n);
+    std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, n);
+    ASSERT_NE(gkv, nullptr);
+    ForwardOutput cpu_out, gpu_out;
+    ASSERT_OK(e.cpu->Forward(in, ckv.get(), &cpu_out));
+    ASSERT_OK(e.gpu->Forward(in, gkv.get(), &gpu_out));
+    ExpectLogitsMatch(cpu_out, gpu_out, vocab, kBatchTolBf16);
+  }
 }
 
 TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {

@@ -11,6 +11,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/cuda/attention_plan.h"
 #include "common/cuda/cuda_importance.h"
 #include "common/cuda/cuda_status.h"
@@ -22,6 +24,12 @@
 
 namespace specserve {
 namespace {
+
+// Token i of the warm-up and tuning prompts: ids spread over the
+// vocabulary; any would do.
+int SpreadToken(int i, int vocab) {
+  return static_cast<int>((int64_t{i} * 7919 + 13) % vocab);
+}
 
 // Sub-buffers of the workspace start on 256-byte boundaries (cudaMalloc's
 // alignment): the attention kernels use 16-byte vector loads and WMMA needs
@@ -247,6 +255,11 @@ void CudaModelRunner::set_attention_path(AttentionPath path) {
   }
 }
 
+CudaModelRunner::AttentionPath CudaModelRunner::attention_path() {
+  absl::MutexLock lock(&mu_);
+  return attention_path_;
+}
+
 absl::Status CudaModelRunner::RowLogprobsOnDevice(
     absl::Span<const SequenceForward> batch, const std::vector<int>& lr0,
     const std::vector<int>& argmax, const std::vector<int>& samp_out,
@@ -375,10 +388,7 @@ int CudaModelRunner::graphs_captured() {
 absl::Status CudaModelRunner::WarmUp(int prefill_rows, int max_batch) {
   const ModelConfig& c = config();
   const int block = cache_->block_size();
-  // Token ids spread over the vocabulary; any would do.
-  auto token = [&c](int i) {
-    return static_cast<int>((int64_t{i} * 7919 + 13) % c.vocab_size);
-  };
+  auto token = [&c](int i) { return SpreadToken(i, c.vocab_size); };
   const int n = std::min({prefill_rows, c.max_position_embeddings,
                           cache_->num_blocks() / 2 * block});
   if (n > 0) {
@@ -433,6 +443,137 @@ absl::Status CudaModelRunner::WarmUp(int prefill_rows, int max_batch) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<PrefillTuning> CudaModelRunner::TunePrefillAttention(
+    int context_tokens, int chunk_rows, int reps) {
+  const ModelConfig& c = config();
+  const CudaDType dt = weights_->dtype();
+  const int block = cache_->block_size();
+  const int n = std::min({context_tokens, c.max_position_embeddings,
+                          cache_->num_free_blocks() / 2 * block});
+  const int chunk = std::min(chunk_rows, n / 2);
+  if (chunk < kFlashMinRows) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefill tuning needs a chunk of at least ", kFlashMinRows,
+        " rows; the model's context and the pool allow ", std::max(chunk, 0)));
+  }
+  const int first = n - chunk;  // the timed chunk is [first, n)
+
+  // The candidates, the reference first; `applies` false with the reason
+  // in the trial's note.
+  struct Candidate {
+    AttentionPath path;
+    bool applies;
+    PrefillPathTrial trial;
+  };
+  std::vector<Candidate> cands(3);
+  cands[0].path = AttentionPath::kAuto;
+  cands[0].applies = true;
+  cands[0].trial.name =
+      cuda_kernels::FlashAttentionSupported(c.head_dim, dt) ? "flash"
+                                                            : "batched";
+  cands[1].path = AttentionPath::kFlashMma;
+  cands[1].trial.name = "mma";
+  cands[1].applies = cuda_kernels::FlashMmaSupported(c.head_dim, dt);
+  if (!cands[1].applies) {
+    cands[1].trial.note = absl::StrCat("head_dim ", c.head_dim, " in ",
+                                       CudaDTypeName(dt), " not supported");
+  }
+  cands[2].path = AttentionPath::kCudnn;
+  cands[2].trial.name = "cudnn";
+  const AttentionPath before = attention_path();
+  {
+    absl::MutexLock lock(&mu_);
+    const CudnnSdpaShape shape{chunk, n, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim, dt};
+    const absl::Status valid = ValidateCudnnSdpaShape(shape);
+    cands[2].applies = valid.ok() && CudnnSupports(shape);
+    if (!valid.ok()) {
+      cands[2].trial.note = std::string(valid.message());
+    } else if (!cands[2].applies) {
+      cands[2].trial.note = cudnn_unavailable_ ? "libcudnn unavailable"
+                                               : "no cuDNN engine for the shape";
+    }
+  }
+
+  absl::StatusOr<std::unique_ptr<KvSequence>> seq = NewSequence(n);
+  if (!seq.ok()) return seq.status();
+  std::vector<int> ids(n), pos(n);
+  for (int i = 0; i < n; ++i) {
+    ids[i] = SpreadToken(i, c.vocab_size);
+    pos[i] = i;
+  }
+  auto fail = [&](const absl::Status& s) {
+    set_attention_path(before);
+    return s;
+  };
+  // The cached context before the chunk, with the reference kernel.
+  set_attention_path(AttentionPath::kAuto);
+  for (int a = 0; a < first; a += chunk) {
+    const int len = std::min(chunk, first - a);
+    ForwardInput in;
+    in.token_ids = absl::MakeConstSpan(ids).subspan(a, len);
+    in.position_ids = absl::MakeConstSpan(pos).subspan(a, len);
+    in.argmax_only = true;
+    ForwardOutput out;
+    if (absl::Status s = Forward(in, seq->get(), &out); !s.ok()) {
+      return fail(s);
+    }
+  }
+  ForwardInput last;
+  last.token_ids = absl::MakeConstSpan(ids).subspan(first, chunk);
+  last.position_ids = absl::MakeConstSpan(pos).subspan(first, chunk);
+  // One forward of the chunk: wall seconds (Forward returns once the
+  // logits are on the host), its last row's logits into *logits if set.
+  auto run_chunk = [&](std::vector<float>* logits) -> absl::StatusOr<double> {
+    SPECSERVE_RETURN_IF_ERROR((*seq)->Truncate(first));
+    ForwardOutput out;
+    const absl::Time start = absl::Now();
+    SPECSERVE_RETURN_IF_ERROR(Forward(last, seq->get(), &out));
+    const double s = absl::ToDoubleSeconds(absl::Now() - start);
+    if (logits != nullptr) *logits = std::move(out.logits);
+    return s;
+  };
+
+  PrefillTuning tuning;
+  tuning.context_tokens = n;
+  tuning.chunk_rows = chunk;
+  std::vector<float> ref_logits;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    PrefillPathTrial& t = cands[i].trial;
+    if (!cands[i].applies) continue;
+    set_attention_path(cands[i].path);
+    std::vector<float> logits;
+    absl::StatusOr<double> untimed = run_chunk(&logits);
+    std::vector<double> times;
+    for (int r = 0; untimed.ok() && r < std::max(reps, 1); ++r) {
+      absl::StatusOr<double> timed = run_chunk(nullptr);
+      if (!timed.ok()) {
+        untimed = timed.status();
+        break;
+      }
+      times.push_back(*timed);
+    }
+    if (!untimed.ok()) {
+      if (i == 0) return fail(untimed.status());
+      t.note = untimed.status().ToString();
+      continue;
+    }
+    t.ran = true;
+    t.seconds = MedianSeconds(times);
+    if (i == 0) {
+      ref_logits = std::move(logits);
+      t.agrees = true;
+    } else {
+      t.max_rel_diff = MaxRelDiff(ref_logits, logits);
+      t.agrees = TopOneAgrees(ref_logits, logits);
+    }
+  }
+  for (const Candidate& cand : cands) tuning.trials.push_back(cand.trial);
+  tuning.chosen = ChoosePrefillTrial(tuning.trials);
+  set_attention_path(cands[tuning.chosen].path);
+  return tuning;
 }
 
 absl::StatusOr<std::unique_ptr<QueryCapture>> CudaModelRunner::NewQueryCapture(

@@ -17,6 +17,7 @@
 #include "common/cuda/cudnn_attention.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
+#include "common/cuda/prefill_tuning.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
 
@@ -127,6 +128,7 @@ class CudaModelRunner : public ModelRunner {
   static size_t BytesPerToken(const ModelConfig& config, CudaDType dtype);
 
   void set_attention_path(AttentionPath path);
+  AttentionPath attention_path();
 
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
   /// verify step of greedy (argmax_only) or device-sampled
@@ -171,6 +173,24 @@ class CudaModelRunner : public ModelRunner {
   /// freed before it returns. Errors as Forward; a failed capture only
   /// turns graphs off, as in Forward.
   absl::Status WarmUp(int prefill_rows, int max_batch = kMaxGraphRows);
+
+  /// Chooses the long-prefill attention kernel by timing it on this GPU,
+  /// as PyTorch's cudnn.benchmark does (prefill_tuning.h): the reference
+  /// kAuto (WMMA FlashAttention), kFlashMma where the head_dim / dtype
+  /// allow, kCudnn where libcudnn loads and an engine takes the shape. A
+  /// scratch sequence is filled to `context_tokens` (clamped to the
+  /// model's context and half the pool) in chunks of `chunk_rows` (at most
+  /// half of that); its last chunk, the attention-heaviest of a chunked
+  /// prefill, is run once untimed (kernel loading, cuDNN's plan) and
+  /// `reps` times timed with each kernel, the sequence truncated back in
+  /// between. Keeps ChoosePrefillTrial's pick (set_attention_path) and
+  /// returns every trial; a candidate whose forward fails is recorded as
+  /// not run. The sequence is freed before it returns. Errors: the
+  /// reference's Forward errors; FAILED_PRECONDITION where the chunk would
+  /// be under kFlashMinRows rows (the path is then left as it was).
+  absl::StatusOr<PrefillTuning> TunePrefillAttention(int context_tokens,
+                                                     int chunk_rows,
+                                                     int reps = 2);
 
   absl::StatusOr<std::unique_ptr<QueryCapture>> NewQueryCapture(
       int max_rows) override;

@@ -12,6 +12,7 @@
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device.h"
 #include "common/cuda/kv_pool_sizing.h"
+#include "common/cuda/prefill_tuning.h"
 
 namespace specserve {
 namespace {
@@ -106,6 +107,22 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     (*r)->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
   }
   LogPool(**r, source);
+  if (options.warm_up && options.prefill_attention == "auto") {
+    // Before WarmUp, so its prefill loads the kept kernel. A failure keeps
+    // FlashAttention: the service still starts.
+    const absl::Time start = absl::Now();
+    absl::StatusOr<PrefillTuning> tuned = (*r)->TunePrefillAttention(
+        kPrefillTuningContextTokens, kWorkspaceReserveRows);
+    const double s = absl::ToDoubleSeconds(absl::Now() - start);
+    if (tuned.ok()) {
+      std::fprintf(stderr, "%s in %.2f s\n",
+                   DescribePrefillTuning(*tuned).c_str(), s);
+    } else {
+      std::fprintf(stderr,
+                   "prefill attention: flash (not tuned after %.2f s: %s)\n",
+                   s, tuned.status().ToString().c_str());
+    }
+  }
   if (options.warm_up) {
     // A failed warm-up (a pool too small for it, say) does not stop the
     // service: requests then pay the first-use costs themselves.
@@ -136,11 +153,12 @@ absl::StatusOr<DeviceKind> ResolveDevice(
                      options.gpu_memory_utilization));
   }
   if (options.prefill_attention != "auto" &&
+      options.prefill_attention != "flash" &&
       options.prefill_attention != "mma" &&
       options.prefill_attention != "cudnn") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefill_attention must be auto, mma or cudnn, got \"",
-                     options.prefill_attention, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill_attention must be auto, flash, mma or cudnn, got \"",
+        options.prefill_attention, "\""));
   }
   absl::StatusOr<DeviceKind> kind =
       ParseDevice(options.device, CudaAvailable());

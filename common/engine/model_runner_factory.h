@@ -44,15 +44,20 @@ struct RunnerOptions {
   /// CUDA: replay decode / verify steps from CUDA graphs
   /// (CudaModelRunner::set_cuda_graphs). Ignored on CPU.
   bool cuda_graphs = true;
-  /// CUDA prefill attention for long chunks: "auto" (the WMMA
-  /// FlashAttention), "mma" (FlashMmaAttention, CudaModelRunner::
-  /// AttentionPath::kFlashMma) or "cudnn" (cuDNN's fused SDPA,
-  /// AttentionPath::kCudnn). Anything else is INVALID_ARGUMENT; ignored on
-  /// CPU.
+  /// CUDA prefill attention for long chunks: "auto" (with warm_up, the
+  /// fastest kernel that agrees, timed at creation by CudaModelRunner::
+  /// TunePrefillAttention on a kWorkspaceReserveRows-row chunk at
+  /// kPrefillTuningContextTokens tokens; without, the WMMA
+  /// FlashAttention), "flash" (the WMMA FlashAttention, untimed), "mma"
+  /// (FlashMmaAttention, CudaModelRunner::AttentionPath::kFlashMma) or
+  /// "cudnn" (cuDNN's fused SDPA, AttentionPath::kCudnn). Anything else is
+  /// INVALID_ARGUMENT; ignored on CPU.
   std::string prefill_attention = "auto";
   /// CUDA: CudaModelRunner::WarmUp at creation (a kWorkspaceReserveRows-row
   /// prefill chunk, then every graph bucket captured), so the first
-  /// requests do not pay for lazy loading and captures. Ignored on CPU.
+  /// requests do not pay for lazy loading and captures; with
+  /// prefill_attention "auto" the prefill kernels are timed first.
+  /// Ignored on CPU.
   bool warm_up = true;
 };
 
@@ -61,6 +66,10 @@ inline constexpr size_t kDefaultCpuKvBudgetBytes = size_t{2} << 30;
 /// Forward rows the CUDA workspace reserve is sized for (the CUDA default
 /// of DefaultMaxNumBatchedTokens).
 inline constexpr int kWorkspaceReserveRows = 2048;
+/// Tokens of the sequence whose last kWorkspaceReserveRows-row chunk times
+/// the prefill attention kernels at creation (prefill_attention "auto"):
+/// long enough that attention, not the projections, sets the chunk's time.
+inline constexpr int kPrefillTuningContextTokens = 8192;
 
 /// Builds the ModelRunner `options.device` names over `weights` (uploaded
 /// to the GPU for cuda; the host copy can be dropped afterwards). Logs the

@@ -45,6 +45,8 @@ TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
   EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
   o.prefill_attention = "cudnn";
   EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
+  o.prefill_attention = "flash";
+  EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
   o.prefill_attention = "auto";
   o.kv_cache.pool_bytes = 1;  // less than one block
   EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),

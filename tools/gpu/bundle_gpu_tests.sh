@@ -7,6 +7,7 @@
 #     attention_plan_test, flash_mma_test,
 #     cudnn_attention_test,
 #     kv_pool_sizing_test, step_inputs_test,
+#     prefill_tuning_test,
 #     sampling_kernels_test,                 (gtest)
 #     model_runner_factory_test              (common/engine: the CUDA
 #                                            runner through the factory,
@@ -44,7 +45,8 @@ BIN_ROOT=${BINARIES_FROM:-bazel-bin}
 TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
        common/cuda/cudnn_attention_test
        common/cuda/device_test common/cuda/flash_mma_test
-       common/cuda/kv_pool_sizing_test common/cuda/sampling_kernels_test
+       common/cuda/kv_pool_sizing_test common/cuda/prefill_tuning_test
+       common/cuda/sampling_kernels_test
        common/cuda/step_inputs_test
        common/engine/model_runner_factory_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
@@ -53,6 +55,7 @@ if [ -z "${BINARIES_FROM:-}" ]; then
     //common/cuda:cuda_backend_test //common/cuda:cudnn_attention_test \
     //common/cuda:device_test \
     //common/cuda:flash_mma_test //common/cuda:kv_pool_sizing_test \
+    //common/cuda:prefill_tuning_test \
     //common/cuda:sampling_kernels_test \
     //common/cuda:step_inputs_test //common/engine:model_runner_factory_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint

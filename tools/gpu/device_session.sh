@@ -30,7 +30,8 @@
 # PHASES (default "tests engine stack suite torch"), GPU_FILTER,
 # ENGINE_ARGS (more gpu_bench flags), STACK_LENGTHS (default "4096
 # 32768"), STACK_ATTENTION (the stack's
-# --prefill_attention; default: the engine benchmark's pick), SPECULATOR /
+# --prefill_attention; default: auto once the tuning test passed, else the
+# engine benchmark's pick), SPECULATOR /
 # TARGET (the stack's models: no checkpoints are written), SESSION (the carried folder,
 # default .device/session), RESULTS (default $OUT, else
 # bench/results/session), DEVICE_SESSION_DRY=1 (check the bundle and print
@@ -43,7 +44,7 @@ BUDGET_S=${BUDGET_S:-560}
 PHASES=${PHASES:-"tests engine stack suite torch"}
 SESSION=${SESSION:-.device/session}
 RESULTS=${RESULTS:-${OUT:-bench/results/session}}
-GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:ModelRunnerFactoryTest.*'}
+GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
 STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
 export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 DRY=${DEVICE_SESSION_DRY:-0}
@@ -176,17 +177,30 @@ if [ -n "$CK_PID" ]; then
 fi
 has engine && phase engine 90 240 \
   "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh engine ${ENGINE_ARGS:-}"
-# The stack runs long prefills on the attention path the engine benchmark
-# found fastest among those whose logits agree with the default's
-# (gpu_bench: "prefill attention for the rest of the N row: PATH", the
-# longest prompt's line), unless STACK_ATTENTION names one.
+# The stack's prefill attention, unless STACK_ATTENTION names one: the
+# services' default (auto: each times the kernels at start-up and keeps the
+# fastest that agrees) once TunePrefillAttention has passed its GPU test;
+# otherwise the path the engine benchmark found fastest among those whose
+# logits agree with the default's (gpu_bench: "prefill attention for the
+# rest of the N row: PATH", the longest prompt's line); else flash.
 path=${STACK_ATTENTION:-}
+why="STACK_ATTENTION"
+if [ -z "$path" ] &&
+   grep -q '^\[       OK \] CudaTest.TunePrefillAttention' \
+     "$RESULTS/tests.log" 2>/dev/null; then
+  path=auto
+  why="tuned by each service at start-up (its GPU test passed)"
+fi
 if [ -z "$path" ] && [ -s "$RESULTS/engine.log" ]; then
   path=$(sed -n 's/^prefill attention for the rest of the [0-9]* row: \([a-z]*\)$/\1/p' \
     "$RESULTS/engine.log" | tail -1)
+  why="the engine benchmark's pick"
 fi
-path=${path:-auto}
-echo "device_session: the stack's prefill attention: $path" >&2
+if [ -z "$path" ]; then
+  path=flash
+  why="no tuning test passed and no engine pick"
+fi
+echo "device_session: the stack's prefill attention: $path ($why)" >&2
 has stack && phase stack 120 330 \
   "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='--prefill_attention=$path' tools/gpu/run_stack_bench.sh"
 has suite && phase suite 60 300 \
@@ -199,7 +213,10 @@ has torch && phase torch 60 240 \
   echo
   echo "GPU: $(tail -n +2 "$RESULTS/gpu_info.txt" 2>/dev/null | head -1)"
   echo
-  echo "Stack prefill attention: $path (from the engine benchmark unless set)"
+  echo "Stack prefill attention: $path ($why)"
+  # Each service's start-up line: the kept kernel and every trial's time.
+  grep -h '^prefill attention:' "$RESULTS"/stack_logs/*.log 2>/dev/null |
+    sed 's/^/    /' || true
   echo
   echo "| phase | status | s |"
   echo "|---|---|---|"
