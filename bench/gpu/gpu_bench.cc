@@ -10,6 +10,9 @@
 //    written, 4 GiB unless --copy_bytes);
 //  * GEMM MFU: the target's per-layer projections through cuBLAS at M =
 //    prompt length, as a fraction of that peak;
+//  * the services' start-up choice of prefill attention for each model
+//    (TunePrefillAttention, --prefill_attention=auto), logged as
+//    "<model> start-up tuning: ..." and in the JSON;
 //  * per prompt length (4K..32K): target prefill of the full prompt with
 //    each prefill attention path (WMMA, mma.sync, cuDNN), then, with the
 //    fastest path whose last-row argmax agrees with the default's, the
@@ -52,6 +55,7 @@
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/cuda/prefill_tuning.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
 #include "common/engine/paged_kv_cache.h"
@@ -461,6 +465,20 @@ int Main(int argc, char** argv) {
   }
   gemm_json += "]";
   top.Raw("gemm", gemm_json);
+
+  // What the services' start-up tuning (--prefill_attention=auto) keeps on
+  // this GPU, to set against the per-length picks below; then back to the
+  // default for those. Before the benchmark's sequences take the pools.
+  for (Model* m : {&target, &spec}) {
+    const char* role = m == &target ? "target" : "speculator";
+    absl::StatusOr<PrefillTuning> t = m->engine->TunePrefillAttention(
+        kPrefillTuningContextTokens, kPrefillTuningChunkRows);
+    const std::string line = t.ok() ? DescribePrefillTuning(*t)
+                                    : t.status().ToString();
+    std::printf("%s start-up tuning: %s\n", role, line.c_str());
+    top.Str(absl::StrCat(role, "_prefill_tuning"), line);
+    m->engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
+  }
 
   std::unique_ptr<KvSequence> tcache = NewCache(target, target_tokens);
   std::unique_ptr<KvSequence> scache = NewCache(spec, spec_tokens);

@@ -24,6 +24,11 @@ for key in ("device", "dtype", "command", "cublas_peak_tflops",
             "copy_bandwidth_gbps", "gemm", "rows"):
     assert key in j, key
 assert j["dtype"] == "bf16", j["dtype"]
+# The start-up tuning ran on both models (cuDNN does not run emulated).
+for role in ("target", "speculator"):
+    line = j[role + "_prefill_tuning"]
+    assert line.startswith("prefill attention: "), line
+    assert "flash" in line and "mma" in line and "cudnn not run" in line, line
 assert {(g["m"], g["gemm"]) for g in j["gemm"]} == {
     (m, g) for m in (96, 200) for g in ("qkv", "o", "gate_up", "down")}
 rows = j["rows"]

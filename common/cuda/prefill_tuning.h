@@ -46,6 +46,13 @@ struct PrefillTuning {
   int chosen = -1;
 };
 
+/// The services' tuning run (prefill_attention "auto"): the timed chunk
+/// has the CUDA default of --max_num_batched_tokens rows and ends at
+/// kPrefillTuningContextTokens tokens, long enough that attention, not the
+/// projections, sets most of the chunk's time with the WMMA kernel.
+inline constexpr int kPrefillTuningChunkRows = 2048;
+inline constexpr int kPrefillTuningContextTokens = 8192;
+
 /// Near-tie tolerance of TopOneAgrees, as a fraction of max |reference
 /// logit|: bf16 kernels that sum in another order move logits by ~1e-3
 /// of that.

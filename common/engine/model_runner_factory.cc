@@ -112,7 +112,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     // FlashAttention: the service still starts.
     const absl::Time start = absl::Now();
     absl::StatusOr<PrefillTuning> tuned = (*r)->TunePrefillAttention(
-        kPrefillTuningContextTokens, kWorkspaceReserveRows);
+        kPrefillTuningContextTokens, kPrefillTuningChunkRows);
     const double s = absl::ToDoubleSeconds(absl::Now() - start);
     if (tuned.ok()) {
       std::fprintf(stderr, "%s in %.2f s\n",

@@ -46,8 +46,8 @@ struct RunnerOptions {
   bool cuda_graphs = true;
   /// CUDA prefill attention for long chunks: "auto" (with warm_up, the
   /// fastest kernel that agrees, timed at creation by CudaModelRunner::
-  /// TunePrefillAttention on a kWorkspaceReserveRows-row chunk at
-  /// kPrefillTuningContextTokens tokens; without, the WMMA
+  /// TunePrefillAttention on a kPrefillTuningChunkRows-row chunk at
+  /// kPrefillTuningContextTokens tokens, prefill_tuning.h; without, the WMMA
   /// FlashAttention), "flash" (the WMMA FlashAttention, untimed), "mma"
   /// (FlashMmaAttention, CudaModelRunner::AttentionPath::kFlashMma) or
   /// "cudnn" (cuDNN's fused SDPA, AttentionPath::kCudnn). Anything else is
@@ -66,10 +66,6 @@ inline constexpr size_t kDefaultCpuKvBudgetBytes = size_t{2} << 30;
 /// Forward rows the CUDA workspace reserve is sized for (the CUDA default
 /// of DefaultMaxNumBatchedTokens).
 inline constexpr int kWorkspaceReserveRows = 2048;
-/// Tokens of the sequence whose last kWorkspaceReserveRows-row chunk times
-/// the prefill attention kernels at creation (prefill_attention "auto"):
-/// long enough that attention, not the projections, sets the chunk's time.
-inline constexpr int kPrefillTuningContextTokens = 8192;
 
 /// Builds the ModelRunner `options.device` names over `weights` (uploaded
 /// to the GPU for cuda; the host copy can be dropped afterwards). Logs the

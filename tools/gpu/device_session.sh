@@ -233,7 +233,7 @@ has torch && phase torch 60 240 \
     echo
     echo "## engine"
     echo
-    grep -E '^(target .* loaded in|target full prefill at|prefill attention for the rest|(mma|cudnn) at [0-9]+:)' \
+    grep -E '^(target .* loaded in|(target|speculator) start-up tuning:|target full prefill at|prefill attention for the rest|(mma|cudnn) at [0-9]+:)' \
       "$RESULTS/engine.log" || true
   fi
   [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }

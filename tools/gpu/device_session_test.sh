@@ -75,6 +75,7 @@ picked=$(sed -n 's/^prefill attention for the rest of the 200 row: //p' \
   { echo "gpu_bench picked '$picked'" >&2; exit 1; }
 # The engine's per-path prefill lines made it into the summary.
 grep -q "^target full prefill at 200: " "$S"
+grep -q "^target start-up tuning: prefill attention: " "$S"
 grep -q "^Stack prefill attention: $picked " "$S" ||
   { echo "the stack did not run on $picked" >&2; exit 1; }
 # The stack's tables made it into the summary: two TTFT rows, a decode row.
