@@ -111,18 +111,19 @@ start() {
 
 # Both services share the one GPU: their --gpu_memory_utilization shares
 # (vLLM's meaning, each sizes its KV pool from its own) must sum to < 1.
-# The two load their weights at the same time: each sizes its pool from
-# its share of the device's total memory, not from what the other has
-# taken yet, so the order does not matter.
+# The target starts once the speculator listens: each times its prefill
+# attention kernels at start-up (--prefill_attention=auto), and two
+# services timing on one GPU at once would measure each other. (On
+# Kubernetes they have a GPU each.)
 read -r -a EXTRA <<< "${SERVICE_ARGS:-}"
 launch speculator_service --model "$SPECULATOR" --port 0 \
   --metrics_port 0 --device "$DEVICE" \
   --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}" \
   ${EXTRA[@]+"${EXTRA[@]}"}
+SPORT=$(port speculator_service)
 launch target_service --model "$TARGET" --port 0 --metrics_port 0 \
   --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}" \
   ${EXTRA[@]+"${EXTRA[@]}"}
-SPORT=$(port speculator_service)
 TPORT=$(port target_service)
 HPORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); \
 print(s.getsockname()[1]); s.close()")
