@@ -10,12 +10,22 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 
 namespace specserve {
 namespace testing_cuda {
+
+/// Whether the device is common/cuda/emu's CPU emulation (the *_emu_test
+/// twins), where a launch costs host time per emulated thread: tests size
+/// their slowest cases down there, never their checks.
+inline bool EmulatedDevice() {
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+  return std::string(prop.name).find("emulator") != std::string::npos;
+}
 
 /// `bytes` of device memory (at least 16, so never null); error() holds
 /// cudaMalloc's result. Move-free, freed on destruction.

@@ -487,7 +487,9 @@ void ExpectAgreement(int vocab, int num_rows, uint64_t seed) {
 
 TEST_F(SampleRowsTest, MatchesHostTinyVocab) {
   const uint64_t seed = TestSeed();
-  ExpectAgreement(7, 600, seed);
+  // Emulated, each row's block of threads costs host time whatever the
+  // vocabulary: 600 rows took 97 s of a CI shard.
+  ExpectAgreement(7, testing_cuda::EmulatedDevice() ? 200 : 600, seed);
   ExpectAgreement(1, 50, seed);
   ExpectAgreement(2, 100, seed);
 }
