@@ -128,6 +128,8 @@ class CudaModelRunner : public ModelRunner {
   static size_t BytesPerToken(const ModelConfig& config, CudaDType dtype);
 
   void set_attention_path(AttentionPath path);
+  /// The path Forward uses now: set_attention_path's, or the one
+  /// TunePrefillAttention kept.
   AttentionPath attention_path();
 
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
