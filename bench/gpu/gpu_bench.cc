@@ -93,11 +93,6 @@ double Now() {
       .count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 std::vector<int> ParseInts(const std::string& s) {
   std::vector<int> out;
   for (absl::string_view p : absl::StrSplit(s, ',', absl::SkipEmpty())) {
@@ -507,7 +502,7 @@ int Main(int argc, char** argv) {
       full.push_back(TimePrefill(target, tcache.get(), ids, pos,
                                  r == 0 ? &ref_logits : nullptr));
     }
-    const double t_full = Median(full);
+    const double t_full = MedianSeconds(full);
     // The same with FlashMmaAttention (--prefill_attention=mma) and with
     // cuDNN's SDPA (--prefill_attention=cudnn; its plan is built by the
     // untimed first run), then back to the default. Each prints how far its
@@ -533,7 +528,7 @@ int Main(int argc, char** argv) {
                   "top-1 %s\n",
                   name, P, MaxRelDiff(ref_logits, logits),
                   agrees ? "agrees" : "DIFFERS");
-      const double t = Median(ts);
+      const double t = MedianSeconds(ts);
       if (agrees && t < t_best) {
         best = path;
         best_name = name;
@@ -587,7 +582,7 @@ int Main(int argc, char** argv) {
       }
       if (verify_json.size() > 1) verify_json += ", ";
       verify_json += absl::StrFormat("{\"k\": %d, \"seconds\": %.6f}", k,
-                                     Median(ts));
+                                     MedianSeconds(ts));
     }
     verify_json += "]";
     std::printf("target full prefill at %d: %.4f s (WMMA FlashAttention), "
@@ -660,8 +655,8 @@ int Main(int argc, char** argv) {
         kt.push_back(TimePrefill(target, tcache.get(), kept_ids,
                                  s->position_ids));
       }
-      const double t_kept = Median(kt);
-      const double t_scoring = Median(t_score) + t_select;
+      const double t_kept = MedianSeconds(kt);
+      const double t_scoring = MedianSeconds(t_score) + t_select;
       const double ttft = t_scoring + t_kept;
       std::printf("%-6d %9.4f %9.4f %9.2f %9.4f %9.4f %8.2fx %7.1f%% %8.1f "
                   "%8.1f%% %9.1f\n",
@@ -682,9 +677,9 @@ int Main(int argc, char** argv) {
       row.Num("target_best_full_prefill_s", t_best);
       row.Num("target_full_prefill_mfu", mfu);
       row.Num("target_kept_prefill_s", t_kept);
-      row.Num("spec_prefill_s", Median(t_prefill_s));
-      row.Num("spec_lookahead_s", Median(t_look));
-      row.Num("spec_reduce_s", Median(t_reduce));
+      row.Num("spec_prefill_s", MedianSeconds(t_prefill_s));
+      row.Num("spec_lookahead_s", MedianSeconds(t_look));
+      row.Num("spec_reduce_s", MedianSeconds(t_reduce));
       row.Num("select_s", t_select);
       row.Num("scoring_s", t_scoring);
       row.Num("ttft_s", ttft);

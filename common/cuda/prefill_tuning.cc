@@ -6,19 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/decoding/sampling.h"
 
 namespace specserve {
 namespace {
-
-// Index of the largest element; NaN never wins; -1 for empty or all-NaN.
-int ArgmaxNoNan(absl::Span<const float> x) {
-  int best = -1;
-  for (int j = 0; j < static_cast<int>(x.size()); ++j) {
-    if (std::isnan(x[j])) continue;
-    if (best < 0 || x[j] > x[best]) best = j;
-  }
-  return best;
-}
 
 bool AnyNan(absl::Span<const float> x) {
   return std::any_of(x.begin(), x.end(),
@@ -52,9 +43,10 @@ bool TopOneAgrees(absl::Span<const float> ref, absl::Span<const float> logits,
   if (ref.empty() || ref.size() != logits.size() || AnyNan(logits)) {
     return false;
   }
-  const int r = ArgmaxNoNan(ref);
-  const int l = ArgmaxNoNan(logits);
-  if (r < 0 || l < 0) return false;
+  // Argmax: ties -> lowest id, NaN never wins; a NaN reference row compares
+  // false below.
+  const int r = Argmax(ref);
+  const int l = Argmax(logits);
   return ref[l] >= ref[r] - tie * MaxAbs(ref);
 }
 
