@@ -14,16 +14,22 @@
 //    (TunePrefillAttention, --prefill_attention=auto), logged as
 //    "<model> start-up tuning: ..." and in the JSON;
 //  * per prompt length (4K..32K): target prefill of the full prompt with
-//    each prefill attention path (WMMA, mma.sync, cuDNN), then, with the
-//    fastest path whose last-row top-1 agrees with the default's (up to a
-//    near tie, TopOneAgrees), the
-//    prefill of the kept 10% / 30% (at their original positions), the
-//    speculator's scoring time (prefill with query capture, look-ahead
-//    decode, device reduction, selection), TTFT speedup = that path's full
-//    prefill / (scoring + kept prefill);
+//    each prefill attention path (WMMA, mma.sync, cuDNN where libcudnn
+//    loads), then, with the fastest path whose last-row top-1 agrees with
+//    the default's (up to a near tie, TopOneAgrees), the prefill of the
+//    kept 10% / 30% (at their original positions), the speculator's
+//    scoring time (prefill with query capture, look-ahead decode, device
+//    reduction, selection), TTFT speedup = that path's full prefill /
+//    (scoring + kept prefill);
 //  * decode tokens/s of both models after each prefill, with the fraction
 //    of the copy bandwidth that reading weights + KV implies;
-//  * verify-round time of the target vs the number of drafts k.
+//  * verify-round time of the target vs the number of drafts k;
+//  * batched decode of the target: B sequences of --decode_context tokens
+//    each decoding one token per step together (greedy on the device, from
+//    CUDA graphs and eagerly), tokens/s and the fraction of the copy
+//    bandwidth that reading weights + B sequences' KV implies: the engine
+//    side of run_stack_bench.sh's concurrent-streams table, without the
+//    services, the scheduler or HTTP.
 // Timings are wall clock around synchronous calls (what a request waits),
 // median of --reps runs after a warm-up.
 
@@ -75,6 +81,11 @@ ABSL_FLAG(int, chunk_size, 32, "selection chunk size");
 ABSL_FLAG(int, decode_tokens, 32, "decode steps timed per prompt length");
 ABSL_FLAG(std::string, verify_ks, "1,2,4,8,16",
           "draft counts k for the verify-round timing (k + 1 rows)");
+ABSL_FLAG(std::string, decode_batches, "1,16,64,128",
+          "comma-separated sequence counts B of the batched decode stage "
+          "(one token per sequence per step; empty skips the stage)");
+ABSL_FLAG(int, decode_context, 256,
+          "prompt tokens of each sequence of the batched decode stage");
 ABSL_FLAG(int, reps, 3, "timed repetitions of each prefill (median)");
 ABSL_FLAG(std::string, dtype, "bf16", "weights / KV dtype: bf16 | fp16");
 ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
@@ -219,9 +230,11 @@ struct Model {
 };
 
 // Loads `dir` onto the device with a runner whose paged KV pool holds one
-// sequence of `kv_tokens` tokens (the benchmark runs one sequence per model
-// at a time).
-Model LoadModel(const std::string& dir, CudaDType dt, int kv_tokens) {
+// sequence of `kv_tokens` tokens (the benchmark's long prompts run one
+// sequence per model at a time) plus `extra_blocks` blocks (the batched
+// decode stage's sequences).
+Model LoadModel(const std::string& dir, CudaDType dt, int kv_tokens,
+                int extra_blocks = 0) {
   Model m;
   m.name = dir;
   const double t0 = Now();
@@ -234,7 +247,8 @@ Model LoadModel(const std::string& dir, CudaDType dt, int kv_tokens) {
   KvCacheOptions kv;
   kv.pool_bytes = CudaModelRunner::BytesPerToken(m.config, dt) *
                   static_cast<size_t>(kv.block_size) *
-                  PagedKvCache::BlocksForTokens(kv_tokens, kv.block_size);
+                  (PagedKvCache::BlocksForTokens(kv_tokens, kv.block_size) +
+                   static_cast<size_t>(extra_blocks));
   absl::StatusOr<std::unique_ptr<CudaModelRunner>> e =
       CudaModelRunner::Create(m.weights, kv);
   Die(e.status(), "engine");
@@ -258,8 +272,10 @@ double AttentionFlops(const ModelConfig& c, double n) {
 }
 
 // Bytes one decode step reads: every projection weight, the lm_head, one
-// embedding row, and the K/V of `context` cached tokens.
-double DecodeBytes(const Model& m, int context, CudaDType dt) {
+// embedding row per sequence, and the K/V of `context` cached tokens of
+// each of `sequences` sequences.
+double DecodeBytes(const Model& m, int context, CudaDType dt,
+                   int sequences = 1) {
   const ModelConfig& c = m.config;
   const double tb = CudaDTypeBytes(dt);
   const double layer_params =
@@ -267,7 +283,7 @@ double DecodeBytes(const Model& m, int context, CudaDType dt) {
   const double lm_head = double(c.vocab_size) * c.hidden_size;
   const double kv = 2.0 * c.num_hidden_layers * double(context) *
                     c.num_key_value_heads * c.head_dim;
-  return tb * (layer_params + lm_head + kv);
+  return tb * (layer_params + lm_head + sequences * (kv + c.hidden_size));
 }
 
 std::unique_ptr<KvSequence> NewCache(const Model& m, int capacity) {
@@ -322,6 +338,76 @@ double TimeDecode(const Model& m, KvSequence* cache, int first_token,
   return per_token;
 }
 
+// The batched decode stage: seconds per step of `batch` sequences decoding
+// one token each together, from CUDA graphs and eagerly.
+struct BatchedDecode {
+  int batch = 0;
+  double graph_step_s = 0;
+  double eager_step_s = 0;
+  int64_t graph_replays = 0;  // steps of the graph run that replayed
+};
+
+// Prefills `batch` fresh sequences of `context` random tokens (at most
+// 2048 rows per forward, as a chunked prefill would), then times `steps`
+// greedy decode steps of all of them together, eagerly and then from
+// graphs, one untimed step before each (it captures the bucket's graph);
+// the sequences are freed before it returns. Rows are argmax_only, as the
+// services decode greedy requests.
+BatchedDecode TimeBatchedDecode(const Model& m, int batch, int context,
+                                int steps, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> tok(0, m.config.vocab_size - 1);
+  std::vector<std::unique_ptr<KvSequence>> seqs;
+  std::vector<int> next(batch);
+  const int per_forward = std::max(1, 2048 / context);
+  for (int b0 = 0; b0 < batch; b0 += per_forward) {
+    const int nb = std::min(per_forward, batch - b0);
+    std::vector<std::vector<int>> ids(nb), pos(nb);
+    std::vector<SequenceForward> group(nb);
+    for (int i = 0; i < nb; ++i) {
+      seqs.push_back(NewCache(m, context + 2 * (steps + 1)));
+      for (int t = 0; t < context; ++t) {
+        ids[i].push_back(tok(rng));
+        pos[i].push_back(t);
+      }
+      group[i].kv = seqs.back().get();
+      group[i].input.token_ids = ids[i];
+      group[i].input.position_ids = pos[i];
+      group[i].input.argmax_only = true;
+    }
+    std::vector<ForwardOutput> out;
+    Die(m.engine->Forward(group, &out), "batched prefill");
+    for (int i = 0; i < nb; ++i) next[b0 + i] = out[i].argmax[0];
+  }
+  auto run = [&](bool graphs) {
+    m.engine->set_cuda_graphs(graphs);
+    std::vector<int> pos(batch);
+    std::vector<SequenceForward> step(batch);
+    std::vector<ForwardOutput> out;
+    double t0 = Now();
+    for (int s = 0; s <= steps; ++s) {
+      if (s == 1) t0 = Now();
+      for (int i = 0; i < batch; ++i) {
+        pos[i] = seqs[i]->last_position() + 1;
+        step[i].kv = seqs[i].get();
+        step[i].input.token_ids = absl::MakeConstSpan(&next[i], 1);
+        step[i].input.position_ids = absl::MakeConstSpan(&pos[i], 1);
+        step[i].input.argmax_only = true;
+      }
+      Die(m.engine->Forward(step, &out), "batched decode");
+      for (int i = 0; i < batch; ++i) next[i] = out[i].argmax[0];
+    }
+    return (Now() - t0) / steps;
+  };
+  BatchedDecode r;
+  r.batch = batch;
+  r.eager_step_s = run(false);
+  const int64_t replays0 = m.engine->graph_replays();
+  r.graph_step_s = run(true);
+  r.graph_replays = m.engine->graph_replays() - replays0;
+  m.engine->set_cuda_graphs(true);
+  return r;
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "CUDA backend benchmark (Speculative Prefill + decode); see the header "
@@ -347,6 +433,16 @@ int Main(int argc, char** argv) {
   const int lookahead = absl::GetFlag(FLAGS_lookahead);
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   const int decode_steps = std::max(1, absl::GetFlag(FLAGS_decode_tokens));
+  const std::vector<int> batches =
+      ParseInts(absl::GetFlag(FLAGS_decode_batches));
+  const int decode_context = absl::GetFlag(FLAGS_decode_context);
+  for (int b : batches) {
+    if (b < 1 || decode_context < 1) {
+      std::fprintf(stderr, "error: --decode_batches entries and "
+                           "--decode_context must be >= 1\n");
+      return 2;
+    }
+  }
 
   Json top;
   const std::string device = CudaDeviceDescription();
@@ -386,7 +482,14 @@ int Main(int argc, char** argv) {
   const int target_tokens = max_len + 2 * (decode_steps + 1) + max_k + 1 + 8;
   // Speculator: prefill, look-ahead steps, then decode steps.
   const int spec_tokens = max_len + lookahead + decode_steps + 1 + 8;
-  Model target = LoadModel(target_dir, dt, target_tokens);
+  // The batched decode stage's sequences, beside the long prompt's.
+  const int max_batch =
+      batches.empty() ? 0 : *std::max_element(batches.begin(), batches.end());
+  const int batch_blocks =
+      max_batch * PagedKvCache::BlocksForTokens(
+                      decode_context + 2 * (decode_steps + 1),
+                      KvCacheOptions().block_size);
+  Model target = LoadModel(target_dir, dt, target_tokens, batch_blocks);
   Model spec = LoadModel(spec_dir, dt, spec_tokens);
   std::printf("target %s: %.1f GB on device, loaded in %.1f s; speculator "
               "%s: %.1f GB, %.1f s\n",
@@ -455,16 +558,72 @@ int Main(int argc, char** argv) {
   // What the services' start-up tuning (--prefill_attention=auto) keeps on
   // this GPU, to set against the per-length picks below; then back to the
   // default for those. Before the benchmark's sequences take the pools.
+  // Where libcudnn does not load, --prefill_attention=cudnn runs
+  // FlashAttention: the per-length rows then do not time a "cudnn" path.
+  bool cudnn_loads = true;
   for (Model* m : {&target, &spec}) {
     const char* role = m == &target ? "target" : "speculator";
     absl::StatusOr<PrefillTuning> t = m->engine->TunePrefillAttention(
         kPrefillTuningContextTokens, kPrefillTuningChunkRows);
+    if (t.ok()) {
+      for (const PrefillPathTrial& trial : t->trials) {
+        if (trial.name == "cudnn" && trial.note == kLibcudnnUnavailable) {
+          cudnn_loads = false;
+        }
+      }
+    }
     const std::string line = t.ok() ? DescribePrefillTuning(*t)
                                     : t.status().ToString();
     std::printf("%s start-up tuning: %s\n", role, line.c_str());
     top.Str(absl::StrCat(role, "_prefill_tuning"), line);
     m->engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
   }
+
+  // Batched decode of the target (issue 23's concurrent streams at the
+  // engine): B sequences of decode_context tokens, one token each a step.
+  std::mt19937_64 batch_rng(absl::GetFlag(FLAGS_seed) + 1);
+  std::string batched_json = "[";
+  if (!batches.empty()) {
+    std::printf("\nbatched decode of the target at %d-token context "
+                "(greedy on the device; tokens/s of all B sequences):\n"
+                "  B      graph_ms  tok/s     x_B1    bw%%     eager_ms  "
+                "eager_tok/s  replayed\n",
+                decode_context);
+  }
+  double batch1_tok_s = 0;
+  for (int b : batches) {
+    const BatchedDecode d = TimeBatchedDecode(target, b, decode_context,
+                                              decode_steps, batch_rng);
+    const double tok_s = b / d.graph_step_s;
+    if (b == 1) batch1_tok_s = tok_s;
+    // Context during the timed graph steps: after the prompt, the eager
+    // steps and half the graph steps.
+    const int ctx = decode_context + decode_steps + 1 + decode_steps / 2;
+    const double gbps = DecodeBytes(target, ctx, dt, b) / d.graph_step_s / 1e9;
+    const std::string x_b1 =
+        batch1_tok_s > 0 ? absl::StrFormat("%.1fx", tok_s / batch1_tok_s)
+                         : "-";
+    std::printf("  %-6d %8.3f  %-9.1f %-7s %6.1f%%  %8.3f  %-11.1f  %lld/%d\n",
+                b, 1e3 * d.graph_step_s, tok_s, x_b1.c_str(),
+                100 * gbps / copy_bw, 1e3 * d.eager_step_s,
+                b / d.eager_step_s, static_cast<long long>(d.graph_replays),
+                decode_steps + 1);
+    Json row;
+    row.Num("batch", b);
+    row.Num("context", decode_context);
+    row.Num("graph_step_s", d.graph_step_s);
+    row.Num("tok_s", tok_s);
+    row.Num("eager_step_s", d.eager_step_s);
+    row.Num("eager_tok_s", b / d.eager_step_s);
+    row.Num("graph_replays", static_cast<double>(d.graph_replays));
+    row.Num("gbps", gbps);
+    row.Num("bw_fraction", gbps / copy_bw);
+    if (batch1_tok_s > 0) row.Num("x_batch1", tok_s / batch1_tok_s);
+    if (batched_json.size() > 1) batched_json += ", ";
+    batched_json += row.Done();
+  }
+  batched_json += "]";
+  top.Raw("batched_decode", batched_json);
 
   std::unique_ptr<KvSequence> tcache = NewCache(target, target_tokens);
   std::unique_ptr<KvSequence> scache = NewCache(spec, spec_tokens);
@@ -538,8 +697,13 @@ int Main(int argc, char** argv) {
     };
     const double t_full_mma =
         time_path(CudaModelRunner::AttentionPath::kFlashMma, "mma");
-    const double t_full_cudnn =
-        time_path(CudaModelRunner::AttentionPath::kCudnn, "cudnn");
+    // 0 = not run (libcudnn does not load here).
+    double t_full_cudnn = 0;
+    if (cudnn_loads) {
+      t_full_cudnn = time_path(CudaModelRunner::AttentionPath::kCudnn, "cudnn");
+    } else {
+      std::printf("cudnn at %d: not run (%s)\n", P, kLibcudnnUnavailable);
+    }
     target.engine->set_attention_path(best);
     spec.engine->set_attention_path(best);
     std::printf("prefill attention for the rest of the %d row: %s\n", P,
@@ -585,10 +749,12 @@ int Main(int argc, char** argv) {
                                      MedianSeconds(ts));
     }
     verify_json += "]";
+    const std::string cudnn_s =
+        cudnn_loads ? absl::StrFormat("%.4f s", t_full_cudnn) : "not run";
     std::printf("target full prefill at %d: %.4f s (WMMA FlashAttention), "
-                "%.4f s (FlashMmaAttention), %.4f s (cuDNN SDPA); decode "
+                "%.4f s (FlashMmaAttention), %s (cuDNN SDPA); decode "
                 "%.1f tok/s from graphs, %.1f eager\n",
-                P, t_full, t_full_mma, t_full_cudnn, 1.0 / t_dec,
+                P, t_full, t_full_mma, cudnn_s.c_str(), 1.0 / t_dec,
                 1.0 / t_dec_eager);
     std::printf("verify rounds at context %d (k: seconds): %s\n", P,
                 verify_json.c_str());
@@ -670,7 +836,7 @@ int Main(int argc, char** argv) {
       row.Num("target_full_prefill_s", t_full);
       row.Num("target_full_prefill_tflops", flops / t_full / 1e12);
       row.Num("target_full_prefill_mma_s", t_full_mma);
-      row.Num("target_full_prefill_cudnn_s", t_full_cudnn);
+      if (cudnn_loads) row.Num("target_full_prefill_cudnn_s", t_full_cudnn);
       // The fastest path that agrees with the default ran the scoring and
       // the kept prefills; the speedup is against its full prefill.
       row.Str("attention_path", best_name);

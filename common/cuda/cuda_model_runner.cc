@@ -492,7 +492,7 @@ absl::StatusOr<PrefillTuning> CudaModelRunner::TunePrefillAttention(
     if (!valid.ok()) {
       cands[2].trial.note = std::string(valid.message());
     } else if (!cands[2].applies) {
-      cands[2].trial.note = cudnn_unavailable_ ? "libcudnn unavailable"
+      cands[2].trial.note = cudnn_unavailable_ ? kLibcudnnUnavailable
                                                : "no cuDNN engine for the shape";
     }
   }

@@ -60,6 +60,9 @@ inline constexpr double kPrefillTieTolerance = 1e-2;
 /// A library kernel ("cudnn") is kept when it is at most this fraction
 /// slower than the fastest: a well-kept library over our own code.
 inline constexpr double kPrefillLibraryMargin = 0.05;
+/// PrefillPathTrial::note of the "cudnn" trial where libcudnn does not
+/// load on this host (then no prefill runs on cuDNN, whatever the shape).
+inline constexpr char kLibcudnnUnavailable[] = "libcudnn unavailable";
 
 /// max_j |logits[j] - ref[j]| / max_j |ref[j]|; 0 for empty or all-zero
 /// `ref`, +inf when the sizes differ or `logits` holds a NaN.

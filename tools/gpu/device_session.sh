@@ -235,6 +235,9 @@ has torch && phase torch 60 240 \
     echo
     grep -E '^(target .* loaded in|(target|speculator) start-up tuning:|target full prefill at|prefill attention for the rest|(mma|cudnn) at [0-9]+:)' \
       "$RESULTS/engine.log" || true
+    # The batched decode table: its title, header and one line per B.
+    sed -n '/^batched decode of the target/,/^$/p' "$RESULTS/engine.log" |
+      sed '/^$/d'
   fi
   [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }
 } > "$SUMMARY"

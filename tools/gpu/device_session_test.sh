@@ -52,7 +52,8 @@ set +e
 "${run_env[@]}" RESULTS="$TMP/real" PHASES="tests engine stack" \
   ALLOW_NO_GPU=1 CKPT_DIR="$CKPT" ENGINE_ARGS="--prompt_lens 96,200 \
   --keep 0.1 --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1 \
-  --reps 1 --peak_gemm_size 64 --copy_bytes 1048576" \
+  --reps 1 --peak_gemm_size 64 --copy_bytes 1048576 --decode_batches 1,2 \
+  --decode_context 16" \
   DEVICE=cpu SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
   STACK_LENGTHS="96 200" NEW_TOKENS=8 STREAMS="1 2" STREAM_PROMPT_TOKENS=32 \
   STREAM_NEW_TOKENS=8 ANCHOR=off BUDGET_S=500 \
@@ -76,6 +77,12 @@ picked=$(sed -n 's/^prefill attention for the rest of the 200 row: //p' \
 # The engine's per-path prefill lines made it into the summary.
 grep -q "^target full prefill at 200: " "$S"
 grep -q "^target start-up tuning: prefill attention: " "$S"
+# The batched decode table too: its title and a line per B.
+grep -q "^batched decode of the target at 16-token context" "$S"
+for B in 1 2; do
+  grep -Eq "^  $B +[0-9.]+ +[0-9.]+ " "$S" ||
+    { echo "no batched decode line for B=$B in the summary" >&2; exit 1; }
+done
 grep -q "^Stack prefill attention: $picked " "$S" ||
   { echo "the stack did not run on $picked" >&2; exit 1; }
 # The stack's tables made it into the summary: two TTFT rows, a decode row.
