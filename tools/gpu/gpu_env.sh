@@ -63,12 +63,21 @@ else
        "--prefill_attention=cudnn needs it)"
 fi
 # cuDNN's fused attention engines for Hopper compile their kernels at run
-# time with NVRTC (the toolkit's, or PyTorch's nvidia-cuda-nvrtc wheel).
-if NVRTC_DIR=$(find_lib_dir libnvrtc.so.13); then
-  prepend_library_path "$NVRTC_DIR"
-  echo "gpu_env: NVRTC from $NVRTC_DIR"
-else
-  echo "gpu_env: libnvrtc.so.13 not found: cuDNN attention will fall back"
+# time with NVRTC (the toolkit's, or PyTorch's nvidia-cuda-nvrtc wheel),
+# dlopen()ed by the major version cuDNN was built for: 13 for a CUDA 13
+# cuDNN, 12 where PyTorch's wheel brings the CUDA 12 one. Both go on the
+# path where both are found.
+NVRTC_FOUND=0
+for v in 13 12; do
+  if NVRTC_DIR=$(find_lib_dir "libnvrtc.so.$v"); then
+    prepend_library_path "$NVRTC_DIR"
+    echo "gpu_env: NVRTC $v from $NVRTC_DIR"
+    NVRTC_FOUND=1
+  fi
+done
+if [ "$NVRTC_FOUND" = 0 ]; then
+  echo "gpu_env: libnvrtc.so.13 / .so.12 not found: cuDNN attention will" \
+       "fall back"
 fi
 
 # glibc >= 2.36 is needed (binaries built on Debian 12).
