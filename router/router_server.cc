@@ -362,20 +362,10 @@ absl::Status RouterServer::Start(int port) {
   }
   target_->Start();
   speculator_->Start();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
-                           options_.credentials != nullptr
-                               ? options_.credentials
-                               : grpc::InsecureServerCredentials(),
-                           &port_);
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port_ == 0) {
-    server_.reset();
-    port_ = 0;
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options_.host, ":", port));
-  }
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartGrpcServer(
+      options_.host, port, options_.credentials, service_.get(), &port_);
+  if (!server.ok()) return server.status();
+  server_ = *std::move(server);
   health_ = std::thread([this] { HealthLoop(); });
   return absl::OkStatus();
 }

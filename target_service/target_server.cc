@@ -753,21 +753,10 @@ absl::Status TargetServer::Start(int port) {
   if (server_ != nullptr) {
     return absl::FailedPreconditionError("server already started");
   }
-  grpc::ServerBuilder builder;
-  int bound = 0;
-  builder.AddListeningPort(absl::StrCat(options_.host, ":", port),
-                           options_.credentials != nullptr
-                               ? options_.credentials
-                               : grpc::InsecureServerCredentials(),
-                           &bound);
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || bound == 0) {
-    server_.reset();
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options_.host, ":", port));
-  }
-  port_ = bound;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server = StartGrpcServer(
+      options_.host, port, options_.credentials, service_.get(), &port_);
+  if (!server.ok()) return server.status();
+  server_ = *std::move(server);
   return absl::OkStatus();
 }
 

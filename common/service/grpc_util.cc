@@ -46,6 +46,27 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
   return exposer;
 }
 
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::string& host, int port,
+    std::shared_ptr<grpc::ServerCredentials> credentials,
+    grpc::Service* service, int* bound_port) {
+  grpc::ServerBuilder builder;
+  int bound = 0;
+  builder.AddListeningPort(absl::StrCat(host, ":", port),
+                           credentials != nullptr
+                               ? std::move(credentials)
+                               : grpc::InsecureServerCredentials(),
+                           &bound);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", host, ":", port));
+  }
+  if (bound_port != nullptr) *bound_port = bound;
+  return server;
+}
+
 v1::ModelInfo MakeModelInfo(const std::string& model_id,
                             const ModelConfig& config,
                             const Tokenizer* tokenizer) {

@@ -40,6 +40,16 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetricsExposer(
     const std::string& host, int port,
     std::shared_ptr<prometheus::Registry> registry, int* bound_port);
 
+/// Builds and starts a gRPC server that serves `service` (not owned; it
+/// must outlive the server) at <host>:<port> with `credentials`
+/// (plaintext when null). Port 0 picks a free port; the bound port is
+/// written to `bound_port`. UNAVAILABLE when the address cannot be bound
+/// (taken, or not an address of this host).
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::string& host, int port,
+    std::shared_ptr<grpc::ServerCredentials> credentials,
+    grpc::Service* service, int* bound_port);
+
 /// Fills ModelInfo from a model config and (optional) tokenizer.
 v1::ModelInfo MakeModelInfo(const std::string& model_id,
                             const ModelConfig& config,
