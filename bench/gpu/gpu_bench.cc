@@ -15,9 +15,10 @@
 //    "<model> start-up tuning: ..." and in the JSON;
 //  * per prompt length (4K..32K): target prefill of the full prompt with
 //    each prefill attention path (WMMA, mma.sync, cuDNN where libcudnn
-//    loads), then, with the fastest path whose last-row top-1 agrees with
-//    the default's (up to a near tie, TopOneAgrees), the prefill of the
-//    kept 10% / 30% (at their original positions), the speculator's
+//    loads), then, with the path the services' start-up rule keeps
+//    (ChoosePrefillTrial: the fastest whose last-row top-1 agrees with the
+//    default's up to a near tie, cuDNN within 5% of it), the prefill of
+//    the kept 10% / 30% (at their original positions), the speculator's
 //    scoring time (prefill with query capture, look-ahead decode, device
 //    reduction, selection), TTFT speedup = that path's full prefill /
 //    (scoring + kept prefill);
@@ -665,11 +666,17 @@ int Main(int argc, char** argv) {
     // The same with FlashMmaAttention (--prefill_attention=mma) and with
     // cuDNN's SDPA (--prefill_attention=cudnn; its plan is built by the
     // untimed first run), then back to the default. Each prints how far its
-    // last-row logits are from the default's; the fastest path whose
-    // top-1 agrees runs the rest of the row (scoring, kept prefills).
-    CudaModelRunner::AttentionPath best = CudaModelRunner::AttentionPath::kAuto;
-    const char* best_name = "flash";  // --prefill_attention=flash
-    double t_best = t_full;
+    // last-row logits are from the default's. The services' start-up rule
+    // (ChoosePrefillTrial: the fastest whose top-1 agrees up to a near tie,
+    // cuDNN within 5% of it) picks the path that runs the rest of the row
+    // (scoring, kept prefills).
+    std::vector<PrefillPathTrial> trials(1);
+    std::vector<CudaModelRunner::AttentionPath> paths = {
+        CudaModelRunner::AttentionPath::kAuto};
+    trials[0].name = "flash";  // --prefill_attention=flash, the reference
+    trials[0].ran = true;
+    trials[0].agrees = true;
+    trials[0].seconds = t_full;
     auto time_path = [&](CudaModelRunner::AttentionPath path,
                          const char* name) {
       target.engine->set_attention_path(path);
@@ -680,20 +687,18 @@ int Main(int argc, char** argv) {
         ts.push_back(TimePrefill(target, tcache.get(), ids, pos));
       }
       target.engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
-      // The services' start-up tuning rule (prefill_tuning.h): the same
-      // top-1 up to a near tie.
-      const bool agrees = TopOneAgrees(ref_logits, logits);
+      PrefillPathTrial t;
+      t.name = name;
+      t.ran = true;
+      t.seconds = MedianSeconds(ts);
+      t.max_rel_diff = MaxRelDiff(ref_logits, logits);
+      t.agrees = TopOneAgrees(ref_logits, logits);
       std::printf("%s at %d: last-row logits max rel diff %.2e vs default, "
                   "top-1 %s\n",
-                  name, P, MaxRelDiff(ref_logits, logits),
-                  agrees ? "agrees" : "DIFFERS");
-      const double t = MedianSeconds(ts);
-      if (agrees && t < t_best) {
-        best = path;
-        best_name = name;
-        t_best = t;
-      }
-      return t;
+                  name, P, t.max_rel_diff, t.agrees ? "agrees" : "DIFFERS");
+      trials.push_back(t);
+      paths.push_back(path);
+      return t.seconds;
     };
     const double t_full_mma =
         time_path(CudaModelRunner::AttentionPath::kFlashMma, "mma");
@@ -704,6 +709,10 @@ int Main(int argc, char** argv) {
     } else {
       std::printf("cudnn at %d: not run (%s)\n", P, kLibcudnnUnavailable);
     }
+    const int chosen = ChoosePrefillTrial(trials);
+    const CudaModelRunner::AttentionPath best = paths[chosen];
+    const char* best_name = trials[chosen].name.c_str();
+    const double t_best = trials[chosen].seconds;
     target.engine->set_attention_path(best);
     spec.engine->set_attention_path(best);
     std::printf("prefill attention for the rest of the %d row: %s\n", P,
