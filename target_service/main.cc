@@ -25,7 +25,9 @@ ABSL_FLAG(int, metrics_port, 9092, "Prometheus /metrics port (0 = any)");
 ABSL_FLAG(int, engine_threads, 0,
           "OpenBLAS / engine threads per forward (0 = library default)");
 ABSL_FLAG(int, threads, 0, "deprecated: --engine_threads");
-ABSL_FLAG(int, max_sessions, 64, "concurrent Generate streams admitted");
+ABSL_FLAG(int, max_sessions, 256,
+          "concurrent Generate streams admitted (vLLM's max_num_seqs "
+          "default); more wait in the queue");
 ABSL_FLAG(int, max_waiting_requests, 1024,
           "streams that wait for admission before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, default_max_new_tokens, 256,

@@ -67,7 +67,10 @@ namespace specserve {
 struct TargetServerOptions : ModelServiceOptions {
   /// OpenBLAS / engine threads per forward; 0 = library default.
   int engine_threads = 0;
-  int max_sessions = 64;     ///< concurrent admitted streams (>= 1).
+  /// Concurrent admitted streams (>= 1): vLLM's max_num_seqs default, so
+  /// 128 concurrent streams batch together (memory is managed per step,
+  /// not reserved at admission).
+  int max_sessions = 256;
   /// Streams that wait for admission (max_sessions or the KV budget)
   /// before RESOURCE_EXHAUSTED, first come first served (>= 0).
   int max_waiting_requests = 1024;
