@@ -64,6 +64,7 @@
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
 #include "common/cuda/prefill_tuning.h"
+#include "common/decoding/sampling.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
 #include "common/engine/paged_kv_cache.h"
@@ -310,33 +311,44 @@ double TimePrefill(const Model& m, KvSequence* cache,
   return t;
 }
 
-// max |a - b| / max |a| over two logit rows (1 when the sizes differ).
-int Argmax(const std::vector<float>& v) {
-  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+// Greedy decode steps of `seqs` together, as the services run them (one
+// token each per step, argmax on the device), from CUDA graphs or eagerly:
+// one untimed step first (it captures the bucket's graph), then `steps`
+// timed ones; seconds per step. `next` [seqs.size()]: each sequence's next
+// input token, updated to the last step's output. Graphs are on again
+// afterwards (the runner's default).
+double TimeDecodeSteps(const Model& m, absl::Span<KvSequence* const> seqs,
+                       std::vector<int>* next, int steps, bool graphs) {
+  m.engine->set_cuda_graphs(graphs);
+  const size_t n = seqs.size();
+  std::vector<int> pos(n);
+  std::vector<SequenceForward> step(n);
+  std::vector<ForwardOutput> out;
+  double t0 = Now();
+  for (int s = 0; s <= steps; ++s) {
+    if (s == 1) t0 = Now();
+    for (size_t i = 0; i < n; ++i) {
+      pos[i] = seqs[i]->last_position() + 1;
+      step[i].kv = seqs[i];
+      step[i].input.token_ids = absl::MakeConstSpan(&(*next)[i], 1);
+      step[i].input.position_ids = absl::MakeConstSpan(&pos[i], 1);
+      step[i].input.argmax_only = true;
+    }
+    Die(m.engine->Forward(step, &out), "decode");
+    for (size_t i = 0; i < n; ++i) (*next)[i] = out[i].argmax[0];
+  }
+  const double per_step = (Now() - t0) / steps;
+  m.engine->set_cuda_graphs(true);
+  return per_step;
 }
 
-// Greedy decode of `steps` tokens after the cache, as the services run it
-// (argmax on the device), from CUDA graphs or eagerly; seconds per token.
-// One untimed step first (it captures the graph of the 1-row bucket).
+// Greedy decode of `steps` tokens of one sequence after its cache (see
+// TimeDecodeSteps); seconds per token.
 double TimeDecode(const Model& m, KvSequence* cache, int first_token,
                   int steps, bool graphs) {
-  m.engine->set_cuda_graphs(graphs);
-  int tok = first_token;
-  ForwardOutput out;
-  double t0 = Now();
-  for (int i = 0; i <= steps; ++i) {
-    if (i == 1) t0 = Now();
-    const int p = cache->last_position() + 1;
-    ForwardInput in;
-    in.token_ids = absl::MakeConstSpan(&tok, 1);
-    in.position_ids = absl::MakeConstSpan(&p, 1);
-    in.argmax_only = true;
-    Die(m.engine->Forward(in, cache, &out), "decode");
-    tok = out.argmax[0];
-  }
-  const double per_token = (Now() - t0) / steps;
-  m.engine->set_cuda_graphs(true);
-  return per_token;
+  std::vector<int> next = {first_token};
+  return TimeDecodeSteps(m, absl::MakeConstSpan(&cache, 1), &next, steps,
+                         graphs);
 }
 
 // The batched decode stage: seconds per step of `batch` sequences decoding
@@ -379,33 +391,14 @@ BatchedDecode TimeBatchedDecode(const Model& m, int batch, int context,
     Die(m.engine->Forward(group, &out), "batched prefill");
     for (int i = 0; i < nb; ++i) next[b0 + i] = out[i].argmax[0];
   }
-  auto run = [&](bool graphs) {
-    m.engine->set_cuda_graphs(graphs);
-    std::vector<int> pos(batch);
-    std::vector<SequenceForward> step(batch);
-    std::vector<ForwardOutput> out;
-    double t0 = Now();
-    for (int s = 0; s <= steps; ++s) {
-      if (s == 1) t0 = Now();
-      for (int i = 0; i < batch; ++i) {
-        pos[i] = seqs[i]->last_position() + 1;
-        step[i].kv = seqs[i].get();
-        step[i].input.token_ids = absl::MakeConstSpan(&next[i], 1);
-        step[i].input.position_ids = absl::MakeConstSpan(&pos[i], 1);
-        step[i].input.argmax_only = true;
-      }
-      Die(m.engine->Forward(step, &out), "batched decode");
-      for (int i = 0; i < batch; ++i) next[i] = out[i].argmax[0];
-    }
-    return (Now() - t0) / steps;
-  };
+  std::vector<KvSequence*> ptrs;
+  for (const std::unique_ptr<KvSequence>& q : seqs) ptrs.push_back(q.get());
   BatchedDecode r;
   r.batch = batch;
-  r.eager_step_s = run(false);
+  r.eager_step_s = TimeDecodeSteps(m, ptrs, &next, steps, false);
   const int64_t replays0 = m.engine->graph_replays();
-  r.graph_step_s = run(true);
+  r.graph_step_s = TimeDecodeSteps(m, ptrs, &next, steps, true);
   r.graph_replays = m.engine->graph_replays() - replays0;
-  m.engine->set_cuda_graphs(true);
   return r;
 }
 
@@ -787,7 +780,7 @@ int Main(int argc, char** argv) {
       Die(spec.engine->Forward(absl::MakeConstSpan(&f, 1), &out),
           "spec prefill");
       const double t1 = Now();
-      int next = Argmax(out[0].logits);
+      int next = specserve::Argmax(out[0].logits);
       for (int s = 0; s < lookahead; ++s) {
         const int p = P + s;
         SequenceForward d;
@@ -798,7 +791,7 @@ int Main(int argc, char** argv) {
         d.input.capture_query_rows = {0};
         Die(spec.engine->Forward(absl::MakeConstSpan(&d, 1), &out),
             "look-ahead");
-        next = Argmax(out[0].logits);
+        next = specserve::Argmax(out[0].logits);
       }
       const double t2 = Now();
       absl::StatusOr<ImportanceResult> imp = spec.engine->ScoreImportance(
