@@ -724,6 +724,13 @@ cudaError_t FlashAttention(const AttentionArgs& args, cudaStream_t stream) {
   if (!ValidArgs(args) || !FlashAttentionSupported(args.head_dim, args.dtype)) {
     return cudaErrorInvalidValue;
   }
+  // Q, K and V rows are read in 16-byte loads.
+  if (((reinterpret_cast<uintptr_t>(args.q) |
+        reinterpret_cast<uintptr_t>(args.k_cache) |
+        reinterpret_cast<uintptr_t>(args.v_cache)) &
+       15) != 0) {
+    return cudaErrorInvalidValue;
+  }
   if (args.dtype == CudaDType::kBF16) {
     return LaunchFlashDim<__nv_bfloat16>(args, stream);
   }

@@ -259,6 +259,25 @@ TEST(CudaHostTest, LaunchersRejectBadShapesBeforeTouchingTheDevice) {
   EXPECT_TRUE(ck::FlashAttentionSupported(128, CudaDType::kBF16));
   ck::AttentionArgs a;  // n = 0, null pointers
   EXPECT_EQ(ck::FlashAttention(a, nullptr), cudaErrorInvalidValue);
+  {
+    // FlashAttention reads Q, K and V rows in 16-byte loads: a pointer off
+    // that alignment is refused before the launch.
+    ck::AttentionArgs f;
+    f.n = 4;
+    f.num_heads = 4;
+    f.num_kv_heads = 2;
+    f.head_dim = 64;
+    f.dtype = CudaDType::kBF16;
+    f.out = reinterpret_cast<void*>(uintptr_t{0x40000});
+    for (int off : {0, 1, 2}) {  // misaligns q, k_cache, v_cache in turn
+      f.q = reinterpret_cast<const void*>(uintptr_t{0x10000} + 8 * (off == 0));
+      f.k_cache =
+          reinterpret_cast<const void*>(uintptr_t{0x20000} + 2 * (off == 1));
+      f.v_cache =
+          reinterpret_cast<const void*>(uintptr_t{0x30000} + 4 * (off == 2));
+      EXPECT_EQ(ck::FlashAttention(f, nullptr), cudaErrorInvalidValue) << off;
+    }
+  }
   EXPECT_EQ(ck::SplitKAttention(a, 1, nullptr, nullptr),
             cudaErrorInvalidValue);
   ck::RopeArgs r;

@@ -418,7 +418,8 @@ cudaError_t FlashMmaAttention(const AttentionArgs& args, cudaStream_t stream) {
   if (!FlashMmaSupported(a.head_dim, a.dtype) || a.tree_start != nullptr ||
       a.tree_mask != nullptr || a.n < 0 || a.first < 0 || a.num_kv_heads < 1 ||
       a.num_heads < a.num_kv_heads || a.num_heads % a.num_kv_heads != 0 ||
-      int64_t{a.first} + a.n > INT_MAX ||
+      // Tile ends (a row block, a key tile past the last key) stay in int.
+      int64_t{a.first} + a.n > INT_MAX - 2 * kRows ||
       (int64_t{a.n} + kRows - 1) / kRows > kMaxRowBlocks ||
       (a.block_table != nullptr && a.block_size < 1)) {
     return cudaErrorInvalidValue;

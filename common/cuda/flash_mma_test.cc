@@ -132,6 +132,8 @@ TEST(FlashMmaArgsTest, RejectsBadArgumentsBeforeAnyCudaCall) {
       {"no heads", [](ck::AttentionArgs* a) { a->num_heads = 0; }},
       {"first + n overflows",
        [](ck::AttentionArgs* a) { a->first = INT_MAX - 2; }},
+      {"a row block past first + n overflows",
+       [](ck::AttentionArgs* a) { a->first = INT_MAX - 100; }},
       {"too many rows", [](ck::AttentionArgs* a) { a->n = 64 * 65535 + 1; }},
       {"block_size 0",
        [](ck::AttentionArgs* a) {

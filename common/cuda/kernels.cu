@@ -33,6 +33,9 @@ using cuda_detail::FromF32;
 using cuda_detail::ToF32;
 
 constexpr int kThreads = 256;
+// RmsNorm's block at hidden sizes >= 4096; its launch bounds hold the
+// kernel to the registers 1024 threads may each have.
+constexpr int kRmsNormMaxThreads = 1024;
 // Grid-stride loops: enough blocks to fill an H100 several times over.
 constexpr unsigned kMaxBlocks = 4096;
 
@@ -86,10 +89,10 @@ __global__ void EmbeddingGatherKernel(const T* __restrict__ table,
 }
 
 template <typename T>
-__global__ void RmsNormKernel(const float* __restrict__ x,
-                              const int* __restrict__ rows, int dim,
-                              const float* __restrict__ w, float eps,
-                              T* __restrict__ out) {
+__global__ void __launch_bounds__(kRmsNormMaxThreads)
+    RmsNormKernel(const float* __restrict__ x, const int* __restrict__ rows,
+                  int dim, const float* __restrict__ w, float eps,
+                  T* __restrict__ out) {
   __shared__ float scratch[32];
   const size_t r = blockIdx.x;
   const size_t src_row = rows != nullptr ? rows[r] : r;
@@ -291,7 +294,8 @@ cudaError_t RmsNorm(const float* x, const int* rows, int num_rows, int dim,
                     const float* w, float eps, void* out, CudaDType out_dtype,
                     cudaStream_t stream) {
   if (num_rows <= 0 || dim <= 0) return cudaErrorInvalidValue;
-  const int threads = dim >= 4096 ? 1024 : (dim >= 1024 ? 512 : 128);
+  const int threads =
+      dim >= 4096 ? kRmsNormMaxThreads : (dim >= 1024 ? 512 : 128);
   SPECSERVE_DISPATCH_DTYPE(
       out_dtype, T,
       SPECSERVE_LAUNCH(num_rows, threads, 0, stream, RmsNormKernel<T>)(

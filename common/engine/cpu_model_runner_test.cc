@@ -491,7 +491,7 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
   good.draft_q = {&q, nullptr};
   good.uniforms = {0.1, 0.2, 0.3, 0.4};
   std::vector<std::pair<std::string, RowSampling>> bad_sampling;
-  for (int c = 0; c < 7; ++c) bad_sampling.push_back({"", good});
+  for (int c = 0; c < 10; ++c) bad_sampling.push_back({"", good});
   bad_sampling[0] = {"temperature > 0", good};
   bad_sampling[0].second.params.temperature = 0.f;
   bad_sampling[1] = {"top_p", good};
@@ -507,6 +507,16 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
   const SparseDist q_bad = {{700, 1.f}};
   bad_sampling[6] = {"lists id 700", good};
   bad_sampling[6].second.draft_q[0] = &q_bad;
+  // The device kernel would race on a repeated id; q(draft) divides.
+  const SparseDist q_twice = {{3, 0.5f}, {3, 0.5f}};
+  bad_sampling[7] = {"lists id 3 more than once", good};
+  bad_sampling[7].second.draft_q[0] = &q_twice;
+  const SparseDist q_without = {{4, 1.f}};
+  bad_sampling[8] = {"gives the draft 3 no probability", good};
+  bad_sampling[8].second.draft_q[0] = &q_without;
+  const SparseDist q_negative = {{3, 1.5f}, {4, -0.5f}};
+  bad_sampling[9] = {"probability -0.5", good};
+  bad_sampling[9].second.draft_q[0] = &q_negative;
   for (const auto& [message, sampling] : bad_sampling) {
     in.sampling = &sampling;
     const absl::Status st = model.Forward(in, cache.get(), &out);

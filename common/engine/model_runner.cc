@@ -1,6 +1,8 @@
 #include "common/engine/model_runner.h"
 
+#include <cmath>
 #include <limits>
+#include <vector>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -31,24 +33,44 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
         " q and ", s.uniforms.size(), " uniforms for ", rows,
         " logit rows (want rows, rows, 2 * rows)"));
   }
+  // stamp[id] == r marks ids already listed in draft_q[r]: a repeated id
+  // would make two device threads update one residual entry at once.
+  std::vector<int> stamp;
   for (size_t r = 0; r < rows; ++r) {
     const int x = s.draft_ids[r];
     if (x < -1 || x >= vocab) {
       return absl::InvalidArgumentError(absl::StrCat(
           "sampling.draft_ids[", r, "] = ", x, " outside [-1, ", vocab, ")"));
     }
-    if (x >= 0 && s.draft_q[r] == nullptr) {
+    if (x < 0) continue;
+    if (s.draft_q[r] == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("sampling.draft_q[", r, "] is null for a draft"));
     }
-    if (x >= 0) {
-      for (const auto& [id, prob] : *s.draft_q[r]) {
-        if (id < 0 || id >= vocab) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "sampling.draft_q[", r, "] lists id ", id,
-              " outside the vocabulary"));
-        }
+    if (stamp.empty()) stamp.assign(vocab, -1);
+    float own = 0.f;
+    for (const auto& [id, prob] : *s.draft_q[r]) {
+      if (id < 0 || id >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sampling.draft_q[", r, "] lists id ", id,
+            " outside the vocabulary"));
       }
+      if (!std::isfinite(prob) || prob < 0.f) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sampling.draft_q[", r, "] gives id ", id,
+                         " probability ", prob, " (want finite, >= 0)"));
+      }
+      if (stamp[id] == static_cast<int>(r)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sampling.draft_q[", r, "] lists id ", id, " more than once"));
+      }
+      stamp[id] = static_cast<int>(r);
+      if (id == x) own = prob;
+    }
+    // The acceptance test divides by q(draft).
+    if (!(own > 0.f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling.draft_q[", r, "] gives the draft ", x, " no probability"));
     }
   }
   for (size_t i = 0; i < s.uniforms.size(); ++i) {
