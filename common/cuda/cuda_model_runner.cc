@@ -122,6 +122,10 @@ CudaModelRunner::CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
                  weights_->config().head_dim) {}
 
 CudaModelRunner::~CudaModelRunner() {
+  // cuDNN's plans own kernels that may still be queued, and its handle is
+  // bound to stream_: both go before the stream.
+  cudaStreamSynchronize(stream_);
+  cudnn_.reset();
   for (const auto* execs : {&graphs_, &sampled_graphs_}) {
     for (cudaGraphExec_t exec : *execs) {
       if (exec != nullptr) cudaGraphExecDestroy(exec);
@@ -358,6 +362,17 @@ bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
                  "in %.3f s\n",
                  shape.s_q, shape.s_kv, cudnn_->last_plan_form().c_str(),
                  cudnn_->plan_build_seconds());
+  } else if (prepared.ok() && cudnn_->plans_built() > built) {
+    // A new chunk shape planned inside a request's prefill: its cost is in
+    // that request's TTFT. The first 64, then every 64th (running totals).
+    const int n = cudnn_->plans_built();
+    if (n <= 64 || n % 64 == 0) {
+      std::fprintf(stderr,
+                   "cudnn plan %d: s_q=%d s_kv=%d, %s; %.3f s for all %d\n",
+                   n, shape.s_q, shape.s_kv,
+                   cudnn_->last_plan_form().c_str(),
+                   cudnn_->plan_build_seconds(), n);
+    }
   }
   return prepared.ok();
 }

@@ -14,7 +14,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/cuda/cuda_status.h"
-#include "absl/strings/string_view.h"
 
 namespace specserve {
 
@@ -372,6 +371,9 @@ struct CudnnAttention::Plan {
 struct CudnnAttention::KernelCache {
   std::shared_ptr<GraphDescs> seed;  // the graph the cache was built from
   Desc cache;
+  // The dynamic-shape form failed once for this pattern: later shapes go
+  // straight to fixed-shape plans instead of paying for the failure again.
+  bool dynamic_failed = false;
 };
 
 absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& s) {
@@ -489,6 +491,12 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
         "/usr/local/cuda/lib64); version seen: ",
         cudnnGetVersion()));
   }
+  // cuDNN's frontend refuses bf16 / fp16 SDPA on 9.10.0 and 9.10.1 (known
+  // bugs in those releases); so do we.
+  if (const size_t v = cudnnGetVersion(); v == 91000 || v == 91001) {
+    return absl::UnavailableError(absl::StrCat(
+        "cuDNN ", v, ": its SDPA has known bugs (use another 9.x)"));
+  }
   cudnnHandle_t handle = nullptr;
   SPECSERVE_CUDNN_RETURN(cudnnCreate(&handle), "cudnnCreate");
   std::unique_ptr<CudnnAttention> a(new CudnnAttention(handle, stream));
@@ -500,6 +508,8 @@ CudnnAttention::CudnnAttention(void* handle, cudaStream_t stream)
     : handle_(handle), stream_(stream) {}
 
 CudnnAttention::~CudnnAttention() {
+  // A plan owns its kernels: none may still be queued when it goes.
+  cudaStreamSynchronize(stream_);
   plans_.clear();  // plans before the kernel caches and the handle
   kernel_caches_.clear();
   if (handle_ != nullptr) cudnnDestroy(static_cast<cudnnHandle_t>(handle_));
@@ -690,8 +700,12 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
     if (!it->second.ok()) return it->second.status();
     return it->second->get();
   }
-  // Bound the cache: a long-running server sees many chunk shapes.
-  if (plans_.size() >= 512) plans_.clear();
+  // Bound the cache: a long-running server sees many chunk shapes. A plan
+  // owns its kernels, so the stream must be done with them first.
+  if (plans_.size() >= 512) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    plans_.clear();
+  }
 
   const auto start = std::chrono::steady_clock::now();
   // One kernel cache per graph pattern: the mask's alignment, heads, head
@@ -704,9 +718,11 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
   absl::StatusOr<std::unique_ptr<Plan>> built;
   std::string errors;
   for (int f = 0; f < kNumForms; ++f) {
+    if (kForms[f].dynamic && cache->dynamic_failed) continue;
     built = BuildPlan(shape, f, handle_, nullptr,
                       kForms[f].dynamic ? cache.get() : nullptr);
     if (built.ok()) break;
+    if (kForms[f].dynamic) cache->dynamic_failed = true;
     absl::StrAppend(&errors, errors.empty() ? "" : "; ", kForms[f].name,
                     ": ", built.status().message());
   }

@@ -90,7 +90,8 @@ absl::StatusOr<int> CheckCudnnSdpaOperations(const CudnnSdpaShape& shape);
 class CudnnAttention {
  public:
   /// Creates the cuDNN handle bound to `stream`. UNAVAILABLE when libcudnn
-  /// does not load or its major version is not 9; INTERNAL when the handle
+  /// does not load, its major version is not 9, or it is 9.10.0 / 9.10.1
+  /// (SDPA bugs the frontend also refuses); INTERNAL when the handle
   /// cannot be created (no GPU included).
   static absl::StatusOr<std::unique_ptr<CudnnAttention>> Create(
       cudaStream_t stream);

@@ -380,8 +380,11 @@ TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
   EXPECT_EQ(attn_->plans_built(), built);
   ExpectClose(c, out, Reference(p100), 1e-2, "cuDNN SDPA, padded shape");
   c.first = 161;
-  ASSERT_TRUE(RunCudnn(MakeProblem(c, 6), &out).ok());
+  const Problem p161 = MakeProblem(c, 6);
+  ASSERT_TRUE(RunCudnn(p161, &out).ok());
   EXPECT_EQ(attn_->plans_built(), built + 1);
+  // A plan whose kernel may come from the cache the first shape filled.
+  ExpectClose(c, out, Reference(p161), 1e-2, "cuDNN SDPA, second plan");
   std::printf("%d plans built in %.3f s, the last: %s\n",
               attn_->plans_built(), attn_->plan_build_seconds(),
               attn_->last_plan_form().c_str());
@@ -389,6 +392,39 @@ TEST_F(CudnnGpuTest, PlansAreCachedPerShape) {
                 .code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(attn_->plans_built(), built + 1);
+}
+
+// The serving path: one instance (as one runner holds) plans shape after
+// shape, so every plan after a pattern's first may run a kernel compiled
+// for another shape (dynamic shapes, a kernel cache per pattern). Each must
+// still give the reference's values, top-left and bottom-right alike.
+TEST_F(CudnnGpuTest, OneInstanceServesManyShapes) {
+  int i = 0;
+  for (const auto& [n, first] : {std::pair<int, int>{256, 0},
+                                 {100, 0},
+                                 {64, 300},
+                                 {200, 57},
+                                 {96, 1000},
+                                 {300, 0},
+                                 {33, 2}}) {
+    Case c;
+    c.head_dim = 128;
+    c.num_heads = 32;
+    c.num_kv_heads = 8;
+    c.n = n;
+    c.first = first;
+    const Problem p = MakeProblem(c, 900 + i++);
+    const int before = attn_->plans_built();
+    const double seconds = attn_->plan_build_seconds();
+    std::vector<float> out;
+    const absl::Status s = RunCudnn(p, &out);
+    ASSERT_TRUE(s.ok()) << CaseName(c) << ": " << s;
+    std::printf("%s: %d plan(s) built in %.3f s (%s)\n", CaseName(c).c_str(),
+                attn_->plans_built() - before,
+                attn_->plan_build_seconds() - seconds,
+                attn_->last_plan_form().c_str());
+    ExpectClose(c, out, Reference(p), 1e-2, "cuDNN SDPA, shared instance");
+  }
 }
 
 // Timing (prints only): attention_test::TimingProblem at n = 4096 and

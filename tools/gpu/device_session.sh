@@ -217,6 +217,12 @@ has torch && phase torch 60 240 \
   # Each service's start-up line: the kept kernel and every trial's time.
   grep -h '^prefill attention:' "$RESULTS"/stack_logs/*.log 2>/dev/null |
     sed 's/^/    /' || true
+  # cuDNN plans built after start-up (in requests), each service's total.
+  for f in "$RESULTS"/stack_logs/*_service.log; do
+    [ -e "$f" ] || continue
+    last=$(grep '^cudnn plan ' "$f" | tail -1)
+    if [ -n "$last" ]; then echo "    $(basename "$f" .log): $last"; fi
+  done
   echo
   echo "| phase | status | s |"
   echo "|---|---|---|"
