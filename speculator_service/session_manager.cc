@@ -54,14 +54,16 @@ bool SessionManager::Expired(const Entry& e, absl::Time now) const {
 
 class SessionManager::Notice {
  public:
-  explicit Notice(const Observer& observer) : observer_(observer) {}
+  explicit Notice(SessionManager* manager) : manager_(manager) {}
   ~Notice() {
-    if (armed_ && observer_) observer_();
+    if (!armed_ || !manager_->observer_) return;
+    absl::MutexLock lock(&manager_->observer_mu_);
+    manager_->observer_();
   }
   void Arm() { armed_ = true; }
 
  private:
-  const Observer& observer_;
+  SessionManager* const manager_;
   bool armed_ = false;
 };
 
@@ -87,7 +89,7 @@ void SessionManager::SweepLocked(
 
 absl::StatusOr<SessionManager::Lease> SessionManager::Add(
     std::unique_ptr<DraftSession> session) {
-  Notice notice(observer_);
+  Notice notice(this);
   std::vector<std::unique_ptr<DraftSession>> dead;  // freed after unlock
   absl::MutexLock lock(&mu_);
   // Full: expired sessions make room first.
@@ -115,7 +117,7 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Add(
 
 absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(
     const std::string& id) {
-  Notice notice(observer_);
+  Notice notice(this);
   std::unique_ptr<DraftSession> dead;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
@@ -136,7 +138,7 @@ absl::StatusOr<SessionManager::Lease> SessionManager::Acquire(
 }
 
 bool SessionManager::Release(const std::string& id) {
-  Notice notice(observer_);
+  Notice notice(this);
   std::unique_ptr<DraftSession> dead;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
@@ -148,7 +150,7 @@ bool SessionManager::Release(const std::string& id) {
 }
 
 int SessionManager::Sweep() {
-  Notice notice(observer_);
+  Notice notice(this);
   std::vector<std::unique_ptr<DraftSession>> dead;
   absl::MutexLock lock(&mu_);
   SweepLocked(clock_(), &dead);
@@ -157,7 +159,7 @@ int SessionManager::Sweep() {
 }
 
 void SessionManager::Return(Entry* e) {
-  Notice notice(observer_);
+  Notice notice(this);
   std::unique_ptr<DraftSession> dead;
   absl::MutexLock lock(&mu_);
   e->leased = false;

@@ -43,7 +43,9 @@ class SessionManager {
   /// Called after every change, outside the manager's lock and after the
   /// sessions it freed are destroyed (so their KV blocks are back): read
   /// the state to report (num_sessions(), the cache's bytes) there. Calls
-  /// may overlap; each reads the state current at its time.
+  /// never overlap, and each reads the state current at its time, so the
+  /// last one reports the final state (overlapping calls could set a gauge
+  /// from a stale read last).
   using Observer = std::function<void()>;
 
   /// Exclusive use of one session; returns it (refreshing its idle timer)
@@ -117,6 +119,8 @@ class SessionManager {
   const SessionManagerOptions options_;
   const Clock clock_;
   const Observer observer_;
+  // Serializes the observer's calls (taken with mu_ released).
+  absl::Mutex observer_mu_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> sessions_
       ABSL_GUARDED_BY(mu_);

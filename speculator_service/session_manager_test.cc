@@ -1,9 +1,12 @@
 #include "speculator_service/session_manager.h"
 
+#include <atomic>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 
+#include "absl/time/clock.h"
 #include "common/model/weights.h"
 #include "common/engine/test_util.h"
 #include "gtest/gtest.h"
@@ -152,6 +155,43 @@ TEST_F(SessionManagerTest, LeasedSessionsAreNeverReapedAndReleaseWaits) {
   EXPECT_EQ(m.num_sessions(), 0);
   EXPECT_EQ(observed_sessions, 0);
   EXPECT_EQ(observed_bytes, 0u);  // the observer runs after the session died
+}
+
+// The router's ReleaseSession and the end of a cancelled Draft stream's
+// lease race on two threads. The observer's calls must not overlap, so the
+// last reports what is left: overlapping, a call that read 1 before the
+// lease ended could set the gauge last, and it stayed at 1 with no session
+// alive (seen once in the end-to-end cancel test under ASan).
+TEST_F(SessionManagerTest, ObserverCallsNeverOverlapAndEndOnTheFinalState) {
+  std::atomic<int> inside{0}, most{0}, observed{-1};
+  SessionManager* manager = nullptr;
+  SessionManager m({}, clock_, [&] {
+    const int now_inside = inside.fetch_add(1) + 1;
+    int seen = most.load();
+    while (now_inside > seen && !most.compare_exchange_weak(seen, now_inside)) {
+    }
+    const int sessions = manager->num_sessions();
+    absl::SleepFor(absl::Milliseconds(1));  // widens any overlap
+    observed.store(sessions);
+    inside.fetch_sub(1);
+  });
+  manager = &m;
+  for (int i = 0; i < 40; ++i) {
+    auto lease = m.Add(NewSession());
+    ASSERT_TRUE(lease.ok());
+    const std::string id = lease->id();
+    std::atomic<bool> started{false};
+    std::thread release([&] {
+      started.store(true);
+      m.Release(id);
+    });
+    while (!started.load()) std::this_thread::yield();
+    lease->Reset();
+    release.join();
+    ASSERT_EQ(m.num_sessions(), 0);
+    ASSERT_EQ(observed.load(), 0) << "iteration " << i;
+  }
+  EXPECT_EQ(most.load(), 1);
 }
 
 TEST_F(SessionManagerTest, MovedLeaseReturnsOnce) {
