@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/decoding/ngram_proposer.h"
 #include "common/model/weights.h"
 #include "common/service/grpc_util.h"
@@ -164,15 +165,22 @@ struct TargetServer::Metrics {
   // waited for KV blocks in the scheduler's last step.
   std::atomic<int> queued{0};
   std::atomic<int> waiting_for_kv{0};
+  // The loop thread and the admission queue both set these gauges: each
+  // read-and-set holds gauge_mu, so the last one to run reads the final
+  // state (overlapping, a stale read could be set last and stay while the
+  // server is idle).
   void SetWaiting() {
+    absl::MutexLock lock(&gauge_mu);
     waiting.Set(static_cast<double>(queued.load() + waiting_for_kv.load()));
   }
-  // The KV gauges from the live cache (thread-safe): after every step and
-  // whenever a stream ends, so they fall back to idle values with traffic.
+  // The KV gauges from the live cache: after every step and whenever a
+  // stream ends, so they fall back to idle values with traffic.
   void SetKv(const PagedKvCache& kv) {
+    absl::MutexLock lock(&gauge_mu);
     kv_cache_usage.Set(kv.usage());
     kv_cache_bytes.Set(static_cast<double>(kv.bytes_held()));
   }
+  absl::Mutex gauge_mu;
 };
 
 // One Generate stream. A request/response stream has exactly one of these
