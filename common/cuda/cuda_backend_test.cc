@@ -1246,6 +1246,10 @@ TEST_F(BatchedAttentionTest, MixedStepFp32MatchesPerSequenceKernels) {
       }
     }
   }
+  // A head_dim that is not a multiple of 4: the scores take the scalar
+  // loop, not the float4 one.
+  SCOPED_TRACE("D=18");
+  Check(MixedStep(), 32, 8, 18, CudaDType::kF32, 16, 0, 1e-5, 1e-5);
 }
 
 TEST_F(BatchedAttentionTest, MixedStepBf16MatchesPerSequenceKernels) {
