@@ -264,8 +264,10 @@ __global__ void SplitKCombineKernel(int n, int num_heads, int head_dim,
 static_assert(kBatchedAttentionQueryTile == kSkQueries,
               "the plan's query tile is the kernel's");
 
+// 5 blocks an SM: as many as its shared memory holds at head_dim 128
+// (BaSmemBytes, 43.8 KB), so registers (96 at most) do not lower occupancy.
 template <typename T>
-__global__ void __launch_bounds__(kSkThreads)
+__global__ void __launch_bounds__(kSkThreads, 5)
     BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
   SPECSERVE_DYNAMIC_SHARED(float, ba_smem);
   // A graph's launch is sized to the capacity; the step's work is shorter.
@@ -304,6 +306,12 @@ __global__ void __launch_bounds__(kSkThreads)
   const int r = valid ? flat / group : 0;
   const int h = g * group + (valid ? flat % group : 0);
   const int qslot = first + r;
+  // Warp w holds query slots 4w..4w+3. A warp whose slots all lie past the
+  // tile's queries (at GQA 4 a decode row fills 4 of the 16) skips the
+  // P V loop: its sums are never written, and that loop is most of the
+  // block's shared-memory reads.
+  const bool warp_has_query =
+      q0 + 4 * static_cast<int>(threadIdx.x >> 5) < nq;
 
   const int last_flat = min(nq, q0 + kSkQueries) - 1;
   const int kmax = first + last_flat / group + 1;
@@ -449,14 +457,16 @@ __global__ void __launch_bounds__(kSkThreads)
     }
 #pragma unroll
     for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
-    __syncwarp();
-    for (int j = 0; j < nk; ++j) {
-      const float p = Ps[qi * KT + j];
-      const float* vr = Vs + j * D;
+    if (warp_has_query) {
+      __syncwarp();
+      for (int j = 0; j < nk; ++j) {
+        const float p = Ps[qi * KT + j];
+        const float* vr = Vs + j * D;
 #pragma unroll
-      for (int jj = 0; jj < kSkMaxDims; ++jj) {
-        const int d = sub + 8 * jj;
-        if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
+        for (int jj = 0; jj < kSkMaxDims; ++jj) {
+          const int d = sub + 8 * jj;
+          if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
+        }
       }
     }
   }
