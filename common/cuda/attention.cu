@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kSkThreads, 5)
         memcpy(vvals, &vraw, sizeof(vraw));
         // Zero bits are 0.0 in every dtype: padding keys stay zero. Two
         // float4 stores a row each (rows and d0 are multiples of 4 floats):
-        // a quarter of the scalar stores' instructions and bank conflicts.
+        // a quarter of the scalar stores' instructions.
 #pragma unroll
         for (int e = 0; e < kVec; e += 4) {
           *reinterpret_cast<float4*>(Ks + j * LD + d0 + e) = make_float4(
