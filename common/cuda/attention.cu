@@ -42,26 +42,19 @@ int SkKeyTile(int head_dim) {
   return head_dim <= 128 ? 32 : 8;  // keeps shared memory under 48 KB
 }
 
-// BatchedAttentionKernel pads its Q and K rows by this many floats (its
-// shared memory: BaSmemBytes).
+// Padding of the shared-memory Q and K rows, in floats: the split-K
+// kernel's 1 keeps its scalar reads conflict-free; the batched kernel's 4
+// also keeps its rows 16-byte aligned for float4 reads.
+constexpr int kSkRowPad = 1;
 constexpr int kBaRowPad = 4;
 
-size_t BaSmemBytes(int head_dim) {
-  const int kt = SkKeyTile(head_dim);
-  const size_t ld = static_cast<size_t>(head_dim) + kBaRowPad;
-  return sizeof(float) * (kSkQueries * ld +                              // Q
-                          kt * ld +                                      // K
-                          static_cast<size_t>(kt) * head_dim +           // V
-                          static_cast<size_t>(kSkQueries) * kt);         // P
-}
-
-size_t SkSmemBytes(int head_dim) {
-  const int kt = SkKeyTile(head_dim);
-  return sizeof(float) *
-         (static_cast<size_t>(kSkQueries) * (head_dim + 1) +  // Q
-          static_cast<size_t>(kt) * (head_dim + 1) +          // K
-          static_cast<size_t>(kt) * head_dim +                // V
-          static_cast<size_t>(kSkQueries) * kt);              // P
+// Dynamic shared memory of the split-K / batched tile: Q [16][D + pad],
+// K [KT][D + pad], V [KT][D], P [16][KT] floats.
+size_t TileSmemBytes(int head_dim, int row_pad) {
+  const size_t kt = SkKeyTile(head_dim);
+  const size_t ld = static_cast<size_t>(head_dim) + row_pad;
+  return sizeof(float) * (kSkQueries * ld + kt * ld +
+                          kt * static_cast<size_t>(head_dim) + kSkQueries * kt);
 }
 
 // Physical cache row of logical slot t (identity for a contiguous cache).
@@ -96,9 +89,9 @@ __global__ void __launch_bounds__(kSkThreads)
   const int g = blockIdx.y, s = blockIdx.z;
   const int q0 = blockIdx.x * kSkQueries;
   const int KT = key_tile;
-  float* Qs = sk_smem;                               // [16][D + 1]
-  float* Ks = Qs + kSkQueries * (D + 1);             // [KT][D + 1]
-  float* Vs = Ks + KT * (D + 1);                     // [KT][D]
+  float* Qs = sk_smem;                          // [16][D + kSkRowPad]
+  float* Ks = Qs + kSkQueries * (D + kSkRowPad);  // [KT][D + kSkRowPad]
+  float* Vs = Ks + KT * (D + kSkRowPad);          // [KT][D]
   float* Ps = Vs + KT * D;                           // [16][KT]
   const T* q = static_cast<const T*>(a.q);
   const T* kc = static_cast<const T*>(a.k_cache);
@@ -126,7 +119,7 @@ __global__ void __launch_bounds__(kSkThreads)
       v = ToF32<T>(q[(static_cast<size_t>(rr) * H + hh) * D + d]) * a.scale *
           kLog2e;
     }
-    Qs[i * (D + 1) + d] = v;
+    Qs[i * (D + kSkRowPad) + d] = v;
   }
 
   float acc[kSkMaxDims];
@@ -145,7 +138,7 @@ __global__ void __launch_bounds__(kSkThreads)
         kv = ToF32<T>(kc[src]);
         vv = ToF32<T>(vc[src]);
       }
-      Ks[j * (D + 1) + d] = kv;
+      Ks[j * (D + kSkRowPad) + d] = kv;
       Vs[j * D + d] = vv;
     }
     __syncthreads();
@@ -158,8 +151,8 @@ __global__ void __launch_bounds__(kSkThreads)
       float x = -INFINITY;
       if (j < KT && valid && j < nk && k0 + j <= qslot &&
           TreeVisible(a.tree_start, a.tree_mask, r, k0 + j)) {
-        const float* qr = Qs + qi * (D + 1);
-        const float* kr = Ks + j * (D + 1);
+        const float* qr = Qs + qi * (D + kSkRowPad);
+        const float* kr = Ks + j * (D + kSkRowPad);
         float dot = 0.0f;
         for (int d = 0; d < D; ++d) dot = fmaf(qr[d], kr[d], dot);
         x = dot;
@@ -265,7 +258,7 @@ static_assert(kBatchedAttentionQueryTile == kSkQueries,
               "the plan's query tile is the kernel's");
 
 // 5 blocks an SM: as many as its shared memory holds at head_dim 128
-// (BaSmemBytes, 43.8 KB), so registers (96 at most) do not lower occupancy.
+// (TileSmemBytes, 43.8 KB), so registers (96 at most) do not lower occupancy.
 template <typename T>
 __global__ void __launch_bounds__(kSkThreads, 5)
     BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
@@ -287,7 +280,7 @@ __global__ void __launch_bounds__(kSkThreads, 5)
   const int q0 = tile * kSkQueries;
   const int KT = key_tile;
   const int bs = a.block_size;
-  // Q and K rows padded to LD = D + 4 floats (BaSmemBytes): 16-byte
+  // Q and K rows padded to LD = D + kBaRowPad floats: 16-byte
   // aligned rows for the scores' float4 reads when D % 4 == 0, and 8
   // consecutive keys start 4 banks apart, so a quarter-warp's float4
   // reads of 8 keys touch distinct banks.
@@ -827,7 +820,7 @@ cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
   const int key_tile = SkKeyTile(args.head_dim);
   const dim3 grid(CeilDiv(static_cast<size_t>(args.n) * group, kSkQueries),
                   args.num_kv_heads, num_splits);
-  const size_t smem = SkSmemBytes(args.head_dim);
+  const size_t smem = TileSmemBytes(args.head_dim, kSkRowPad);
   SPECSERVE_DISPATCH_DTYPE(
       args.dtype, T,
       SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
@@ -859,7 +852,7 @@ cudaError_t BatchedAttention(const BatchedAttentionArgs& args,
   }
   const int key_tile = SkKeyTile(a.head_dim);
   const dim3 grid(a.num_work, a.num_kv_heads);
-  const size_t smem = BaSmemBytes(a.head_dim);
+  const size_t smem = TileSmemBytes(a.head_dim, kBaRowPad);
   SPECSERVE_DISPATCH_DTYPE(
       a.dtype, T,
       SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
