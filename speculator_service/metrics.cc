@@ -1,5 +1,6 @@
 #include "speculator_service/metrics.h"
 
+#include "common/engine/paged_kv_cache.h"
 #include "common/service/metrics_util.h"
 
 namespace specserve {
@@ -127,8 +128,7 @@ SpeculatorMetrics::SpeculatorMetrics(prometheus::Registry& r)
                        .Add({})) {}
 
 void SpeculatorMetrics::ObserveStep(int sequences, int rows, int waiting,
-                                    int preempted, double kv_usage,
-                                    size_t kv_bytes, int64_t prefix_queries,
+                                    int preempted, int64_t prefix_queries,
                                     int64_t prefix_hits) {
   if (sequences > 0) {
     batch_sequences_.Observe(sequences);
@@ -136,8 +136,6 @@ void SpeculatorMetrics::ObserveStep(int sequences, int rows, int waiting,
   }
   waiting_.Set(waiting);
   preemptions_.Increment(preempted);
-  kv_usage_.Set(kv_usage);
-  kv_bytes_.Set(static_cast<double>(kv_bytes));
   prefix_queries_.Increment(static_cast<double>(prefix_queries - seen_queries_));
   prefix_hits_.Increment(static_cast<double>(prefix_hits - seen_hits_));
   seen_queries_ = prefix_queries;
@@ -169,11 +167,14 @@ void SpeculatorMetrics::ObserveDraft(int tokens, int64_t ns) {
   draft_seconds_.Observe(Seconds(ns));
 }
 
-void SpeculatorMetrics::SetSessions(int sessions, size_t kv_bytes,
-                                    double kv_usage) {
+void SpeculatorMetrics::SetSessions(int sessions) {
   active_sessions_.Set(sessions);
-  kv_bytes_.Set(static_cast<double>(kv_bytes));
-  kv_usage_.Set(kv_usage);
+}
+
+void SpeculatorMetrics::SetKv(const PagedKvCache& kv) {
+  absl::MutexLock lock(&kv_mu_);
+  kv_bytes_.Set(static_cast<double>(kv.bytes_held()));
+  kv_usage_.Set(kv.usage());
 }
 
 }  // namespace specserve

@@ -8,9 +8,12 @@
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/registry.h"
 
 namespace specserve {
+
+class PagedKvCache;
 
 /// The speculator's Prometheus metrics (prometheus-cpp; base units,
 /// counters end in _total, latencies as histograms: docs/ARCHITECTURE.md, Conventions).
@@ -29,18 +32,22 @@ class SpeculatorMetrics {
                     int64_t look_ahead_ns, int64_t score_ns, int64_t total_ns);
   /// One Draft round that proposed `tokens` drafts in `ns` nanoseconds.
   void ObserveDraft(int tokens, int64_t ns);
-  /// Live sessions, the bytes of the KV blocks sequences hold and the
-  /// fraction of the pool they hold, [0, 1] (kv_cache_usage_perc).
-  void SetSessions(int sessions, size_t kv_bytes, double kv_usage);
+  /// Live sessions (the session manager's observer, whose calls never
+  /// overlap).
+  void SetSessions(int sessions);
+  /// The bytes of the KV blocks sequences hold and the fraction of the
+  /// pool they hold, [0, 1] (kv_cache_usage_perc), read from `kv` under
+  /// this object's lock: the scheduler's loop and the session observer both
+  /// call it, and the last call reports the final state (values read
+  /// before an overlapping call could be set last and stay while idle).
+  void SetKv(const PagedKvCache& kv);
   /// One step of the batching scheduler: operations and rows in its
   /// forward (a step without a forward observes no batch), operations in
-  /// flight that waited, sessions preempted for KV blocks, KV cache block
-  /// usage and the bytes sequences hold. `prefix_queries` /
-  /// `prefix_hits`: the KV cache's running totals of prompt tokens looked
-  /// up in / supplied by the prefix cache.
+  /// flight that waited, sessions preempted for KV blocks.
+  /// `prefix_queries` / `prefix_hits`: the KV cache's running totals of
+  /// prompt tokens looked up in / supplied by the prefix cache.
   void ObserveStep(int sequences, int rows, int waiting, int preempted,
-                   double kv_usage, size_t kv_bytes, int64_t prefix_queries,
-                   int64_t prefix_hits);
+                   int64_t prefix_queries, int64_t prefix_hits);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;
@@ -65,6 +72,7 @@ class SpeculatorMetrics {
   prometheus::Counter& prefix_queries_;
   prometheus::Counter& prefix_hits_;
   int64_t seen_queries_ = 0, seen_hits_ = 0;  // only the loop thread
+  absl::Mutex kv_mu_;                          // SetKv's read-and-set
 };
 
 }  // namespace specserve

@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
-#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "common/engine/model_runner.h"
 #include "common/model/weights.h"
 #include "common/scheduling/batch_scheduler.h"
@@ -450,29 +448,21 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   SpeculatorMetrics* metrics = s->metrics_.get();
   PagedKvCache* kv = &s->model_->kv_cache();
   SpeculatorServer* server = s.get();
-  // The session observer and the scheduler's loop both set the KV gauges:
-  // each read-and-set holds this, so the last one to run reads the final
-  // state (overlapping, a stale read could be set last and stay while the
-  // server is idle).
-  auto gauge_mu = std::make_shared<absl::Mutex>();
   s->sessions_ = std::make_unique<SessionManager>(
-      so, options.clock, [server, metrics, kv, gauge_mu] {
-        absl::MutexLock lock(gauge_mu.get());
-        metrics->SetSessions(server->sessions_->num_sessions(),
-                             kv->bytes_held(), kv->usage());
+      so, options.clock, [server, metrics, kv] {
+        metrics->SetSessions(server->sessions_->num_sessions());
+        metrics->SetKv(*kv);
       });
   BatchScheduler::Options bo;
   bo.max_works = options.max_queue;
   bo.max_num_batched_tokens = DefaultMaxNumBatchedTokens(
       *s->model_, options.max_num_batched_tokens);
   auto scheduler = BatchScheduler::Create(
-      s->model_.get(), bo,
-      [metrics, kv, gauge_mu](const BatchScheduler::StepStats& st) {
-        absl::MutexLock lock(gauge_mu.get());
+      s->model_.get(), bo, [metrics, kv](const BatchScheduler::StepStats& st) {
         metrics->ObserveStep(st.sequences, st.rows, st.waiting, st.preempted,
-                             kv->usage(), kv->bytes_held(),
                              kv->prefix_cache_queries(),
                              kv->prefix_cache_hits());
+        metrics->SetKv(*kv);
       });
   if (!scheduler.ok()) return scheduler.status();
   s->scheduler_ = *std::move(scheduler);
