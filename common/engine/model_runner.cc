@@ -1,6 +1,8 @@
 #include "common/engine/model_runner.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -33,9 +35,12 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
         " q and ", s.uniforms.size(), " uniforms for ", rows,
         " logit rows (want rows, rows, 2 * rows)"));
   }
-  // stamp[id] == r marks ids already listed in draft_q[r]: a repeated id
-  // would make two device threads update one residual entry at once.
-  std::vector<int> stamp;
+  // stamp[id] == epoch marks ids already listed in the row's draft_q: a
+  // repeated id would make two device threads update one residual entry at
+  // once. Per thread and reused, with a fresh epoch per row: no allocation
+  // or clearing of a vocabulary-sized array per verify step.
+  thread_local std::vector<uint32_t> stamp;
+  thread_local uint32_t epoch = 0;
   for (size_t r = 0; r < rows; ++r) {
     const int x = s.draft_ids[r];
     if (x < -1 || x >= vocab) {
@@ -47,7 +52,10 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
       return absl::InvalidArgumentError(
           absl::StrCat("sampling.draft_q[", r, "] is null for a draft"));
     }
-    if (stamp.empty()) stamp.assign(vocab, -1);
+    if (stamp.size() < static_cast<size_t>(vocab) || ++epoch == 0) {
+      stamp.assign(std::max<size_t>(stamp.size(), vocab), 0);
+      epoch = 1;
+    }
     float own = 0.f;
     for (const auto& [id, prob] : *s.draft_q[r]) {
       if (id < 0 || id >= vocab) {
@@ -60,11 +68,11 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
             absl::StrCat("sampling.draft_q[", r, "] gives id ", id,
                          " probability ", prob, " (want finite, >= 0)"));
       }
-      if (stamp[id] == static_cast<int>(r)) {
+      if (stamp[id] == epoch) {
         return absl::InvalidArgumentError(absl::StrCat(
             "sampling.draft_q[", r, "] lists id ", id, " more than once"));
       }
-      stamp[id] = static_cast<int>(r);
+      stamp[id] = epoch;
       if (id == x) own = prob;
     }
     // The acceptance test divides by q(draft).
