@@ -360,6 +360,12 @@ struct BatchedDecode {
   int64_t graph_replays = 0;  // steps of the graph run that replayed
 };
 
+// Tokens one batched decode sequence holds: its prompt, then an untimed
+// and `steps` timed steps, eagerly and again from graphs.
+int BatchedDecodeTokens(int context, int steps) {
+  return context + 2 * (steps + 1);
+}
+
 // Prefills `batch` fresh sequences of `context` random tokens (at most
 // 2048 rows per forward, as a chunked prefill would), then times `steps`
 // greedy decode steps of all of them together, eagerly and then from
@@ -377,7 +383,7 @@ BatchedDecode TimeBatchedDecode(const Model& m, int batch, int context,
     std::vector<std::vector<int>> ids(nb), pos(nb);
     std::vector<SequenceForward> group(nb);
     for (int i = 0; i < nb; ++i) {
-      seqs.push_back(NewCache(m, context + 2 * (steps + 1)));
+      seqs.push_back(NewCache(m, BatchedDecodeTokens(context, steps)));
       for (int t = 0; t < context; ++t) {
         ids[i].push_back(tok(rng));
         pos[i].push_back(t);
@@ -481,7 +487,7 @@ int Main(int argc, char** argv) {
       batches.empty() ? 0 : *std::max_element(batches.begin(), batches.end());
   const int batch_blocks =
       max_batch * PagedKvCache::BlocksForTokens(
-                      decode_context + 2 * (decode_steps + 1),
+                      BatchedDecodeTokens(decode_context, decode_steps),
                       KvCacheOptions().block_size);
   Model target = LoadModel(target_dir, dt, target_tokens, batch_blocks);
   Model spec = LoadModel(spec_dir, dt, spec_tokens);

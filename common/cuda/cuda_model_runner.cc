@@ -368,10 +368,9 @@ bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
     const int n = cudnn_->plans_built();
     if (n <= 64 || n % 64 == 0) {
       std::fprintf(stderr,
-                   "cudnn plan %d: s_q=%d s_kv=%d, %s; %.3f s for all %d\n",
-                   n, shape.s_q, shape.s_kv,
-                   cudnn_->last_plan_form().c_str(),
-                   cudnn_->plan_build_seconds(), n);
+                   "cudnn plan %d: s_q=%d s_kv=%d, %s; %.3f s for all so far\n",
+                   n, shape.s_q, shape.s_kv, cudnn_->last_plan_form().c_str(),
+                   cudnn_->plan_build_seconds());
     }
   }
   return prepared.ok();
