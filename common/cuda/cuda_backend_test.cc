@@ -46,6 +46,7 @@
 #include "common/cuda/cuda_importance.h"
 #include "common/cuda/cuda_model_runner.h"
 #include "common/cuda/cuda_weights.h"
+#include "common/cuda/cudnn_attention.h"
 #include "common/cuda/device.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
@@ -2290,6 +2291,58 @@ TEST_F(CudaTest, TunePrefillAttentionKeepsAnAgreeingKernel) {
     ASSERT_OK(e.cpu->Forward(in, ckv.get(), &cpu_out));
     ASSERT_OK(e.gpu->Forward(in, gkv.get(), &gpu_out));
     ExpectLogitsMatch(cpu_out, gpu_out, vocab, kBatchTolBf16);
+  }
+}
+
+// The cuDNN path through the runner, with exact key counts and with
+// --cudnn_kv_buckets (key counts rounded up to their buckets): prefill
+// chunks (a full prefill, a chunk at restored positions after cached keys,
+// one more chunk) match the CPU on the bench pair's tiny twins (head_dim 64
+// and 128), and a decode row after them too. Skips where cuDNN's handle
+// cannot be created.
+TEST_F(CudaTest, CudnnChunksMatchCpu) {
+  if (!CudnnAttention::Create(nullptr).ok()) {
+    GTEST_SKIP() << "no cuDNN handle here";
+  }
+  for (const auto& [preset, buckets] :
+       {std::pair<const char*, bool>{"llama-3.2-1b-tiny", false},
+        {"llama-3.2-1b-tiny", true},
+        {"llama-3.1-8b-tiny", false},
+        {"llama-3.1-8b-tiny", true}}) {
+    SCOPED_TRACE(absl::StrCat(preset, buckets ? ", kv buckets" : ""));
+    const std::string dir = ::testing::TempDir() + "/cudnn_" + preset;
+    ASSERT_OK(WriteSyntheticCheckpoint(preset, dir, seed_, "BF16"));
+    Engines e = LoadEnginesFromDir(dir, CudaDType::kBF16, 1024);
+    ASSERT_NE(e.gpu, nullptr);
+    e.gpu->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
+    e.gpu->set_cudnn_kv_buckets(buckets);
+    const int vocab = e.cpu->config().vocab_size;
+    std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, 600);
+    std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, 600);
+    ASSERT_NE(ckv, nullptr);
+    ASSERT_NE(gkv, nullptr);
+    // 150 rows at 0..149; 77 at 150, 152, ... (kept tokens); 40 after.
+    int next_pos = 0;
+    for (const auto& [rows, stride] :
+         {std::pair<int, int>{150, 1}, {77, 2}, {40, 1}}) {
+      std::vector<int> ids(rows), pos(rows);
+      for (int& id : ids) id = Uniform(0, vocab - 1);
+      for (int j = 0; j < rows; ++j) pos[j] = next_pos + j * stride;
+      next_pos = pos.back() + 1;
+      ForwardOutput co, go;
+      ASSERT_OK(e.cpu->Forward(AllRows(ids, pos), ckv.get(), &co));
+      ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), gkv.get(), &go));
+      SCOPED_TRACE(absl::StrCat(rows, " rows"));
+      ExpectLogitsMatch(co, go, vocab, kBatchTolBf16);
+    }
+    const int tok = Uniform(0, vocab - 1);
+    ForwardInput d;
+    d.token_ids = absl::MakeConstSpan(&tok, 1);
+    d.position_ids = absl::MakeConstSpan(&next_pos, 1);
+    ForwardOutput cd, gd;
+    ASSERT_OK(e.cpu->Forward(d, ckv.get(), &cd));
+    ASSERT_OK(e.gpu->Forward(d, gkv.get(), &gd));
+    ExpectLogitsMatch(cd, gd, vocab, kRowsTolBf16);
   }
 }
 

@@ -31,7 +31,9 @@
 # ENGINE_ARGS (more gpu_bench flags), STACK_LENGTHS (default "4096
 # 32768"), STACK_ATTENTION (the stack's
 # --prefill_attention; default: auto once the tuning test passed, else the
-# engine benchmark's pick), SPECULATOR /
+# engine benchmark's pick), KV_BUCKETS (1: the stack's services get
+# --cudnn_kv_buckets; default: 1 once both GPU tests of bucketed key
+# counts passed, else 0), SPECULATOR /
 # TARGET (the stack's models: no checkpoints are written), SESSION (the carried folder,
 # default .device/session), RESULTS (default $OUT, else
 # bench/results/session), DEVICE_SESSION_DRY=1 (check the bundle and print
@@ -44,7 +46,7 @@ BUDGET_S=${BUDGET_S:-560}
 PHASES=${PHASES:-"tests engine stack suite torch"}
 SESSION=${SESSION:-.device/session}
 RESULTS=${RESULTS:-${OUT:-bench/results/session}}
-GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
+GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:CudaTest.Cudnn*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
 STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
 export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 DRY=${DEVICE_SESSION_DRY:-0}
@@ -201,8 +203,22 @@ if [ -z "$path" ]; then
   why="no tuning test passed and no engine pick"
 fi
 echo "device_session: the stack's prefill attention: $path ($why)" >&2
+# cuDNN plans shared across key counts of a bucket, once both GPU tests of
+# bucketed key counts have passed (KV_BUCKETS=0 or 1 decides instead).
+kv_buckets=${KV_BUCKETS:-}
+if [ -z "$kv_buckets" ]; then
+  kv_buckets=0
+  if grep -q '^\[       OK \] CudnnGpuTest.KvBucketsKeepTheRealDiagonal' \
+       "$RESULTS/tests.log" 2>/dev/null &&
+     grep -q '^\[       OK \] CudaTest.CudnnChunksMatchCpu' \
+       "$RESULTS/tests.log" 2>/dev/null; then
+    kv_buckets=1
+  fi
+fi
+stack_args="--prefill_attention=$path"
+[ "$kv_buckets" = 1 ] && stack_args="$stack_args --cudnn_kv_buckets"
 has stack && phase stack 120 330 \
-  "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='--prefill_attention=$path' tools/gpu/run_stack_bench.sh"
+  "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='$stack_args' tools/gpu/run_stack_bench.sh"
 has suite && phase suite 60 300 \
   "tools/gpu/run_gpu_tests.sh --gtest_filter='-$GPU_FILTER'"
 has torch && phase torch 60 240 \
@@ -213,7 +229,7 @@ has torch && phase torch 60 240 \
   echo
   echo "GPU: $(tail -n +2 "$RESULTS/gpu_info.txt" 2>/dev/null | head -1)"
   echo
-  echo "Stack prefill attention: $path ($why)"
+  echo "Stack prefill attention: $path ($why); service flags: $stack_args"
   # Each service's start-up line: the kept kernel and every trial's time.
   grep -h '^prefill attention:' "$RESULTS"/stack_logs/*.log 2>/dev/null |
     sed 's/^/    /' || true
@@ -223,6 +239,10 @@ has torch && phase torch 60 240 \
     last=$(grep '^cudnn plan ' "$f" | tail -1)
     if [ -n "$last" ]; then echo "    $(basename "$f" .log): $last"; fi
   done
+  # Whether cuDNN keeps the real diagonal with key counts bucketed, and
+  # what new prompt lengths cost in plans either way (--cudnn_kv_buckets).
+  grep -hE '^cudnn kv buckets|KvBucketsKeepTheRealDiagonal|CudnnChunksMatchCpu' \
+    "$RESULTS/tests.log" 2>/dev/null | grep -vE '^\[ RUN' | sed 's/^/    /' || true
   echo
   echo "| phase | status | s |"
   echo "|---|---|---|"
