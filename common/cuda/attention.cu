@@ -57,7 +57,6 @@ size_t TileSmemBytes(int head_dim, int row_pad) {
                           kt * static_cast<size_t>(head_dim) + kSkQueries * kt);
 }
 
-// Physical cache row of logical slot t (identity for a contiguous cache).
 // Whether tree attention lets `row` see the key at cache index `key`
 // (AttentionArgs::tree_start / tree_mask; null = causal only).
 __device__ __forceinline__ bool TreeVisible(const int* start,
@@ -69,10 +68,109 @@ __device__ __forceinline__ bool TreeVisible(const int* start,
   return (mask[row] >> off) & 1ull;
 }
 
+// Physical cache row of logical slot t (identity for a contiguous cache).
 __device__ __forceinline__ size_t PhysSlot(const AttentionArgs& a, int t) {
   if (a.block_table == nullptr) return static_cast<size_t>(t);
   return static_cast<size_t>(a.block_table[t / a.block_size]) * a.block_size +
          t % a.block_size;
+}
+
+// The pieces the split-K and batched tiles share. Thread (qi, sub) = query
+// slot qi of the tile, lane sub of the query's 8 consecutive lanes.
+
+// Q tile: row i of Qs (stride ld floats) = flat query q0 + i of kv head g
+// (flat = row * group + head in group; q is [rows, H, D]), pre-scaled by
+// scale * log2(e) for exp2; zero rows past nq.
+template <typename T>
+__device__ __forceinline__ void LoadQueryTile(const T* q, float* Qs, int ld,
+                                              int q0, int nq, int group,
+                                              int g, int H, int D,
+                                              float scale) {
+  for (int idx = threadIdx.x; idx < kSkQueries * D; idx += blockDim.x) {
+    const int i = idx / D, d = idx % D;
+    const int f = q0 + i;
+    float v = 0.0f;
+    if (f < nq) {
+      const int rr = f / group, hh = g * group + f % group;
+      v = ToF32<T>(q[(static_cast<size_t>(rr) * H + hh) * D + d]) * scale *
+          kLog2e;
+    }
+    Qs[i * ld + d] = v;
+  }
+}
+
+// One key tile of the online softmax (FlashAttention-2, base 2) for a
+// query's 8 lanes. In: sc, this lane's scores of keys sub + 8t (-inf where
+// masked), and tmax, their max. Takes the max over the 8 lanes, turns sc
+// into exp2(sc - m_new), stores it at p_row[sub + 8t] (for sub + 8t < KT),
+// updates the running max m and sum l, and rescales acc by exp2(m - m_new).
+__device__ __forceinline__ void OnlineSoftmaxStep(
+    float (&sc)[kSkMaxKeysPerThread], float tmax, int sub, int KT,
+    float* p_row, float& m, float& l, float (&acc)[kSkMaxDims]) {
+  // The 8 lanes of a query are 8 consecutive lanes of one warp.
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+  tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+  const float m_new = fmaxf(m, tmax);
+  float alpha = 1.0f, psum = 0.0f;
+  if (m_new != -INFINITY) {
+    alpha = exp2f(m - m_new);  // 0 when m is still -inf
+#pragma unroll
+    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+      sc[t] = exp2f(sc[t] - m_new);  // 0 for masked keys
+      psum += sc[t];
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < kSkMaxKeysPerThread; ++t) sc[t] = 0.0f;
+  }
+  psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+  psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+  l = l * alpha + psum;
+  m = m_new;
+#pragma unroll
+  for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
+    const int j = sub + 8 * t;
+    if (j < KT) p_row[j] = sc[t];
+  }
+#pragma unroll
+  for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
+}
+
+// acc[jj] += sum over the tile's nk keys j of p_row[j] * V[j][sub + 8 jj]
+// (Vs is [KT][D]); p_row was written by the query's other lanes.
+__device__ __forceinline__ void AccumulateValues(const float* p_row,
+                                                 const float* Vs, int nk,
+                                                 int D, int sub,
+                                                 float (&acc)[kSkMaxDims]) {
+  __syncwarp();
+  for (int j = 0; j < nk; ++j) {
+    const float p = p_row[j];
+    const float* vr = Vs + j * D;
+#pragma unroll
+    for (int jj = 0; jj < kSkMaxDims; ++jj) {
+      const int d = sub + 8 * jj;
+      if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
+    }
+  }
+}
+
+// One split's partial result of a (row, head) at entry idx: its running
+// max and sum (lane 0) and its unnormalised output.
+__device__ __forceinline__ void StorePartial(size_t idx, float m, float l,
+                                             const float (&acc)[kSkMaxDims],
+                                             int sub, int D, float* part_o,
+                                             float* part_m, float* part_l) {
+  if (sub == 0) {
+    part_m[idx] = m;
+    part_l[idx] = l;
+  }
+#pragma unroll
+  for (int jj = 0; jj < kSkMaxDims; ++jj) {
+    const int d = sub + 8 * jj;
+    if (d < D) part_o[idx * D + d] = acc[jj];
+  }
 }
 
 template <typename T>
@@ -110,17 +208,7 @@ __global__ void __launch_bounds__(kSkThreads)
   const int ks = s * keys_per_split;
   const int ke = min(ks + keys_per_split, kmax);
 
-  for (int idx = threadIdx.x; idx < kSkQueries * D; idx += blockDim.x) {
-    const int i = idx / D, d = idx % D;
-    const int f = q0 + i;
-    float v = 0.0f;
-    if (f < nq) {
-      const int rr = f / group, hh = g * group + f % group;
-      v = ToF32<T>(q[(static_cast<size_t>(rr) * H + hh) * D + d]) * a.scale *
-          kLog2e;
-    }
-    Qs[i * (D + kSkRowPad) + d] = v;
-  }
+  LoadQueryTile(q, Qs, D + kSkRowPad, q0, nq, group, g, H, D, a.scale);
 
   float acc[kSkMaxDims];
 #pragma unroll
@@ -160,58 +248,13 @@ __global__ void __launch_bounds__(kSkThreads)
       sc[t] = x;
       tmax = fmaxf(tmax, x);
     }
-    // The 8 threads of a query are 8 consecutive lanes of one warp.
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-    const float m_new = fmaxf(m, tmax);
-    float alpha = 1.0f, psum = 0.0f;
-    if (m_new != -INFINITY) {
-      alpha = exp2f(m - m_new);  // 0 when m is still -inf
-#pragma unroll
-      for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
-        sc[t] = exp2f(sc[t] - m_new);  // 0 for masked keys
-        psum += sc[t];
-      }
-    } else {
-#pragma unroll
-      for (int t = 0; t < kSkMaxKeysPerThread; ++t) sc[t] = 0.0f;
-    }
-    psum += __shfl_xor_sync(0xffffffffu, psum, 4);
-    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-    l = l * alpha + psum;
-    m = m_new;
-#pragma unroll
-    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
-      const int j = sub + 8 * t;
-      if (j < KT) Ps[qi * KT + j] = sc[t];
-    }
-#pragma unroll
-    for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
-    __syncwarp();
-    for (int j = 0; j < nk; ++j) {
-      const float p = Ps[qi * KT + j];
-      const float* vr = Vs + j * D;
-#pragma unroll
-      for (int jj = 0; jj < kSkMaxDims; ++jj) {
-        const int d = sub + 8 * jj;
-        if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
-      }
-    }
+    OnlineSoftmaxStep(sc, tmax, sub, KT, Ps + qi * KT, m, l, acc);
+    AccumulateValues(Ps + qi * KT, Vs, nk, D, sub, acc);
   }
 
   if (!valid) return;
-  const size_t idx = (static_cast<size_t>(s) * n + r) * H + h;
-  if (sub == 0) {
-    part_m[idx] = m;
-    part_l[idx] = l;
-  }
-#pragma unroll
-  for (int jj = 0; jj < kSkMaxDims; ++jj) {
-    const int d = sub + 8 * jj;
-    if (d < D) part_o[idx * D + d] = acc[jj];
-  }
+  StorePartial((static_cast<size_t>(s) * n + r) * H + h, m, l, acc, sub, D,
+               part_o, part_m, part_l);
 }
 
 // Merges the splits' partial softmaxes of one (row, head): block per pair.
@@ -311,17 +354,7 @@ __global__ void __launch_bounds__(kSkThreads, 5)
   const int ks = s * keys_per_split;
   const int ke = min(ks + keys_per_split, kmax);
 
-  for (int idx = threadIdx.x; idx < kSkQueries * D; idx += blockDim.x) {
-    const int i = idx / D, d = idx % D;
-    const int f = q0 + i;
-    float v = 0.0f;
-    if (f < nq) {
-      const int rr = f / group, hh = g * group + f % group;
-      v = ToF32<T>(q[(static_cast<size_t>(rr) * H + hh) * D + d]) * a.scale *
-          kLog2e;
-    }
-    Qs[i * LD + d] = v;
-  }
+  LoadQueryTile(q, Qs, LD, q0, nq, group, g, H, D, a.scale);
 
   float acc[kSkMaxDims];
 #pragma unroll
@@ -422,46 +455,8 @@ __global__ void __launch_bounds__(kSkThreads, 5)
       sc[t] = x;
       tmax = fmaxf(tmax, x);
     }
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-    const float m_new = fmaxf(m, tmax);
-    float alpha = 1.0f, psum = 0.0f;
-    if (m_new != -INFINITY) {
-      alpha = exp2f(m - m_new);
-#pragma unroll
-      for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
-        sc[t] = exp2f(sc[t] - m_new);
-        psum += sc[t];
-      }
-    } else {
-#pragma unroll
-      for (int t = 0; t < kSkMaxKeysPerThread; ++t) sc[t] = 0.0f;
-    }
-    psum += __shfl_xor_sync(0xffffffffu, psum, 4);
-    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-    l = l * alpha + psum;
-    m = m_new;
-#pragma unroll
-    for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
-      const int j = sub + 8 * t;
-      if (j < KT) Ps[qi * KT + j] = sc[t];
-    }
-#pragma unroll
-    for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
-    if (warp_has_query) {
-      __syncwarp();
-      for (int j = 0; j < nk; ++j) {
-        const float p = Ps[qi * KT + j];
-        const float* vr = Vs + j * D;
-#pragma unroll
-        for (int jj = 0; jj < kSkMaxDims; ++jj) {
-          const int d = sub + 8 * jj;
-          if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
-        }
-      }
-    }
+    OnlineSoftmaxStep(sc, tmax, sub, KT, Ps + qi * KT, m, l, acc);
+    if (warp_has_query) AccumulateValues(Ps + qi * KT, Vs, nk, D, sub, acc);
   }
 
   if (!valid) return;
@@ -479,17 +474,9 @@ __global__ void __launch_bounds__(kSkThreads, 5)
   float* part_o = static_cast<float*>(a.workspace);
   float* part_m = part_o + a.partial_triples * D;
   float* part_l = part_m + a.partial_triples;
-  const size_t idx = static_cast<size_t>(info[kSeqPartialStart]) +
-                     (static_cast<size_t>(s) * n + r) * H + h;
-  if (sub == 0) {
-    part_m[idx] = m;
-    part_l[idx] = l;
-  }
-#pragma unroll
-  for (int jj = 0; jj < kSkMaxDims; ++jj) {
-    const int d = sub + 8 * jj;
-    if (d < D) part_o[idx * D + d] = acc[jj];
-  }
+  StorePartial(static_cast<size_t>(info[kSeqPartialStart]) +
+                   (static_cast<size_t>(s) * n + r) * H + h,
+               m, l, acc, sub, D, part_o, part_m, part_l);
 }
 
 // Merges the split partials of one (row, query head) of a split sequence:
