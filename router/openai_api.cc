@@ -450,8 +450,24 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
                                            absl::string_view body_text,
                                            const ChatFormat& chat,
                                            const Tokenizer* tokenizer) {
-  const json body = json::parse(body_text.begin(), body_text.end(), nullptr,
-                                /*allow_exceptions=*/false);
+  // nlohmann::json parses iteratively but copies (chat_template_kwargs into
+  // the template's context) and serializes recursively: a few MB of '['
+  // would exhaust the handling thread's stack. Nothing deeper than
+  // kMaxBodyDepth is built; the body is refused instead.
+  bool too_deep = false;
+  const json body = json::parse(
+      body_text.begin(), body_text.end(),
+      [&too_deep](int depth, json::parse_event_t, json&) {
+        if (depth <= kMaxBodyDepth) return true;
+        too_deep = true;
+        return false;  // not kept
+      },
+      /*allow_exceptions=*/false);
+  if (too_deep) {
+    return ParamError("", absl::StrCat("the request body is nested deeper "
+                                       "than ",
+                                       kMaxBodyDepth, " levels"));
+  }
   if (body.is_discarded()) {
     return ParamError("", "the request body is not valid JSON");
   }

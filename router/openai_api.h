@@ -69,6 +69,10 @@ absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
                                                const ChatFormat& format,
                                                const Tokenizer& tokenizer);
 
+/// JSON nesting a request body may have (objects and arrays inside the
+/// body's top-level object); OpenAI bodies need fewer than 10.
+inline constexpr int kMaxBodyDepth = 64;
+
 /// Parses a POST body. Completions: `prompt` is a string, a list of token
 /// ids, or a one-element list of either. Chat: `messages` rendered by
 /// `chat` (with vLLM's `add_generation_prompt`, default true, and
@@ -77,7 +81,7 @@ absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
 /// renderer's error other than INVALID_ARGUMENT is returned as is. Errors: INVALID_ARGUMENT with ParamOf() naming the
 /// field for malformed JSON, a missing or mistyped field, a value out of
 /// range (temperature [0, 2], top_p (0, 1], max_tokens >= 1, n = 1, ...),
-/// stream_options without stream.
+/// stream_options without stream, a body nested deeper than kMaxBodyDepth.
 absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
                                            absl::string_view body,
                                            const ChatFormat& chat,

@@ -96,6 +96,62 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_DOUBLE_EQ(sd.tree_min_path_prob(), 0.05);
 }
 
+// Arrays nested `depth` deep: "[[...]]".
+std::string NestedArrays(int depth) {
+  return std::string(depth, '[') + std::string(depth, ']');
+}
+
+// Bodies nested past kMaxBodyDepth are refused as a 400 before anything
+// walks them. A few MB of '[' in chat_template_kwargs used to overflow the
+// handling thread's stack while the template context was copied.
+TEST(ParseRequestTest, DeeplyNestedBodiesAreRefused) {
+  const auto completion = [](const std::string& user) {
+    return ParseRequest(Endpoint::kCompletions,
+                        "{\"prompt\": \"a\", \"user\": " + user + "}", {},
+                        nullptr);
+  };
+  EXPECT_TRUE(completion(NestedArrays(kMaxBodyDepth)).ok());
+  for (int depth : {kMaxBodyDepth + 1, 4 << 20}) {
+    const auto r = completion(NestedArrays(depth));
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << depth;
+    EXPECT_NE(r.status().message().find("nested deeper than 64 levels"),
+              std::string::npos)
+        << r.status();
+    EXPECT_EQ(HttpStatus(r.status()), 400);
+  }
+  // The top level itself, and invalid JSON past the limit.
+  EXPECT_EQ(ParseRequest(Endpoint::kCompletions, NestedArrays(1 << 20), {},
+                         nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseRequest(Endpoint::kCompletions, std::string(1 << 20, '['),
+                         {}, nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  ChatFormat chat;
+  chat.render = [](const json& context) -> absl::StatusOr<std::string> {
+    return context.dump();
+  };
+  const std::string messages =
+      R"({"messages": [{"role": "user", "content": "hi"}], )";
+  const auto kwargs = [&](const std::string& value) {
+    return ParseRequest(Endpoint::kChat,
+                        messages + R"("chat_template_kwargs": {"x": )" +
+                            value + "}}",
+                        chat, tok->get());
+  };
+  EXPECT_TRUE(kwargs(NestedArrays(kMaxBodyDepth - 1)).ok());
+  EXPECT_EQ(kwargs(NestedArrays(kMaxBodyDepth)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kwargs(NestedArrays(2 << 20)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ParseRequestTest, UnsetFieldsStayUnset) {
   auto p = Completion({{"prompt", {1, 2, 3}}, {"temperature", nullptr}});
   ASSERT_TRUE(p.ok()) << p.status();

@@ -288,6 +288,32 @@ struct Expr {
   std::vector<std::pair<std::string, ExprPtr>> kwargs;  // call kwargs
   bool negated = false;  // kTest: `is not`
   int line = 0;
+  int depth = 1;  // of the expression tree below and including this node
+};
+
+// How deep expressions and {% if %} / {% for %} blocks may nest. Parsing,
+// rendering and freeing a tree all recurse on it, so a template of 10^5
+// nested parentheses or a chain of 10^5 `~` would otherwise exhaust the
+// stack; real chat templates stay under 20.
+constexpr int kMaxNesting = 256;
+
+// Counts one level of parser recursion for its scope; fails past
+// kMaxNesting.
+class NestingGuard {
+ public:
+  NestingGuard(int* depth, int line) : depth_(depth) {
+    if (++*depth_ > kMaxNesting) {
+      --*depth_;
+      Fail(absl::StrCat("line ", line, ": nested deeper than ", kMaxNesting,
+                        " levels"));
+    }
+  }
+  ~NestingGuard() { --*depth_; }
+  NestingGuard(const NestingGuard&) = delete;
+  NestingGuard& operator=(const NestingGuard&) = delete;
+
+ private:
+  int* depth_;
 };
 
 struct Node {
@@ -339,7 +365,18 @@ class ExprParser {
   }
 
  private:
-  ExprPtr Make(Expr e) { return std::make_shared<const Expr>(std::move(e)); }
+  // Also bounds trees built without recursion (`a ~ b ~ ...`, `x|f|g...`).
+  ExprPtr Make(Expr e) {
+    for (const ExprPtr& a : e.args) {
+      if (a != nullptr) e.depth = std::max(e.depth, a->depth + 1);
+    }
+    for (const auto& [k, v] : e.kwargs) e.depth = std::max(e.depth, v->depth + 1);
+    if (e.depth > kMaxNesting) {
+      Fail(absl::StrCat("line ", e.line, ": expression nested deeper than ",
+                        kMaxNesting, " levels"));
+    }
+    return std::make_shared<const Expr>(std::move(e));
+  }
   Expr New(Expr::Kind k) {
     Expr e;
     e.kind = k;
@@ -354,6 +391,7 @@ class ExprParser {
   }
 
   ExprPtr Conditional() {
+    NestingGuard guard(&depth_, Peek().line);
     ExprPtr a = Or();
     if (IsName("if")) {
       Next();
@@ -391,6 +429,7 @@ class ExprParser {
   }
   ExprPtr Not() {
     if (IsName("not")) {
+      NestingGuard guard(&depth_, Peek().line);
       Next();
       Expr e = New(Expr::kNot);
       e.args = {Not()};
@@ -464,12 +503,14 @@ class ExprParser {
   }
   ExprPtr Unary() {
     if (IsOp("-")) {
+      NestingGuard guard(&depth_, Peek().line);
       Next();
       Expr e = New(Expr::kNeg);
       e.args = {Unary()};
       return Make(std::move(e));
     }
     if (IsOp("+")) {
+      NestingGuard guard(&depth_, Peek().line);
       Next();
       return Unary();
     }
@@ -618,6 +659,7 @@ class ExprParser {
 
   std::vector<Token> t_;
   size_t i_ = 0;
+  int depth_ = 0;  // recursion of the descent, NestingGuard's
 };
 
 // transformers' / transformers.js' source preprocessing: one trailing
@@ -804,6 +846,7 @@ class TemplateParser {
 
   std::shared_ptr<const Node> Statement(const std::string& word,
                                         ExprParser& ep, int line) {
+    NestingGuard guard(&block_depth_, line);
     Node n;
     n.line = line;
     std::string stop;
@@ -878,6 +921,7 @@ class TemplateParser {
   std::vector<Piece> pieces_;
   size_t pos_ = 0;
   std::unique_ptr<ExprParser> stmt_;
+  int block_depth_ = 0;  // statements being parsed, NestingGuard's
 };
 
 

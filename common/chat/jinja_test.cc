@@ -121,6 +121,53 @@ TEST(JinjaTest, ErrorsAreStatuses) {
             std::string::npos);
 }
 
+// `n` copies of `s`.
+std::string Repeat(const std::string& s, int n) {
+  std::string out;
+  out.reserve(s.size() * n);
+  for (int i = 0; i < n; ++i) out += s;
+  return out;
+}
+
+// Parsing, rendering and freeing a template recurse on its nesting, so
+// nesting past 256 levels is an error, not a stack overflow: nested
+// parentheses, lists, `not`, unary minus, blocks, and the trees the parser
+// builds in loops (`~` chains, attribute and filter chains). Each of the
+// 100,000-deep forms below crashed the parser before. 200 levels still
+// parse and render.
+TEST(JinjaTest, DeepNestingIsAnErrorNotACrash) {
+  const int kDeep = 100000;
+  const std::string deep[] = {
+      "{{ " + Repeat("(", kDeep) + "1" + Repeat(")", kDeep) + " }}",
+      "{{ " + Repeat("[", kDeep) + Repeat("]", kDeep) + " }}",
+      "{{ " + Repeat("not ", kDeep) + "1 }}",
+      "{{ " + Repeat("-", kDeep) + "1 }}",
+      "{{ 1" + Repeat(" ~ 1", kDeep) + " }}",
+      "{{ x" + Repeat(".a", kDeep) + " }}",
+      "{{ x" + Repeat("|string", kDeep) + " }}",
+      "{{ f" + Repeat("(1)", kDeep) + " }}",
+      "{{ 1 if a else" + Repeat(" 1 if a else", kDeep) + " 2 }}",
+      Repeat("{% if a %}", kDeep) + Repeat("{% endif %}", kDeep),
+      Repeat("{% for x in xs %}", kDeep) + Repeat("{% endfor %}", kDeep),
+  };
+  for (const std::string& tmpl : deep) {
+    const auto t = JinjaTemplate::Parse(tmpl);
+    ASSERT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument)
+        << tmpl.substr(0, 40);
+    EXPECT_NE(t.status().message().find("deeper than 256 levels"),
+              std::string::npos)
+        << t.status();
+  }
+  EXPECT_EQ(Render("{{ " + Repeat("(", 200) + "1" + Repeat(")", 200) + " }}"),
+            "1");
+  EXPECT_EQ(Render("{{ " + Repeat("not ", 200) + "0 }}"), "False");
+  EXPECT_EQ(Render("{{ 1" + Repeat(" + 1", 200) + " }}"), "201");
+  EXPECT_EQ(Render(Repeat("{% if a %}", 200) + "x" +
+                       Repeat("{% endif %}", 200),
+                   {{"a", true}}),
+            "x");
+}
+
 // Variables refer into the context instead of copying it: a template that
 // looks at the whole `messages` in every iteration (as Qwen 3's does) stays
 // linear. Copying would move ~10^12 bytes here (minutes); sharing takes
