@@ -295,7 +295,7 @@ struct Expr {
 // rendering and freeing a tree all recurse on it, so a template of 10^5
 // nested parentheses or a chain of 10^5 `~` would otherwise exhaust the
 // stack; real chat templates stay under 20.
-constexpr int kMaxNesting = 256;
+constexpr int kMaxNesting = 128;
 
 // Counts one level of parser recursion for its scope; fails past
 // kMaxNesting.

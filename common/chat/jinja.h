@@ -36,7 +36,7 @@
 // Cost: variables, attributes and items refer into the context (no copies),
 // so rendering is linear in the conversation; the output is capped at 10^7
 // bytes and loops at 10^6 iterations; expressions and blocks nest at most
-// 256 levels (deeper is a parse error: parsing and rendering recurse).
+// 128 levels (deeper is a parse error: parsing and rendering recurse).
 // Values a template builds itself are not bounded: a loop that wraps or
 // doubles a variable on every iteration can exhaust memory or the stack. A
 // template is the model directory's, trusted as its weights are; requests
