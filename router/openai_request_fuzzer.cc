@@ -5,8 +5,8 @@
 // default chat template, the bundled tinystories-656K tokenizer), and a
 // request that parses through ResolveOptions with the default flags. Every
 // rejection must be INVALID_ARGUMENT with an OpenAI error body of HTTP
-// status 400; an accepted request must resolve to a valid option set or
-// INVALID_ARGUMENT; never a crash. Seeds: router/testdata/fuzz/openai.
+// status 400; an accepted request must resolve to a valid option set
+// (ResolvedOptionsViolation) or INVALID_ARGUMENT; never a crash. Seeds: router/testdata/fuzz/openai.
 
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +21,7 @@
 #include "router/chat_format.h"
 #include "router/openai_api.h"
 #include "router/request_options.h"
+#include "router/resolved_options_check.h"
 
 namespace {
 
@@ -80,10 +81,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckRejection(r.status(), endpoint);
     return 0;
   }
-  if (r->max_new_tokens < 1 || r->num_draft_tokens < 0 ||
-      r->num_draft_tokens > 64 || !(r->sampling.top_p() > 0.f) ||
-      r->sampling.top_p() > 1.f || !(r->prefill.keep_ratio() > 0.f)) {
-    std::abort();
-  }
+  if (!specserve::ResolvedOptionsViolation(*r).empty()) std::abort();
   return 0;
 }

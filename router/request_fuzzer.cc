@@ -1,7 +1,8 @@
 // Fuzz target: the router's request validation. The input is decoded as a
 // v1::GenerateTextRequest (protos/router.proto); a decodable one goes
 // through ResolveOptions with the default flags, which must give a fully
-// valid option set or INVALID_ARGUMENT, never a crash.
+// valid option set (ResolvedOptionsViolation) or INVALID_ARGUMENT, never a
+// crash.
 // Seeds: router/testdata/fuzz/generate.
 
 #include <cstddef>
@@ -10,6 +11,7 @@
 
 #include "protos/router.pb.h"
 #include "router/request_runner.h"
+#include "router/resolved_options_check.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   specserve::v1::GenerateTextRequest req;
@@ -19,10 +21,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!absl::IsInvalidArgument(r.status())) std::abort();
     return 0;
   }
-  if (r->max_new_tokens < 1 || r->num_draft_tokens < 0 ||
-      r->num_draft_tokens > 64 || !(r->sampling.top_p() > 0.f) ||
-      r->sampling.top_p() > 1.f || !(r->prefill.keep_ratio() > 0.f)) {
-    std::abort();
-  }
+  if (!specserve::ResolvedOptionsViolation(*r).empty()) std::abort();
   return 0;
 }
