@@ -52,12 +52,13 @@ bash tools/gpu/emu_stack_smoke.sh 2>&1 | tee -a "$LOG"
 STEPS+=("emulated stack: $((SECONDS - start)) s")
 # The services' tests and the end-to-end test under ASan + UBSan and under
 # TSan (.bazelrc; sentencepiece through the built-in tokenizer), plus the
-# safetensors header mutation test and the built-in sentencepiece
-# tokenizer's tests under ASan.
+# safetensors header mutation test, the built-in sentencepiece
+# tokenizer's tests and the chat templates' Jinja tests under ASan.
 SANITIZED=(//speculator_service/... //target_service/... //router/...
            //common/scheduling/... //common/speculation/... //tests:e2e_test)
 step asan --config=asan "${SANITIZED[@]}" //common/model:safetensors_fuzz_test \
   //common/tokenizer:spm_builtin_test //common/tokenizer:tokenizer_test \
+  //common/chat:jinja_test \
   //tests:tls_test //tests:faults_test //tests:openai_client_test "$@"
 # Under TSan gRPC core's hand-offs between its threads are modeled as
 # happens-before edges (third_party/sanitizers/tsan_grpc_sync.cc), checked

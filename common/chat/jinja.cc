@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -980,6 +981,24 @@ double Num(const Value& v, const char* what) {
 
 bool IsInt(const Value& v) { return !v.undefined && v.j().is_number_integer(); }
 
+// A string a template builds (concatenation, repetition, replace, join) is
+// held to the output's cap: a loop that doubles a string would otherwise
+// take all memory long before the output check.
+void CheckStringSize(size_t bytes, const std::string& where) {
+  if (bytes > kMaxOutput) {
+    Fail(absl::StrCat(where, ": a string past 10^7 bytes"));
+  }
+}
+
+// absl::StrJoin under CheckStringSize.
+std::string JoinChecked(const std::vector<std::string>& parts,
+                        const std::string& sep, const std::string& where) {
+  size_t bytes = parts.empty() ? 0 : sep.size() * (parts.size() - 1);
+  for (const std::string& p : parts) bytes += p.size();
+  CheckStringSize(bytes, where);
+  return absl::StrJoin(parts, sep);
+}
+
 const std::string& Str(const Value& v, const char* what) {
   if (v.undefined || !v.j().is_string()) {
     Fail(absl::StrCat(what, ": expected a string, got ", TypeName(v)));
@@ -1224,7 +1243,10 @@ class Interpreter {
         return Value(!Truthy(Eval(*e.args[0])));
       case Expr::kNeg: {
         Value v = Eval(*e.args[0]);
-        if (IsInt(v)) return Value(-v.j().get<int64_t>());
+        if (IsInt(v) &&
+            v.j().get<int64_t>() != std::numeric_limits<int64_t>::min()) {
+          return Value(-v.j().get<int64_t>());
+        }
         return Value(-Num(v, "unary -"));
       }
       case Expr::kBinary:
@@ -1287,7 +1309,12 @@ class Interpreter {
     const Value a = Eval(*e.args[0]);
     const Value b = Eval(*e.args[1]);
     const std::string where = absl::StrCat("line ", e.line, ": '", op, "'");
-    if (op == "~") return Value(ToString(a) + ToString(b));
+    if (op == "~") {
+      std::string s = ToString(a);
+      const std::string t = ToString(b);
+      CheckStringSize(s.size() + t.size(), where);
+      return Value(s + t);
+    }
     if (op == "==" || op == "!=") {
       bool eq = a.undefined || b.undefined ? a.undefined == b.undefined
                                            : a.j() == b.j();
@@ -1320,26 +1347,56 @@ class Interpreter {
                                                                      : c >= 0);
     }
     if (op == "+") {
-      if (strings) return Value(a.j().get<std::string>() + b.j().get<std::string>());
+      if (strings) {
+        const std::string& s = a.j().get_ref<const std::string&>();
+        const std::string& t = b.j().get_ref<const std::string&>();
+        CheckStringSize(s.size() + t.size(), where);
+        return Value(s + t);
+      }
       if (!a.undefined && !b.undefined && a.j().is_array() && b.j().is_array()) {
+        if (a.j().size() + b.j().size() > kMaxIterations) {
+          Fail(absl::StrCat(where, ": a list past 10^6 items"));
+        }
         json out = a.j();
         for (const json& x : b.j()) out.push_back(x);
         return Value(std::move(out));
       }
     }
     if (op == "*" && !a.undefined && a.j().is_string() && IsInt(b)) {
+      const std::string& s = a.j().get_ref<const std::string&>();
+      const int64_t n = std::max<int64_t>(0, b.j().get<int64_t>());
+      if (!s.empty()) {
+        CheckStringSize(n > static_cast<int64_t>(kMaxOutput) ? kMaxOutput + 1
+                                                           : s.size() * n,
+                        where);
+      }
       std::string out;
-      for (int64_t i = 0; i < b.j().get<int64_t>(); ++i) out += a.j().get<std::string>();
+      for (int64_t i = 0; i < n && !s.empty(); ++i) out += s;
       return Value(out);
     }
     const bool ints = IsInt(a) && IsInt(b);
     const double x = Num(a, where.c_str()), y = Num(b, where.c_str());
-    if (op == "+") return ints ? Value(a.j().get<int64_t>() + b.j().get<int64_t>()) : Value(x + y);
-    if (op == "-") return ints ? Value(a.j().get<int64_t>() - b.j().get<int64_t>()) : Value(x - y);
-    if (op == "*") return ints ? Value(a.j().get<int64_t>() * b.j().get<int64_t>()) : Value(x * y);
+    // 64-bit integers; a result past them is a float, as in
+    // @huggingface/jinja, whose numbers are all doubles (Python's would be
+    // exact).
+    if (ints && (op == "+" || op == "-" || op == "*")) {
+      const int64_t p = a.j().get<int64_t>(), q = b.j().get<int64_t>();
+      int64_t r = 0;
+      const bool overflow = op == "+"   ? __builtin_add_overflow(p, q, &r)
+                            : op == "-" ? __builtin_sub_overflow(p, q, &r)
+                                        : __builtin_mul_overflow(p, q, &r);
+      if (!overflow) return Value(r);
+    }
+    if (op == "+") return Value(x + y);
+    if (op == "-") return Value(x - y);
+    if (op == "*") return Value(x * y);
     if (y == 0) Fail(absl::StrCat(where, ": division by zero"));
     if (op == "/") return Value(x / y);
+    const bool min_by_minus_one =
+        ints && a.j().get<int64_t>() == std::numeric_limits<int64_t>::min() &&
+        b.j().get<int64_t>() == -1;
     if (op == "//") {
+      if (min_by_minus_one) return Value(-x);
       if (ints) {
         const int64_t p = a.j().get<int64_t>(), q = b.j().get<int64_t>();
         int64_t r = p / q;
@@ -1349,6 +1406,7 @@ class Interpreter {
       return Value(std::floor(x / y));
     }
     if (op == "%") {
+      if (min_by_minus_one) return Value(int64_t{0});
       if (ints) {
         const int64_t p = a.j().get<int64_t>(), q = b.j().get<int64_t>();
         int64_t r = p % q;
@@ -1496,7 +1554,7 @@ class Interpreter {
         for (const Value& x : Items(Arg(e, args, 0, "iterable"), "join")) {
           parts.push_back(ToString(x));
         }
-        return Value(absl::StrJoin(parts, s));
+        return Value(JoinChecked(parts, s, where));
       }
     }
     if (!obj.undefined && obj.j().is_object()) {
@@ -1556,9 +1614,11 @@ class Interpreter {
       const size_t j = n == 0 ? std::string::npos : s.find(from, i);
       if (j == std::string::npos) break;
       out += s.substr(i, j - i) + to;
+      CheckStringSize(out.size(), "replace");
       i = j + from.size();
       if (n > 0) --n;
     }
+    CheckStringSize(out.size() + (s.size() - i), "replace");
     return out + s.substr(i);
   }
 
@@ -1634,7 +1694,8 @@ class Interpreter {
       for (const Value& x : Items(v, where.c_str())) {
         parts.push_back(ToString(x));
       }
-      return Value(absl::StrJoin(parts, sep.undefined ? "" : ToString(sep)));
+      return Value(
+          JoinChecked(parts, sep.undefined ? "" : ToString(sep), where));
     }
     if (f == "items") {
       if (v.undefined || !v.j().is_object()) {
@@ -1649,7 +1710,12 @@ class Interpreter {
     if (f == "int") {
       if (IsInt(v)) return v;
       if (!v.undefined && v.j().is_number()) {
-        return Value(static_cast<int64_t>(v.j().get<double>()));
+        const double d = v.j().get<double>();
+        // Outside int64 (or NaN) the conversion is undefined behaviour.
+        if (!(d > -9.2e18 && d < 9.2e18)) {
+          Fail(absl::StrCat(where, ": ", d, " is outside the 64-bit range"));
+        }
+        return Value(static_cast<int64_t>(d));
       }
       if (!v.undefined && v.j().is_string()) {
         try {
@@ -1664,7 +1730,10 @@ class Interpreter {
       return Value(0.0);
     }
     if (f == "abs") {
-      if (IsInt(v)) return Value(std::llabs(v.j().get<int64_t>()));
+      if (IsInt(v) &&
+          v.j().get<int64_t>() != std::numeric_limits<int64_t>::min()) {
+        return Value(std::llabs(v.j().get<int64_t>()));
+      }
       return Value(std::fabs(Num(v, where.c_str())));
     }
     Fail(absl::StrCat(where, ": unknown filter"));

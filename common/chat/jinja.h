@@ -37,10 +37,13 @@
 // so rendering is linear in the conversation; the output is capped at 10^7
 // bytes and loops at 10^6 iterations; expressions and blocks nest at most
 // 128 levels (deeper is a parse error: parsing and rendering recurse).
-// Values a template builds itself are not bounded: a loop that wraps or
-// doubles a variable on every iteration can exhaust memory or the stack. A
-// template is the model directory's, trusted as its weights are; requests
-// only supply the context (the router bounds its nesting).
+// Strings a template builds (~, +, *, replace, join) are capped at 10^7
+// bytes and lists built with + at 10^6 items (an error past them); integer
+// arithmetic past 64 bits gives a float, as @huggingface/jinja's doubles do.
+// Values nested by the template itself are not bounded: a loop that wraps
+// a variable in a list on every iteration can exhaust the stack. A template
+// is the model directory's, trusted as its weights are; requests only
+// supply the context (the router bounds its nesting).
 
 #include <memory>
 #include <string>

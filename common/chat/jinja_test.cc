@@ -169,6 +169,48 @@ TEST(JinjaTest, DeepNestingIsAnErrorNotACrash) {
             "x");
 }
 
+// Integer arithmetic past 64 bits gives a float (as @huggingface/jinja's
+// doubles do) instead of signed overflow, and a string a template builds is
+// capped like the output, so doubling loops and huge repetitions are an
+// error rather than all of memory. (UBSan, in CI's ASan step, checks the
+// arithmetic.)
+TEST(JinjaTest, ArithmeticAndBuiltStringsStayBounded) {
+  const std::string max = "9223372036854775807", min = "(-" + max + " - 1)";
+  for (const std::string& past :
+       {max + " + 1", min + " - 1", max + " * 3", "-" + min, min + " // -1",
+        "(" + min + ")|abs"}) {
+    EXPECT_EQ(Render("{{ (" + past + ") is float }} {{ (" + past + ") > 0 or (" +
+                     past + ") < 0 }}"),
+              "True True")
+        << past;
+  }
+  EXPECT_EQ(Render("{{ " + min + " % -1 }}"), "0");
+  EXPECT_EQ(Render("{{ " + max + " - 1 }}"), "9223372036854775806");
+  EXPECT_EQ(Render("{{ 7 // -2 }} {{ 7 % -2 }} {{ 2 * 3 - 1 }}"), "-4 -1 5");
+  EXPECT_NE(Render("{{ x|int }}", {{"x", 1e300}})
+                .find("outside the 64-bit range"),
+            std::string::npos);
+  EXPECT_EQ(Render("{{ 2.9|int }}"), "2");
+
+  EXPECT_EQ(Render("{{ 'ab' * 3 }}|{{ 'ab' * -2 }}|{{ '' * 1000000000000 }}"),
+            "ababab||");
+  for (const char* bad : {
+           "{{ 'ab' * 100000000000 }}",
+           "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+           "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+           "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+           "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+           "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+           "{% set ns.s = ns.s.replace('a', 'aa') %}{% endfor %}",
+           "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+           "{% set ns.s = [ns.s, ns.s]|join('') %}{% endfor %}",
+           "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}"
+           "{% set ns.l = ns.l + ns.l %}{% endfor %}",
+       }) {
+    EXPECT_NE(Render(bad).find("RENDER ERROR"), std::string::npos) << bad;
+  }
+}
+
 // Variables refer into the context instead of copying it: a template that
 // looks at the whole `messages` in every iteration (as Qwen 3's does) stays
 // linear. Copying would move ~10^12 bytes here (minutes); sharing takes
