@@ -1310,8 +1310,7 @@ class Interpreter {
     const Value b = Eval(*e.args[1]);
     const std::string where = absl::StrCat("line ", e.line, ": '", op, "'");
     if (op == "~") {
-      std::string s = ToString(a);
-      const std::string t = ToString(b);
+      const std::string s = ToString(a), t = ToString(b);
       CheckStringSize(s.size() + t.size(), where);
       return Value(s + t);
     }
@@ -1364,15 +1363,16 @@ class Interpreter {
     }
     if (op == "*" && !a.undefined && a.j().is_string() && IsInt(b)) {
       const std::string& s = a.j().get_ref<const std::string&>();
-      const int64_t n = std::max<int64_t>(0, b.j().get<int64_t>());
-      if (!s.empty()) {
-        CheckStringSize(n > static_cast<int64_t>(kMaxOutput) ? kMaxOutput + 1
-                                                           : s.size() * n,
-                        where);
-      }
+      const int64_t n = b.j().get<int64_t>();
+      if (s.empty() || n <= 0) return Value(std::string());
+      // n first: s.size() * n may overflow.
+      CheckStringSize(n > static_cast<int64_t>(kMaxOutput) ? kMaxOutput + 1
+                                                         : s.size() * n,
+                      where);
       std::string out;
-      for (int64_t i = 0; i < n && !s.empty(); ++i) out += s;
-      return Value(out);
+      out.reserve(s.size() * n);
+      for (int64_t i = 0; i < n; ++i) out += s;
+      return Value(std::move(out));
     }
     const bool ints = IsInt(a) && IsInt(b);
     const double x = Num(a, where.c_str()), y = Num(b, where.c_str());
@@ -1711,8 +1711,9 @@ class Interpreter {
       if (IsInt(v)) return v;
       if (!v.undefined && v.j().is_number()) {
         const double d = v.j().get<double>();
-        // Outside int64 (or NaN) the conversion is undefined behaviour.
-        if (!(d > -9.2e18 && d < 9.2e18)) {
+        // Outside [-2^63, 2^63) (or NaN) the conversion is undefined
+        // behaviour.
+        if (!(d >= -0x1p63 && d < 0x1p63)) {
           Fail(absl::StrCat(where, ": ", d, " is outside the 64-bit range"));
         }
         return Value(static_cast<int64_t>(d));
