@@ -295,6 +295,35 @@ absl::Status ParseSampling(const json& body,
   // vLLM's extension; -1 (vLLM's "off") and 0 both disable it.
   SPECSERVE_ASSIGN(top_k, GetInt(body, "top_k", "top_k", -1, kInt32Max));
   if (top_k) s->set_top_k(*top_k < 0 ? 0 : static_cast<int>(*top_k));
+  // OpenAI's penalties, and vLLM's repetition_penalty extension.
+  SPECSERVE_ASSIGN(presence, GetNumber(body, "presence_penalty",
+                                       "presence_penalty"));
+  if (presence) {
+    if (!(*presence >= -2 && *presence <= 2)) {
+      return ParamError("presence_penalty",
+                        "'presence_penalty' must be in [-2, 2]");
+    }
+    s->set_presence_penalty(static_cast<float>(*presence));
+  }
+  SPECSERVE_ASSIGN(frequency, GetNumber(body, "frequency_penalty",
+                                        "frequency_penalty"));
+  if (frequency) {
+    if (!(*frequency >= -2 && *frequency <= 2)) {
+      return ParamError("frequency_penalty",
+                        "'frequency_penalty' must be in [-2, 2]");
+    }
+    s->set_frequency_penalty(static_cast<float>(*frequency));
+  }
+  SPECSERVE_ASSIGN(repetition, GetNumber(body, "repetition_penalty",
+                                         "repetition_penalty"));
+  if (repetition) {
+    const double max = std::numeric_limits<float>::max();
+    if (!(*repetition > 0 && *repetition <= max)) {
+      return ParamError("repetition_penalty",
+                        "'repetition_penalty' must be > 0 (1 = off)");
+    }
+    s->set_repetition_penalty(static_cast<float>(*repetition));
+  }
   if (const json* seed = Member(body, "seed"); seed != nullptr) {
     if (!seed->is_number_integer()) {
       return WrongType("seed", "an integer", *seed);

@@ -31,6 +31,9 @@ TEST(ParseRequestTest, MapsEveryField) {
                        {"top_p", 0.9},
                        {"top_k", 40},
                        {"seed", 42},
+                       {"presence_penalty", 0.5},
+                       {"frequency_penalty", -1.5},
+                       {"repetition_penalty", 1.2},
                        {"stop", "\n"},
                        {"stop_token_ids", {5, 6}},
                        {"ignore_eos", true},
@@ -68,6 +71,9 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_FLOAT_EQ(s.top_p(), 0.9f);
   EXPECT_EQ(s.top_k(), 40);
   EXPECT_EQ(s.seed(), 42u);
+  EXPECT_FLOAT_EQ(s.presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(s.frequency_penalty(), -1.5f);
+  EXPECT_FLOAT_EQ(s.repetition_penalty(), 1.2f);
   ASSERT_EQ(s.stop_size(), 1);
   EXPECT_EQ(s.stop(0), "\n");
   ASSERT_EQ(s.stop_token_ids_size(), 2);
@@ -160,6 +166,9 @@ TEST(ParseRequestTest, UnsetFieldsStayUnset) {
   EXPECT_FALSE(p->request.sampling().has_max_new_tokens());
   EXPECT_FALSE(p->request.sampling().has_temperature());
   EXPECT_FALSE(p->request.sampling().has_seed());
+  EXPECT_FALSE(p->request.sampling().has_presence_penalty());
+  EXPECT_FALSE(p->request.sampling().has_frequency_penalty());
+  EXPECT_FALSE(p->request.sampling().has_repetition_penalty());
   EXPECT_FALSE(p->request.has_speculative_prefill());
 }
 
@@ -200,6 +209,13 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"top_p", 1.5}}, "top_p"},
       {{{"prompt", "a"}, {"temperature", -0.1}}, "temperature"},
       {{{"prompt", "a"}, {"seed", 1.5}}, "seed"},
+      {{{"prompt", "a"}, {"presence_penalty", 2.5}}, "presence_penalty"},
+      {{{"prompt", "a"}, {"presence_penalty", "1"}}, "presence_penalty"},
+      {{{"prompt", "a"}, {"frequency_penalty", -2.01}}, "frequency_penalty"},
+      {{{"prompt", "a"}, {"repetition_penalty", 0}}, "repetition_penalty"},
+      {{{"prompt", "a"}, {"repetition_penalty", -1}}, "repetition_penalty"},
+      {{{"prompt", "a"}, {"repetition_penalty", 1e300}},
+       "repetition_penalty"},
       {{{"prompt", "a"}, {"stop", {"x", ""}}}, "stop[1]"},
       {{{"prompt", "a"}, {"stop", 3}}, "stop"},
       {{{"prompt", "a"}, {"stream_options", {{"include_usage", true}}}},

@@ -126,6 +126,16 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
   o.sampling.set_top_p(top_p);
   o.has_seed = s.has_seed();
   o.sampling.set_seed(s.seed());
+  o.sampling.set_presence_penalty(s.presence_penalty());
+  o.sampling.set_frequency_penalty(s.frequency_penalty());
+  if (s.has_repetition_penalty()) {
+    // The wire reads 0 as 1 (off): refuse it here, where it was sent.
+    if (!(s.repetition_penalty() > 0.f)) {
+      return Bad("sampling.repetition_penalty", "> 0",
+                 s.repetition_penalty());
+    }
+    o.sampling.set_repetition_penalty(s.repetition_penalty());
+  }
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(

@@ -106,6 +106,8 @@ struct ResolvedOptions {
 /// result once, at the edge. INVALID_ARGUMENT naming the field
 /// ("sampling.top_p must be in (0, 1], got 0"): max_new_tokens < 1,
 /// temperature negative or not finite, top_k < 0, top_p outside (0, 1],
+/// presence_penalty / frequency_penalty outside [-2, 2],
+/// repetition_penalty not > 0 or not finite,
 /// an empty stop string, a negative stop token id, top_logprobs outside
 /// [0, 20] or set without logprobs, keep_ratio outside
 /// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or <

@@ -191,6 +191,48 @@ TEST(ResolveOptionsTest, LogprobsAreCheckedAndKept) {
   EXPECT_THAT(r.status().message(), HasSubstr("needs sampling.logprobs"));
 }
 
+TEST(ResolveOptionsTest, PenaltiesAreCheckedAndKept) {
+  v1::GenerateTextRequest req;
+  auto off = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->sampling.presence_penalty(), 0.f);
+  EXPECT_EQ(off->sampling.frequency_penalty(), 0.f);
+  // Unset on the wire: the services read 0 as 1 (off).
+  EXPECT_EQ(off->sampling.repetition_penalty(), 0.f);
+  v1::GenerationSampling* s = req.mutable_sampling();
+  s->set_presence_penalty(-2.f);
+  s->set_frequency_penalty(2.f);
+  s->set_repetition_penalty(0.8f);
+  auto on = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->sampling.presence_penalty(), -2.f);
+  EXPECT_EQ(on->sampling.frequency_penalty(), 2.f);
+  EXPECT_FLOAT_EQ(on->sampling.repetition_penalty(), 0.8f);
+  struct Bad {
+    std::function<void(v1::GenerationSampling*)> set;
+    const char* message;
+  };
+  const std::vector<Bad> bad = {
+      {[](auto* g) { g->set_presence_penalty(2.5f); },
+       "sampling.presence_penalty must be in [-2, 2]"},
+      {[](auto* g) { g->set_frequency_penalty(NAN); },
+       "sampling.frequency_penalty must be in [-2, 2]"},
+      {[](auto* g) { g->set_repetition_penalty(0.f); },
+       "sampling.repetition_penalty must be > 0"},
+      {[](auto* g) { g->set_repetition_penalty(-1.f); },
+       "sampling.repetition_penalty must be > 0"},
+      {[](auto* g) { g->set_repetition_penalty(INFINITY); },
+       "sampling.repetition_penalty must be a finite number > 0"},
+  };
+  for (const Bad& b : bad) {
+    v1::GenerateTextRequest r;
+    b.set(r.mutable_sampling());
+    auto got = ResolveOptions(r, RequestDefaults());
+    EXPECT_TRUE(absl::IsInvalidArgument(got.status())) << b.message;
+    EXPECT_THAT(got.status().message(), HasSubstr(b.message));
+  }
+}
+
 TEST(ValidateDefaultsTest, NamesTheBadDefault) {
   RequestDefaults d;
   d.prompt_lookup_min = 6;

@@ -277,6 +277,10 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   if (!pruned) {
     prefill.mutable_token_ids()->Add(prompt.begin(), prompt.end());
     for (int i = 0; i < n; ++i) prefill.add_position_ids(i);
+  } else if (const float r = opts.sampling.repetition_penalty();
+             r != 0.f && r != 1.f) {
+    // The repetition penalty covers the ids pruning dropped too.
+    prefill.mutable_penalty_prompt_ids()->Add(prompt.begin(), prompt.end());
   }
   if (!draft_alive) prefill.clear_drafts();
   // Prompt lookup's first drafts are verified in the prefill forward.

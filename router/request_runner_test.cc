@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/speculation/target_session.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
@@ -272,6 +273,67 @@ TEST_F(RequestRunnerTest, PrunedPrefillKeepsOriginalPositions) {
   }
   // The plain full-prompt continuation differs (pruning is visible).
   EXPECT_NE(want, FullReference(text, 32));
+}
+
+// Penalties reach the target, with the whole prompt when it was pruned:
+// the router's output is the target's penalized greedy decoding of the kept
+// tokens at their original positions, its repetition penalty reading the
+// ids pruning dropped too, with and without drafts.
+TEST_F(RequestRunnerTest, PenaltiesReachTheTargetWithTheWholePrompt) {
+  const std::string text = StoryPrompt(15);
+  const std::vector<int> prompt = Encode(text);
+  const int n = static_cast<int>(prompt.size());
+  v1::ScoreRequest sreq;
+  sreq.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+  sreq.mutable_options()->set_keep_ratio(0.3f);
+  sreq.mutable_options()->set_chunk_size(8);
+  v1::ScoreResponse sresp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  ASSERT_TRUE(v1::Speculator::NewStub(
+                  grpc::CreateChannel(Addr(speculator_->port()),
+                                      grpc::InsecureChannelCredentials()))
+                  ->Score(&ctx, sreq, &sresp)
+                  .ok());
+  const std::vector<int> kept(sresp.kept_indices().begin(),
+                              sresp.kept_indices().end());
+  ASSERT_LT(kept.size(), prompt.size() / 2);
+  TargetRequest tr;
+  for (int k : kept) tr.token_ids.push_back(prompt[k]);
+  tr.position_ids = kept;
+  tr.next_position = n;
+  tr.stop.max_new_tokens = 32;
+  tr.sampling.presence_penalty = 0.5f;
+  tr.sampling.frequency_penalty = 0.5f;
+  tr.sampling.repetition_penalty = 1.3f;
+  const auto decode = [&](const TargetRequest& r) {
+    auto s = TargetSession::Create(model_, r);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return std::vector<int>();
+    while (!(*s)->finished()) {
+      if (!(*s)->Step({}).ok()) break;
+    }
+    return (*s)->output();
+  };
+  const std::vector<int> kept_only = decode(tr);
+  tr.penalty_prompt_ids = prompt;
+  const std::vector<int> want = decode(tr);
+  ASSERT_FALSE(want.empty());
+  // The dropped ids matter, and so do the penalties.
+  EXPECT_NE(want, kept_only);
+  EXPECT_NE(want, Reference(*model_, tr.token_ids, kept, n, 32));
+  for (bool spec_decode : {false, true}) {
+    SCOPED_TRACE(spec_decode);
+    v1::GenerateTextRequest req = Request(text, 32, 0.3f, spec_decode);
+    req.mutable_speculative_prefill()->set_chunk_size(8);
+    req.mutable_sampling()->set_presence_penalty(0.5f);
+    req.mutable_sampling()->set_frequency_penalty(0.5f);
+    req.mutable_sampling()->set_repetition_penalty(1.3f);
+    Outcome o = Run(req);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(o.response.usage().kept_prompt_tokens(), int(kept.size()));
+    EXPECT_EQ(Ids(o.response), want);
+  }
 }
 
 // keep_mass reaches the speculator: the router keeps exactly what a Score

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "router/request_options.h"
 
@@ -14,7 +15,9 @@ namespace specserve {
 
 /// The first field of `r` outside what ResolveOptions documents for an
 /// accepted request ("" when every field is within it): max_new_tokens >=
-/// 1, temperature finite and >= 0, top_k >= 0, top_p in (0, 1], non-empty
+/// 1, temperature finite and >= 0, top_k >= 0, top_p in (0, 1],
+/// presence / frequency penalties in [-2, 2], repetition_penalty 0 (unset)
+/// or finite and > 0, non-empty
 /// stop strings, stop token ids >= 0, top_logprobs in [0, 20] and only with
 /// logprobs, keep_ratio in (0, 1], num_draft_tokens in [1, 64] when
 /// drafting, prompt lookup n in [1, 16] and ordered, tree_max_nodes in
@@ -25,6 +28,14 @@ inline std::string ResolvedOptionsViolation(const ResolvedOptions& r) {
   if (!std::isfinite(t) || t < 0.f) return "temperature";
   if (r.sampling.top_k() < 0) return "top_k";
   if (!(r.sampling.top_p() > 0.f) || r.sampling.top_p() > 1.f) return "top_p";
+  for (const auto& [name, v] :
+       {std::pair<const char*, float>{"presence_penalty",
+                                      r.sampling.presence_penalty()},
+        {"frequency_penalty", r.sampling.frequency_penalty()}}) {
+    if (!(v >= -2.f && v <= 2.f)) return name;
+  }
+  const float rep = r.sampling.repetition_penalty();
+  if (!std::isfinite(rep) || rep < 0.f) return "repetition_penalty";
   for (const std::string& s : r.stop) {
     if (s.empty()) return "stop";
   }

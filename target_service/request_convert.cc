@@ -20,6 +20,8 @@ TargetRequest ToTargetRequest(const v1::Prefill& p,
   }
   r.next_position = p.next_position() == 0 ? -1 : p.next_position();
   r.sampling = ToSamplingParams(p.sampling());
+  r.penalty_prompt_ids.assign(p.penalty_prompt_ids().begin(),
+                              p.penalty_prompt_ids().end());
   r.stop.max_new_tokens = p.stop().max_new_tokens() == 0
                               ? default_max_new_tokens
                               : p.stop().max_new_tokens();

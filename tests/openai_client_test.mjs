@@ -151,6 +151,24 @@ await check("seed reproducibility", async () => {
   assert.ok(others.some((o) => o !== a), "different seeds, same text");
 });
 
+await check("penalties (OpenAI's presence / frequency, vLLM's repetition)", async () => {
+  const req = {
+    model, prompt: STORY, max_tokens: 32, temperature: 0,
+    speculative_prefill: { enabled: true, keep_ratio: 0.3, chunk_size: 8 },
+    speculative_decoding: { enabled: true, num_draft_tokens: 4 },
+  };
+  const plain = (await client.completions.create(req)).choices[0].text;
+  const penalized = (await client.completions.create({
+    ...req, presence_penalty: 1.5, frequency_penalty: 1.0,
+    repetition_penalty: 1.3,
+  })).choices[0].text;
+  assert.notEqual(penalized, plain);
+  await assert.rejects(
+      client.completions.create({ model, prompt: "x", presence_penalty: 3 }),
+      (e) => e instanceof OpenAI.BadRequestError &&
+             e.param === "presence_penalty");
+});
+
 await check("errors", async () => {
   const bad = new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 });
   await assert.rejects(bad.models.list(), (e) => e.status === 401);

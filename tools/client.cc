@@ -50,6 +50,12 @@ ABSL_FLAG(int, max_new_tokens, -1, "tokens to generate (-1 = router default)");
 ABSL_FLAG(double, temperature, -1, "sampling temperature (-1 = default)");
 ABSL_FLAG(int, top_k, -1, "top-k (-1 = default)");
 ABSL_FLAG(double, top_p, -1, "top-p (-1 = default)");
+ABSL_FLAG(double, presence_penalty, 0,
+          "presence penalty in [-2, 2] on generated ids (0 = off)");
+ABSL_FLAG(double, frequency_penalty, 0,
+          "frequency penalty in [-2, 2] per generated occurrence (0 = off)");
+ABSL_FLAG(double, repetition_penalty, 1,
+          "repetition penalty > 0 on prompt and generated ids (1 = off)");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1 = default)");
 ABSL_FLAG(std::string, stop, "", "stop strings, '|'-separated");
 ABSL_FLAG(std::string, stop_token_ids, "", "stop token ids");
@@ -152,6 +158,15 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   }
   if (absl::GetFlag(FLAGS_top_k) >= 0) s->set_top_k(absl::GetFlag(FLAGS_top_k));
   if (absl::GetFlag(FLAGS_top_p) >= 0) s->set_top_p(absl::GetFlag(FLAGS_top_p));
+  if (absl::GetFlag(FLAGS_presence_penalty) != 0) {
+    s->set_presence_penalty(absl::GetFlag(FLAGS_presence_penalty));
+  }
+  if (absl::GetFlag(FLAGS_frequency_penalty) != 0) {
+    s->set_frequency_penalty(absl::GetFlag(FLAGS_frequency_penalty));
+  }
+  if (absl::GetFlag(FLAGS_repetition_penalty) != 1) {
+    s->set_repetition_penalty(absl::GetFlag(FLAGS_repetition_penalty));
+  }
   if (absl::GetFlag(FLAGS_seed) >= 0) s->set_seed(absl::GetFlag(FLAGS_seed));
   if (!absl::GetFlag(FLAGS_stop).empty()) {
     for (auto part : absl::StrSplit(absl::GetFlag(FLAGS_stop), '|')) {

@@ -101,6 +101,22 @@ absl::Status ValidateSamplingParams(const SamplingParams& params) {
     return absl::InvalidArgumentError(
         absl::StrCat("top_p must be in (0, 1], got ", params.top_p));
   }
+  for (const auto& [name, value] :
+       {std::pair<const char*, float>{"presence_penalty",
+                                      params.presence_penalty},
+        {"frequency_penalty", params.frequency_penalty}}) {
+    if (!(value >= -2.f && value <= 2.f)) {  // also NaN
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be in [-2, 2], got ", value));
+    }
+  }
+  if (!std::isfinite(params.repetition_penalty) ||
+      params.repetition_penalty <= 0.f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty must be a finite number > 0 (1 = "
+                     "off), got ",
+                     params.repetition_penalty));
+  }
   return absl::OkStatus();
 }
 

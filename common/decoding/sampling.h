@@ -11,20 +11,36 @@
 
 namespace specserve {
 
-/// Per-request sampling options (the OpenAI/vLLM knobs). The same params must
-/// be used by the draft (to build q) and by verification (to build p), or
-/// speculative decoding is no longer lossless.
+/// Per-request sampling options (the OpenAI/vLLM knobs). Verification builds
+/// the target's p from all of them; the draft builds its q from the same
+/// temperature / top-k / top-p (the closer q is to p, the more drafts are
+/// accepted) and sends q with its drafts, so any q keeps speculative
+/// decoding lossless.
 struct SamplingParams {
   float temperature = 0.f;  ///< 0 = greedy; otherwise finite and > 0.
   int top_k = 0;            ///< 0 = off; otherwise keep the k most likely.
   float top_p = 1.f;        ///< nucleus mass in (0, 1]; 1 = off.
   uint64_t seed = 0;        ///< seeds the request's Rng.
+  // Penalties on tokens already seen (OpenAI's presence / frequency, HF's
+  // and vLLM's repetition), applied to the logits before everything above
+  // (penalties.h). They change the target's distribution p; a draft's q
+  // may ignore them and verification stays lossless.
+  float presence_penalty = 0.f;    ///< [-2, 2]; 0 = off.
+  float frequency_penalty = 0.f;   ///< [-2, 2]; 0 = off.
+  float repetition_penalty = 1.f;  ///< > 0; 1 = off.
 
   bool greedy() const { return temperature == 0.f; }
+  /// Whether any penalty is on.
+  bool has_penalties() const {
+    return presence_penalty != 0.f || frequency_penalty != 0.f ||
+           repetition_penalty != 1.f;
+  }
 };
 
 /// OK, or INVALID_ARGUMENT naming the field: temperature must be finite and
-/// >= 0, top_k >= 0, top_p finite in (0, 1]. A top_k larger than the vocabulary
+/// >= 0, top_k >= 0, top_p finite in (0, 1], presence_penalty and
+/// frequency_penalty finite in [-2, 2] (OpenAI's range), repetition_penalty
+/// finite and > 0 (vLLM's rule). A top_k larger than the vocabulary
 /// is allowed (it keeps everything, as HF does).
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 

@@ -107,6 +107,16 @@ TEST(ValidateSamplingParamsTest, AcceptsValid) {
   EXPECT_TRUE(ValidateSamplingParams({}).ok());
   EXPECT_TRUE(ValidateSamplingParams({0.7f, 20, 0.9f, 1}).ok());
   EXPECT_TRUE(ValidateSamplingParams({1.f, 1000000, 1.f, 0}).ok());
+  EXPECT_TRUE(ValidateSamplingParams({0.f, 0, 1.f, 0, -2.f, 2.f, 0.01f}).ok());
+  EXPECT_TRUE(ValidateSamplingParams({0.f, 0, 1.f, 0, 2.f, -2.f, 10.f}).ok());
+}
+
+TEST(ValidateSamplingParamsTest, HasPenaltiesIsAnyPenaltyOffItsDefault) {
+  EXPECT_FALSE(SamplingParams().has_penalties());
+  EXPECT_TRUE(SamplingParams({0.f, 0, 1.f, 0, 0.1f}).has_penalties());
+  EXPECT_TRUE(SamplingParams({0.f, 0, 1.f, 0, 0.f, -0.1f}).has_penalties());
+  EXPECT_TRUE(
+      SamplingParams({0.f, 0, 1.f, 0, 0.f, 0.f, 1.1f}).has_penalties());
 }
 
 TEST(ValidateSamplingParamsTest, RejectsNamingTheField) {
@@ -122,6 +132,13 @@ TEST(ValidateSamplingParamsTest, RejectsNamingTheField) {
       {{1.f, 0, 0.f, 0}, "top_p"},
       {{1.f, 0, 1.5f, 0}, "top_p"},
       {{1.f, 0, NAN, 0}, "top_p"},
+      {{1.f, 0, 1.f, 0, 2.5f}, "presence_penalty"},
+      {{1.f, 0, 1.f, 0, NAN}, "presence_penalty"},
+      {{1.f, 0, 1.f, 0, 0.f, -2.01f}, "frequency_penalty"},
+      {{1.f, 0, 1.f, 0, 0.f, kInf}, "frequency_penalty"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 0.f}, "repetition_penalty"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, -1.f}, "repetition_penalty"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, kInf}, "repetition_penalty"},
   };
   for (const Case& c : cases) {
     const absl::Status s = ValidateSamplingParams(c.p);

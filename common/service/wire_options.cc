@@ -106,6 +106,10 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   out.top_k = p.top_k();
   out.top_p = p.top_p() == 0.f ? 1.f : p.top_p();
   out.seed = p.seed();
+  out.presence_penalty = p.presence_penalty();
+  out.frequency_penalty = p.frequency_penalty();
+  out.repetition_penalty =
+      p.repetition_penalty() == 0.f ? 1.f : p.repetition_penalty();
   return out;
 }
 

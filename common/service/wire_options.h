@@ -53,7 +53,7 @@ absl::Status ValidatePrompt(absl::Span<const int> token_ids, int look_ahead,
                             const std::string& field);
 
 /// Wire SamplingParams -> engine SamplingParams, unvalidated (proto3's
-/// top_p 0, i.e. unset, is read as 1).
+/// top_p 0 and repetition_penalty 0, i.e. unset, are read as 1).
 SamplingParams ToSamplingParams(const v1::SamplingParams& p);
 
 /// ToSamplingParams, validated: INVALID_ARGUMENT naming "sampling.<field>"

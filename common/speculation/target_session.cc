@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/decoding/row_sampling.h"
 #include "common/util/clock.h"
 
 namespace specserve {
@@ -22,6 +23,11 @@ TargetSession::TargetSession(ModelRunner* model, TargetRequest request,
       cache_(std::move(cache)),
       stop_(request_.stop, request_.next_position),
       rng_(request_.sampling.seed) {
+  if (request_.sampling.has_penalties()) {
+    penalties_.emplace(request_.penalty_prompt_ids.empty()
+                           ? request_.token_ids
+                           : request_.penalty_prompt_ids);
+  }
 }
 
 TargetSession::~TargetSession() {
@@ -68,6 +74,14 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
                      " is at or past the max context ", max_ctx));
   }
   if (auto s = ValidateSamplingParams(r.sampling); !s.ok()) return s;
+  for (size_t i = 0; i < r.penalty_prompt_ids.size(); ++i) {
+    const int id = r.penalty_prompt_ids[i];
+    if (id < 0 || id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("penalty_prompt_ids[", i, "] = ", id,
+                       " outside the vocabulary [0, ", c.vocab_size, ")"));
+    }
+  }
   if (r.stop.max_new_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_new_tokens must be >= 1, got ", r.stop.max_new_tokens));
@@ -287,14 +301,16 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   // row's SampleRow outcome (on CUDA both stay on the device), and with
   // logprobs the backend adds each row's logprobs. A sampled tree's
   // recursive rejection over siblings reads the logits (its logprobs are
-  // computed from them in CompleteForward).
+  // computed from them in CompleteForward). Penalized rows come back as
+  // logits too: each row's penalties depend on the drafts before it.
   const bool greedy = request_.sampling.greedy();
-  entry->input.argmax_only = greedy;
+  const bool host = penalties_.has_value();
+  entry->input.argmax_only = greedy && !host;
   entry->input.sampling = nullptr;
-  entry->input.logprobs_top_n =
-      final_planned_ && request_.logprobs && (greedy || parents_.empty())
-          ? request_.top_logprobs
-          : -1;
+  entry->input.logprobs_top_n = final_planned_ && request_.logprobs &&
+                                        (greedy || parents_.empty()) && !host
+                                    ? request_.top_logprobs
+                                    : -1;
   if (final_planned_ && !greedy && parents_.empty()) {
     // Two uniforms per row, drawn for every row so a seeded request's
     // draws do not depend on where the first rejection falls.
@@ -308,7 +324,7 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
       row_sampling_.uniforms.push_back(rng_.Uniform());
       row_sampling_.uniforms.push_back(rng_.Uniform());
     }
-    entry->input.sampling = &row_sampling_;
+    if (!host) entry->input.sampling = &row_sampling_;
   }
   planned_at_ = MonotonicNowNs();
   return absl::OkStatus();
@@ -326,9 +342,10 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   const int k = static_cast<int>(drafts_.size());
   const bool greedy = request_.sampling.greedy();
   // What PlanForward asked for: argmax ids, row samples (each with its
-  // row's logprobs when asked) or, for a sampled tree, logits.
+  // row's logprobs when asked) or, for a sampled tree or with penalties,
+  // logits.
   const bool row_sampled = !greedy && parents_.empty();
-  const bool reduced = greedy || row_sampled;
+  const bool reduced = (greedy || row_sampled) && !penalties_;
   const size_t want = static_cast<size_t>(k + 1) * (reduced ? 1 : c.vocab_size);
   const size_t got = !reduced  ? out.logits.size()
                      : greedy  ? out.argmax.size()
@@ -344,9 +361,16 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   auto row = [&](int r) {
     return absl::MakeConstSpan(out.logits_row(r, c.vocab_size), c.vocab_size);
   };
-  const std::vector<int>& argmax = out.argmax;
-  const std::vector<int>& sampled = out.sampled;
-  const std::vector<uint8_t>& accepted_rows = out.accepted;
+  // With penalties the host decides the penalized rows as the backend
+  // would have decided raw ones.
+  PenalizedRows host;
+  if (penalties_) host = DecideWithPenalties(out.logits);
+  const std::vector<int>& argmax = penalties_ ? host.argmax : out.argmax;
+  const std::vector<int>& sampled = penalties_ ? host.sampled : out.sampled;
+  const std::vector<uint8_t>& accepted_rows =
+      penalties_ ? host.accepted : out.accepted;
+  const std::vector<float>& tree_logits =
+      penalties_ ? host.logits : out.logits;
   // The logit row each emitted token came from: a chain's token i from
   // row i; a tree's first from row 0 (the last context token), then each
   // from the row of the accepted node before it.
@@ -374,8 +398,8 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     auto verdict =
         greedy ? VerifyDraftTreeGreedy(drafts_, parents_, argmax,
                                        c.vocab_size)
-               : VerifyDraftTree(drafts_, parents_, out.logits, c.vocab_size,
-                                 request_.sampling, &rng_);
+               : VerifyDraftTree(drafts_, parents_, tree_logits,
+                                 c.vocab_size, request_.sampling, &rng_);
     if (!verdict.ok()) {
       Abort();
       return verdict.status();
@@ -418,6 +442,7 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   round.tokens.assign(tokens.begin(), tokens.begin() + stop.num_emit);
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
+  if (penalties_) penalties_->AddOutput(round.tokens);
   if (request_.logprobs) {  // the backend's, or a sampled tree's logits
     for (int i = 0; i < stop.num_emit; ++i) {
       round.logprobs.push_back(
@@ -429,6 +454,57 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   round.forward_ns = round_ns_ + (MonotonicNowNs() - planned_at_);
   result_ = std::move(round);
   return absl::OkStatus();
+}
+
+TargetSession::PenalizedRows TargetSession::DecideWithPenalties(
+    absl::Span<const float> logits) const {
+  const int vocab = model_->config().vocab_size;
+  const int k = static_cast<int>(drafts_.size());
+  const SamplingParams& params = request_.sampling;
+  PenalizedRows out;
+  out.logits.assign(logits.begin(), logits.end());
+  // Row r follows the drafts on its path: a chain's first r drafts; a
+  // tree's row 0 none, row 1 + i node i and its ancestors, root first.
+  std::vector<int> before;
+  for (int r = 0; r <= k; ++r) {
+    before.clear();
+    if (parents_.empty()) {
+      for (int j = 0; j < r; ++j) before.push_back(drafts_[j].id);
+    } else if (r > 0) {
+      for (int node = r - 1; node >= 0; node = parents_[node]) {
+        before.push_back(drafts_[node].id);
+      }
+      std::reverse(before.begin(), before.end());
+    }
+    penalties_->Apply(params, before,
+                      absl::MakeSpan(out.logits.data() +
+                                         static_cast<size_t>(r) * vocab,
+                                     vocab));
+  }
+  const auto row = [&](int r) {
+    return absl::MakeConstSpan(
+        out.logits.data() + static_cast<size_t>(r) * vocab, vocab);
+  };
+  if (params.greedy()) {
+    for (int r = 0; r <= k; ++r) out.argmax.push_back(Argmax(row(r)));
+  } else if (parents_.empty()) {
+    // SampleOnHost's rule, with the uniforms PlanForward drew: rows in
+    // order up to the first one not accepted.
+    static const SparseDist kNoDraft;
+    out.sampled.assign(k + 1, -1);
+    out.accepted.assign(k + 1, 0);
+    for (int r = 0; r <= k; ++r) {
+      const RowSample s = SampleRow(
+          row(r), params, row_sampling_.draft_ids[r],
+          row_sampling_.draft_q[r] != nullptr ? *row_sampling_.draft_q[r]
+                                              : kNoDraft,
+          row_sampling_.uniforms[2 * r], row_sampling_.uniforms[2 * r + 1]);
+      out.sampled[r] = s.token;
+      out.accepted[r] = s.accepted ? 1 : 0;
+      if (!s.accepted) break;
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<RoundResult> TargetSession::TakeRoundResult() {

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/decoding/logprobs.h"
+#include "common/decoding/penalties.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stop.h"
 #include "common/decoding/tree_verification.h"
@@ -28,6 +29,10 @@ struct TargetRequest {
   /// position + 1.
   int next_position = -1;
   SamplingParams sampling;
+  /// With sampling's penalties: the whole prompt as the user sent it, the
+  /// ids Speculative Prefill pruned included (repetition_penalty reads
+  /// it). Empty = token_ids.
+  std::vector<int> penalty_prompt_ids;
   /// max_new_tokens and stop ids; EOS ids and the context limit are taken
   /// from the model config by Create (unless ignore_eos).
   StopConditions stop;
@@ -41,6 +46,11 @@ struct TargetRequest {
   bool logprobs = false;
   int top_logprobs = 0;
 };
+// With penalties (SamplingParams::has_penalties) a round's final rows come
+// back as logits: each row is penalized for the output before it (the
+// emitted tokens, then the drafts on its path) and decided on the host,
+// by the same argmax, SampleRow and tree rules.
+
 
 /// One round: the prefill (with optional drafts) or one verification.
 struct RoundResult {
@@ -68,6 +78,7 @@ class TargetSession : public Session {
   /// prompt, length mismatch, ids outside the vocabulary, positions not
   /// strictly increasing or at/after the max context, next_position <= the
   /// last position or >= max context, bad sampling or stop conditions,
+  /// penalty_prompt_ids outside the vocabulary,
   /// max_new_tokens < 1, top_logprobs outside [0, kMaxTopLogprobs] or
   /// above 0 without logprobs.
   static absl::StatusOr<std::unique_ptr<TargetSession>> Create(
@@ -181,6 +192,15 @@ class TargetSession : public Session {
   int final_tail() const { return 1 + rewrite_; }
   // On an empty KV cache, attaches the prompt's cached full blocks.
   void AttachCachedPrompt();
+  // The final rows' logits ([k + 1, vocab]) penalized row by row, and
+  // their argmax (greedy) or SampleRow outcomes (a sampled chain).
+  struct PenalizedRows {
+    std::vector<float> logits;
+    std::vector<int> argmax;
+    std::vector<int> sampled;
+    std::vector<uint8_t> accepted;
+  };
+  PenalizedRows DecideWithPenalties(absl::Span<const float> logits) const;
 
   ModelRunner* model_;
   TargetRequest request_;
@@ -209,6 +229,7 @@ class TargetSession : public Session {
   bool final_planned_ = false;
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
   RowSampling row_sampling_;  // a sampled chain's final forward
+  std::optional<PenaltyTracker> penalties_;  // with sampling's penalties
   std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
 

@@ -836,5 +836,205 @@ TEST_F(TargetSessionTest, BadLogprobsAreRejected) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// ---- penalties ----
+
+// Presence / frequency / repetition penalties as vLLM defines them, written
+// out here independently of PenaltyTracker: `logits` after `prompt` (ids
+// the repetition penalty covers) and `output`.
+std::vector<float> PenalizedByHand(std::vector<float> logits,
+                                   const std::vector<int>& prompt,
+                                   const std::vector<int>& output,
+                                   const SamplingParams& sp) {
+  std::map<int, int> count;
+  for (int id : output) ++count[id];
+  for (int id = 0; id < static_cast<int>(logits.size()); ++id) {
+    const bool in_prompt =
+        std::find(prompt.begin(), prompt.end(), id) != prompt.end();
+    const int c = count.count(id) ? count[id] : 0;
+    float x = logits[id];
+    if (in_prompt || c > 0) {
+      x = x > 0 ? x / sp.repetition_penalty : x * sp.repetition_penalty;
+    }
+    if (c > 0) x -= sp.frequency_penalty * c + sp.presence_penalty;
+    logits[id] = x;
+  }
+  return logits;
+}
+
+// Greedy decoding of `r` with its penalties, one fresh forward per token.
+std::vector<int> PenalizedGreedyReference(ModelRunner& m,
+                                          const TargetRequest& r, int n) {
+  const int next = r.next_position >= 0 ? r.next_position
+                                        : r.position_ids.back() + 1;
+  const std::vector<int>& prompt =
+      r.penalty_prompt_ids.empty() ? r.token_ids : r.penalty_prompt_ids;
+  std::vector<int> out;
+  for (int i = 0; i < n; ++i) {
+    const std::vector<float> row = PenalizedByHand(
+        ContextLogits(m, r.token_ids, r.position_ids, next, out), prompt, out,
+        r.sampling);
+    out.push_back(static_cast<int>(std::max_element(row.begin(), row.end()) -
+                                   row.begin()));
+  }
+  return out;
+}
+
+// Greedy with penalties: plain rounds, random chain drafts and random trees
+// all emit the tokens of penalized greedy decoding, for a full prompt, a
+// pruned one, and a pruned one whose penalties read the whole prompt;
+// logprobs stay the raw distribution's.
+TEST_F(TargetSessionTest, PenalizedGreedyRoundsEqualPenalizedDecoding) {
+  const int kNew = 32;
+  const int vocab = target_->config().vocab_size;
+  std::vector<int> pruned(kPrompt.size());
+  for (size_t i = 0; i < pruned.size(); ++i) {
+    pruned[i] = 2 * i + (i > 4 ? 5 : 0);
+  }
+  // The whole prompt a router pruned to kPrompt: ids kPrompt lacks too.
+  std::vector<int> whole = kPrompt;
+  for (int id : {300, 301, 302, 303, 304, 305, 306, 307}) whole.push_back(id);
+  struct Case {
+    std::vector<int> positions;  // empty = 0..n-1
+    std::vector<int> penalty_prompt;
+  };
+  const std::vector<Case> cases = {{{}, {}}, {pruned, {}}, {pruned, whole}};
+  std::mt19937 rng(23);
+  std::vector<std::vector<int>> wants;
+  for (const Case& c : cases) {
+    TargetRequest r = Request(kPrompt, kNew);
+    if (!c.positions.empty()) {
+      r.position_ids = c.positions;
+      r.next_position = c.positions.back() + 9;
+    }
+    r.penalty_prompt_ids = c.penalty_prompt;
+    r.ignore_eos = true;
+    r.sampling.presence_penalty = 0.6f;
+    r.sampling.frequency_penalty = 0.4f;
+    r.sampling.repetition_penalty = 1.3f;
+    const std::vector<int> want = PenalizedGreedyReference(*target_, r, kNew);
+    // The penalties change what greedy decoding emits.
+    EXPECT_NE(want, GreedyReference(*target_, kPrompt, r.position_ids,
+                                    r.next_position < 0
+                                        ? static_cast<int>(kPrompt.size())
+                                        : r.next_position,
+                                    kNew));
+    wants.push_back(want);
+    auto chain = [&](const std::vector<int>& got, std::vector<DraftToken>* d,
+                     std::vector<int>*) {
+      const int k = rng() % 9;
+      for (int j = 0; j < k; ++j) {
+        const size_t at = got.size() + j;
+        d->push_back({(rng() % 4 != 0 && at < want.size())
+                          ? want[at]
+                          : static_cast<int>(rng() % vocab),
+                      {}});
+      }
+    };
+    auto tree = [&](const std::vector<int>& got, std::vector<DraftToken>* d,
+                    std::vector<int>* p) {
+      RandomTree(want, got.size(), static_cast<int>(rng() % 20), vocab, &rng,
+                 d, p);
+    };
+    EXPECT_EQ(RunSession(target_.get(), r, nullptr).tokens, want);
+    EXPECT_EQ(RunSession(target_.get(), r, chain).tokens, want);
+    r.logprobs = true;
+    r.top_logprobs = 3;
+    const Generated spec = RunSession(target_.get(), r, tree);
+    EXPECT_EQ(spec.tokens, want);
+    ExpectRawLogprobs(*target_, r, spec.tokens, spec.logprobs);
+  }
+  // Reading the whole prompt penalizes what pruning dropped.
+  EXPECT_NE(wants[1], wants[2]);
+}
+
+// Sampled with penalties: a round with one draft x emits its first token
+// from the penalized p0 (the prompt's ids under the repetition penalty) and,
+// once x is accepted, its second from p1 penalized with x counted as
+// output, though x was never emitted before the round.
+TEST_F(TargetSessionTest, PenalizedSampledRoundsMatchPenalizedTarget) {
+  SamplingParams sp;
+  sp.temperature = 3.0f;  // a flat p1 gives the chi-square cells
+  sp.top_k = 12;
+  sp.presence_penalty = 1.5f;
+  sp.frequency_penalty = 0.5f;
+  sp.repetition_penalty = 1.2f;
+  const int vocab = target_->config().vocab_size;
+  const int n = static_cast<int>(kPrompt.size());
+  std::vector<int> pos(n);
+  std::iota(pos.begin(), pos.end(), 0);
+  const SparseDist p0 = ComputeDistribution(
+      PenalizedByHand(ContextLogits(*target_, kPrompt, pos, n, {}), kPrompt,
+                      {}, sp),
+      sp);
+  // The draft x: the one whose counting changes p1 most, weighted by how
+  // often it is accepted (p0(x)). p1_wrong forgets to count it.
+  int x = -1;
+  double px = 0, best = -1;
+  SparseDist p1, p1_wrong;
+  for (auto [id, prob] : p0) {
+    const std::vector<float> raw =
+        ContextLogits(*target_, kPrompt, pos, n, {id});
+    const SparseDist with =
+        ComputeDistribution(PenalizedByHand(raw, kPrompt, {id}, sp), sp);
+    const SparseDist without =
+        ComputeDistribution(PenalizedByHand(raw, kPrompt, {}, sp), sp);
+    double tv = 0;
+    for (int v = 0; v < vocab; ++v) {
+      tv += std::abs(ProbabilityOf(with, v) - ProbabilityOf(without, v)) / 2;
+    }
+    if (prob * tv > best) {
+      best = prob * tv;
+      x = id;
+      px = prob;
+      p1 = with;
+      p1_wrong = without;
+    }
+  }
+  ASSERT_GT(px, 0.1);
+  const int kTrials = 3000;
+  std::vector<int64_t> second(vocab, 0);
+  int accepted = 0;
+  for (int t = 0; t < kTrials; ++t) {
+    TargetRequest r = Request(kPrompt, 4);
+    r.sampling = sp;
+    r.sampling.seed = 5000 + t;
+    auto s = TargetSession::Create(target_.get(), r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const DraftToken d{x, {{x, 1.f}}};
+    absl::StatusOr<RoundResult> round = (*s)->Step(absl::MakeConstSpan(&d, 1));
+    ASSERT_TRUE(round.ok()) << round.status();
+    ASSERT_EQ(round->tokens.size(), 1u + round->num_accepted);
+    if (round->num_accepted == 1) {
+      ++accepted;
+      ++second[round->tokens[1]];
+    }
+  }
+  // A point-mass draft is accepted with probability p0(x).
+  EXPECT_NEAR(static_cast<double>(accepted) / kTrials, px,
+              4 * std::sqrt(px * (1 - px) / kTrials));
+  std::vector<double> pd(vocab, 0.0);
+  for (auto [id, prob] : p1) pd[id] = prob;
+  const ChiSquareResult chi = ChiSquareTest(second, pd);
+  EXPECT_GT(chi.p_value, 1e-3) << "chi2 " << chi.statistic << " dof "
+                               << chi.dof;
+  EXPECT_GE(chi.dof, 5);
+  // The test tells the two apart: x's own count matters at row 1.
+  std::vector<double> wrong(vocab, 0.0);
+  for (auto [id, prob] : p1_wrong) wrong[id] = prob;
+  EXPECT_LT(ChiSquareTest(second, wrong).p_value, 1e-3);
+}
+
+TEST_F(TargetSessionTest, BadPenaltiesAreRejected) {
+  TargetRequest r = Request({1, 5, 9}, 4);
+  r.sampling.repetition_penalty = 0.f;
+  EXPECT_EQ(TargetSession::Create(target_.get(), r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  r.sampling.repetition_penalty = 1.1f;
+  r.penalty_prompt_ids = {1, 5, target_->config().vocab_size};
+  const absl::Status s = TargetSession::Create(target_.get(), r).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("penalty_prompt_ids[2]"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace specserve

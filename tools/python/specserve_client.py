@@ -99,7 +99,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   stop=None, spec_decode_method=None, prompt_lookup_min=None,
                   prompt_lookup_max=None, tree_branching=None,
                   tree_max_nodes=None, tree_min_path_prob=None,
-                  logprobs=None):
+                  logprobs=None, presence_penalty=None,
+                  frequency_penalty=None, repetition_penalty=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
@@ -107,7 +108,10 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     [0, 1), the path probability a tree node needs to grow with one request
     in flight. logprobs: N in [0, 20] returns each token's logprob (the
     target's raw logits) with the N likeliest alternatives
-    (response.logprobs, aligned with token_ids); None = off."""
+    (response.logprobs, aligned with token_ids); None = off.
+    presence_penalty / frequency_penalty in [-2, 2] (generated ids) and
+    repetition_penalty > 0 (prompt and generated ids) as OpenAI and vLLM
+    define them."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -119,6 +123,12 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.sampling.temperature = temperature
     if seed is not None:
         req.sampling.seed = seed
+    if presence_penalty is not None:
+        req.sampling.presence_penalty = presence_penalty
+    if frequency_penalty is not None:
+        req.sampling.frequency_penalty = frequency_penalty
+    if repetition_penalty is not None:
+        req.sampling.repetition_penalty = repetition_penalty
     if stop:
         req.sampling.stop.extend(stop)
     if logprobs is not None:
@@ -155,6 +165,12 @@ def main():
     ap.add_argument("--max_new_tokens", type=int)
     ap.add_argument("--temperature", type=float)
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--presence_penalty", type=float,
+                    help="[-2, 2], on generated ids (0 = off)")
+    ap.add_argument("--frequency_penalty", type=float,
+                    help="[-2, 2], per generated occurrence (0 = off)")
+    ap.add_argument("--repetition_penalty", type=float,
+                    help="> 0, on prompt and generated ids (1 = off)")
     ap.add_argument("--keep_ratio", type=float)
     ap.add_argument("--num_draft_tokens", type=int)
     ap.add_argument("--spec_decode_method", choices=["draft", "ngram", "draft_tree"],
@@ -202,6 +218,9 @@ def main():
     stub = pb_grpc.RouterStub(channel)
     req = build_request(pb, prompt=a.prompt, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, seed=a.seed,
+                        presence_penalty=a.presence_penalty,
+                        frequency_penalty=a.frequency_penalty,
+                        repetition_penalty=a.repetition_penalty,
                         keep_ratio=a.keep_ratio,
                         num_draft_tokens=a.num_draft_tokens,
                         spec_decode_method=a.spec_decode_method,
