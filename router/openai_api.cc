@@ -296,23 +296,17 @@ absl::Status ParseSampling(const json& body,
   SPECSERVE_ASSIGN(top_k, GetInt(body, "top_k", "top_k", -1, kInt32Max));
   if (top_k) s->set_top_k(*top_k < 0 ? 0 : static_cast<int>(*top_k));
   // OpenAI's penalties, and vLLM's repetition_penalty extension.
-  SPECSERVE_ASSIGN(presence, GetNumber(body, "presence_penalty",
-                                       "presence_penalty"));
-  if (presence) {
-    if (!(*presence >= -2 && *presence <= 2)) {
-      return ParamError("presence_penalty",
-                        "'presence_penalty' must be in [-2, 2]");
+  using S = v1::GenerationSampling;
+  for (const auto& [key, set] :
+       {std::pair<const char*, void (S::*)(float)>{
+            "presence_penalty", &S::set_presence_penalty},
+        {"frequency_penalty", &S::set_frequency_penalty}}) {
+    SPECSERVE_ASSIGN(penalty, GetNumber(body, key, key));
+    if (!penalty) continue;
+    if (!(*penalty >= -2 && *penalty <= 2)) {
+      return ParamError(key, absl::StrCat("'", key, "' must be in [-2, 2]"));
     }
-    s->set_presence_penalty(static_cast<float>(*presence));
-  }
-  SPECSERVE_ASSIGN(frequency, GetNumber(body, "frequency_penalty",
-                                        "frequency_penalty"));
-  if (frequency) {
-    if (!(*frequency >= -2 && *frequency <= 2)) {
-      return ParamError("frequency_penalty",
-                        "'frequency_penalty' must be in [-2, 2]");
-    }
-    s->set_frequency_penalty(static_cast<float>(*frequency));
+    (s->*set)(static_cast<float>(*penalty));
   }
   SPECSERVE_ASSIGN(repetition, GetNumber(body, "repetition_penalty",
                                          "repetition_penalty"));

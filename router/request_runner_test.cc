@@ -98,6 +98,24 @@ class RequestRunnerTest : public ServicesTest {
     const std::vector<int> p = Encode(text);
     return Reference(*model_, p, {}, static_cast<int>(p.size()), max_new);
   }
+  // What the speculator keeps of `prompt` at keep 0.3, chunk 8 (Score is
+  // deterministic): what a request with those options sends the target.
+  std::vector<int> KeptIndices(const std::vector<int>& prompt) {
+    v1::ScoreRequest sreq;
+    sreq.mutable_token_ids()->Add(prompt.begin(), prompt.end());
+    sreq.mutable_options()->set_keep_ratio(0.3f);
+    sreq.mutable_options()->set_chunk_size(8);
+    v1::ScoreResponse sresp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    const grpc::Status st =
+        v1::Speculator::NewStub(
+            grpc::CreateChannel(Addr(speculator_->port()),
+                                grpc::InsecureChannelCredentials()))
+            ->Score(&ctx, sreq, &sresp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return {sresp.kept_indices().begin(), sresp.kept_indices().end()};
+  }
   static std::vector<int> Ids(const v1::GenerateTextResponse& r) {
     return {r.token_ids().begin(), r.token_ids().end()};
   }
@@ -240,21 +258,7 @@ TEST_F(RequestRunnerTest, PrunedPrefillKeepsOriginalPositions) {
   const std::vector<int> prompt = Encode(text);
   const int n = static_cast<int>(prompt.size());
   ASSERT_GT(n, 150);
-  // What the speculator keeps for these options (Score is deterministic).
-  v1::ScoreRequest sreq;
-  sreq.mutable_token_ids()->Add(prompt.begin(), prompt.end());
-  sreq.mutable_options()->set_keep_ratio(0.3f);
-  sreq.mutable_options()->set_chunk_size(8);
-  v1::ScoreResponse sresp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-  ASSERT_TRUE(v1::Speculator::NewStub(
-                  grpc::CreateChannel(Addr(speculator_->port()),
-                                      grpc::InsecureChannelCredentials()))
-                  ->Score(&ctx, sreq, &sresp)
-                  .ok());
-  const std::vector<int> kept(sresp.kept_indices().begin(),
-                              sresp.kept_indices().end());
+  const std::vector<int> kept = KeptIndices(prompt);
   ASSERT_LT(kept.size(), prompt.size() / 2);
   std::vector<int> kept_ids;
   for (int k : kept) kept_ids.push_back(prompt[k]);
@@ -283,20 +287,7 @@ TEST_F(RequestRunnerTest, PenaltiesReachTheTargetWithTheWholePrompt) {
   const std::string text = StoryPrompt(15);
   const std::vector<int> prompt = Encode(text);
   const int n = static_cast<int>(prompt.size());
-  v1::ScoreRequest sreq;
-  sreq.mutable_token_ids()->Add(prompt.begin(), prompt.end());
-  sreq.mutable_options()->set_keep_ratio(0.3f);
-  sreq.mutable_options()->set_chunk_size(8);
-  v1::ScoreResponse sresp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-  ASSERT_TRUE(v1::Speculator::NewStub(
-                  grpc::CreateChannel(Addr(speculator_->port()),
-                                      grpc::InsecureChannelCredentials()))
-                  ->Score(&ctx, sreq, &sresp)
-                  .ok());
-  const std::vector<int> kept(sresp.kept_indices().begin(),
-                              sresp.kept_indices().end());
+  const std::vector<int> kept = KeptIndices(prompt);
   ASSERT_LT(kept.size(), prompt.size() / 2);
   TargetRequest tr;
   for (int k : kept) tr.token_ids.push_back(prompt[k]);
