@@ -10,6 +10,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -93,6 +94,37 @@ absl::StatusOr<std::optional<bool>> GetBool(const json& obj, const char* key,
   if (v == nullptr) return std::nullopt;
   if (!v->is_boolean()) return WrongType(param, "a boolean", *v);
   return v->get<bool>();
+}
+
+// OpenAI's logit_bias: {"<token id>": bias in [-100, 100], ...}; null or
+// {} = off. Keys must be decimal ids (the vocabulary is checked later).
+absl::Status ParseLogitBias(const json& body, v1::GenerationSampling* s) {
+  const json* lb = Member(body, "logit_bias");
+  if (lb == nullptr) return absl::OkStatus();
+  if (!lb->is_object()) return WrongType("logit_bias", "an object", *lb);
+  for (auto it = lb->begin(); it != lb->end(); ++it) {
+    int id = -1;
+    if (!absl::SimpleAtoi(it.key(), &id) || id < 0 ||
+        absl::StrCat(id) != it.key()) {
+      return ParamError("logit_bias",
+                        absl::StrCat("'logit_bias' keys must be token ids, "
+                                     "got \"",
+                                     it.key().substr(0, 32), "\""));
+    }
+    if (!it.value().is_number()) {
+      return WrongType(absl::StrCat("logit_bias.", id), "a number",
+                       it.value());
+    }
+    const double bias = it.value().get<double>();
+    if (!(bias >= -100 && bias <= 100)) {
+      return ParamError("logit_bias",
+                        absl::StrCat("'logit_bias' values must be in [-100, "
+                                     "100], got ",
+                                     bias, " for token ", id));
+    }
+    (*s->mutable_logit_bias())[id] = static_cast<float>(bias);
+  }
+  return absl::OkStatus();
 }
 
 // Whether an unsupported parameter's value asks for something: not false,
@@ -337,7 +369,10 @@ absl::Status ParseSampling(const json& body,
   }
   SPECSERVE_ASSIGN(ignore_eos, GetBool(body, "ignore_eos", "ignore_eos"));
   if (ignore_eos) s->set_ignore_eos(*ignore_eos);
-  return absl::OkStatus();
+  SPECSERVE_ASSIGN(min_tokens,
+                   GetInt(body, "min_tokens", "min_tokens", 0, kInt32Max));
+  if (min_tokens) s->set_min_tokens(static_cast<int>(*min_tokens));
+  return ParseLogitBias(body, s);
 }
 
 // Our extensions: speculative_prefill {...}, speculative_decoding {...}
@@ -512,7 +547,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   // Known parameters that would change the answer and are not implemented:
   // refused when they ask for something, rather than silently ignored.
-  for (const char* key : {"echo", "suffix", "best_of", "logit_bias"}) {
+  for (const char* key : {"echo", "suffix", "best_of"}) {
     const json* v = Member(body, key);
     if (v != nullptr && AsksForSomething(*v, key == std::string("best_of"))) {
       return ParamError(key, absl::StrCat("'", key, "' is not supported"));

@@ -34,6 +34,8 @@ TEST(ParseRequestTest, MapsEveryField) {
                        {"presence_penalty", 0.5},
                        {"frequency_penalty", -1.5},
                        {"repetition_penalty", 1.2},
+                       {"logit_bias", {{"5", -100}, {"17", 2.5}}},
+                       {"min_tokens", 3},
                        {"stop", "\n"},
                        {"stop_token_ids", {5, 6}},
                        {"ignore_eos", true},
@@ -74,6 +76,10 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_FLOAT_EQ(s.presence_penalty(), 0.5f);
   EXPECT_FLOAT_EQ(s.frequency_penalty(), -1.5f);
   EXPECT_FLOAT_EQ(s.repetition_penalty(), 1.2f);
+  ASSERT_EQ(s.logit_bias_size(), 2);
+  EXPECT_FLOAT_EQ(s.logit_bias().at(5), -100.f);
+  EXPECT_FLOAT_EQ(s.logit_bias().at(17), 2.5f);
+  EXPECT_EQ(s.min_tokens(), 3);
   ASSERT_EQ(s.stop_size(), 1);
   EXPECT_EQ(s.stop(0), "\n");
   ASSERT_EQ(s.stop_token_ids_size(), 2);
@@ -169,6 +175,8 @@ TEST(ParseRequestTest, UnsetFieldsStayUnset) {
   EXPECT_FALSE(p->request.sampling().has_presence_penalty());
   EXPECT_FALSE(p->request.sampling().has_frequency_penalty());
   EXPECT_FALSE(p->request.sampling().has_repetition_penalty());
+  EXPECT_FALSE(p->request.sampling().has_min_tokens());
+  EXPECT_EQ(p->request.sampling().logit_bias_size(), 0);
   EXPECT_FALSE(p->request.has_speculative_prefill());
 }
 
@@ -259,7 +267,14 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"echo", true}}, "echo"},
       {{{"prompt", "a"}, {"best_of", 3}}, "best_of"},
       {{{"prompt", "a"}, {"suffix", "x"}}, "suffix"},
-      {{{"prompt", "a"}, {"logit_bias", {{"5", 10}}}}, "logit_bias"},
+      {{{"prompt", "a"}, {"logit_bias", {{"x", 10}}}}, "logit_bias"},
+      {{{"prompt", "a"}, {"logit_bias", {{"-5", 10}}}}, "logit_bias"},
+      {{{"prompt", "a"}, {"logit_bias", {{"05", 10}}}}, "logit_bias"},
+      {{{"prompt", "a"}, {"logit_bias", {{"5", 101}}}}, "logit_bias"},
+      {{{"prompt", "a"}, {"logit_bias", {{"5", "1"}}}}, "logit_bias.5"},
+      {{{"prompt", "a"}, {"logit_bias", {5, 1}}}, "logit_bias"},
+      {{{"prompt", "a"}, {"min_tokens", -1}}, "min_tokens"},
+      {{{"prompt", "a"}, {"min_tokens", 1.5}}, "min_tokens"},
   };
   for (const Case& c : cases) {
     auto p = Completion(c.body);

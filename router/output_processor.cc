@@ -13,8 +13,12 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 OutputProcessor::OutputProcessor(const Tokenizer* tokenizer,
                                  std::vector<std::string> stops,
-                                 absl::Time start, RouterMetrics* metrics)
-    : stops_(std::move(stops)), start_(start), metrics_(metrics) {
+                                 absl::Time start, RouterMetrics* metrics,
+                                 int min_tokens)
+    : stops_(std::move(stops)),
+      min_tokens_(min_tokens),
+      start_(start),
+      metrics_(metrics) {
   if (tokenizer != nullptr) decoder_.emplace(tokenizer);
 }
 
@@ -43,6 +47,10 @@ absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
     if (!decoder_) continue;
     auto delta = decoder_->Append(id);
     if (!delta.ok()) return delta.status();
+    if (completion_ <= min_tokens_) {  // one of the first min_tokens
+      chunk->mutable_text()->append(*delta);
+      continue;
+    }
     chunk->mutable_text()->append(stops_.Append(*delta));
     if (stops_.matched()) {
       finish_reason_ = "stop";

@@ -28,9 +28,12 @@ class OutputProcessor {
  public:
   /// `tokenizer` null = token ids only, no text (and no stop strings).
   /// `start`: when the request arrived (TTFT and total time count from
-  /// it). `metrics` may be null. Both must outlive this object.
+  /// it). `metrics` may be null. Both must outlive this object. The text
+  /// of the first `min_tokens` tokens (vLLM's min_tokens) is never
+  /// searched for stop strings.
   OutputProcessor(const Tokenizer* tokenizer, std::vector<std::string> stops,
-                  absl::Time start, RouterMetrics* metrics);
+                  absl::Time start, RouterMetrics* metrics,
+                  int min_tokens = 0);
 
   /// Takes one target message answered at `now`: one round (one target
   /// forward: the prefill or a verify round), or the several rounds a
@@ -77,6 +80,7 @@ class OutputProcessor {
 
   std::optional<IncrementalDecoder> decoder_;
   StopStringFilter stops_;
+  int min_tokens_ = 0;
   const absl::Time start_;
   RouterMetrics* const metrics_;
   v1::GenerationStats stats_;

@@ -133,6 +133,20 @@ TEST(OutputProcessorTest, LogprobsStayAlignedWithTokens) {
     EXPECT_LT(chunk.token_ids_size(), static_cast<int>(ids.size()));
     EXPECT_EQ(chunk.logprobs_size(), chunk.token_ids_size());
   }
+  {  // min_tokens: " a" inside the first tokens does not count.
+    OutputProcessor out(tok->get(), {" a"}, absl::UnixEpoch(), nullptr,
+                        static_cast<int>(ids.size()));
+    v1::GenerateTextChunk chunk;
+    ASSERT_TRUE(out.AddRound(r, absl::UnixEpoch(), &chunk).ok());
+    EXPECT_FALSE(out.finished());
+    EXPECT_EQ(chunk.token_ids_size(), static_cast<int>(ids.size()));
+    // Past min_tokens it does.
+    v1::GenerateResponse more;
+    for (int id : ids) more.add_token_ids(id);
+    ASSERT_TRUE(out.AddRound(more, absl::UnixEpoch(), &chunk).ok());
+    EXPECT_TRUE(out.finished());
+    EXPECT_TRUE(out.stopped_by_string());
+  }
   {  // A target that sent none: none.
     OutputProcessor out(tok->get(), {}, absl::UnixEpoch(), nullptr);
     v1::GenerateTextChunk chunk;

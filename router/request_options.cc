@@ -136,6 +136,12 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
     }
     o.sampling.set_repetition_penalty(s.repetition_penalty());
   }
+  if (s.logit_bias_size() > kMaxLogitBias) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.logit_bias has ", s.logit_bias_size(),
+                     " ids; at most ", kMaxLogitBias, " are allowed"));
+  }
+  *o.sampling.mutable_logit_bias() = s.logit_bias();
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(
@@ -167,6 +173,12 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
     o.stop_token_ids.push_back(s.stop_token_ids(i));
   }
   o.ignore_eos = s.ignore_eos();
+  o.min_tokens = s.min_tokens();
+  if (o.min_tokens < 0 || o.min_tokens > o.max_new_tokens) {
+    return Bad("sampling.min_tokens",
+               absl::StrCat("in [0, max_new_tokens = ", o.max_new_tokens, "]"),
+               o.min_tokens);
+  }
   o.logprobs = s.logprobs();
   o.top_logprobs = s.top_logprobs();
   if (o.top_logprobs < 0 || o.top_logprobs > kMaxTopLogprobs) {

@@ -88,6 +88,9 @@ struct ResolvedOptions {
   std::vector<std::string> stop;    ///< non-empty stop strings.
   std::vector<int> stop_token_ids;  ///< >= 0 (vocabulary checked later).
   bool ignore_eos = false;
+  /// vLLM's min_tokens, in [0, max_new_tokens]: no EOS, stop id or stop
+  /// string ends the output before this many tokens.
+  int min_tokens = 0;
   bool logprobs = false;  ///< each token's logprob (target raw logits).
   int top_logprobs = 0;   ///< in [0, kMaxTopLogprobs]; > 0 only with logprobs.
   bool spec_prefill = false;
@@ -107,7 +110,9 @@ struct ResolvedOptions {
 /// ("sampling.top_p must be in (0, 1], got 0"): max_new_tokens < 1,
 /// temperature negative or not finite, top_k < 0, top_p outside (0, 1],
 /// presence_penalty / frequency_penalty outside [-2, 2],
-/// repetition_penalty not > 0 or not finite,
+/// repetition_penalty not > 0 or not finite, logit_bias of more than
+/// kMaxLogitBias ids or with a bias outside [-100, 100], min_tokens
+/// outside [0, max_new_tokens],
 /// an empty stop string, a negative stop token id, top_logprobs outside
 /// [0, 20] or set without logprobs, keep_ratio outside
 /// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or <

@@ -208,6 +208,12 @@ TEST(ResolveOptionsTest, PenaltiesAreCheckedAndKept) {
   EXPECT_EQ(on->sampling.presence_penalty(), -2.f);
   EXPECT_EQ(on->sampling.frequency_penalty(), 2.f);
   EXPECT_FLOAT_EQ(on->sampling.repetition_penalty(), 0.8f);
+  (*s->mutable_logit_bias())[7] = -3.f;
+  s->set_min_tokens(5);
+  auto more = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(more.ok()) << more.status();
+  EXPECT_EQ(more->sampling.logit_bias().at(7), -3.f);
+  EXPECT_EQ(more->min_tokens, 5);
   struct Bad {
     std::function<void(v1::GenerationSampling*)> set;
     const char* message;
@@ -223,6 +229,23 @@ TEST(ResolveOptionsTest, PenaltiesAreCheckedAndKept) {
        "sampling.repetition_penalty must be > 0"},
       {[](auto* g) { g->set_repetition_penalty(INFINITY); },
        "sampling.repetition_penalty must be a finite number > 0"},
+      {[](auto* g) { (*g->mutable_logit_bias())[4] = 100.5f; },
+       "sampling.logit_bias[4] must be in [-100, 100]"},
+      {[](auto* g) { (*g->mutable_logit_bias())[-4] = 1.f; },
+       "sampling.logit_bias ids must be >= 0"},
+      {[](auto* g) {
+         for (int i = 0; i <= kMaxLogitBias; ++i) {
+           (*g->mutable_logit_bias())[i] = 1.f;
+         }
+       },
+       "sampling.logit_bias has 1025 ids; at most 1024"},
+      {[](auto* g) {
+         g->set_max_new_tokens(8);
+         g->set_min_tokens(9);
+       },
+       "sampling.min_tokens must be in [0, max_new_tokens = 8], got 9"},
+      {[](auto* g) { g->set_min_tokens(-1); },
+       "sampling.min_tokens must be in [0, max_new_tokens"},
   };
   for (const Bad& b : bad) {
     v1::GenerateTextRequest r;

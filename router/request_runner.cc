@@ -193,6 +193,13 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   if (!prompt_or.ok()) return prompt_or.status();
   const std::vector<int>& prompt = *prompt_or;
   const int n = static_cast<int>(prompt.size());
+  for (const auto& [id, bias] : opts.sampling.logit_bias()) {
+    if (vocab > 0 && id >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling.logit_bias id ", id,
+                       " is outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
   for (size_t i = 0; i < opts.stop_token_ids.size(); ++i) {
     if (vocab > 0 && opts.stop_token_ids[i] >= vocab) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -216,7 +223,8 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   const auto set_fallback = [&](std::string reason) {
     if (fallback.empty()) fallback = std::move(reason);
   };
-  OutputProcessor output(b.tokenizer, opts.stop, start, b.metrics);
+  OutputProcessor output(b.tokenizer, opts.stop, start, b.metrics,
+                         opts.min_tokens);
   v1::GenerationStats& stats = *output.mutable_stats();
   stats.set_speculate_s(plan.speculate_s);
   v1::Prefill& prefill = plan.prefill;
@@ -309,6 +317,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   stop->mutable_stop_token_ids()->Add(opts.stop_token_ids.begin(),
                                       opts.stop_token_ids.end());
   stop->set_ignore_eos(opts.ignore_eos);
+  stop->set_min_new_tokens(opts.min_tokens);
   prefill.set_logprobs(opts.logprobs);
   prefill.set_top_logprobs(opts.top_logprobs);
 

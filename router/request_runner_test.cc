@@ -987,6 +987,14 @@ TEST_F(RequestRunnerTest, RejectsBadPrompts) {
   req.set_text("hello");
   req.mutable_sampling()->add_stop_token_ids(600);
   EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));
+  req.mutable_sampling()->clear_stop_token_ids();
+  (*req.mutable_sampling()->mutable_logit_bias())[512] = 1.f;
+  o = Run(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(o.status));
+  EXPECT_NE(o.status.message().find("sampling.logit_bias id 512"),
+            std::string::npos)
+      << o.status;
+  req.mutable_sampling()->clear_logit_bias();
   backends_.tokenizer = nullptr;
   req.mutable_sampling()->clear_stop_token_ids();
   EXPECT_TRUE(absl::IsInvalidArgument(Run(req).status));

@@ -17,7 +17,8 @@ namespace specserve {
 /// accepted request ("" when every field is within it): max_new_tokens >=
 /// 1, temperature finite and >= 0, top_k >= 0, top_p in (0, 1],
 /// presence / frequency penalties in [-2, 2], repetition_penalty 0 (unset)
-/// or finite and > 0, non-empty
+/// or finite and > 0, logit_bias ids >= 0 with biases in [-100, 100],
+/// min_tokens in [0, max_new_tokens], non-empty
 /// stop strings, stop token ids >= 0, top_logprobs in [0, 20] and only with
 /// logprobs, keep_ratio in (0, 1], num_draft_tokens in [1, 64] when
 /// drafting, prompt lookup n in [1, 16] and ordered, tree_max_nodes in
@@ -36,6 +37,10 @@ inline std::string ResolvedOptionsViolation(const ResolvedOptions& r) {
   }
   const float rep = r.sampling.repetition_penalty();
   if (!std::isfinite(rep) || rep < 0.f) return "repetition_penalty";
+  for (const auto& [id, bias] : r.sampling.logit_bias()) {
+    if (id < 0 || !(bias >= -100.f && bias <= 100.f)) return "logit_bias";
+  }
+  if (r.min_tokens < 0 || r.min_tokens > r.max_new_tokens) return "min_tokens";
   for (const std::string& s : r.stop) {
     if (s.empty()) return "stop";
   }

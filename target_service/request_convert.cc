@@ -28,6 +28,7 @@ TargetRequest ToTargetRequest(const v1::Prefill& p,
   r.stop.stop_token_ids.assign(p.stop().stop_token_ids().begin(),
                                p.stop().stop_token_ids().end());
   r.ignore_eos = p.stop().ignore_eos();
+  r.stop.min_new_tokens = p.stop().min_new_tokens();
   r.max_drafts = max_drafts;
   r.logprobs = p.logprobs();
   r.top_logprobs = p.top_logprobs();

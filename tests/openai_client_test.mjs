@@ -169,6 +169,34 @@ await check("penalties (OpenAI's presence / frequency, vLLM's repetition)", asyn
              e.param === "presence_penalty");
 });
 
+await check("logit_bias and min_tokens", async () => {
+  const req = { model, prompt: STORY, max_tokens: 12, temperature: 0 };
+  const plain = await client.completions.create({ ...req, logprobs: 0 });
+  const forced = await client.completions.create({
+    ...req, logprobs: 0, logit_bias: { "400": 100 },
+  });
+  const tokens = forced.choices[0].logprobs.tokens;
+  assert.equal(tokens.length, 12);
+  assert.ok(tokens.every((t) => t === tokens[0]), JSON.stringify(tokens));
+  assert.notDeepEqual(tokens, plain.choices[0].logprobs.tokens);
+  // A stop string early in the text is not looked for in the first
+  // min_tokens tokens.
+  const stopped = await client.completions.create({
+    model, prompt: STORY, max_tokens: 30, temperature: 0, stop: ["."],
+  });
+  assert.equal(stopped.choices[0].finish_reason, "stop");
+  assert.ok(stopped.usage.completion_tokens < 30);
+  const long = await client.completions.create({
+    model, prompt: STORY, max_tokens: 30, temperature: 0, stop: ["."],
+    min_tokens: 30,
+  });
+  assert.equal(long.usage.completion_tokens, 30);
+  assert.ok(long.choices[0].text.includes("."), long.choices[0].text);
+  await assert.rejects(
+      client.completions.create({ model, prompt: "x", logit_bias: { "1": 200 } }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "logit_bias");
+});
+
 await check("errors", async () => {
   const bad = new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 });
   await assert.rejects(bad.models.list(), (e) => e.status === 401);

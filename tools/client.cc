@@ -26,6 +26,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/service/tls.h"
@@ -56,6 +58,10 @@ ABSL_FLAG(double, frequency_penalty, 0,
           "frequency penalty in [-2, 2] per generated occurrence (0 = off)");
 ABSL_FLAG(double, repetition_penalty, 1,
           "repetition penalty > 0 on prompt and generated ids (1 = off)");
+ABSL_FLAG(std::string, logit_bias, "",
+          "id:bias,... added to those ids' logits (bias in [-100, 100])");
+ABSL_FLAG(int, min_tokens, 0,
+          "no EOS, stop id or stop string before this many tokens");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1 = default)");
 ABSL_FLAG(std::string, stop, "", "stop strings, '|'-separated");
 ABSL_FLAG(std::string, stop_token_ids, "", "stop token ids");
@@ -166,6 +172,22 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   }
   if (absl::GetFlag(FLAGS_repetition_penalty) != 1) {
     s->set_repetition_penalty(absl::GetFlag(FLAGS_repetition_penalty));
+  }
+  const std::string logit_bias = absl::GetFlag(FLAGS_logit_bias);
+  for (absl::string_view entry :
+       absl::StrSplit(logit_bias, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(entry, ':');
+    int id = 0;
+    float bias = 0;
+    if (!absl::SimpleAtoi(kv.first, &id) ||
+        !absl::SimpleAtof(kv.second, &bias)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--logit_bias: \"", entry, "\" is not id:bias"));
+    }
+    (*s->mutable_logit_bias())[id] = bias;
+  }
+  if (absl::GetFlag(FLAGS_min_tokens) > 0) {
+    s->set_min_tokens(absl::GetFlag(FLAGS_min_tokens));
   }
   if (absl::GetFlag(FLAGS_seed) >= 0) s->set_seed(absl::GetFlag(FLAGS_seed));
   if (!absl::GetFlag(FLAGS_stop).empty()) {

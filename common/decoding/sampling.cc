@@ -110,6 +110,22 @@ absl::Status ValidateSamplingParams(const SamplingParams& params) {
           absl::StrCat(name, " must be in [-2, 2], got ", value));
     }
   }
+  if (params.logit_bias.size() > static_cast<size_t>(kMaxLogitBias)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logit_bias has ", params.logit_bias.size(),
+                     " entries; at most ", kMaxLogitBias, " are allowed"));
+  }
+  for (size_t i = 0; i < params.logit_bias.size(); ++i) {
+    const auto [id, bias] = params.logit_bias[i];
+    if (id < 0 || (i > 0 && id <= params.logit_bias[i - 1].first)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_bias ids must be >= 0, ascending and distinct, got ", id));
+    }
+    if (!(bias >= -100.f && bias <= 100.f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_bias[", id, "] must be in [-100, 100], got ", bias));
+    }
+  }
   if (!std::isfinite(params.repetition_penalty) ||
       params.repetition_penalty <= 0.f) {
     return absl::InvalidArgumentError(

@@ -21,13 +21,17 @@ struct SamplingParams {
   int top_k = 0;            ///< 0 = off; otherwise keep the k most likely.
   float top_p = 1.f;        ///< nucleus mass in (0, 1]; 1 = off.
   uint64_t seed = 0;        ///< seeds the request's Rng.
-  // Penalties on tokens already seen (OpenAI's presence / frequency, HF's
-  // and vLLM's repetition), applied to the logits before everything above
-  // (penalties.h). They change the target's distribution p; a draft's q
-  // may ignore them and verification stays lossless.
+  // Logit adjustments applied before everything above, in vLLM's order
+  // (logits_processors.h): the logit bias, then penalties on tokens already
+  // seen (OpenAI's presence / frequency, HF's and vLLM's repetition). They
+  // change the target's distribution p; a draft's q may ignore them and
+  // verification stays lossless.
   float presence_penalty = 0.f;    ///< [-2, 2]; 0 = off.
   float frequency_penalty = 0.f;   ///< [-2, 2]; 0 = off.
   float repetition_penalty = 1.f;  ///< > 0; 1 = off.
+  /// OpenAI's logit_bias: (token id, bias added to its logit), ids
+  /// ascending, each once; bias in [-100, 100]. Empty = off.
+  std::vector<std::pair<int, float>> logit_bias;
 
   bool greedy() const { return temperature == 0.f; }
   /// Whether any penalty is on.
@@ -35,12 +39,20 @@ struct SamplingParams {
     return presence_penalty != 0.f || frequency_penalty != 0.f ||
            repetition_penalty != 1.f;
   }
+  /// Whether the logits are adjusted before sampling (bias or penalties).
+  bool adjusts_logits() const { return has_penalties() || !logit_bias.empty(); }
 };
+
+/// Most logit_bias entries a request may carry.
+inline constexpr int kMaxLogitBias = 1024;
 
 /// OK, or INVALID_ARGUMENT naming the field: temperature must be finite and
 /// >= 0, top_k >= 0, top_p finite in (0, 1], presence_penalty and
 /// frequency_penalty finite in [-2, 2] (OpenAI's range), repetition_penalty
-/// finite and > 0 (vLLM's rule). A top_k larger than the vocabulary
+/// finite and > 0 (vLLM's rule), logit_bias of at most kMaxLogitBias
+/// entries with ids >= 0 ascending and each bias finite in [-100, 100]
+/// (OpenAI's range; the vocabulary is the model's to check). A top_k
+/// larger than the vocabulary
 /// is allowed (it keeps everything, as HF does).
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 

@@ -109,6 +109,13 @@ TEST(ValidateSamplingParamsTest, AcceptsValid) {
   EXPECT_TRUE(ValidateSamplingParams({1.f, 1000000, 1.f, 0}).ok());
   EXPECT_TRUE(ValidateSamplingParams({0.f, 0, 1.f, 0, -2.f, 2.f, 0.01f}).ok());
   EXPECT_TRUE(ValidateSamplingParams({0.f, 0, 1.f, 0, 2.f, -2.f, 10.f}).ok());
+  EXPECT_TRUE(ValidateSamplingParams(
+                  {0.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{0, -100.f}, {7, 100.f}}})
+                  .ok());
+  SamplingParams many;
+  for (int i = 0; i <= kMaxLogitBias; ++i) many.logit_bias.push_back({i, 1.f});
+  EXPECT_THAT(std::string(ValidateSamplingParams(many).message()),
+              HasSubstr("at most 1024"));
 }
 
 TEST(ValidateSamplingParamsTest, HasPenaltiesIsAnyPenaltyOffItsDefault) {
@@ -139,6 +146,11 @@ TEST(ValidateSamplingParamsTest, RejectsNamingTheField) {
       {{1.f, 0, 1.f, 0, 0.f, 0.f, 0.f}, "repetition_penalty"},
       {{1.f, 0, 1.f, 0, 0.f, 0.f, -1.f}, "repetition_penalty"},
       {{1.f, 0, 1.f, 0, 0.f, 0.f, kInf}, "repetition_penalty"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{3, 1.f}, {3, 2.f}}}, "logit_bias"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{5, 1.f}, {3, 2.f}}}, "logit_bias"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{-1, 1.f}}}, "logit_bias"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{1, 100.5f}}}, "logit_bias[1]"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{1, NAN}}}, "logit_bias[1]"},
   };
   for (const Case& c : cases) {
     const absl::Status s = ValidateSamplingParams(c.p);

@@ -18,6 +18,12 @@ absl::Status ValidateStopConditions(const StopConditions& conditions,
         "max_context must be >= 0 (0 = unlimited), got ",
         conditions.max_context));
   }
+  if (conditions.min_new_tokens < 0 ||
+      conditions.min_new_tokens > conditions.max_new_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "min_new_tokens must be in [0, max_new_tokens = ",
+        conditions.max_new_tokens, "], got ", conditions.min_new_tokens));
+  }
   auto check_ids = [&](const std::vector<int>& ids,
                        const char* field) -> absl::Status {
     for (size_t i = 0; i < ids.size(); ++i) {

@@ -17,11 +17,15 @@ struct StopConditions {
   int max_new_tokens = 256;        ///< emitted tokens at most; >= 0.
   std::vector<int> eos_token_ids;  ///< model EOS ids (config.json).
   std::vector<int> stop_token_ids; ///< request-level stop ids.
+  /// vLLM's min_tokens: EOS and stop ids cannot be emitted (their logits
+  /// are masked) before this many tokens are; in [0, max_new_tokens].
+  int min_new_tokens = 0;
   /// Context window in positions (prompt + generated); 0 = unlimited.
   int max_context = 0;
 };
 
 /// INVALID_ARGUMENT naming the field if max_new_tokens < 0, max_context < 0,
+/// min_new_tokens outside [0, max_new_tokens],
 /// or an EOS/stop id is negative or (vocab_size > 0) >= vocab_size.
 absl::Status ValidateStopConditions(const StopConditions& conditions,
                                     int vocab_size);

@@ -138,6 +138,17 @@ TEST(ValidateStopConditionsTest, NamesTheField) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.field));
   }
+  StopConditions min = Conditions(5, {2}, {}, 0);
+  for (int m : {0, 5}) {
+    min.min_new_tokens = m;
+    EXPECT_TRUE(ValidateStopConditions(min, 10).ok()) << m;
+  }
+  for (int m : {-1, 6}) {
+    min.min_new_tokens = m;
+    EXPECT_THAT(std::string(ValidateStopConditions(min, 10).message()),
+                HasSubstr("min_new_tokens must be in [0, max_new_tokens = 5]"))
+        << m;
+  }
 }
 
 TEST(StopStringFilterTest, HoldsBackPossibleStartsAndCutsAtTheFirstMatch) {

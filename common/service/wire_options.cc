@@ -1,5 +1,7 @@
 #include "common/service/wire_options.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace specserve {
@@ -110,6 +112,8 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   out.frequency_penalty = p.frequency_penalty();
   out.repetition_penalty =
       p.repetition_penalty() == 0.f ? 1.f : p.repetition_penalty();
+  out.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
+  std::sort(out.logit_bias.begin(), out.logit_bias.end());
   return out;
 }
 

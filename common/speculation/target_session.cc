@@ -1,6 +1,7 @@
 #include "common/speculation/target_session.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/decoding/row_sampling.h"
@@ -74,6 +75,13 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
                      " is at or past the max context ", max_ctx));
   }
   if (auto s = ValidateSamplingParams(r.sampling); !s.ok()) return s;
+  for (const auto& [id, bias] : r.sampling.logit_bias) {
+    if (id >= c.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_bias id ", id, " outside the vocabulary [0, ",
+                       c.vocab_size, ")"));
+    }
+  }
   for (size_t i = 0; i < r.penalty_prompt_ids.size(); ++i) {
     const int id = r.penalty_prompt_ids[i];
     if (id < 0 || id >= c.vocab_size) {
@@ -304,7 +312,9 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   // computed from them in CompleteForward). Penalized rows come back as
   // logits too: each row's penalties depend on the drafts before it.
   const bool greedy = request_.sampling.greedy();
-  const bool host = penalties_.has_value();
+  host_round_ = final_planned_ &&
+                (request_.sampling.adjusts_logits() || MinTokensPending());
+  const bool host = host_round_;
   entry->input.argmax_only = greedy && !host;
   entry->input.sampling = nullptr;
   entry->input.logprobs_top_n = final_planned_ && request_.logprobs &&
@@ -345,7 +355,7 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   // row's logprobs when asked) or, for a sampled tree or with penalties,
   // logits.
   const bool row_sampled = !greedy && parents_.empty();
-  const bool reduced = (greedy || row_sampled) && !penalties_;
+  const bool reduced = (greedy || row_sampled) && !host_round_;
   const size_t want = static_cast<size_t>(k + 1) * (reduced ? 1 : c.vocab_size);
   const size_t got = !reduced  ? out.logits.size()
                      : greedy  ? out.argmax.size()
@@ -361,16 +371,16 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   auto row = [&](int r) {
     return absl::MakeConstSpan(out.logits_row(r, c.vocab_size), c.vocab_size);
   };
-  // With penalties the host decides the penalized rows as the backend
-  // would have decided raw ones.
-  PenalizedRows host;
-  if (penalties_) host = DecideWithPenalties(out.logits);
-  const std::vector<int>& argmax = penalties_ ? host.argmax : out.argmax;
-  const std::vector<int>& sampled = penalties_ ? host.sampled : out.sampled;
+  // On the host the adjusted rows are decided as the backend would have
+  // decided raw ones.
+  HostRows host;
+  if (host_round_) host = DecideOnHost(out.logits);
+  const std::vector<int>& argmax = host_round_ ? host.argmax : out.argmax;
+  const std::vector<int>& sampled = host_round_ ? host.sampled : out.sampled;
   const std::vector<uint8_t>& accepted_rows =
-      penalties_ ? host.accepted : out.accepted;
+      host_round_ ? host.accepted : out.accepted;
   const std::vector<float>& tree_logits =
-      penalties_ ? host.logits : out.logits;
+      host_round_ ? host.logits : out.logits;
   // The logit row each emitted token came from: a chain's token i from
   // row i; a tree's first from row 0 (the last context token), then each
   // from the row of the accepted node before it.
@@ -456,12 +466,19 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   return absl::OkStatus();
 }
 
-TargetSession::PenalizedRows TargetSession::DecideWithPenalties(
+bool TargetSession::MinTokensPending() const {
+  return static_cast<int>(output_.size()) < request_.stop.min_new_tokens &&
+         (!request_.stop.eos_token_ids.empty() ||
+          !request_.stop.stop_token_ids.empty());
+}
+
+TargetSession::HostRows TargetSession::DecideOnHost(
     absl::Span<const float> logits) const {
   const int vocab = model_->config().vocab_size;
   const int k = static_cast<int>(drafts_.size());
   const SamplingParams& params = request_.sampling;
-  PenalizedRows out;
+  const StopConditions& stop = request_.stop;
+  HostRows out;
   out.logits.assign(logits.begin(), logits.end());
   // Row r follows the drafts on its path: a chain's first r drafts; a
   // tree's row 0 none, row 1 + i node i and its ancestors, root first.
@@ -476,10 +493,23 @@ TargetSession::PenalizedRows TargetSession::DecideWithPenalties(
       }
       std::reverse(before.begin(), before.end());
     }
-    penalties_->Apply(params, before,
-                      absl::MakeSpan(out.logits.data() +
-                                         static_cast<size_t>(r) * vocab,
-                                     vocab));
+    const absl::Span<float> row = absl::MakeSpan(
+        out.logits.data() + static_cast<size_t>(r) * vocab, vocab);
+    ApplyLogitBias(params, row);
+    if (penalties_) penalties_->Apply(params, before, row);
+    // The token this row decides is output token output_.size() + (drafts
+    // before it): before min_new_tokens it may not end the request.
+    if (static_cast<int>(output_.size() + before.size()) <
+        stop.min_new_tokens) {
+      for (const std::vector<int>* ids :
+           {&stop.eos_token_ids, &stop.stop_token_ids}) {
+        for (const int id : *ids) {
+          if (id >= 0 && id < vocab) {
+            row[id] = -std::numeric_limits<float>::infinity();
+          }
+        }
+      }
+    }
   }
   const auto row = [&](int r) {
     return absl::MakeConstSpan(

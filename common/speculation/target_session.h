@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/decoding/logprobs.h"
-#include "common/decoding/penalties.h"
+#include "common/decoding/logits_processors.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/stop.h"
 #include "common/decoding/tree_verification.h"
@@ -46,10 +46,11 @@ struct TargetRequest {
   bool logprobs = false;
   int top_logprobs = 0;
 };
-// With penalties (SamplingParams::has_penalties) a round's final rows come
-// back as logits: each row is penalized for the output before it (the
-// emitted tokens, then the drafts on its path) and decided on the host,
-// by the same argmax, SampleRow and tree rules.
+// With logit adjustments (SamplingParams::adjusts_logits) or while
+// StopConditions::min_new_tokens masks EOS and stop ids, a round's final
+// rows come back as logits: each row is adjusted for the output before it
+// (the emitted tokens, then the drafts on its path) and decided on the
+// host, by the same argmax, SampleRow and tree rules.
 
 
 /// One round: the prefill (with optional drafts) or one verification.
@@ -78,7 +79,7 @@ class TargetSession : public Session {
   /// prompt, length mismatch, ids outside the vocabulary, positions not
   /// strictly increasing or at/after the max context, next_position <= the
   /// last position or >= max context, bad sampling or stop conditions,
-  /// penalty_prompt_ids outside the vocabulary,
+  /// penalty_prompt_ids or logit_bias ids outside the vocabulary,
   /// max_new_tokens < 1, top_logprobs outside [0, kMaxTopLogprobs] or
   /// above 0 without logprobs.
   static absl::StatusOr<std::unique_ptr<TargetSession>> Create(
@@ -192,15 +193,18 @@ class TargetSession : public Session {
   int final_tail() const { return 1 + rewrite_; }
   // On an empty KV cache, attaches the prompt's cached full blocks.
   void AttachCachedPrompt();
-  // The final rows' logits ([k + 1, vocab]) penalized row by row, and
-  // their argmax (greedy) or SampleRow outcomes (a sampled chain).
-  struct PenalizedRows {
+  // Whether EOS / stop ids are still masked (min_new_tokens not reached).
+  bool MinTokensPending() const;
+  // The final rows' logits ([k + 1, vocab]) adjusted row by row (logit
+  // bias, penalties, the min_new_tokens mask), and their argmax (greedy)
+  // or SampleRow outcomes (a sampled chain).
+  struct HostRows {
     std::vector<float> logits;
     std::vector<int> argmax;
     std::vector<int> sampled;
     std::vector<uint8_t> accepted;
   };
-  PenalizedRows DecideWithPenalties(absl::Span<const float> logits) const;
+  HostRows DecideOnHost(absl::Span<const float> logits) const;
 
   ModelRunner* model_;
   TargetRequest request_;
@@ -230,6 +234,9 @@ class TargetSession : public Session {
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
   RowSampling row_sampling_;  // a sampled chain's final forward
   std::optional<PenaltyTracker> penalties_;  // with sampling's penalties
+  // The round's final rows come back as logits and are decided on the
+  // host (DecideOnHost).
+  bool host_round_ = false;
   std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
 

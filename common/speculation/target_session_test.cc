@@ -838,13 +838,14 @@ TEST_F(TargetSessionTest, BadLogprobsAreRejected) {
 
 // ---- penalties ----
 
-// Presence / frequency / repetition penalties as vLLM defines them, written
-// out here independently of PenaltyTracker: `logits` after `prompt` (ids
-// the repetition penalty covers) and `output`.
+// The logit bias, then presence / frequency / repetition penalties as vLLM
+// defines them, written out here independently of logits_processors.h:
+// `logits` after `prompt` (ids the repetition penalty covers) and `output`.
 std::vector<float> PenalizedByHand(std::vector<float> logits,
                                    const std::vector<int>& prompt,
                                    const std::vector<int>& output,
                                    const SamplingParams& sp) {
+  for (const auto& [id, bias] : sp.logit_bias) logits[id] += bias;
   std::map<int, int> count;
   for (int id : output) ++count[id];
   for (int id = 0; id < static_cast<int>(logits.size()); ++id) {
@@ -861,7 +862,9 @@ std::vector<float> PenalizedByHand(std::vector<float> logits,
   return logits;
 }
 
-// Greedy decoding of `r` with its penalties, one fresh forward per token.
+// Greedy decoding of `r` with its logit bias and penalties, and its EOS
+// ids masked before min_new_tokens, one fresh forward per token, up to n
+// tokens or before the first EOS.
 std::vector<int> PenalizedGreedyReference(ModelRunner& m,
                                           const TargetRequest& r, int n) {
   const int next = r.next_position >= 0 ? r.next_position
@@ -869,12 +872,21 @@ std::vector<int> PenalizedGreedyReference(ModelRunner& m,
   const std::vector<int>& prompt =
       r.penalty_prompt_ids.empty() ? r.token_ids : r.penalty_prompt_ids;
   std::vector<int> out;
+  const std::vector<int>& eos = m.config().eos_token_ids;
   for (int i = 0; i < n; ++i) {
-    const std::vector<float> row = PenalizedByHand(
+    std::vector<float> row = PenalizedByHand(
         ContextLogits(m, r.token_ids, r.position_ids, next, out), prompt, out,
         r.sampling);
-    out.push_back(static_cast<int>(std::max_element(row.begin(), row.end()) -
-                                   row.begin()));
+    if (i < r.stop.min_new_tokens) {
+      for (int id : eos) row[id] = -INFINITY;
+    }
+    const int id = static_cast<int>(
+        std::max_element(row.begin(), row.end()) - row.begin());
+    // The session ends at EOS without emitting it.
+    if (!r.ignore_eos && std::find(eos.begin(), eos.end(), id) != eos.end()) {
+      break;
+    }
+    out.push_back(id);
   }
   return out;
 }
@@ -1022,6 +1034,121 @@ TEST_F(TargetSessionTest, PenalizedSampledRoundsMatchPenalizedTarget) {
   std::vector<double> wrong(vocab, 0.0);
   for (auto [id, prob] : p1_wrong) wrong[id] = prob;
   EXPECT_LT(ChiSquareTest(second, wrong).p_value, 1e-3);
+}
+
+// Random chain drafts (some the reference's tokens, some EOS, some random)
+// and random trees for a request's next rounds.
+struct RandomDrafts {
+  std::vector<int> want;
+  int vocab;
+  int eos;
+  std::mt19937 rng{29};
+  void Chain(const std::vector<int>& got, std::vector<DraftToken>* d,
+             std::vector<int>*) {
+    const int k = rng() % 9;
+    for (int j = 0; j < k; ++j) {
+      const size_t at = got.size() + j;
+      const int pick = rng() % 6;
+      int id = static_cast<int>(rng() % vocab);
+      if (pick < 4 && at < want.size()) id = want[at];
+      if (pick == 4) id = eos;
+      d->push_back({id, {}});
+    }
+  }
+  void Tree(const std::vector<int>& got, std::vector<DraftToken>* d,
+            std::vector<int>* p) {
+    RandomTree(want, got.size(), static_cast<int>(rng() % 20), vocab, &rng, d,
+               p);
+  }
+};
+
+// `r` run with no drafts, random chains and random trees emits
+// drafts->want each time.
+void ExpectEveryDraftingEmits(ModelRunner* m, const TargetRequest& r,
+                              RandomDrafts* drafts) {
+  const auto chain = [&](auto& g, auto* d, auto* p) {
+    drafts->Chain(g, d, p);
+  };
+  const auto tree = [&](auto& g, auto* d, auto* p) { drafts->Tree(g, d, p); };
+  EXPECT_EQ(RunSession(m, r, nullptr).tokens, drafts->want);
+  EXPECT_EQ(RunSession(m, r, chain).tokens, drafts->want);
+  EXPECT_EQ(RunSession(m, r, tree).tokens, drafts->want);
+}
+
+// OpenAI's logit_bias: greedy rounds, with chain drafts and trees, emit
+// the tokens of greedy decoding of the biased logits; -100 bans the plain
+// output's first token.
+TEST_F(TargetSessionTest, LogitBiasRoundsEqualBiasedDecoding) {
+  const int kNew = 24;
+  TargetRequest r = Request(kPrompt, kNew);
+  r.ignore_eos = true;
+  const std::vector<int> plain = RunSession(target_.get(), r, nullptr).tokens;
+  ASSERT_EQ(plain.size(), static_cast<size_t>(kNew));
+  std::map<int, float> bias = {{300, 4.f}, {plain[3], 2.5f}};
+  bias[plain[0]] = -100.f;
+  r.sampling.logit_bias.assign(bias.begin(), bias.end());  // ids ascending
+  const std::vector<int> want = PenalizedGreedyReference(*target_, r, kNew);
+  EXPECT_NE(want[0], plain[0]);
+  EXPECT_EQ(std::count(want.begin(), want.end(), plain[0]), 0);
+  RandomDrafts drafts{want, target_->config().vocab_size, 2};
+  ExpectEveryDraftingEmits(target_.get(), r, &drafts);
+  r.sampling.logit_bias = {{target_->config().vocab_size, 1.f}};
+  EXPECT_EQ(TargetSession::Create(target_.get(), r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// vLLM's min_tokens: EOS is masked until min_new_tokens tokens are out, in
+// plain rounds, chains (with EOS drafts, which must be rejected) and
+// trees; after that the request ends at EOS as before.
+TEST_F(TargetSessionTest, MinTokensMasksEosUntilReached) {
+  // tinystories-656K ends this story (EOS after 372 tokens; the session
+  // does not emit the EOS).
+  auto big_w = LoadBundled("tinystories-656K");
+  ASSERT_NE(big_w, nullptr);
+  auto big = testing_util::MakeCpuRunner(big_w);
+  const std::vector<int>& eos = big->config().eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  TargetRequest r = Request({1, 403, 407, 261}, 420);
+  const std::vector<int> plain = RunSession(big.get(), r, nullptr).tokens;
+  ASSERT_LT(plain.size(), 400u) << "the plain story never ends";
+  EXPECT_EQ(plain, PenalizedGreedyReference(*big, r, 420));
+  r.stop.min_new_tokens = static_cast<int>(plain.size()) + 10;
+  const std::vector<int> want = PenalizedGreedyReference(*big, r, 420);
+  ASSERT_GE(want.size(), plain.size() + 10);
+  // Up to where the plain output ended the two agree; there EOS is masked.
+  EXPECT_TRUE(std::equal(plain.begin(), plain.end(), want.begin()));
+  EXPECT_EQ(std::count(want.begin(), want.end(), eos[0]), 0);
+  RandomDrafts drafts{want, big->config().vocab_size, eos[0]};
+  ExpectEveryDraftingEmits(big.get(), r, &drafts);
+  r.stop.min_new_tokens = 421;
+  EXPECT_EQ(TargetSession::Create(big.get(), r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A stop id is masked the same way: min_new_tokens past the first place
+  // the plain output emits it.
+  TargetRequest s = Request(kPrompt, 40);
+  s.ignore_eos = true;
+  const std::vector<int> free_run =
+      RunSession(target_.get(), s, nullptr).tokens;
+  const int stop_id = free_run[5];
+  s.stop.stop_token_ids = {stop_id};
+  s.stop.min_new_tokens = 20;
+  const std::vector<int> got = RunSession(target_.get(), s, nullptr).tokens;
+  ASSERT_GE(got.size(), 20u);
+  EXPECT_EQ(std::count(got.begin(), got.begin() + 19, stop_id), 0);
+  // Sampled: never an EOS before min_new_tokens.
+  for (int seed = 0; seed < 20; ++seed) {
+    TargetRequest t = Request(kPrompt, 40);
+    t.sampling.temperature = 1.5f;
+    t.sampling.seed = seed;
+    t.stop.min_new_tokens = 30;
+    const std::vector<int> out =
+        RunSession(big.get(), t, [&](auto& g, auto* d, auto* p) {
+          drafts.Chain(g, d, p);
+          for (DraftToken& x : *d) x.q = {{x.id, 1.f}};
+        }).tokens;
+    ASSERT_GE(out.size(), 30u);
+    for (int i = 0; i < 29; ++i) EXPECT_NE(out[i], eos[0]) << i;
+  }
 }
 
 TEST_F(TargetSessionTest, BadPenaltiesAreRejected) {

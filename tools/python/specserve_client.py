@@ -100,7 +100,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   prompt_lookup_max=None, tree_branching=None,
                   tree_max_nodes=None, tree_min_path_prob=None,
                   logprobs=None, presence_penalty=None,
-                  frequency_penalty=None, repetition_penalty=None):
+                  frequency_penalty=None, repetition_penalty=None,
+                  logit_bias=None, min_tokens=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
@@ -111,7 +112,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     (response.logprobs, aligned with token_ids); None = off.
     presence_penalty / frequency_penalty in [-2, 2] (generated ids) and
     repetition_penalty > 0 (prompt and generated ids) as OpenAI and vLLM
-    define them."""
+    define them. logit_bias: {token id: bias in [-100, 100]}; min_tokens:
+    no EOS, stop id or stop string before this many tokens (vLLM's)."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -129,6 +131,10 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.sampling.frequency_penalty = frequency_penalty
     if repetition_penalty is not None:
         req.sampling.repetition_penalty = repetition_penalty
+    for token_id, bias in (logit_bias or {}).items():
+        req.sampling.logit_bias[int(token_id)] = bias
+    if min_tokens is not None:
+        req.sampling.min_tokens = min_tokens
     if stop:
         req.sampling.stop.extend(stop)
     if logprobs is not None:
@@ -171,6 +177,11 @@ def main():
                     help="[-2, 2], per generated occurrence (0 = off)")
     ap.add_argument("--repetition_penalty", type=float,
                     help="> 0, on prompt and generated ids (1 = off)")
+    ap.add_argument("--logit_bias",
+                    help="id:bias,... added to those ids' logits")
+    ap.add_argument("--min_tokens", type=int,
+                    help="no EOS, stop id or stop string before this many "
+                         "tokens")
     ap.add_argument("--keep_ratio", type=float)
     ap.add_argument("--num_draft_tokens", type=int)
     ap.add_argument("--spec_decode_method", choices=["draft", "ngram", "draft_tree"],
@@ -221,6 +232,11 @@ def main():
                         presence_penalty=a.presence_penalty,
                         frequency_penalty=a.frequency_penalty,
                         repetition_penalty=a.repetition_penalty,
+                        logit_bias=({int(k): float(v) for k, v in
+                                     (e.split(":") for e in
+                                      a.logit_bias.split(","))}
+                                    if a.logit_bias else None),
+                        min_tokens=a.min_tokens,
                         keep_ratio=a.keep_ratio,
                         num_draft_tokens=a.num_draft_tokens,
                         spec_decode_method=a.spec_decode_method,

@@ -1,4 +1,4 @@
-#include "common/decoding/penalties.h"
+#include "common/decoding/logits_processors.h"
 
 #include <vector>
 
@@ -87,6 +87,19 @@ TEST(PenaltiesTest, IdsOutsideTheRowAreSkipped) {
   EXPECT_FLOAT_EQ(row[0], 1.f);
   EXPECT_FLOAT_EQ(row[1], 1.f);
   EXPECT_EQ(t.output_count(-3), 0);
+}
+
+TEST(LogitBiasTest, AddsToTheListedIdsOnly) {
+  SamplingParams p;
+  p.logit_bias = {{0, -100.f}, {2, 5.5f}, {9, 1.f}};
+  std::vector<float> row = {1.f, 2.f, 3.f, 4.f};
+  ApplyLogitBias(p, absl::MakeSpan(row));
+  EXPECT_FLOAT_EQ(row[0], -99.f);
+  EXPECT_FLOAT_EQ(row[1], 2.f);
+  EXPECT_FLOAT_EQ(row[2], 8.5f);
+  EXPECT_FLOAT_EQ(row[3], 4.f);  // id 9 is past the row
+  EXPECT_TRUE(p.adjusts_logits());
+  EXPECT_FALSE(p.has_penalties());
 }
 
 }  // namespace

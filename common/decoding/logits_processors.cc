@@ -1,4 +1,4 @@
-#include "common/decoding/penalties.h"
+#include "common/decoding/logits_processors.h"
 
 namespace specserve {
 
@@ -17,6 +17,13 @@ void PenaltyTracker::AddOutput(absl::Span<const int> ids) {
 int PenaltyTracker::output_count(int id) const {
   const auto it = output_.find(id);
   return it == output_.end() ? 0 : it->second;
+}
+
+void ApplyLogitBias(const SamplingParams& params, absl::Span<float> logits) {
+  const int vocab = static_cast<int>(logits.size());
+  for (const auto& [id, bias] : params.logit_bias) {
+    if (id >= 0 && id < vocab) logits[id] += bias;
+  }
 }
 
 float PenalizeLogit(float logit, int count, bool in_prompt,

@@ -1,8 +1,11 @@
-#ifndef SPECSERVE_COMMON_DECODING_PENALTIES_H_
-#define SPECSERVE_COMMON_DECODING_PENALTIES_H_
+#ifndef SPECSERVE_COMMON_DECODING_LOGITS_PROCESSORS_H_
+#define SPECSERVE_COMMON_DECODING_LOGITS_PROCESSORS_H_
 
-// Penalties on tokens a request has already seen, as vLLM applies them
-// (its sampler's apply_penalties, before temperature / top-k / top-p):
+// A request's logit adjustments before temperature / top-k / top-p, in
+// the order vLLM's sampler applies them:
+//   logit_bias (OpenAI): a fixed amount added to the listed ids' logits;
+// then penalties on tokens the request has already seen (vLLM's
+// apply_penalties):
 //   repetition_penalty r, on every id in the prompt or the output
 //     (Keskar et al. 2019, CTRL; HF's RepetitionPenaltyLogitsProcessor):
 //     logit / r if the logit is > 0, logit * r otherwise;
@@ -50,6 +53,10 @@ class PenaltyTracker {
   absl::flat_hash_map<int, int> output_;
 };
 
+/// Adds params.logit_bias to one logit row ([vocab], in place); ids
+/// outside [0, vocab) are skipped.
+void ApplyLogitBias(const SamplingParams& params, absl::Span<float> logits);
+
 /// Applies one id's penalties to its logit (see the file comment):
 /// `count` = times emitted (with pending), `in_prompt` = in the prompt.
 float PenalizeLogit(float logit, int count, bool in_prompt,
@@ -57,4 +64,4 @@ float PenalizeLogit(float logit, int count, bool in_prompt,
 
 }  // namespace specserve
 
-#endif  // SPECSERVE_COMMON_DECODING_PENALTIES_H_
+#endif  // SPECSERVE_COMMON_DECODING_LOGITS_PROCESSORS_H_
