@@ -73,19 +73,28 @@ std::string ModelName(RouterServer& router) {
 
 }  // namespace
 
-// A streaming request: the runner works on its own thread and queues SSE
-// events; the connection thread writes them (httplib's content provider).
+// A streaming request: each choice's runner works on its own thread and
+// queues SSE events; the connection thread writes them (httplib's content
+// provider).
 struct HttpServer::Stream {
-  explicit Stream(const RouterBackends* backends, openai::ResponseBuilder b)
-      : runner(backends), builder(std::move(b)) {}
-  RequestRunner runner;
-  openai::ResponseBuilder builder;  // worker thread only
-  std::thread worker;
+  Stream(const RouterBackends* backends, openai::ResponseBuilder b, int n)
+      : builder(std::move(b)), running(n) {
+    for (int i = 0; i < n; ++i) {
+      runners.push_back(std::make_unique<RequestRunner>(backends));
+    }
+  }
+  void CancelAll() {
+    for (auto& r : runners) r->Cancel();
+  }
+  std::vector<std::unique_ptr<RequestRunner>> runners;  // one per choice
+  std::vector<std::thread> workers;
   absl::Mutex mu;
+  openai::ResponseBuilder builder ABSL_GUARDED_BY(mu);
   std::deque<std::string> events ABSL_GUARDED_BY(mu);
   bool started ABSL_GUARDED_BY(mu) = false;  // a chunk arrived
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
+  int running ABSL_GUARDED_BY(mu);           // choices not finished
+  bool done ABSL_GUARDED_BY(mu) = false;     // every choice finished
+  absl::Status status ABSL_GUARDED_BY(mu);   // the first error
 };
 
 class HttpHandlers {
@@ -150,65 +159,116 @@ class HttpHandlers {
                    "model"));
     }
     const bool chat = endpoint == openai::Endpoint::kChat;
+    const int n = parsed->n;
     openai::ResponseBuilder builder(
         endpoint, openai::NewId(chat ? "chatcmpl-" : "cmpl-"),
         parsed->model.empty() ? model : parsed->model,
-        absl::ToUnixSeconds(absl::Now()), parsed->include_usage);
+        absl::ToUnixSeconds(absl::Now()), parsed->include_usage, n);
     if (parsed->request.sampling().logprobs()) {
       builder.EnableLogprobs(s->router_->tokenizer());
     }
-    if (!s->router_->Admit()) {
+    if (!s->router_->Admit(n)) {
       return SendError(
           res, absl::ResourceExhaustedError(absl::StrCat(
                    "router at capacity: ",
                    s->router_->options().max_concurrent_requests,
-                   " requests in flight (--max_concurrent_requests)")));
+                   " requests in flight (--max_concurrent_requests; a "
+                   "request of n choices takes n)")));
     }
     const absl::Time start = absl::Now();
     const absl::Time deadline = start + s->router_->options().request_deadline;
     if (!parsed->stream) {
-      RequestRunner runner(s->router_->backends());
-      v1::GenerateTextResponse out;
-      s->Register(&runner);
+      std::vector<v1::GenerateTextResponse> outs(n);
       const absl::Status st =
-          runner.Run(parsed->request, start, deadline,
-                     [&out](const v1::GenerateTextChunk& c) {
-                       AppendChunk(c, &out);
-                     });
-      s->Unregister(&runner);
-      s->router_->Done(st);
+          RunChoices(s, parsed->request, start, deadline, &outs);
+      s->router_->Done(st, n);
       if (!st.ok()) return SendError(res, openai::NameParam(st, endpoint));
-      res.set_content(Dump(builder.Response(out)), kJson);
+      res.set_content(Dump(builder.Response(outs)), kJson);
       return;
     }
-    Stream(s, endpoint, std::move(parsed->request), start, deadline,
+    Stream(s, endpoint, std::move(parsed->request), n, start, deadline,
            std::move(builder), res);
   }
 
  private:
+  // Runs the n = outs->size() choices of `request` at once (choice 0 on
+  // this thread), each into its response. The first error cancels the
+  // others and is returned.
+  static absl::Status RunChoices(HttpServer* s,
+                                 const v1::GenerateTextRequest& request,
+                                 absl::Time start, absl::Time deadline,
+                                 std::vector<v1::GenerateTextResponse>* outs) {
+    const int n = static_cast<int>(outs->size());
+    std::vector<std::unique_ptr<RequestRunner>> runners;
+    for (int i = 0; i < n; ++i) {
+      runners.push_back(
+          std::make_unique<RequestRunner>(s->router_->backends()));
+      s->Register(runners.back().get());
+    }
+    absl::Mutex mu;
+    absl::Status first;  // guarded by mu
+    const auto run = [&](int i) {
+      const absl::Status st = runners[i]->Run(
+          openai::ChoiceRequest(request, i), start, deadline,
+          [out = &(*outs)[i]](const v1::GenerateTextChunk& c) {
+            AppendChunk(c, out);
+          });
+      if (st.ok()) return;
+      {
+        absl::MutexLock lock(&mu);
+        if (!first.ok()) return;  // cancelled by that one
+        first = st;
+      }
+      for (auto& r : runners) r->Cancel();
+    };
+    std::vector<std::thread> others;
+    for (int i = 1; i < n; ++i) others.emplace_back(run, i);
+    run(0);
+    for (std::thread& t : others) t.join();
+    for (auto& r : runners) s->Unregister(r.get());
+    absl::MutexLock lock(&mu);
+    return first;
+  }
+
   static void Stream(HttpServer* s, openai::Endpoint endpoint,
-                     v1::GenerateTextRequest request,
+                     v1::GenerateTextRequest request, int n,
                      absl::Time start, absl::Time deadline,
                      openai::ResponseBuilder builder, httplib::Response& res) {
     auto call = std::make_shared<HttpServer::Stream>(s->router_->backends(),
-                                                     std::move(builder));
-    s->Register(&call->runner);
+                                                     std::move(builder), n);
+    for (auto& r : call->runners) s->Register(r.get());
     HttpServer::Stream* c = call.get();
-    call->worker = std::thread([s, c, request = std::move(request), start,
-                                deadline] {
-      const absl::Status st = c->runner.Run(
-          request, start, deadline, [c](const v1::GenerateTextChunk& chunk) {
-            std::string ev = c->builder.StreamEvents(chunk);
-            absl::MutexLock lock(&c->mu);
-            c->started = true;
-            if (!ev.empty()) c->events.push_back(std::move(ev));
-          });
-      s->Unregister(&c->runner);
-      s->router_->Done(st);
-      absl::MutexLock lock(&c->mu);
-      c->done = true;
-      c->status = st;
-    });
+    for (int i = 0; i < n; ++i) {
+      call->workers.emplace_back([s, c, i, n,
+                                  request = openai::ChoiceRequest(request, i),
+                                  start, deadline] {
+        const absl::Status st = c->runners[i]->Run(
+            request, start, deadline,
+            [c, i](const v1::GenerateTextChunk& chunk) {
+              absl::MutexLock lock(&c->mu);
+              std::string ev = c->builder.StreamEvents(chunk, i);
+              c->started = true;
+              if (!ev.empty()) c->events.push_back(std::move(ev));
+            });
+        s->Unregister(c->runners[i].get());
+        bool last, cancel_others = false;
+        absl::Status status;
+        {
+          absl::MutexLock lock(&c->mu);
+          if (!st.ok() && c->status.ok()) {
+            c->status = st;
+            cancel_others = true;
+          }
+          last = --c->running == 0;
+          status = c->status;
+        }
+        if (cancel_others) c->CancelAll();
+        if (!last) return;
+        s->router_->Done(status, n);
+        absl::MutexLock lock(&c->mu);
+        c->done = true;
+      });
+    }
     // The status line waits for the first chunk (up to kFirstChunkWait):
     // errors before it are plain HTTP errors.
     bool failed;
@@ -226,7 +286,7 @@ class HttpHandlers {
       early = c->status;
     }
     if (failed) {
-      call->worker.join();
+      for (std::thread& t : call->workers) t.join();
       return SendError(res, openai::NameParam(early, endpoint));
     }
     res.set_header("Cache-Control", "no-cache");
@@ -253,13 +313,13 @@ class HttpHandlers {
           }
           for (const std::string& ev : batch) {
             if (!sink.write(ev.data(), ev.size())) {
-              c->runner.Cancel();  // the client is gone
+              c->CancelAll();  // the client is gone
               return false;
             }
           }
           if (!done) {
             if (batch.empty() && !sink.is_writable()) {
-              c->runner.Cancel();
+              c->CancelAll();
               return false;
             }
             return true;  // called again
@@ -275,8 +335,10 @@ class HttpHandlers {
         },
         [call](bool /*success*/) {
           // Every path ends here (httplib runs it when the response dies).
-          call->runner.Cancel();
-          if (call->worker.joinable()) call->worker.join();
+          call->CancelAll();
+          for (std::thread& t : call->workers) {
+            if (t.joinable()) t.join();
+          }
         });
   }
 };

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -652,6 +653,100 @@ TEST_F(HttpServerTest, StopStringsAndSeeds) {
             json::parse(b->body)["choices"][0]["text"]);
 }
 
+// n choices: independent runs, choice i with seed + i, so a seeded sampled
+// request is reproducible choice by choice and its choices differ; the
+// usage counts the prompt once and every choice's completion; streamed,
+// each choice's chunks carry its index and the usage chunk comes last.
+TEST_F(HttpServerTest, NChoicesAreIndependentSeededRuns) {
+  Start();
+  const json base = {{"prompt", "Once upon a time"},
+                     {"max_tokens", 20},
+                     {"temperature", 1.0},
+                     {"seed", 77}};
+  json req = base;
+  req["n"] = 3;
+  auto res = Post("/v1/completions", req.dump());
+  ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "");
+  const json r = json::parse(res->body);
+  ASSERT_EQ(r["choices"].size(), 3u);
+  int completion = 0;
+  std::set<std::string> texts;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(r["choices"][i]["index"], i);
+    // Choice i is the single-choice request with seed 77 + i.
+    json one = base;
+    one["seed"] = 77 + i;
+    auto single = Post("/v1/completions", one.dump());
+    ASSERT_TRUE(single && single->status == 200);
+    const json s = json::parse(single->body);
+    EXPECT_EQ(r["choices"][i]["text"], s["choices"][0]["text"]) << i;
+    completion += s["usage"]["completion_tokens"].get<int>();
+    texts.insert(r["choices"][i]["text"].get<std::string>());
+  }
+  EXPECT_EQ(texts.size(), 3u);
+  EXPECT_EQ(r["usage"]["completion_tokens"], completion);
+  EXPECT_EQ(r["usage"]["total_tokens"],
+            r["usage"]["prompt_tokens"].get<int>() + completion);
+  EXPECT_TRUE(r.contains("specserve"));
+
+  for (const bool chat : {false, true}) {
+    SCOPED_TRACE(chat);
+    json streamed = {{"max_tokens", 12},
+                     {"temperature", 1.0},
+                     {"seed", 5},
+                     {"n", 2},
+                     {"stream", true},
+                     {"stream_options", {{"include_usage", true}}}};
+    if (chat) {
+      streamed["messages"] = {{{"role", "user"}, {"content", "Hi"}}};
+    } else {
+      streamed["prompt"] = "Once upon a time";
+    }
+    const std::string path =
+        chat ? "/v1/chat/completions" : "/v1/completions";
+    auto unary_req = streamed;
+    unary_req.erase("stream");
+    unary_req.erase("stream_options");
+    auto unary = Post(path, unary_req.dump());
+    ASSERT_TRUE(unary && unary->status == 200);
+    const json u = json::parse(unary->body);
+    auto sres = Post(path, streamed.dump());
+    ASSERT_TRUE(sres && sres->status == 200) << (sres ? sres->body : "");
+    const Sse sse = ParseSse(sres->body);
+    EXPECT_TRUE(sse.done);
+    std::string text[2];
+    int finishes[2] = {0, 0};
+    bool role[2] = {false, false};
+    ASSERT_FALSE(sse.events.empty());
+    for (size_t e = 0; e + 1 < sse.events.size(); ++e) {
+      const json& ev = sse.events[e];
+      ASSERT_EQ(ev["choices"].size(), 1u) << ev;
+      const json& c = ev["choices"][0];
+      const int i = c["index"];
+      ASSERT_TRUE(i == 0 || i == 1) << ev;
+      if (chat) {
+        if (c["delta"].contains("role")) role[i] = true;
+        if (c["delta"].contains("content")) {
+          text[i] += c["delta"]["content"].get<std::string>();
+        }
+      } else {
+        text[i] += c["text"].get<std::string>();
+      }
+      if (!c["finish_reason"].is_null()) ++finishes[i];
+    }
+    const json& usage = sse.events.back();
+    EXPECT_TRUE(usage["choices"].empty()) << usage;
+    EXPECT_EQ(usage["usage"], u["usage"]);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(finishes[i], 1) << i;
+      EXPECT_EQ(role[i], chat) << i;
+      EXPECT_EQ(text[i], chat ? u["choices"][i]["message"]["content"]
+                              : u["choices"][i]["text"])
+          << i;
+    }
+  }
+}
+
 TEST_F(HttpServerTest, BadRequests) {
   Start();
   ExpectError(Post("/v1/completions", "{not json"), 400, "");
@@ -675,7 +770,8 @@ TEST_F(HttpServerTest, BadRequests) {
   ExpectError(Post("/v1/completions",
                    R"({"prompt": "a", "stop_token_ids": [100000]})"),
               400, "stop_token_ids");
-  ExpectError(Post("/v1/completions", R"({"prompt": "a", "n": 2})"), 400, "n");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "n": 0})"), 400, "n");
+  ExpectError(Post("/v1/completions", R"({"prompt": "a", "n": 17})"), 400, "n");
   ExpectError(Post("/v1/completions", R"({"prompt": "a", "max_tokens": 1.5})"),
               400, "max_tokens");
   ExpectError(Post("/v1/completions", R"({"prompt": "a", "max_tokens": 0})"),
@@ -923,6 +1019,19 @@ TEST_F(HttpServerTest, QueueFullIs429) {
   http_->Shutdown();  // cancels the holder
   holder.join();
   EXPECT_TRUE(Eventually([&] { return slow_->open_ == 0; }));
+}
+
+// A request of n choices takes n of --max_concurrent_requests.
+TEST_F(HttpServerTest, NChoicesTakeNSlots) {
+  Start({}, [](RouterServerOptions* o) { o->max_concurrent_requests = 2; });
+  ExpectError(Post("/v1/completions",
+                   R"({"prompt": "Once", "max_tokens": 2, "n": 3})"),
+              429, "");
+  auto two = Post("/v1/completions",
+                  R"({"prompt": "Once", "max_tokens": 2, "n": 2})");
+  ASSERT_TRUE(two && two->status == 200) << (two ? two->body : "");
+  EXPECT_EQ(json::parse(two->body)["choices"].size(), 2u);
+  EXPECT_TRUE(Eventually([&] { return router_->in_flight() == 0; }));
 }
 
 TEST_F(HttpServerTest, DisconnectMidStreamFreesSessions) {

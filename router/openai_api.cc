@@ -538,13 +538,8 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     if (!m->is_string()) return WrongType("model", "a string", *m);
     out.model = m->get<std::string>();
   }
-  SPECSERVE_ASSIGN(n, GetInt(body, "n", "n", std::numeric_limits<int64_t>::min(),
-                             std::numeric_limits<int64_t>::max()));
-  if (n && *n != 1) {
-    return ParamError("n", absl::StrCat("'n' must be 1 (one choice per "
-                                        "request), got ",
-                                        *n));
-  }
+  SPECSERVE_ASSIGN(n, GetInt(body, "n", "n", 1, kMaxChoices));
+  if (n) out.n = static_cast<int>(*n);
   // Known parameters that would change the answer and are not implemented:
   // refused when they ask for something, rather than silently ignored.
   for (const char* key : {"echo", "suffix", "best_of"}) {
@@ -700,14 +695,27 @@ std::string OpenAiFinishReason(absl::string_view router_reason) {
   return "stop";
 }
 
+v1::GenerateTextRequest ChoiceRequest(const v1::GenerateTextRequest& request,
+                                      int index) {
+  v1::GenerateTextRequest r = request;
+  if (index > 0 && r.sampling().has_seed()) {
+    r.mutable_sampling()->set_seed(r.sampling().seed() +
+                                   static_cast<uint64_t>(index));
+  }
+  return r;
+}
+
 ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
                                  std::string model, int64_t created,
-                                 bool include_usage)
+                                 bool include_usage, int n)
     : endpoint_(endpoint),
       id_(std::move(id)),
       model_(std::move(model)),
       created_(created),
-      include_usage_(include_usage) {}
+      include_usage_(include_usage),
+      n_(std::max(n, 1)),
+      role_sent_(n_, false),
+      text_offset_(n_, 0) {}
 
 void ResponseBuilder::EnableLogprobs(const Tokenizer* tokenizer) {
   logprobs_ = true;
@@ -823,24 +831,40 @@ json ResponseBuilder::Usage(const v1::Usage& u) const {
           {"total_tokens", u.prompt_tokens() + u.completion_tokens()}};
 }
 
-json ResponseBuilder::Response(const v1::GenerateTextResponse& r) const {
+json ResponseBuilder::Response(
+    absl::Span<const v1::GenerateTextResponse> responses) const {
   const bool chat = endpoint_ == Endpoint::kChat;
-  int64_t offset = 0;
-  json choice = {{"index", 0},
-                 {"logprobs", Logprobs(r.token_ids(), r.logprobs(), &offset)},
-                 {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
-  if (chat) {
-    choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
-  } else {
-    choice["text"] = r.text();
+  json choices = json::array();
+  v1::Usage usage;
+  for (size_t i = 0; i < responses.size(); ++i) {
+    const v1::GenerateTextResponse& r = responses[i];
+    int64_t offset = 0;
+    json choice = {{"index", i},
+                   {"logprobs", Logprobs(r.token_ids(), r.logprobs(), &offset)},
+                   {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
+    if (chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
+    } else {
+      choice["text"] = r.text();
+    }
+    choices.push_back(std::move(choice));
+    if (i == 0) {
+      usage = r.usage();
+    } else {
+      usage.set_completion_tokens(usage.completion_tokens() +
+                                  r.usage().completion_tokens());
+    }
   }
-  return {{"id", id_},
-          {"object", chat ? "chat.completion" : "text_completion"},
-          {"created", created_},
-          {"model", model_},
-          {"choices", json::array({choice})},
-          {"usage", Usage(r.usage())},
-          {"specserve", Stats(r.usage(), r.stats())}};
+  json out = {{"id", id_},
+              {"object", chat ? "chat.completion" : "text_completion"},
+              {"created", created_},
+              {"model", model_},
+              {"choices", std::move(choices)},
+              {"usage", Usage(usage)}};
+  if (!responses.empty()) {
+    out["specserve"] = Stats(responses[0].usage(), responses[0].stats());
+  }
+  return out;
 }
 
 json ResponseBuilder::Chunk() const {
@@ -853,8 +877,10 @@ json ResponseBuilder::Chunk() const {
   return c;
 }
 
-std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
+std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
+                                          int index) {
   const bool chat = endpoint_ == Endpoint::kChat;
+  index = std::clamp(index, 0, n_ - 1);
   const bool last = !chunk.finish_reason().empty();
   std::string out;
   auto emit = [&out](const json& j) {
@@ -863,9 +889,9 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
                     "\n\n");
   };
   auto choice = [&](const std::string& text, const json& finish) {
-    json c = {{"index", 0},
-              {"logprobs",
-               Logprobs(chunk.token_ids(), chunk.logprobs(), &text_offset_)},
+    json c = {{"index", index},
+              {"logprobs", Logprobs(chunk.token_ids(), chunk.logprobs(),
+                                    &text_offset_[index])},
               {"finish_reason", finish}};
     if (chat) {
       c["delta"] = text.empty() ? json::object() : json{{"content", text}};
@@ -874,15 +900,15 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
     }
     return c;
   };
-  if (chat && !role_sent_) {
+  if (chat && !role_sent_[index]) {
     json c = Chunk();
     c["choices"] = json::array(
-        {{{"index", 0},
+        {{{"index", index},
           {"delta", {{"role", "assistant"}, {"content", ""}}},
           {"logprobs", nullptr},
           {"finish_reason", nullptr}}});
     emit(c);
-    role_sent_ = true;
+    role_sent_[index] = true;
   }
   const bool has_logprobs = logprobs_ && chunk.logprobs_size() > 0;
   if ((!chunk.text().empty() || has_logprobs) && !last) {
@@ -896,10 +922,16 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk) {
         {choice(chunk.text(), OpenAiFinishReason(chunk.finish_reason()))});
     c["specserve"] = Stats(chunk.usage(), chunk.stats());
     emit(c);
-    if (include_usage_) {
+    if (finished_++ == 0) {
+      usage_ = chunk.usage();
+    } else {
+      usage_.set_completion_tokens(usage_.completion_tokens() +
+                                   chunk.usage().completion_tokens());
+    }
+    if (include_usage_ && finished_ == n_) {
       json u = Chunk();
       u["choices"] = json::array();
-      u["usage"] = Usage(chunk.usage());
+      u["usage"] = Usage(usage_);
       emit(u);
     }
   }

@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "nlohmann/json.hpp"
 #include "protos/router.pb.h"
 
@@ -38,7 +39,20 @@ struct ParsedRequest {
   std::string model;                ///< as sent; "" when absent.
   bool stream = false;
   bool include_usage = false;  ///< stream_options.include_usage.
+  /// Choices to generate, in [1, kMaxChoices]: `n` independent runs of
+  /// `request` (ChoiceRequest gives each its seed).
+  int n = 1;
 };
+
+/// Most choices (`n`) one request may ask for; each is a request in flight
+/// for the router's admission (--max_concurrent_requests).
+inline constexpr int kMaxChoices = 16;
+
+/// Choice `index`'s run of `request`: a request with a seed gives choice i
+/// seed + i (reproducible, and the choices differ when sampled); without
+/// one every choice draws its own random seed.
+v1::GenerateTextRequest ChoiceRequest(const v1::GenerateTextRequest& request,
+                                      int index);
 
 /// Chat messages -> prompt text. `context` is the template's:
 /// {"messages": [{"role": str, "content": str}, ...] (content parts joined),
@@ -118,11 +132,12 @@ nlohmann::json ErrorBody(const absl::Status& status);
 std::string OpenAiFinishReason(absl::string_view router_reason);
 
 /// Builds the responses of one request (one per request; not
-/// thread-safe). `id` e.g. "cmpl-..."; `created` in Unix seconds.
+/// thread-safe). `id` e.g. "cmpl-..."; `created` in Unix seconds; `n` the
+/// request's choices (>= 1).
 class ResponseBuilder {
  public:
   ResponseBuilder(Endpoint endpoint, std::string id, std::string model,
-                  int64_t created, bool include_usage);
+                  int64_t created, bool include_usage, int n = 1);
 
   /// Asks for each choice's `logprobs` (else null): the tokens' log-
   /// probabilities the chunks carry (GenerateTextChunk.logprobs), in the
@@ -136,9 +151,14 @@ class ResponseBuilder {
   /// is part of a character. -inf is written as -9999.0 (as vLLM).
   void EnableLogprobs(const Tokenizer* tokenizer);
 
-  /// The non-streaming response: one choice, usage, and the `specserve`
-  /// object (Stats).
-  nlohmann::json Response(const v1::GenerateTextResponse& response) const;
+  /// The non-streaming response: choice i from responses[i] (one per
+  /// choice), usage (the prompt once, the completions of every choice
+  /// summed), and the `specserve` object (Stats) of the first choice.
+  nlohmann::json Response(
+      absl::Span<const v1::GenerateTextResponse> responses) const;
+  nlohmann::json Response(const v1::GenerateTextResponse& response) const {
+    return Response(absl::MakeConstSpan(&response, 1));
+  }
 
   /// The SSE events ("data: {...}\n\n" each) for a runner chunk: chat
   /// starts with a role delta; empty deltas send nothing (a delta with
@@ -146,8 +166,10 @@ class ResponseBuilder {
   /// logprobs); the final chunk
   /// sends finish_reason and `specserve`, then (include_usage) a chunk with
   /// no choices and the usage. Every chunk carries "usage": null when
-  /// include_usage is set, as OpenAI's do.
-  std::string StreamEvents(const v1::GenerateTextChunk& chunk);
+  /// include_usage is set, as OpenAI's do. With n > 1 each choice's chunks
+  /// come with its `index` (in [0, n)) and the usage chunk follows the last
+  /// choice's final chunk, summed over the choices.
+  std::string StreamEvents(const v1::GenerateTextChunk& chunk, int index = 0);
 
   /// An error event mid-stream ("data: {"error": ...}\n\n").
   static std::string ErrorEvent(const absl::Status& status);
@@ -176,10 +198,15 @@ class ResponseBuilder {
   const std::string model_;
   const int64_t created_;
   const bool include_usage_;
-  bool role_sent_ = false;
+  const int n_;
   bool logprobs_ = false;
   const Tokenizer* tokenizer_ = nullptr;
-  int64_t text_offset_ = 0;  // streamed completions' text_offset so far
+  // Per choice: the chat role delta was sent; streamed completions'
+  // text_offset so far.
+  std::vector<bool> role_sent_;
+  std::vector<int64_t> text_offset_;
+  int finished_ = 0;   // choices whose final chunk was built
+  v1::Usage usage_;    // their usage, completion_tokens summed
 };
 
 /// A fresh response id: `prefix` + 24 random hex digits.

@@ -210,7 +210,7 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
     std::string param;
   };
   const std::vector<Case> cases = {
-      {{{"prompt", "a"}, {"n", 3}}, "n"},
+      {{{"prompt", "a"}, {"n", 17}}, "n"},
       {{{"prompt", "a"}, {"max_tokens", "9"}}, "max_tokens"},
       {{{"prompt", "a"}, {"max_tokens", 1e10}}, "max_tokens"},
       {{{"prompt", "a"}, {"max_tokens", 5000000000}}, "max_tokens"},

@@ -397,19 +397,21 @@ void RouterServer::Shutdown(absl::Duration grace) {
   if (speculator_) speculator_->Stop();
 }
 
-bool RouterServer::Admit() {
+bool RouterServer::Admit(int slots) {
   absl::MutexLock lock(&mu_);
-  if (in_flight_ >= options_.max_concurrent_requests) {
+  if (in_flight_ + slots > options_.max_concurrent_requests) {
     metrics_->CountRequest("RESOURCE_EXHAUSTED");
     return false;
   }
-  metrics_->SetInFlight(++in_flight_);
+  in_flight_ += slots;
+  metrics_->SetInFlight(in_flight_);
   return true;
 }
 
-void RouterServer::Done(const absl::Status& status) {
+void RouterServer::Done(const absl::Status& status, int slots) {
   absl::MutexLock lock(&mu_);
-  metrics_->SetInFlight(--in_flight_);
+  in_flight_ -= slots;
+  metrics_->SetInFlight(in_flight_);
   metrics_->CountRequest(absl::StatusCodeToString(status.code()));
 }
 

@@ -105,11 +105,13 @@ class RouterServer {
   /// router/http_server.h) run requests on the same path with these.
   const RouterBackends* backends() const { return &backends_; }
 
-  /// Admission shared by every front end: false (counted as
-  /// RESOURCE_EXHAUSTED) with --max_concurrent_requests in flight. After a
-  /// true, call Done exactly once with the request's final status.
-  bool Admit();
-  void Done(const absl::Status& status);
+  /// Admission shared by every front end: a request of `slots` runs (an
+  /// HTTP request's `n` choices) takes that many of
+  /// --max_concurrent_requests; false (counted as RESOURCE_EXHAUSTED) when
+  /// they are not free. After a true, call Done exactly once with the
+  /// request's final status and the same slots.
+  bool Admit(int slots = 1);
+  void Done(const absl::Status& status, int slots = 1);
 
   class Service;  // router_server.cc
 

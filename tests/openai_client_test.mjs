@@ -197,11 +197,33 @@ await check("logit_bias and min_tokens", async () => {
       (e) => e instanceof OpenAI.BadRequestError && e.param === "logit_bias");
 });
 
+await check("n choices (unary and stream)", async () => {
+  const req = {
+    model, messages: [{ role: "user", content: "Tell me a story." }],
+    max_tokens: 16, temperature: 1.0, seed: 11, n: 3,
+  };
+  const r = await client.chat.completions.create(req);
+  assert.equal(r.choices.length, 3);
+  r.choices.forEach((c, i) => assert.equal(c.index, i));
+  assert.equal(new Set(r.choices.map((c) => c.message.content)).size, 3);
+  const stream = await client.chat.completions.create({
+    ...req, stream: true, stream_options: { include_usage: true },
+  });
+  const texts = ["", "", ""];
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) texts[c.index] += c.delta.content ?? "";
+  }
+  assert.deepEqual(texts, r.choices.map((c) => c.message.content));
+  assert.deepEqual(usage, r.usage);
+});
+
 await check("errors", async () => {
   const bad = new OpenAI({ baseURL, apiKey: "wrong", maxRetries: 0 });
   await assert.rejects(bad.models.list(), (e) => e.status === 401);
   await assert.rejects(
-      client.completions.create({ model, prompt: "x", n: 2 }),
+      client.completions.create({ model, prompt: "x", n: 17 }),
       (e) => e instanceof OpenAI.BadRequestError && e.param === "n");
   await assert.rejects(
       client.completions.create({ model: "no-such-model", prompt: "x" }),
