@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/decoding/logits_processors.h"
 #include "common/engine/kernels.h"
 #include "common/util/clock.h"
 
@@ -92,14 +93,25 @@ int LastArgmax(const ForwardOutput& out, int vocab) {
 
 }  // namespace
 
+const float* DraftSession::Biased(const float* logits) {
+  if (sampling_.logit_bias.empty()) return logits;
+  const int vocab = model_->config().vocab_size;
+  biased_.assign(logits, logits + vocab);
+  ApplyLogitBias(sampling_, absl::MakeSpan(biased_));
+  return biased_.data();
+}
+
 DraftToken DraftSession::Propose(const ForwardOutput& out) {
   const int vocab = model_->config().vocab_size;
   DraftToken d;
-  if (sampling_.greedy()) {
+  if (sampling_.greedy() && sampling_.logit_bias.empty()) {
     d.id = LastArgmax(out, vocab);
+  } else if (sampling_.greedy()) {
+    d.id = Argmax(absl::MakeConstSpan(
+        Biased(out.logits.data() + out.logits.size() - vocab), vocab));
   } else {
-    d.q = ComputeDistribution(absl::MakeConstSpan(out.logits.data(), vocab),
-                              sampling_);
+    d.q = ComputeDistribution(
+        absl::MakeConstSpan(Biased(out.logits.data()), vocab), sampling_);
     d.id = SampleFrom(d.q, &rng_);
   }
   return d;
@@ -312,7 +324,8 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   // so a sampled node's children stay i.i.d. draws from q).
   const double min_prob = tree_shape_.min_path_prob;
   if (base < min_prob) return;
-  const absl::Span<const float> row = absl::MakeConstSpan(logits, vocab);
+  const absl::Span<const float> row =
+      absl::MakeConstSpan(Biased(logits), vocab);
   if (sampling_.greedy()) {
     // The top `count` tokens (lowest id first on ties, as Argmax); their
     // probabilities (softmax at temperature 1, vectorised) rank the paths.
@@ -512,9 +525,11 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.logit_rows.clear();  // the last row
   entry->input.capture_query_rows.clear();
   // The look-ahead is greedy, and so is a greedy chain's next draft: the
-  // argmax is all they read. A tree's root needs probabilities.
+  // argmax is all they read (of the raw logits: a logit bias needs them
+  // whole). A tree's root needs probabilities.
   entry->input.argmax_only =
-      op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy());
+      op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy() &&
+                            sampling_.logit_bias.empty());
   entry->capture = nullptr;
   // Speculative Prefill scores the last prompt row and every look-ahead
   // row: capture them.

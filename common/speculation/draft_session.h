@@ -159,6 +159,11 @@ class DraftSession : public Session {
   // The next chain draft from the forward's last logit row: greedy, its
   // argmax; sampled, a draw from q (kept in the draft).
   DraftToken Propose(const ForwardOutput& out);
+  // `logits` ([vocab]) with the request's logit bias added (a scratch
+  // copy, valid until the next call), or `logits` itself without one: the
+  // bias is the same for every row, so q follows the target's p more
+  // closely at no cost to losslessness.
+  const float* Biased(const float* logits);
   // On an empty cache: attaches the cached full blocks of `tokens` (at
   // positions 0..) but the last token, sets cached_; returns the tokens.
   int AttachCachedPrefix(absl::Span<const int> tokens);
@@ -169,6 +174,7 @@ class DraftSession : public Session {
   std::unique_ptr<KvSequence> cache_;  // this request's blocks in the model's paged cache
   SamplingParams sampling_;
   Rng rng_;
+  std::vector<float> biased_;  // Biased's scratch row
   std::vector<int> cached_;     // token ids in the KV cache, in order
   std::vector<int> committed_;  // prompt + target-emitted tokens
   std::vector<int> look_ahead_;  // proposed by Score, unconfirmed

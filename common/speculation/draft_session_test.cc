@@ -554,6 +554,51 @@ TEST_F(DraftSessionTest, SampledDraftsCarryNormalisedQAndAreSeeded) {
   }
 }
 
+// The request's logit bias shapes the drafts as it shapes the target's p:
+// greedy chains and tree nodes are the argmax / top tokens of the biased
+// logits, and a sampled q gives a banned token no mass.
+TEST_F(DraftSessionTest, DraftsFollowTheLogitBias) {
+  const std::vector<int> prompt = {1, 403, 407, 261};
+  ScoreOptions no_look_ahead;
+  no_look_ahead.look_ahead = 0;
+  SamplingParams forced;
+  forced.logit_bias = {{300, 100.f}};
+  auto chain = NewSession(forced);
+  ASSERT_TRUE(chain->Score(prompt, no_look_ahead).ok());
+  auto drafts = chain->Draft({}, 6);
+  ASSERT_TRUE(drafts.ok()) << drafts.status();
+  ASSERT_EQ(drafts->size(), 6u);
+  for (const DraftToken& d : *drafts) EXPECT_EQ(d.id, 300);
+  auto tree = NewSession(forced);
+  ASSERT_TRUE(tree->Score(prompt, no_look_ahead).ok());
+  std::vector<int> parents;
+  auto nodes = tree->DraftTree({}, DraftTreeShape{{2, 2}, 6, 0.0}, &parents);
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  ASSERT_FALSE(nodes->empty());
+  // Every node's likeliest child (its first, in preorder) is 300.
+  std::set<int> seen;
+  for (size_t i = 0; i < nodes->size(); ++i) {
+    if (seen.insert(parents[i]).second) EXPECT_EQ((*nodes)[i].id, 300) << i;
+  }
+  // Sampled: the unbiased argmax, banned, is never drafted and has no q.
+  const std::vector<float> raw = ContextLogits(*model_, prompt);
+  const int top = static_cast<int>(
+      std::max_element(raw.end() - model_->config().vocab_size, raw.end()) -
+      (raw.end() - model_->config().vocab_size));
+  SamplingParams banned;
+  banned.temperature = 1.f;
+  banned.seed = 3;
+  banned.logit_bias = {{top, -100.f}};
+  auto sampled = NewSession(banned);
+  ASSERT_TRUE(sampled->Score(prompt, no_look_ahead).ok());
+  auto q = sampled->Draft({}, 4);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (const DraftToken& d : *q) {
+    EXPECT_NE(d.id, top);
+    EXPECT_LT(ProbabilityOf(d.q, top), 1e-30f);
+  }
+}
+
 TEST_F(DraftSessionTest, BadInputIsRejected) {
   auto session = NewSession();
   EXPECT_EQ(session->Draft({}, 4).status().code(),
