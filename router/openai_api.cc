@@ -327,6 +327,14 @@ absl::Status ParseSampling(const json& body,
   // vLLM's extension; -1 (vLLM's "off") and 0 both disable it.
   SPECSERVE_ASSIGN(top_k, GetInt(body, "top_k", "top_k", -1, kInt32Max));
   if (top_k) s->set_top_k(*top_k < 0 ? 0 : static_cast<int>(*top_k));
+  // vLLM's extension.
+  SPECSERVE_ASSIGN(min_p, GetNumber(body, "min_p", "min_p"));
+  if (min_p) {
+    if (!(*min_p >= 0 && *min_p <= 1)) {
+      return ParamError("min_p", "'min_p' must be in [0, 1]");
+    }
+    s->set_min_p(static_cast<float>(*min_p));
+  }
   // OpenAI's penalties, and vLLM's repetition_penalty extension.
   using S = v1::GenerationSampling;
   for (const auto& [key, set] :

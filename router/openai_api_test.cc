@@ -36,6 +36,7 @@ TEST(ParseRequestTest, MapsEveryField) {
                        {"repetition_penalty", 1.2},
                        {"logit_bias", {{"5", -100}, {"17", 2.5}}},
                        {"min_tokens", 3},
+                       {"min_p", 0.05},
                        {"stop", "\n"},
                        {"stop_token_ids", {5, 6}},
                        {"ignore_eos", true},
@@ -80,6 +81,7 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_FLOAT_EQ(s.logit_bias().at(5), -100.f);
   EXPECT_FLOAT_EQ(s.logit_bias().at(17), 2.5f);
   EXPECT_EQ(s.min_tokens(), 3);
+  EXPECT_FLOAT_EQ(s.min_p(), 0.05f);
   ASSERT_EQ(s.stop_size(), 1);
   EXPECT_EQ(s.stop(0), "\n");
   ASSERT_EQ(s.stop_token_ids_size(), 2);
@@ -274,6 +276,8 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"logit_bias", {{"5", "1"}}}}, "logit_bias.5"},
       {{{"prompt", "a"}, {"logit_bias", {5, 1}}}, "logit_bias"},
       {{{"prompt", "a"}, {"min_tokens", -1}}, "min_tokens"},
+      {{{"prompt", "a"}, {"min_p", 1.5}}, "min_p"},
+      {{{"prompt", "a"}, {"min_p", "0.1"}}, "min_p"},
       {{{"prompt", "a"}, {"min_tokens", 1.5}}, "min_tokens"},
   };
   for (const Case& c : cases) {

@@ -142,6 +142,7 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
                      " ids; at most ", kMaxLogitBias, " are allowed"));
   }
   *o.sampling.mutable_logit_bias() = s.logit_bias();
+  o.sampling.set_min_p(s.min_p());
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(

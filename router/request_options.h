@@ -110,7 +110,8 @@ struct ResolvedOptions {
 /// ("sampling.top_p must be in (0, 1], got 0"): max_new_tokens < 1,
 /// temperature negative or not finite, top_k < 0, top_p outside (0, 1],
 /// presence_penalty / frequency_penalty outside [-2, 2],
-/// repetition_penalty not > 0 or not finite, logit_bias of more than
+/// repetition_penalty not > 0 or not finite, min_p outside [0, 1],
+/// logit_bias of more than
 /// kMaxLogitBias ids or with a bias outside [-100, 100], min_tokens
 /// outside [0, max_new_tokens],
 /// an empty stop string, a negative stop token id, top_logprobs outside

@@ -244,6 +244,8 @@ TEST(ResolveOptionsTest, PenaltiesAreCheckedAndKept) {
          g->set_min_tokens(9);
        },
        "sampling.min_tokens must be in [0, max_new_tokens = 8], got 9"},
+      {[](auto* g) { g->set_min_p(1.5f); },
+       "sampling.min_p must be in [0, 1]"},
       {[](auto* g) { g->set_min_tokens(-1); },
        "sampling.min_tokens must be in [0, max_new_tokens"},
   };

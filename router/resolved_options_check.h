@@ -17,7 +17,7 @@ namespace specserve {
 /// accepted request ("" when every field is within it): max_new_tokens >=
 /// 1, temperature finite and >= 0, top_k >= 0, top_p in (0, 1],
 /// presence / frequency penalties in [-2, 2], repetition_penalty 0 (unset)
-/// or finite and > 0, logit_bias ids >= 0 with biases in [-100, 100],
+/// or finite and > 0, min_p in [0, 1], logit_bias ids >= 0 with biases in [-100, 100],
 /// min_tokens in [0, max_new_tokens], non-empty
 /// stop strings, stop token ids >= 0, top_logprobs in [0, 20] and only with
 /// logprobs, keep_ratio in (0, 1], num_draft_tokens in [1, 64] when
@@ -37,6 +37,8 @@ inline std::string ResolvedOptionsViolation(const ResolvedOptions& r) {
   }
   const float rep = r.sampling.repetition_penalty();
   if (!std::isfinite(rep) || rep < 0.f) return "repetition_penalty";
+  const float min_p = r.sampling.min_p();
+  if (!(min_p >= 0.f && min_p <= 1.f)) return "min_p";
   for (const auto& [id, bias] : r.sampling.logit_bias()) {
     if (id < 0 || !(bias >= -100.f && bias <= 100.f)) return "logit_bias";
   }

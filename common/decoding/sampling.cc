@@ -110,6 +110,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& params) {
           absl::StrCat(name, " must be in [-2, 2], got ", value));
     }
   }
+  if (!(params.min_p >= 0.f && params.min_p <= 1.f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_p must be in [0, 1] (0 = off), got ", params.min_p));
+  }
   if (params.logit_bias.size() > static_cast<size_t>(kMaxLogitBias)) {
     return absl::InvalidArgumentError(
         absl::StrCat("logit_bias has ", params.logit_bias.size(),

@@ -32,6 +32,10 @@ struct SamplingParams {
   /// OpenAI's logit_bias: (token id, bias added to its logit), ids
   /// ascending, each once; bias in [-100, 100]. Empty = off.
   std::vector<std::pair<int, float>> logit_bias;
+  /// vLLM's / llama.cpp's min_p in [0, 1] (0 = off): after temperature,
+  /// only tokens whose probability is at least min_p times the likeliest
+  /// one's stay; then top-k and top-p (ApplyMinP). No effect when greedy.
+  float min_p = 0.f;
 
   bool greedy() const { return temperature == 0.f; }
   /// Whether any penalty is on.
@@ -39,8 +43,12 @@ struct SamplingParams {
     return presence_penalty != 0.f || frequency_penalty != 0.f ||
            repetition_penalty != 1.f;
   }
-  /// Whether the logits are adjusted before sampling (bias or penalties).
-  bool adjusts_logits() const { return has_penalties() || !logit_bias.empty(); }
+  /// Whether the logits are adjusted before sampling: a bias, penalties,
+  /// or min_p on a sampled request.
+  bool adjusts_logits() const {
+    return has_penalties() || !logit_bias.empty() ||
+           (min_p > 0.f && !greedy());
+  }
 };
 
 /// Most logit_bias entries a request may carry.
@@ -49,7 +57,8 @@ inline constexpr int kMaxLogitBias = 1024;
 /// OK, or INVALID_ARGUMENT naming the field: temperature must be finite and
 /// >= 0, top_k >= 0, top_p finite in (0, 1], presence_penalty and
 /// frequency_penalty finite in [-2, 2] (OpenAI's range), repetition_penalty
-/// finite and > 0 (vLLM's rule), logit_bias of at most kMaxLogitBias
+/// finite and > 0 (vLLM's rule), min_p in [0, 1], logit_bias of at most
+/// kMaxLogitBias
 /// entries with ids >= 0 ascending and each bias finite in [-100, 100]
 /// (OpenAI's range; the vocabulary is the model's to check). A top_k
 /// larger than the vocabulary

@@ -151,6 +151,9 @@ TEST(ValidateSamplingParamsTest, RejectsNamingTheField) {
       {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{-1, 1.f}}}, "logit_bias"},
       {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{1, 100.5f}}}, "logit_bias[1]"},
       {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {{1, NAN}}}, "logit_bias[1]"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {}, 1.5f}, "min_p"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {}, -0.1f}, "min_p"},
+      {{1.f, 0, 1.f, 0, 0.f, 0.f, 1.f, {}, NAN}, "min_p"},
   };
   for (const Case& c : cases) {
     const absl::Status s = ValidateSamplingParams(c.p);

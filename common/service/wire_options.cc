@@ -112,6 +112,7 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   out.frequency_penalty = p.frequency_penalty();
   out.repetition_penalty =
       p.repetition_penalty() == 0.f ? 1.f : p.repetition_penalty();
+  out.min_p = p.min_p();
   out.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
   std::sort(out.logit_bias.begin(), out.logit_bias.end());
   return out;

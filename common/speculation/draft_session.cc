@@ -94,10 +94,12 @@ int LastArgmax(const ForwardOutput& out, int vocab) {
 }  // namespace
 
 const float* DraftSession::Biased(const float* logits) {
-  if (sampling_.logit_bias.empty()) return logits;
+  const bool min_p = sampling_.min_p > 0.f && !sampling_.greedy();
+  if (sampling_.logit_bias.empty() && !min_p) return logits;
   const int vocab = model_->config().vocab_size;
   biased_.assign(logits, logits + vocab);
   ApplyLogitBias(sampling_, absl::MakeSpan(biased_));
+  ApplyMinP(sampling_, absl::MakeSpan(biased_));
   return biased_.data();
 }
 

@@ -159,10 +159,10 @@ class DraftSession : public Session {
   // The next chain draft from the forward's last logit row: greedy, its
   // argmax; sampled, a draw from q (kept in the draft).
   DraftToken Propose(const ForwardOutput& out);
-  // `logits` ([vocab]) with the request's logit bias added (a scratch
-  // copy, valid until the next call), or `logits` itself without one: the
-  // bias is the same for every row, so q follows the target's p more
-  // closely at no cost to losslessness.
+  // `logits` ([vocab]) with the request's logit bias added and its min_p
+  // applied (a scratch copy, valid until the next call), or `logits`
+  // itself without either: both depend on the row alone, so q follows the
+  // target's p more closely at no cost to losslessness.
   const float* Biased(const float* logits);
   // On an empty cache: attaches the cached full blocks of `tokens` (at
   // positions 0..) but the last token, sets cached_; returns the tokens.

@@ -1151,6 +1151,69 @@ TEST_F(TargetSessionTest, MinTokensMasksEosUntilReached) {
   }
 }
 
+// min_p on a sampled request: the first token of a round with a draft is
+// distributed as p after min_p (then top-k), and no emitted token, drafted
+// or sampled, is ever below min_p times the likeliest at its position.
+TEST_F(TargetSessionTest, MinPRoundsMatchTheMinPDistribution) {
+  SamplingParams sp;
+  sp.temperature = 1.5f;
+  sp.top_k = 40;
+  sp.min_p = 0.1f;
+  const int vocab = target_->config().vocab_size;
+  const std::vector<float> raw = PromptLastLogits(*target_);
+  std::vector<float> masked = raw;
+  ApplyMinP(sp, absl::MakeSpan(masked));
+  const SparseDist p = ComputeDistribution(masked, sp);
+  SamplingParams no_min_p = sp;
+  no_min_p.min_p = 0.f;
+  const SparseDist wide = ComputeDistribution(raw, no_min_p);
+  ASSERT_LT(p.size(), wide.size());  // min_p cuts something here
+  const SparseDist q = ComputeDistribution(PromptLastLogits(*draft_), no_min_p);
+  const int kTrials = 3000;
+  Rng draft_rng(5);
+  std::vector<int64_t> counts(vocab, 0);
+  for (int t = 0; t < kTrials; ++t) {
+    TargetRequest r = Request(kPrompt, 4);
+    r.sampling = sp;
+    r.sampling.seed = 9000 + t;
+    auto s = TargetSession::Create(target_.get(), r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const DraftToken d{SampleFrom(q, &draft_rng), q};
+    auto round = (*s)->Step(absl::MakeConstSpan(&d, 1));
+    ASSERT_TRUE(round.ok()) << round.status();
+    ++counts[round->tokens[0]];
+  }
+  std::vector<double> pd(vocab, 0.0);
+  for (auto [id, prob] : p) pd[id] = prob;
+  const ChiSquareResult chi = ChiSquareTest(counts, pd);
+  EXPECT_GT(chi.p_value, 1e-3) << "chi2 " << chi.statistic;
+  EXPECT_GE(chi.dof, 3);
+  for (int v = 0; v < vocab; ++v) {
+    if (pd[v] == 0.0) EXPECT_EQ(counts[v], 0) << v;
+  }
+  // Longer runs with chain drafts: every token passes min_p at its place.
+  RandomDrafts drafts{{}, vocab, 2};
+  for (int seed = 0; seed < 5; ++seed) {
+    TargetRequest r = Request(kPrompt, 24);
+    r.sampling = sp;
+    r.sampling.seed = seed;
+    r.ignore_eos = true;
+    const std::vector<int> out =
+        RunSession(target_.get(), r, [&](auto& g, auto* d, auto* p) {
+          drafts.Chain(g, d, p);
+          for (DraftToken& x : *d) x.q = {{x.id, 1.f}};
+        }).tokens;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const std::vector<float> row = ContextLogits(
+          *target_, kPrompt, r.position_ids, static_cast<int>(kPrompt.size()),
+          std::vector<int>(out.begin(), out.begin() + i));
+      const float top = *std::max_element(row.begin(), row.end());
+      EXPECT_GE(row[out[i]], top + sp.temperature * std::log(sp.min_p) - 1e-4)
+          << "seed " << seed << " token " << i;
+    }
+  }
+}
+
 TEST_F(TargetSessionTest, BadPenaltiesAreRejected) {
   TargetRequest r = Request({1, 5, 9}, 4);
   r.sampling.repetition_penalty = 0.f;

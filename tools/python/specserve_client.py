@@ -101,7 +101,7 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   tree_max_nodes=None, tree_min_path_prob=None,
                   logprobs=None, presence_penalty=None,
                   frequency_penalty=None, repetition_penalty=None,
-                  logit_bias=None, min_tokens=None):
+                  logit_bias=None, min_tokens=None, min_p=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
@@ -113,7 +113,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     presence_penalty / frequency_penalty in [-2, 2] (generated ids) and
     repetition_penalty > 0 (prompt and generated ids) as OpenAI and vLLM
     define them. logit_bias: {token id: bias in [-100, 100]}; min_tokens:
-    no EOS, stop id or stop string before this many tokens (vLLM's)."""
+    no EOS, stop id or stop string before this many tokens (vLLM's);
+    min_p in [0, 1]."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -135,6 +136,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.sampling.logit_bias[int(token_id)] = bias
     if min_tokens is not None:
         req.sampling.min_tokens = min_tokens
+    if min_p is not None:
+        req.sampling.min_p = min_p
     if stop:
         req.sampling.stop.extend(stop)
     if logprobs is not None:
@@ -179,6 +182,9 @@ def main():
                     help="> 0, on prompt and generated ids (1 = off)")
     ap.add_argument("--logit_bias",
                     help="id:bias,... added to those ids' logits")
+    ap.add_argument("--min_p", type=float,
+                    help="[0, 1]: drop tokens less likely than min_p times "
+                         "the likeliest")
     ap.add_argument("--min_tokens", type=int,
                     help="no EOS, stop id or stop string before this many "
                          "tokens")
@@ -236,7 +242,7 @@ def main():
                                      (e.split(":") for e in
                                       a.logit_bias.split(","))}
                                     if a.logit_bias else None),
-                        min_tokens=a.min_tokens,
+                        min_tokens=a.min_tokens, min_p=a.min_p,
                         keep_ratio=a.keep_ratio,
                         num_draft_tokens=a.num_draft_tokens,
                         spec_decode_method=a.spec_decode_method,
