@@ -14,6 +14,7 @@
 #include "httplib.h"
 #include "router/api_key.h"
 #include "router/chat_format.h"
+#include "router/request_options.h"
 #include "router/request_runner.h"
 #include "router/router_server.h"
 #include "router/output_processor.h"
@@ -71,6 +72,21 @@ std::string ModelName(RouterServer& router) {
   return info ? info->model_id() : "";
 }
 
+// NOT_FOUND (param "model") for a `model` other than the one served; ""
+// (not sent) is the served one.
+absl::Status CheckModel(RouterServer& router, const std::string& requested) {
+  const std::string model = ModelName(router);
+  if (requested.empty() || model.empty() || requested == model) {
+    return absl::OkStatus();
+  }
+  return openai::WithParam(
+      absl::NotFoundError(absl::StrCat("the model '", requested,
+                                       "' does not exist; this server "
+                                       "serves '",
+                                       model, "'")),
+      "model");
+}
+
 }  // namespace
 
 // A streaming request: each choice's runner works on its own thread and
@@ -105,13 +121,100 @@ class HttpHandlers {
   static void Post(HttpServer* s, openai::Endpoint endpoint,
                    const httplib::Request& req, httplib::Response& res,
                    const httplib::ContentReader& reader) {
+    std::string body;
+    if (ReadBody(s, req, res, reader, &body)) Generate(s, endpoint, body, res);
+  }
+
+  // vLLM's POST /tokenize: a completions `prompt` (text, BOS prepended as
+  // for a completion, or ids) or chat `messages` (rendered by the chat
+  // template) -> {"count", "max_model_len", "tokens"}: the ids a request
+  // with that prompt runs on.
+  static void PostTokenize(HttpServer* s, const httplib::Request& req,
+                           httplib::Response& res,
+                           const httplib::ContentReader& reader) {
+    std::string body;
+    if (!ReadBody(s, req, res, reader, &body)) return;
+    auto j = openai::ParseBody(body);
+    if (!j.ok()) return SendError(res, j.status());
+    const bool chat = j->contains("messages");
+    const openai::Endpoint endpoint =
+        chat ? openai::Endpoint::kChat : openai::Endpoint::kCompletions;
+    auto parsed = openai::ParseRequest(endpoint, body, s->options_.chat,
+                                       s->router_->tokenizer());
+    if (!parsed.ok()) return SendError(res, parsed.status());
+    if (absl::Status st = CheckModel(*s->router_, parsed->model); !st.ok()) {
+      return SendError(res, st);
+    }
+    const auto info = s->router_->target_pool().model_info();
+    const Tokenizer* tokenizer = s->router_->tokenizer();
+    const int vocab = info ? info->vocab_size()
+                           : (tokenizer ? tokenizer->vocab_size() : 0);
+    auto ids = ResolvePrompt(parsed->request, tokenizer,
+                             s->router_->backends()->max_bytes_per_token,
+                             vocab, /*max_context=*/0);
+    if (!ids.ok()) {
+      return SendError(res, openai::NameParam(ids.status(), endpoint));
+    }
+    res.set_content(Dump({{"count", ids->size()},
+                          {"max_model_len", info ? info->max_context() : 0},
+                          {"tokens", *ids}}),
+                    kJson);
+  }
+
+  // vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": text}.
+  static void PostDetokenize(HttpServer* s, const httplib::Request& req,
+                             httplib::Response& res,
+                             const httplib::ContentReader& reader) {
+    std::string body;
+    if (!ReadBody(s, req, res, reader, &body)) return;
+    auto j = openai::ParseBody(body);
+    if (!j.ok()) return SendError(res, j.status());
+    const Tokenizer* tokenizer = s->router_->tokenizer();
+    const auto bad = [&](const std::string& message) {
+      SendError(res, openai::ParamError("tokens", message));
+    };
+    const auto tokens = j->find("tokens");
+    if (tokens == j->end() || !tokens->is_array()) {
+      return bad("'tokens' must be an array of token ids");
+    }
+    if (const auto m = j->find("model"); m != j->end() && m->is_string()) {
+      if (absl::Status st = CheckModel(*s->router_, m->get<std::string>());
+          !st.ok()) {
+        return SendError(res, st);
+      }
+    }
+    if (tokenizer == nullptr) {
+      return bad("detokenize needs the router's --tokenizer");
+    }
+    std::vector<int> ids;
+    for (const json& t : *tokens) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
+          t.get<int64_t>() >= tokenizer->vocab_size()) {
+        return bad(absl::StrCat("'tokens' must be ids in [0, ",
+                                tokenizer->vocab_size(), "), got ",
+                                t.dump().substr(0, 32)));
+      }
+      ids.push_back(t.get<int>());
+    }
+    auto text = tokenizer->Decode(ids);
+    if (!text.ok()) return SendError(res, text.status());
+    res.set_content(Dump({{"prompt", *text}}), kJson);
+  }
+
+ private:
+  // Reads a POST body into *body; false when the answer (415, 413, 400)
+  // was already set.
+  static bool ReadBody(HttpServer* s, const httplib::Request& req,
+                       httplib::Response& res,
+                       const httplib::ContentReader& reader,
+                       std::string* out) {
     const absl::Status type = CheckContentType(req);
     if (req.is_multipart_form_data()) {
       // httplib would read it only through its multipart parser.
       res.set_header("Connection", "close");
       SendError(res, type);
       res.status = 415;
-      return;
+      return false;
     }
     const size_t cap = s->options_.max_body_bytes;
     std::string body;
@@ -134,29 +237,26 @@ class HttpHandlers {
         SendError(res, TooLarge(cap));
         res.status = 413;
       }
-      return;  // otherwise httplib set the status (413, 400)
+      return false;  // otherwise httplib set the status (413, 400)
     }
     if (!type.ok()) {
       SendError(res, type);
       res.status = 415;
-      return;
+      return false;
     }
-    Generate(s, endpoint, body, res);
+    *out = std::move(body);
+    return true;
   }
 
+ public:
   static void Generate(HttpServer* s, openai::Endpoint endpoint,
                        const std::string& body, httplib::Response& res) {
     auto parsed = openai::ParseRequest(endpoint, body, s->options_.chat,
                                        s->router_->tokenizer());
     if (!parsed.ok()) return SendError(res, parsed.status());
     const std::string model = ModelName(*s->router_);
-    if (!parsed->model.empty() && !model.empty() && parsed->model != model) {
-      return SendError(
-          res, openai::WithParam(
-                   absl::NotFoundError(absl::StrCat(
-                       "the model '", parsed->model,
-                       "' does not exist; this server serves '", model, "'")),
-                   "model"));
+    if (absl::Status st = CheckModel(*s->router_, parsed->model); !st.ok()) {
+      return SendError(res, st);
     }
     const bool chat = endpoint == openai::Endpoint::kChat;
     const int n = parsed->n;
@@ -414,6 +514,16 @@ absl::Status HttpServer::Start(int port) {
              HttpHandlers::Post(this, openai::Endpoint::kChat, req, res,
                                 reader);
            });
+  srv.Post("/tokenize", [this](const httplib::Request& req,
+                               httplib::Response& res,
+                               const httplib::ContentReader& reader) {
+    HttpHandlers::PostTokenize(this, req, res, reader);
+  });
+  srv.Post("/detokenize", [this](const httplib::Request& req,
+                                 httplib::Response& res,
+                                 const httplib::ContentReader& reader) {
+    HttpHandlers::PostDetokenize(this, req, res, reader);
+  });
   srv.Get("/v1/models", [this](const httplib::Request&,
                                httplib::Response& res) {
     json data = json::array();

@@ -1021,6 +1021,46 @@ TEST_F(HttpServerTest, QueueFullIs429) {
   EXPECT_TRUE(Eventually([&] { return slow_->open_ == 0; }));
 }
 
+// vLLM's /tokenize and /detokenize: the ids a completion or chat request
+// with that prompt runs on, and back.
+TEST_F(HttpServerTest, TokenizeAndDetokenize) {
+  Start();
+  const std::string text = "Once upon a time";
+  const std::vector<int> want = *tokenizer_->Encode(text, true);
+  auto models = client_->Get("/v1/models");
+  ASSERT_TRUE(models && models->status == 200);
+  const json max_len = json::parse(models->body)["data"][0]["max_model_len"];
+  auto t = Post("/tokenize", json{{"prompt", text}}.dump());
+  ASSERT_TRUE(t && t->status == 200) << (t ? t->body : "");
+  json r = json::parse(t->body);
+  EXPECT_EQ(r["tokens"].get<std::vector<int>>(), want);
+  EXPECT_EQ(r["count"], want.size());
+  EXPECT_EQ(r["max_model_len"], max_len);
+  auto ids = Post("/tokenize", json{{"prompt", want}}.dump());
+  ASSERT_TRUE(ids && ids->status == 200);
+  EXPECT_EQ(json::parse(ids->body)["tokens"].get<std::vector<int>>(), want);
+  // Chat: as many tokens as the chat completion's prompt.
+  const json messages = {{{"role", "user"}, {"content", "Tell me a story."}}};
+  auto chat_t = Post("/tokenize", json{{"messages", messages}}.dump());
+  ASSERT_TRUE(chat_t && chat_t->status == 200) << chat_t->body;
+  auto chat = Post("/v1/chat/completions",
+                   json{{"messages", messages}, {"max_tokens", 1}}.dump());
+  ASSERT_TRUE(chat && chat->status == 200);
+  EXPECT_EQ(json::parse(chat_t->body)["count"],
+            json::parse(chat->body)["usage"]["prompt_tokens"]);
+  // And back.
+  auto d = Post("/detokenize", json{{"tokens", want}}.dump());
+  ASSERT_TRUE(d && d->status == 200) << d->body;
+  EXPECT_EQ(json::parse(d->body)["prompt"], *tokenizer_->Decode(want));
+  ExpectError(Post("/detokenize", R"({"tokens": [1, 100000]})"), 400,
+              "tokens");
+  ExpectError(Post("/detokenize", R"({"tokens": "1 2"})"), 400, "tokens");
+  ExpectError(Post("/tokenize", R"({"prompt": ""})"), 400, "prompt");
+  ExpectError(Post("/tokenize", R"({"prompt": "a", "model": "other"})"), 404,
+              "model");
+  ExpectError(Post("/tokenize", "[[[["), 400, "");
+}
+
 // A request of n choices takes n of --max_concurrent_requests.
 TEST_F(HttpServerTest, NChoicesTakeNSlots) {
   Start({}, [](RouterServerOptions* o) { o->max_concurrent_requests = 2; });

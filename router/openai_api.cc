@@ -512,16 +512,13 @@ absl::StatusOr<std::vector<int>> ChatPromptIds(absl::string_view text,
   return tokenizer.Encode(std::string_view(text.data(), text.size()), add_bos);
 }
 
-absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
-                                           absl::string_view body_text,
-                                           const ChatFormat& chat,
-                                           const Tokenizer* tokenizer) {
+absl::StatusOr<json> ParseBody(absl::string_view body_text) {
   // nlohmann::json parses iteratively but copies (chat_template_kwargs into
   // the template's context) and serializes recursively: a few MB of '['
   // would exhaust the handling thread's stack. Nothing deeper than
   // kMaxBodyDepth is built; the body is refused instead.
   bool too_deep = false;
-  const json body = json::parse(
+  json body = json::parse(
       body_text.begin(), body_text.end(),
       [&too_deep](int depth, json::parse_event_t, json&) {
         if (depth <= kMaxBodyDepth) return true;
@@ -540,6 +537,14 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   if (!body.is_object()) {
     return ParamError("", "the request body must be a JSON object");
   }
+  return body;
+}
+
+absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
+                                           absl::string_view body_text,
+                                           const ChatFormat& chat,
+                                           const Tokenizer* tokenizer) {
+  SPECSERVE_ASSIGN(body, ParseBody(body_text));
   ParsedRequest out;
   v1::GenerateTextRequest& r = out.request;
   if (const json* m = Member(body, "model"); m != nullptr) {
