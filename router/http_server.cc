@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <deque>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -133,9 +135,8 @@ class HttpHandlers {
                            httplib::Response& res,
                            const httplib::ContentReader& reader) {
     std::string body;
-    if (!ReadBody(s, req, res, reader, &body)) return;
-    auto j = openai::ParseBody(body);
-    if (!j.ok()) return SendError(res, j.status());
+    const std::optional<json> j = ReadJson(s, req, res, reader, &body);
+    if (!j) return;
     const bool chat = j->contains("messages");
     const openai::Endpoint endpoint =
         chat ? openai::Endpoint::kChat : openai::Endpoint::kCompletions;
@@ -166,9 +167,8 @@ class HttpHandlers {
                              httplib::Response& res,
                              const httplib::ContentReader& reader) {
     std::string body;
-    if (!ReadBody(s, req, res, reader, &body)) return;
-    auto j = openai::ParseBody(body);
-    if (!j.ok()) return SendError(res, j.status());
+    const std::optional<json> j = ReadJson(s, req, res, reader, &body);
+    if (!j) return;
     const Tokenizer* tokenizer = s->router_->tokenizer();
     const auto bad = [&](const std::string& message) {
       SendError(res, openai::ParamError("tokens", message));
@@ -202,6 +202,22 @@ class HttpHandlers {
   }
 
  private:
+  // ReadBody, then openai::ParseBody: the body as a JSON object (its text
+  // in *body), or nullopt when the answer was already set.
+  static std::optional<json> ReadJson(HttpServer* s,
+                                      const httplib::Request& req,
+                                      httplib::Response& res,
+                                      const httplib::ContentReader& reader,
+                                      std::string* body) {
+    if (!ReadBody(s, req, res, reader, body)) return std::nullopt;
+    auto j = openai::ParseBody(*body);
+    if (!j.ok()) {
+      SendError(res, j.status());
+      return std::nullopt;
+    }
+    return *std::move(j);
+  }
+
   // Reads a POST body into *body; false when the answer (415, 413, 400)
   // was already set.
   static bool ReadBody(HttpServer* s, const httplib::Request& req,
