@@ -75,6 +75,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckRejection(parsed.status(), endpoint);
     return 0;
   }
+  if (parsed->n < 1 || parsed->n > specserve::openai::kMaxChoices) {
+    std::abort();
+  }
   const auto r = specserve::ResolveOptions(parsed->request,
                                            specserve::RequestDefaults{});
   if (!r.ok()) {
