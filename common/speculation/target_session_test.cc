@@ -873,10 +873,16 @@ std::vector<int> PenalizedGreedyReference(ModelRunner& m,
       r.penalty_prompt_ids.empty() ? r.token_ids : r.penalty_prompt_ids;
   std::vector<int> out;
   const std::vector<int>& eos = m.config().eos_token_ids;
+  // One sequence, one row per token (the prompt's logits first).
+  auto cache = *m.NewSequence(static_cast<int>(r.token_ids.size()) + n + 1);
+  ForwardInput in;
+  in.token_ids = r.token_ids;
+  in.position_ids = r.position_ids;
+  ForwardOutput fwd;
+  EXPECT_TRUE(m.Forward(in, cache.get(), &fwd).ok());
   for (int i = 0; i < n; ++i) {
-    std::vector<float> row = PenalizedByHand(
-        ContextLogits(m, r.token_ids, r.position_ids, next, out), prompt, out,
-        r.sampling);
+    std::vector<float> row =
+        PenalizedByHand(fwd.logits, prompt, out, r.sampling);
     if (i < r.stop.min_new_tokens) {
       for (int id : eos) row[id] = -INFINITY;
     }
@@ -887,6 +893,11 @@ std::vector<int> PenalizedGreedyReference(ModelRunner& m,
       break;
     }
     out.push_back(id);
+    const int pos = next + i;
+    ForwardInput step;
+    step.token_ids = absl::MakeConstSpan(&out.back(), 1);
+    step.position_ids = absl::MakeConstSpan(&pos, 1);
+    EXPECT_TRUE(m.Forward(step, cache.get(), &fwd).ok());
   }
   return out;
 }
