@@ -2095,7 +2095,7 @@ void CheckGraphReplay(const std::string& model, bool sampled,
       ASSERT_OK(e.gpu->Forward(in, twins->back().get(), &o));
     }
   }
-  int exact = 0, rows_seen = 0, accepted = 0;
+  int exact = 0, rows_seen = 0, accepted = 0, logit_rows_seen = 0;
   int64_t replays = e.gpu->graph_replays();
   // (sequences, rows per sequence) of each step.
   const std::vector<std::pair<int, int>> steps = {
@@ -2139,7 +2139,9 @@ void CheckGraphReplay(const std::string& model, bool sampled,
       const bool samples = sampled && i % 2 == 1;
       gb[i].kv = graph[i].get();
       gb[i].input = AllRows(ids[i], pos[i]);
-      gb[i].input.argmax_only = !samples;
+      // Every third greedy sequence asks for its logits (a request the
+      // host decides): copied out of the graph's logits.
+      gb[i].input.argmax_only = !samples && i % 3 != 2;
       gb[i].input.sampling = samples ? &jobs[i] : nullptr;
       eb[i].kv = eager[i].get();
       eb[i].input = AllRows(ids[i], pos[i]);
@@ -2164,8 +2166,21 @@ void CheckGraphReplay(const std::string& model, bool sampled,
                    go[i].accepted[r] == eo[i].accepted[r];
           continue;
         }
-        ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
         const float* row = eo[i].logits_row(r, vocab);
+        if (!gb[i].input.argmax_only) {
+          ASSERT_EQ(go[i].logits.size(), static_cast<size_t>(rows) * vocab);
+          const float* got = go[i].logits_row(r, vocab);
+          float worst = 0.f;
+          for (int v = 0; v < vocab; ++v) {
+            worst = std::max(worst, std::abs(got[v] - row[v]) /
+                                        (1.f + std::abs(row[v])));
+          }
+          EXPECT_LT(worst, 2e-2f) << i << "/" << r;
+          exact += Argmax(got, vocab) == Argmax(row, vocab);
+          ++logit_rows_seen;
+          continue;
+        }
+        ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
         const auto [top, second] = TopTwo(row, vocab);
         const int got = go[i].argmax[r];
         if (got == Argmax(row, vocab)) {
@@ -2179,15 +2194,23 @@ void CheckGraphReplay(const std::string& model, bool sampled,
     }
   }
   EXPECT_GE(exact, rows_seen * 9 / 10);
+  EXPECT_GT(logit_rows_seen, 0);
   if (sampled) {
     EXPECT_GT(accepted, 0);
   }
-  // A step that asks for logits never replays.
+  // A step that asks for logits replays; a greedy one that asks for
+  // logprobs (RowLogprobs runs after an eager step) does not.
   e.gpu->set_cuda_graphs(true);
   ForwardOutput o;
   ASSERT_OK(e.gpu->Forward(AllRows({1}, {len[0]}), graph[0].get(), &o));
-  EXPECT_EQ(e.gpu->graph_replays(), replays);
+  EXPECT_EQ(e.gpu->graph_replays(), ++replays);
   EXPECT_EQ(o.logits.size(), static_cast<size_t>(vocab));
+  const std::vector<int> one = {1}, next = {len[0] + 1};
+  ForwardInput with_logprobs = AllRows(one, next);
+  with_logprobs.argmax_only = true;
+  with_logprobs.logprobs_top_n = 2;
+  ASSERT_OK(e.gpu->Forward(with_logprobs, graph[0].get(), &o));
+  EXPECT_EQ(e.gpu->graph_replays(), replays);
 }
 
 TEST_P(ModelTest, GraphReplayEqualsEager) {

@@ -1483,19 +1483,35 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
         samp_out.data(), gl.reg.samp_out, sizeof(int) * samp_out.size(),
         cudaMemcpyDeviceToHost, stream_));
   }
+  out->assign(S, ForwardOutput());
+  // Sequences that asked for logits get their rows of the graph's logits
+  // (fp32, [bucket, vocab]), in the same wait as the ids.
+  const size_t vocab = c.vocab_size;
+  for (int i = 0, row = 0; i < S; ++i) {
+    const int n = static_cast<int>(logit_rows[i].size());
+    const ForwardInput& in = batch[i].input;
+    if (!in.argmax_only && in.sampling == nullptr) {
+      std::vector<float>& logits = (*out)[i].logits;
+      logits.resize(n * vocab);
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          logits.data(), gl.reg.logits + row * vocab,
+          sizeof(float) * n * vocab, cudaMemcpyDeviceToHost, stream_));
+    }
+    row += n;
+  }
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  out->assign(S, ForwardOutput());
   int row = 0;
   for (int i = 0; i < S; ++i) {
     ForwardOutput& o = (*out)[i];
     o.logit_rows = logit_rows[i];
     const int n = static_cast<int>(logit_rows[i].size());
-    if (batch[i].input.sampling != nullptr) {
+    const ForwardInput& in = batch[i].input;
+    if (in.sampling != nullptr) {
       o.sampled.assign(samp_out.begin() + row, samp_out.begin() + row + n);
       o.accepted.assign(samp_out.begin() + Nm + row,
                         samp_out.begin() + Nm + row + n);
-    } else {
+    } else if (in.argmax_only) {
       o.argmax.assign(argmax.begin() + row, argmax.begin() + row + n);
     }
     row += n;

@@ -80,7 +80,7 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
   for (size_t i = 0; i < batch.size(); ++i) {
     const ForwardInput& in = batch[i].input;
     const int n = static_cast<int>(in.token_ids.size());
-    if (in.argmax_only == (in.sampling != nullptr) ||
+    if ((in.argmax_only && in.sampling != nullptr) ||
         batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
         !in.tree_parents.empty() || in.logprobs_top_n >= 0 ||
         static_cast<int>(logit_rows[i].size()) != n) {

@@ -56,9 +56,10 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
 int GraphBucket(int rows);
 
 /// Whether a step can run from a CUDA graph: every sequence greedy
-/// (argmax_only) or sampled on the device (ForwardInput::sampling), without
-/// query capture, tree or logprobs, asking for the logits of all its rows
-/// in order;
+/// (argmax_only), sampled on the device (ForwardInput::sampling) or asking
+/// for its rows' logits (neither: they are copied out of the graph's
+/// logits after the replay), without query capture, tree or logprobs,
+/// asking for the logits of all its rows in order;
 /// no sequence with >= flash_min_rows rows when `flash_min_rows` > 0 (those
 /// go to FlashAttention, launched per sequence); at most max_rows rows in
 /// all, and at most max_q draft-distribution entries over the sampled rows.

@@ -118,8 +118,9 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
     change(s);
     return GraphEligible(s.batch, s.logit_rows, 128, 32, max_q);
   };
-  // Logits to the host: no.
-  EXPECT_FALSE(with([](Step& s) { s.batch[1].input.argmax_only = false; }));
+  // Logits to the host (a request the host decides): yes, copied out of
+  // the graph's logits.
+  EXPECT_TRUE(with([](Step& s) { s.batch[1].input.argmax_only = false; }));
   // Sampled on the device: yes, within the q capacity.
   const SparseDist q = {{3, 0.5f}, {4, 0.5f}};
   RowSampling rs;
