@@ -93,27 +93,34 @@ int LastArgmax(const ForwardOutput& out, int vocab) {
 
 }  // namespace
 
-const float* DraftSession::Biased(const float* logits) {
-  const bool min_p = sampling_.min_p > 0.f && !sampling_.greedy();
-  if (sampling_.logit_bias.empty() && !min_p) return logits;
+const float* DraftSession::Adjusted(const float* logits,
+                                   absl::Span<const int> pending) {
+  if (!sampling_.adjusts_logits()) return logits;
   const int vocab = model_->config().vocab_size;
-  biased_.assign(logits, logits + vocab);
-  ApplyLogitBias(sampling_, absl::MakeSpan(biased_));
-  ApplyMinP(sampling_, absl::MakeSpan(biased_));
-  return biased_.data();
+  adjusted_.assign(logits, logits + vocab);
+  const absl::Span<float> row = absl::MakeSpan(adjusted_);
+  ApplyLogitBias(sampling_, row);
+  if (penalties_) penalties_->Apply(sampling_, pending, row);
+  ApplyMinP(sampling_, row);
+  return adjusted_.data();
 }
 
 DraftToken DraftSession::Propose(const ForwardOutput& out) {
   const int vocab = model_->config().vocab_size;
   DraftToken d;
-  if (sampling_.greedy() && sampling_.logit_bias.empty()) {
+  // The row follows this call's drafts so far (penalties count them).
+  std::vector<int> pending;
+  for (const DraftToken& t : drafts_) pending.push_back(t.id);
+  if (sampling_.greedy() && !sampling_.adjusts_logits()) {
     d.id = LastArgmax(out, vocab);
   } else if (sampling_.greedy()) {
     d.id = Argmax(absl::MakeConstSpan(
-        Biased(out.logits.data() + out.logits.size() - vocab), vocab));
+        Adjusted(out.logits.data() + out.logits.size() - vocab, pending),
+        vocab));
   } else {
     d.q = ComputeDistribution(
-        absl::MakeConstSpan(Biased(out.logits.data()), vocab), sampling_);
+        absl::MakeConstSpan(Adjusted(out.logits.data(), pending), vocab),
+        sampling_);
     d.id = SampleFrom(d.q, &rng_);
   }
   return d;
@@ -224,6 +231,7 @@ absl::StatusOr<int> DraftSession::PrepareDraft(absl::Span<const int> emitted) {
     return s;
   }
   committed_.insert(committed_.end(), emitted.begin(), emitted.end());
+  if (penalties_) penalties_->AddOutput(emitted);
 
   // Keep the longest cached prefix that agrees with what the target
   // emitted (rejected drafts roll back; a tree's nodes are cached as -1 and
@@ -326,8 +334,14 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   // so a sampled node's children stay i.i.d. draws from q).
   const double min_prob = tree_shape_.min_path_prob;
   if (base < min_prob) return;
+  // The node's row follows its path from the root (penalties count it).
+  std::vector<int> path;
+  for (int n = parent; n >= 0; n = nodes_[n].parent) {
+    path.push_back(nodes_[n].token.id);
+  }
+  std::reverse(path.begin(), path.end());
   const absl::Span<const float> row =
-      absl::MakeConstSpan(Biased(logits), vocab);
+      absl::MakeConstSpan(Adjusted(logits, path), vocab);
   if (sampling_.greedy()) {
     // The top `count` tokens (lowest id first on ties, as Argmax); their
     // probabilities (softmax at temperature 1, vectorised) rank the paths.
@@ -527,11 +541,11 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.logit_rows.clear();  // the last row
   entry->input.capture_query_rows.clear();
   // The look-ahead is greedy, and so is a greedy chain's next draft: the
-  // argmax is all they read (of the raw logits: a logit bias needs them
-  // whole). A tree's root needs probabilities.
+  // argmax is all they read (of the raw logits: a logit bias or penalties
+  // need them whole). A tree's root needs probabilities.
   entry->input.argmax_only =
       op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy() &&
-                            sampling_.logit_bias.empty());
+                            !sampling_.adjusts_logits());
   entry->capture = nullptr;
   // Speculative Prefill scores the last prompt row and every look-ahead
   // row: capture them.
@@ -642,6 +656,8 @@ absl::Status DraftSession::FinishScore() {
   score_.selection = *std::move(sel);
   score_.score_ns = MonotonicNowNs() - t2;
   committed_ = feed_;
+  // The prompt is what the repetition penalty reads besides the output.
+  if (sampling_.has_penalties()) penalties_.emplace(committed_);
   started_ = true;
   return absl::OkStatus();
 }

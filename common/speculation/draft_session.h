@@ -3,10 +3,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/logits_processors.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/verification.h"
 #include "common/engine/model_runner.h"
@@ -159,11 +161,12 @@ class DraftSession : public Session {
   // The next chain draft from the forward's last logit row: greedy, its
   // argmax; sampled, a draw from q (kept in the draft).
   DraftToken Propose(const ForwardOutput& out);
-  // `logits` ([vocab]) with the request's logit bias added and its min_p
-  // applied (a scratch copy, valid until the next call), or `logits`
-  // itself without either: both depend on the row alone, so q follows the
-  // target's p more closely at no cost to losslessness.
-  const float* Biased(const float* logits);
+  // `logits` ([vocab]) adjusted as the target adjusts its rows (the logit
+  // bias, the penalties for the output so far and then `pending`, min_p;
+  // a scratch copy, valid until the next call), or `logits` itself without
+  // any: q then follows the target's p, which only raises acceptance
+  // (any q is lossless).
+  const float* Adjusted(const float* logits, absl::Span<const int> pending);
   // On an empty cache: attaches the cached full blocks of `tokens` (at
   // positions 0..) but the last token, sets cached_; returns the tokens.
   int AttachCachedPrefix(absl::Span<const int> tokens);
@@ -174,7 +177,10 @@ class DraftSession : public Session {
   std::unique_ptr<KvSequence> cache_;  // this request's blocks in the model's paged cache
   SamplingParams sampling_;
   Rng rng_;
-  std::vector<float> biased_;  // Biased's scratch row
+  std::vector<float> adjusted_;  // Adjusted's scratch row
+  // With the request's penalties: the prompt (from Score) and the tokens
+  // the target emitted.
+  std::optional<PenaltyTracker> penalties_;
   std::vector<int> cached_;     // token ids in the KV cache, in order
   std::vector<int> committed_;  // prompt + target-emitted tokens
   std::vector<int> look_ahead_;  // proposed by Score, unconfirmed

@@ -599,6 +599,70 @@ TEST_F(DraftSessionTest, DraftsFollowTheLogitBias) {
   }
 }
 
+// Penalties shape the drafts as they shape the target's rows: each greedy
+// chain draft is the argmax of the speculator's logits after the prompt,
+// the emitted tokens and the drafts before it, penalized for those (by
+// hand here: repetition on prompt and output ids, then frequency and
+// presence on output ids).
+TEST_F(DraftSessionTest, GreedyDraftsFollowThePenalties) {
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 432};
+  SamplingParams sp;
+  // Negative: seen ids are favoured, so the penalized argmax differs from
+  // the raw one (this small model rarely repeats an id on its own).
+  sp.presence_penalty = -2.f;
+  sp.frequency_penalty = -1.f;
+  sp.repetition_penalty = 0.5f;
+  auto session = NewSession(sp);
+  ScoreOptions no_look_ahead;
+  no_look_ahead.look_ahead = 0;
+  ASSERT_TRUE(session->Score(prompt, no_look_ahead).ok());
+  // The target emitted the plain greedy continuation, twice over.
+  std::vector<int> emitted;
+  {
+    std::vector<int> ctx = prompt;
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<float> all = ContextLogits(*model_, ctx);
+      ctx.push_back(static_cast<int>(
+          std::max_element(all.end() - model_->config().vocab_size,
+                           all.end()) -
+          (all.end() - model_->config().vocab_size)));
+      emitted.push_back(ctx.back());
+    }
+    const std::vector<int> again = emitted;
+    emitted.insert(emitted.end(), again.begin(), again.end());
+  }
+  auto drafts = session->Draft(emitted, 6);
+  ASSERT_TRUE(drafts.ok()) << drafts.status();
+  ASSERT_EQ(drafts->size(), 6u);
+  std::vector<int> context = prompt, output = emitted;
+  context.insert(context.end(), emitted.begin(), emitted.end());
+  const int vocab = model_->config().vocab_size;
+  bool differs = false;  // from the unpenalized argmax somewhere
+  for (const DraftToken& d : *drafts) {
+    const std::vector<float> all = ContextLogits(*model_, context);
+    std::vector<float> row(all.end() - vocab, all.end());
+    const int raw = static_cast<int>(std::max_element(row.begin(), row.end()) -
+                                     row.begin());
+    for (int v = 0; v < vocab; ++v) {
+      const int count = static_cast<int>(
+          std::count(output.begin(), output.end(), v));
+      const bool in_prompt =
+          std::find(prompt.begin(), prompt.end(), v) != prompt.end();
+      if (in_prompt || count > 0) {
+        row[v] = row[v] > 0 ? row[v] / 0.5f : row[v] * 0.5f;
+      }
+      if (count > 0) row[v] -= -1.f * count + -2.f;
+    }
+    const int want = static_cast<int>(
+        std::max_element(row.begin(), row.end()) - row.begin());
+    EXPECT_EQ(d.id, want);
+    differs |= raw != want;
+    context.push_back(d.id);
+    output.push_back(d.id);
+  }
+  EXPECT_TRUE(differs);
+}
+
 TEST_F(DraftSessionTest, BadInputIsRejected) {
   auto session = NewSession();
   EXPECT_EQ(session->Draft({}, 4).status().code(),
