@@ -2004,7 +2004,9 @@ TEST_P(ModelTest, RowSamplingEqualsSampleRowOfLogits) {
     return rs;
   };
   const RowSampling a = sampling({1.f, 0, 1.f, 0});
-  const RowSampling b = sampling({0.7f, 40, 0.9f, 0});
+  SamplingParams with_min_p = {0.7f, 40, 0.9f, 0};
+  with_min_p.min_p = 0.05f;  // and min_p, on the device as on the host
+  const RowSampling b = sampling(with_min_p);
   std::vector<SequenceForward> batch(3);
   for (int i = 0; i < 3; ++i) {
     batch[i].kv = kv[i].get();
@@ -2118,6 +2120,7 @@ void CheckGraphReplay(const std::string& model, bool sampled,
       RowSampling& rs = jobs[i];
       const bool full = i % 4 == 1;
       rs.params = {0.8f, full ? 0 : 50, full ? 1.0f : 0.95f, 0};
+      if (i % 8 == 3) rs.params.min_p = 0.1f;  // packed at its own offset
       qs[i].resize(rows);
       for (int r = 0; r < rows; ++r) {
         const bool draft = r + 1 < rows;

@@ -668,7 +668,7 @@ struct StepRegions {
   // Row sampling (ForwardInput::sampling) of NS rows with NQ_IDS draft
   // distribution entries in all: ints [NS] logit rows, [NS] top-k, [NS]
   // draft ids, [NS + 1] q offsets, [NQ_IDS] q ids; floats [NS]
-  // temperatures, [NS] top-p, [NQ_IDS] q probabilities; [NS, 2]
+  // temperatures, [NS] top-p, [NS] min_p, [NQ_IDS] q probabilities; [NS, 2]
   // uniforms; out [NS] tokens, [NS] accept flags; the kernel's scratch.
   int* samp_ints;
   float* samp_floats;
@@ -760,6 +760,7 @@ cuda_kernels::SampleRowsArgs SampleArgs(const StepRegions& reg, int stride,
   sa.q_ids = reg.samp_ints + P::q_ids_at(stride);
   sa.temperature = reg.samp_floats;
   sa.top_p = reg.samp_floats + P::top_p_at(stride);
+  sa.min_p = reg.samp_floats + P::min_p_at(stride);
   sa.q_probs = reg.samp_floats + P::q_probs_at(stride);
   sa.uniforms = reg.samp_uniforms;
   sa.scratch = reg.samp_scratch;
@@ -1294,7 +1295,7 @@ StepSizes GraphStepSizes(const ModelConfig& c, int block_size, int num_sms,
   // SampleRows jobs, PackRowSampling's layout with stride kMaxGraphRows.
   sizes.samp_rows = Nm;
   sizes.samp_ints = 4 * Nm + 1 + CudaModelRunner::kGraphMaxDraftQ;
-  sizes.samp_floats = 2 * Nm + CudaModelRunner::kGraphMaxDraftQ;
+  sizes.samp_floats = 3 * Nm + CudaModelRunner::kGraphMaxDraftQ;
   return sizes;
 }
 

@@ -261,6 +261,20 @@ __device__ double BlockExclusiveScan(double v, double* total, Shared& sh) {
 }
 
 // The row's p = ComputeDistribution(row, params), one id at a time.
+// The smallest key of a logit >= max + T ln(min_p) (computed in double, as
+// MinPLogitThreshold): the float cut-off f is the least float whose double
+// is >= the threshold, so for a float x, x >= f exactly when the host keeps
+// x; every id of logit f passes (id bits 0).
+__device__ __forceinline__ Key MinPKey(float max_logit, float temperature,
+                                       float min_p) {
+  const double t = static_cast<double>(max_logit) +
+                   static_cast<double>(temperature) *
+                       log(static_cast<double>(min_p));
+  float f = static_cast<float>(t);
+  if (static_cast<double>(f) < t) f = nextafterf(f, INFINITY);
+  return static_cast<Key>(OrderedBits(f)) << 32;
+}
+
 struct RowDist {
   const float* row;
   float max_logit;
@@ -288,6 +302,7 @@ __global__ void __launch_bounds__(kThreads)
       a.logits + static_cast<size_t>(a.logit_row[r]) * vocab;
   const int top_k = a.top_k[r];
   const float top_p = a.top_p[r];
+  const float min_p = a.min_p != nullptr ? a.min_p[r] : 0.f;
   const int draft = a.draft_id != nullptr ? a.draft_id[r] : -1;
   const double u_accept = a.uniforms[2 * static_cast<size_t>(r)];
   const double u_sample = a.uniforms[2 * static_cast<size_t>(r) + 1];
@@ -308,6 +323,12 @@ __global__ void __launch_bounds__(kThreads)
   if (!dist.degenerate) {
     if (top_k > 0 && top_k < vocab) {
       dist.thr = TopKThreshold(row, vocab, top_k, sh);
+    }
+    // min_p and top-k each keep a prefix of the key order: the support is
+    // the shorter one.
+    if (min_p > 0.f) {
+      const Key cut = MinPKey(dist.max_logit, a.temperature[r], min_p);
+      if (cut > dist.thr) dist.thr = cut;
     }
     double total = 0.0;
     for (int i = tid; i < vocab; i += kThreads) {

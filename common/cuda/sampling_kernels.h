@@ -35,6 +35,10 @@ struct SampleRowsArgs {
   const int* top_k = nullptr;
   /// fp32 [num_rows]: top-p in (0, 1]; 1 = off.
   const float* top_p = nullptr;
+  /// fp32 [num_rows]: min_p in [0, 1], 0 = off (ComputeDistribution's:
+  /// keys below the logit max + T ln(min_p) leave the support before
+  /// top-k and top-p). Null = 0 for every row.
+  const float* min_p = nullptr;
   /// int [num_rows]: the row's draft token, -1 = no draft (plain sample).
   /// Null = no row has a draft (q_* may then be null too).
   const int* draft_id = nullptr;

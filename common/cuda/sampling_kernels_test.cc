@@ -81,7 +81,7 @@ void RunOnDevice(const Batch& batch, std::vector<RowSample>* out,
                  float* kernel_ms = nullptr) {
   const int n = static_cast<int>(batch.rows.size());
   std::vector<int> logit_row(n), top_k(n), draft_id(n), q_offsets(n + 1, 0);
-  std::vector<float> temperature(n), top_p(n), q_probs;
+  std::vector<float> temperature(n), top_p(n), min_p(n), q_probs;
   std::vector<int> q_ids;
   std::vector<double> uniforms(2 * static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -90,6 +90,7 @@ void RunOnDevice(const Batch& batch, std::vector<RowSample>* out,
     temperature[i] = r.params.temperature;
     top_k[i] = r.params.top_k;
     top_p[i] = r.params.top_p;
+    min_p[i] = r.params.min_p;
     draft_id[i] = r.draft_id;
     for (const auto& e : r.q) {
       q_ids.push_back(e.first);
@@ -103,6 +104,7 @@ void RunOnDevice(const Batch& batch, std::vector<RowSample>* out,
   DeviceArray d_logit_row(n * sizeof(int)), d_top_k(n * sizeof(int)),
       d_draft_id(n * sizeof(int)), d_q_offsets((n + 1) * sizeof(int)),
       d_temperature(n * sizeof(float)), d_top_p(n * sizeof(float)),
+      d_min_p(n * sizeof(float)),
       d_q_ids(q_ids.size() * sizeof(int)),
       d_q_probs(q_probs.size() * sizeof(float)),
       d_uniforms(uniforms.size() * sizeof(double)),
@@ -115,6 +117,7 @@ void RunOnDevice(const Batch& batch, std::vector<RowSample>* out,
   ASSERT_CUDA_OK(d_q_offsets.Upload(q_offsets));
   ASSERT_CUDA_OK(d_temperature.Upload(temperature));
   ASSERT_CUDA_OK(d_top_p.Upload(top_p));
+  ASSERT_CUDA_OK(d_min_p.Upload(min_p));
   ASSERT_CUDA_OK(d_q_ids.Upload(q_ids));
   ASSERT_CUDA_OK(d_q_probs.Upload(q_probs));
   ASSERT_CUDA_OK(d_uniforms.Upload(uniforms));
@@ -135,6 +138,7 @@ void RunOnDevice(const Batch& batch, std::vector<RowSample>* out,
   args.temperature = d_temperature.as<float>();
   args.top_k = d_top_k.as<int>();
   args.top_p = d_top_p.as<float>();
+  args.min_p = d_min_p.as<float>();
   if (batch.pass_drafts) {
     args.draft_id = d_draft_id.as<int>();
     args.q_offsets = d_q_offsets.as<int>();
@@ -192,8 +196,9 @@ std::string Describe(const RowSample& s) {
   return s.accepted ? "accepted" : "token " + std::to_string(s.token);
 }
 
-// Whether the host gives the device's answer once a uniform or top_p moves
-// by 1e-6 (a rounding-level difference decided a boundary).
+// Whether the host gives the device's answer once a uniform, top_p or
+// min_p moves by 1e-6 (a rounding-level difference decided a boundary: the
+// device's double log may differ from the host's by an ulp).
 bool ExplainedByRounding(const Batch& batch, const Row& row,
                          const RowSample& device) {
   const double kDelta = 1e-6;
@@ -202,12 +207,17 @@ bool ExplainedByRounding(const Batch& batch, const Row& row,
     for (double ds : {-kDelta, 0.0, kDelta}) {
       for (double dp : {-kDelta, 0.0, kDelta}) {
         if (row.params.top_p >= 1.f && dp != 0.0) continue;
-        Row moved = row;
-        moved.u_accept = std::clamp(row.u_accept + da, 0.0, kBelowOne);
-        moved.u_sample = std::clamp(row.u_sample + ds, 0.0, kBelowOne);
-        moved.params.top_p =
-            static_cast<float>(std::min(1.0, row.params.top_p * (1.0 + dp)));
-        if (Same(HostSample(batch, moved), device)) return true;
+        for (double dm : {-kDelta, 0.0, kDelta}) {
+          if (row.params.min_p <= 0.f && dm != 0.0) continue;
+          Row moved = row;
+          moved.u_accept = std::clamp(row.u_accept + da, 0.0, kBelowOne);
+          moved.u_sample = std::clamp(row.u_sample + ds, 0.0, kBelowOne);
+          moved.params.top_p = static_cast<float>(
+              std::min(1.0, row.params.top_p * (1.0 + dp)));
+          moved.params.min_p = static_cast<float>(
+              std::min(1.0, row.params.min_p * (1.0 + dm)));
+          if (Same(HostSample(batch, moved), device)) return true;
+        }
       }
     }
   }
@@ -333,6 +343,8 @@ Batch RandomBatch(int vocab, int num_rows, std::mt19937_64& rng) {
     int k = kTopKs[rng() % 7];
     if (k < 0) k = 1 + static_cast<int>(rng() % vocab);
     row.params.top_k = std::max(0, k);
+    const float kMinPs[] = {0.f, 0.f, 0.05f, 0.3f, 1.f};
+    row.params.min_p = kMinPs[rng() % 5];
     row.u_accept = Uniform(rng);
     row.u_sample = Uniform(rng);
     if (rng() % 5 < 3) MakeDraft(b, row, rng, &row.draft_id, &row.q);
@@ -353,7 +365,8 @@ int CompareWithHost(const Batch& batch, const std::vector<RowSample>& dev) {
     EXPECT_TRUE(ExplainedByRounding(batch, row, dev[i]))
         << "vocab " << batch.vocab << " row " << i << " (logits row "
         << row.logit_row << ", T " << row.params.temperature << ", top_k "
-        << row.params.top_k << ", top_p " << row.params.top_p << ", draft "
+        << row.params.top_k << ", top_p " << row.params.top_p << ", min_p "
+        << row.params.min_p << ", draft "
         << row.draft_id << " with |q| " << row.q.size() << ", u_accept "
         << row.u_accept << ", u_sample " << row.u_sample << "): host "
         << Describe(host) << ", device " << Describe(dev[i]);

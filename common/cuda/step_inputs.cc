@@ -24,16 +24,18 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
   const int M = p.num_rows;
   // Placeholders everywhere first: each job reads its own row, top-k 1.
   p.ints.assign(4 * M + 1, 0);
-  p.floats.assign(2 * M, 1.f);
+  p.floats.assign(3 * M, 1.f);
   p.uniforms.assign(2 * M, 0.0);
   int* top_k = p.ints.data() + PackedRowSampling::top_k_at(M);
   int* draft = p.ints.data() + PackedRowSampling::draft_id_at(M);
   int* q_off = p.ints.data() + PackedRowSampling::q_offsets_at(M);
   float* top_p = p.floats.data() + PackedRowSampling::top_p_at(M);
+  float* min_p = p.floats.data() + PackedRowSampling::min_p_at(M);
   for (int r = 0; r < M; ++r) {
     p.ints[r] = r;
     top_k[r] = 1;
     draft[r] = -1;
+    min_p[r] = 0.f;
   }
   std::vector<int> q_ids;
   std::vector<float> q_probs;
@@ -49,6 +51,7 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
       p.floats[job] = rs->params.temperature;
       top_k[job] = rs->params.top_k;
       top_p[job] = rs->params.top_p;
+      min_p[job] = rs->params.min_p;
       draft[job] = rs->draft_ids[r];
       p.uniforms[2 * job] = rs->uniforms[2 * r];
       p.uniforms[2 * job + 1] = rs->uniforms[2 * r + 1];

@@ -19,7 +19,8 @@ namespace cuda_step {
 ///   ints   = [J] logit rows (global, into the step's logits), [J] top-k,
 ///            [J] draft ids, [J + 1] q offsets, then the q ids of every
 ///            draft distribution
-///   floats = [J] temperatures, [J] top-p, then the q probabilities
+///   floats = [J] temperatures, [J] top-p, [J] min_p, then the q
+///            probabilities
 ///   uniforms = [J, 2] u_accept, u_sample
 /// The offsets below take J as the stride.
 struct PackedRowSampling {
@@ -34,7 +35,8 @@ struct PackedRowSampling {
   static int q_offsets_at(int stride) { return 3 * stride; }
   static int q_ids_at(int stride) { return 4 * stride + 1; }
   static int top_p_at(int stride) { return stride; }
-  static int q_probs_at(int stride) { return 2 * stride; }
+  static int min_p_at(int stride) { return 2 * stride; }
+  static int q_probs_at(int stride) { return 3 * stride; }
 };
 
 /// Packs the sampling jobs of `batch`, in batch order then logit-row

@@ -30,6 +30,7 @@ TEST(PackRowSamplingTest, PacksRowsInBatchOrderWithTheirDrafts) {
   a.uniforms = {0.1, 0.2, 0.3, 0.4, 0.5, 0.6};
   RowSampling c;
   c.params = {1.5f, 0, 1.f, 0};
+  c.params.min_p = 0.05f;
   c.draft_ids = {-1};
   c.draft_q = {nullptr};
   c.uniforms = {0.7, 0.8};
@@ -57,9 +58,11 @@ TEST(PackRowSamplingTest, PacksRowsInBatchOrderWithTheirDrafts) {
             (std::vector<float>{0.8f, 0.8f, 0.8f, 1.5f}));
   EXPECT_EQ(floats(PackedRowSampling::top_p_at(4), 4),
             (std::vector<float>{0.9f, 0.9f, 0.9f, 1.f}));
+  EXPECT_EQ(floats(PackedRowSampling::min_p_at(4), 4),
+            (std::vector<float>{0.f, 0.f, 0.f, 0.05f}));
   EXPECT_EQ(floats(PackedRowSampling::q_probs_at(4), 3),
             (std::vector<float>{0.75f, 0.25f, 1.f}));
-  EXPECT_EQ(p.floats.size(), 2u * 4 + 3);
+  EXPECT_EQ(p.floats.size(), 3u * 4 + 3);
   EXPECT_EQ(p.uniforms,
             (std::vector<double>{0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8}));
 
@@ -194,9 +197,11 @@ TEST(PackRowSamplingTest, GraphStepGetsAJobPerRowAtFixedOffsets) {
   EXPECT_EQ(floats(0, 5), (std::vector<float>{1.f, 0.7f, 0.7f, 0.7f, 1.f}));
   EXPECT_EQ(floats(PackedRowSampling::top_p_at(kMax), 5),
             (std::vector<float>{1.f, 0.9f, 0.9f, 0.9f, 1.f}));
+  EXPECT_EQ(floats(PackedRowSampling::min_p_at(kMax), 5),
+            (std::vector<float>{0.f, 0.f, 0.f, 0.f, 0.f}));
   EXPECT_EQ(floats(PackedRowSampling::q_probs_at(kMax), 3),
             (std::vector<float>{0.5f, 0.5f, 1.f}));
-  EXPECT_EQ(g.floats.size(), static_cast<size_t>(2 * kMax + 3));
+  EXPECT_EQ(g.floats.size(), static_cast<size_t>(3 * kMax + 3));
   ASSERT_EQ(g.uniforms.size(), static_cast<size_t>(2 * kMax));
   EXPECT_EQ(std::vector<double>(g.uniforms.begin(), g.uniforms.begin() + 10),
             (std::vector<double>{0, 0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0, 0}));

@@ -1,7 +1,5 @@
 #include "common/decoding/logits_processors.h"
 
-#include <cmath>
-#include <limits>
 
 namespace specserve {
 
@@ -26,24 +24,6 @@ void ApplyLogitBias(const SamplingParams& params, absl::Span<float> logits) {
   const int vocab = static_cast<int>(logits.size());
   for (const auto& [id, bias] : params.logit_bias) {
     if (id >= 0 && id < vocab) logits[id] += bias;
-  }
-}
-
-void ApplyMinP(const SamplingParams& params, absl::Span<float> logits) {
-  if (params.min_p <= 0.f || params.greedy() || logits.empty()) return;
-  float max = -std::numeric_limits<float>::infinity();
-  for (const float x : logits) {
-    if (x > max) max = x;  // NaN never wins
-  }
-  // In double: temperature * ln(min_p) is -inf at min_p 0 (excluded above)
-  // and a max of +inf keeps only the +inf logits.
-  const double threshold =
-      static_cast<double>(max) +
-      static_cast<double>(params.temperature) * std::log(params.min_p);
-  for (float& x : logits) {
-    if (!(static_cast<double>(x) >= threshold)) {
-      x = -std::numeric_limits<float>::infinity();
-    }
   }
 }
 

@@ -57,14 +57,6 @@ class PenaltyTracker {
 /// outside [0, vocab) are skipped.
 void ApplyLogitBias(const SamplingParams& params, absl::Span<float> logits);
 
-/// min_p (after the bias and penalties, as vLLM): sets to -inf every logit
-/// whose probability at params.temperature is below min_p times the
-/// likeliest token's, i.e. logit < max + temperature * ln(min_p); NaN
-/// logits become -inf too. The kept set is what min_p keeps of the
-/// distribution before top-k / top-p, which then act on it. A no-op when
-/// min_p is 0 or the request is greedy.
-void ApplyMinP(const SamplingParams& params, absl::Span<float> logits);
-
 /// Applies one id's penalties to its logit (see the file comment):
 /// `count` = times emitted (with pending), `in_prompt` = in the prompt.
 float PenalizeLogit(float logit, int count, bool in_prompt,

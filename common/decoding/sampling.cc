@@ -155,10 +155,39 @@ int Argmax(absl::Span<const float> logits) {
   return best;
 }
 
+double MinPLogitThreshold(absl::Span<const float> logits,
+                          const SamplingParams& params) {
+  if (params.min_p <= 0.f || params.greedy()) return -HUGE_VAL;
+  float max = kNegInf;
+  for (const float x : logits) {
+    if (x > max) max = x;  // NaN never wins
+  }
+  return static_cast<double>(max) +
+         static_cast<double>(params.temperature) *
+             std::log(static_cast<double>(params.min_p));
+}
+
 SparseDist ComputeDistribution(absl::Span<const float> logits,
                                const SamplingParams& params) {
   if (logits.empty()) return {};
   if (params.greedy()) return {{Argmax(logits), 1.f}};
+  if (params.min_p > 0.f) {
+    // min_p first, as a mask of the logits below its threshold: the kept
+    // set is a prefix of the descending order, so top-k and top-p then act
+    // on it as they act on the whole row.
+    const double threshold = MinPLogitThreshold(logits, params);
+    thread_local std::vector<float> masked;
+    masked.resize(logits.size());
+    for (size_t i = 0; i < logits.size(); ++i) {
+      masked[i] = static_cast<double>(logits[i]) >= threshold ? logits[i]
+                                                              : kNegInf;
+    }
+    SamplingParams rest;
+    rest.temperature = params.temperature;
+    rest.top_k = params.top_k;
+    rest.top_p = params.top_p;
+    return ComputeDistribution(masked, rest);  // rest has no min_p
+  }
 
   const int vocab = static_cast<int>(logits.size());
   const int top_k = params.top_k;

@@ -34,7 +34,8 @@ struct SamplingParams {
   std::vector<std::pair<int, float>> logit_bias;
   /// vLLM's / llama.cpp's min_p in [0, 1] (0 = off): after temperature,
   /// only tokens whose probability is at least min_p times the likeliest
-  /// one's stay; then top-k and top-p (ApplyMinP). No effect when greedy.
+  /// one's stay; then top-k and top-p (ComputeDistribution, and the CUDA
+  /// SampleRows kernel). No effect when greedy.
   float min_p = 0.f;
 
   bool greedy() const { return temperature == 0.f; }
@@ -43,12 +44,9 @@ struct SamplingParams {
     return presence_penalty != 0.f || frequency_penalty != 0.f ||
            repetition_penalty != 1.f;
   }
-  /// Whether the logits are adjusted before sampling: a bias, penalties,
-  /// or min_p on a sampled request.
-  bool adjusts_logits() const {
-    return has_penalties() || !logit_bias.empty() ||
-           (min_p > 0.f && !greedy());
-  }
+  /// Whether the logits are adjusted before the sampling transform (a bias
+  /// or penalties: decided on the host).
+  bool adjusts_logits() const { return has_penalties() || !logit_bias.empty(); }
 };
 
 /// Most logit_bias entries a request may carry.
@@ -71,8 +69,18 @@ absl::Status ValidateSamplingParams(const SamplingParams& params);
 /// rounding). Tokens whose probability is 0 are not listed.
 using SparseDist = std::vector<std::pair<int, float>>;
 
-/// The sampling transform, in the HF `generate` / vLLM order:
-/// logits / temperature -> softmax -> top-k -> top-p -> renormalise.
+/// min_p's cut-off: the logit a token needs to stay, max + T * ln(min_p)
+/// (its probability at temperature T is then >= min_p times the
+/// likeliest's); -inf when min_p is 0 or the params are greedy. NaN logits
+/// are never the max. In double, so a device computes the same set.
+double MinPLogitThreshold(absl::Span<const float> logits,
+                          const SamplingParams& params);
+
+/// The sampling transform, in vLLM's order:
+/// logits / temperature -> softmax -> min_p -> top-k -> top-p -> renormalise
+/// (min_p keeps the tokens whose logit is >= MinPLogitThreshold; it and
+/// top-k each keep a prefix of the descending order, so their order does
+/// not matter).
 /// top-p acts on the probabilities renormalised over the top-k set (as HF's
 /// TopPLogitsWarper and vLLM's sampler do) and keeps the smallest prefix, in
 /// descending order, whose cumulative probability is >= top_p (at least one

@@ -259,6 +259,53 @@ TEST(ComputeDistributionTest, MatchesNaiveOnEveryCodePath) {
   }
 }
 
+// min_p keeps exactly the tokens whose probability at the request's
+// temperature is at least min_p times the likeliest one's (the whole
+// support at that temperature, computed here), then top-k and top-p act on
+// what is left.
+TEST(ComputeDistributionTest, MinPKeepsTokensAboveTheRatioOfTheLikeliest) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  for (float temperature : {0.5f, 1.f, 2.f}) {
+    for (float min_p : {0.01f, 0.1f, 0.5f, 1.f}) {
+      std::vector<float> row(300);
+      for (float& x : row) x = normal(rng);
+      row[7] = NAN;
+      SamplingParams full;
+      full.temperature = temperature;
+      const SparseDist all = ComputeDistribution(row, full);
+      const float top = all[0].second;
+      SamplingParams p = full;
+      p.min_p = min_p;
+      const SparseDist got = ComputeDistribution(row, p);
+      for (int v = 0; v < 300; ++v) {
+        const float pv = ProbabilityOf(all, v);
+        if (std::abs(pv - min_p * top) < 1e-5f * top) continue;  // a tie
+        EXPECT_EQ(ProbabilityOf(got, v) > 0.f, pv >= min_p * top)
+            << "T " << temperature << " min_p " << min_p << " id " << v;
+      }
+      double kept_mass = 0;
+      for (auto [id, prob] : got) kept_mass += ProbabilityOf(all, id);
+      // Renormalised over what stays.
+      for (auto [id, prob] : got) {
+        EXPECT_NEAR(prob, ProbabilityOf(all, id) / kept_mass, 1e-4) << id;
+      }
+      // Then top-k: the min_p set's k likeliest.
+      p.top_k = 2;
+      const SparseDist k2 = ComputeDistribution(row, p);
+      EXPECT_EQ(k2.size(), std::min<size_t>(2, got.size()));
+      EXPECT_EQ(k2[0].first, got[0].first);
+    }
+  }
+  // Greedy: no effect.
+  SamplingParams greedy;
+  greedy.min_p = 0.9f;
+  EXPECT_EQ(ComputeDistribution(std::vector<float>{1.f, 5.f}, greedy),
+            (SparseDist{{1, 1.f}}));
+  EXPECT_EQ(MinPLogitThreshold(std::vector<float>{1.f, 5.f}, greedy),
+            -HUGE_VAL);
+}
+
 TEST(ComputeDistributionTest, TinyTopPKeepsOneToken) {
   std::mt19937_64 gen(7);
   const std::vector<float> logits = RandomLogits(300, &gen, 1.f, false);

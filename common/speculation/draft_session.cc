@@ -101,7 +101,6 @@ const float* DraftSession::Adjusted(const float* logits,
   const absl::Span<float> row = absl::MakeSpan(adjusted_);
   ApplyLogitBias(sampling_, row);
   if (penalties_) penalties_->Apply(sampling_, pending, row);
-  ApplyMinP(sampling_, row);
   return adjusted_.data();
 }
 

@@ -162,10 +162,10 @@ class DraftSession : public Session {
   // argmax; sampled, a draw from q (kept in the draft).
   DraftToken Propose(const ForwardOutput& out);
   // `logits` ([vocab]) adjusted as the target adjusts its rows (the logit
-  // bias, the penalties for the output so far and then `pending`, min_p;
-  // a scratch copy, valid until the next call), or `logits` itself without
-  // any: q then follows the target's p, which only raises acceptance
-  // (any q is lossless).
+  // bias, the penalties for the output so far and then `pending`; a
+  // scratch copy, valid until the next call), or `logits` itself without
+  // either: q then follows the target's p, which only raises acceptance
+  // (any q is lossless). min_p is ComputeDistribution's.
   const float* Adjusted(const float* logits, absl::Span<const int> pending);
   // On an empty cache: attaches the cached full blocks of `tokens` (at
   // positions 0..) but the last token, sets cached_; returns the tokens.

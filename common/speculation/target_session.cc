@@ -510,7 +510,6 @@ TargetSession::HostRows TargetSession::DecideOnHost(
         }
       }
     }
-    ApplyMinP(params, row);  // last: the threshold follows the max
   }
   const auto row = [&](int r) {
     return absl::MakeConstSpan(

@@ -1162,9 +1162,10 @@ TEST_F(TargetSessionTest, MinTokensMasksEosUntilReached) {
   }
 }
 
-// min_p on a sampled request: the first token of a round with a draft is
-// distributed as p after min_p (then top-k), and no emitted token, drafted
-// or sampled, is ever below min_p times the likeliest at its position.
+// min_p on a sampled request (the backend samples it, as top-k and top-p):
+// the first token of a round with a draft is distributed as p after min_p
+// (then top-k), and no emitted token, drafted or sampled, is ever below
+// min_p times the likeliest at its position.
 TEST_F(TargetSessionTest, MinPRoundsMatchTheMinPDistribution) {
   SamplingParams sp;
   sp.temperature = 1.5f;
@@ -1172,9 +1173,7 @@ TEST_F(TargetSessionTest, MinPRoundsMatchTheMinPDistribution) {
   sp.min_p = 0.1f;
   const int vocab = target_->config().vocab_size;
   const std::vector<float> raw = PromptLastLogits(*target_);
-  std::vector<float> masked = raw;
-  ApplyMinP(sp, absl::MakeSpan(masked));
-  const SparseDist p = ComputeDistribution(masked, sp);
+  const SparseDist p = ComputeDistribution(raw, sp);
   SamplingParams no_min_p = sp;
   no_min_p.min_p = 0.f;
   const SparseDist wide = ComputeDistribution(raw, no_min_p);
