@@ -324,8 +324,12 @@ class HttpHandlers {
     absl::Mutex mu;
     absl::Status first;  // guarded by mu
     const auto run = [&](int i) {
+      // Choice 0 runs the request as parsed; the others a copy with their
+      // seed.
+      std::optional<v1::GenerateTextRequest> own;
+      if (i > 0) own = openai::ChoiceRequest(request, i);
       const absl::Status st = runners[i]->Run(
-          openai::ChoiceRequest(request, i), start, deadline,
+          own ? *own : request, start, deadline,
           [out = &(*outs)[i]](const v1::GenerateTextChunk& c) {
             AppendChunk(c, out);
           });
@@ -354,10 +358,15 @@ class HttpHandlers {
                                                      std::move(builder), n);
     for (auto& r : call->runners) s->Register(r.get());
     HttpServer::Stream* c = call.get();
+    // Choice 0 takes the request as parsed; the others a copy with their
+    // seed.
+    std::vector<v1::GenerateTextRequest> requests(n);
+    for (int i = 1; i < n; ++i) requests[i] = openai::ChoiceRequest(request, i);
+    requests[0] = std::move(request);
     for (int i = 0; i < n; ++i) {
       call->workers.emplace_back([s, c, i, n,
-                                  request = openai::ChoiceRequest(request, i),
-                                  start, deadline] {
+                                  request = std::move(requests[i]), start,
+                                  deadline] {
         const absl::Status st = c->runners[i]->Run(
             request, start, deadline,
             [c, i](const v1::GenerateTextChunk& chunk) {

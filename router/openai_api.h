@@ -92,15 +92,16 @@ inline constexpr int kMaxBodyDepth = 64;
 /// (refused while parsing, before anything that deep is built).
 absl::StatusOr<nlohmann::json> ParseBody(absl::string_view body_text);
 
-/// Parses a POST body (ParseBody). Completions: `prompt` is a string, a list of token
-/// ids, or a one-element list of either. Chat: `messages` rendered by
+/// Parses a POST body (ParseBody). Completions: `prompt` is a string, a list of
+/// token ids, or a one-element list of either. Chat: `messages` rendered by
 /// `chat` (with vLLM's `add_generation_prompt`, default true, and
 /// `chat_template_kwargs`), tokenized by `tokenizer` into token_ids with
-/// ChatPromptIds; both required for chat, else INVALID_ARGUMENT. A
-/// renderer's error other than INVALID_ARGUMENT is returned as is. Errors: INVALID_ARGUMENT with ParamOf() naming the
-/// field for malformed JSON, a missing or mistyped field, a value out of
-/// range (temperature [0, 2], top_p (0, 1], max_tokens >= 1, n in [1, 16], ...),
-/// stream_options without stream, a body nested deeper than kMaxBodyDepth.
+/// ChatPromptIds; both required for chat, else INVALID_ARGUMENT. A renderer's
+/// error other than INVALID_ARGUMENT is returned as is. Errors:
+/// INVALID_ARGUMENT with ParamOf() naming the field for malformed JSON, a
+/// missing or mistyped field, a value out of range (temperature [0, 2], top_p
+/// (0, 1], max_tokens >= 1, n in [1, 16], ...), stream_options without stream,
+/// a body nested deeper than kMaxBodyDepth.
 absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
                                            absl::string_view body,
                                            const ChatFormat& chat,

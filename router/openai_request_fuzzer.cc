@@ -6,7 +6,8 @@
 // request that parses through ResolveOptions with the default flags. Every
 // rejection must be INVALID_ARGUMENT with an OpenAI error body of HTTP
 // status 400; an accepted request must resolve to a valid option set
-// (ResolvedOptionsViolation) or INVALID_ARGUMENT; never a crash. Seeds: router/testdata/fuzz/openai.
+// (ResolvedOptionsViolation) or INVALID_ARGUMENT; never a crash. Seeds:
+// router/testdata/fuzz/openai.
 
 #include <cstddef>
 #include <cstdint>

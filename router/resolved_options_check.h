@@ -13,16 +13,15 @@
 
 namespace specserve {
 
-/// The first field of `r` outside what ResolveOptions documents for an
-/// accepted request ("" when every field is within it): max_new_tokens >=
-/// 1, temperature finite and >= 0, top_k >= 0, top_p in (0, 1],
-/// presence / frequency penalties in [-2, 2], repetition_penalty 0 (unset)
-/// or finite and > 0, min_p in [0, 1], logit_bias ids >= 0 with biases in [-100, 100],
-/// min_tokens in [0, max_new_tokens], non-empty
-/// stop strings, stop token ids >= 0, top_logprobs in [0, 20] and only with
-/// logprobs, keep_ratio in (0, 1], num_draft_tokens in [1, 64] when
-/// drafting, prompt lookup n in [1, 16] and ordered, tree_max_nodes in
-/// [1, 64] and tree_min_path_prob in [0, 1).
+/// The first field of `r` outside what ResolveOptions documents for an accepted
+/// request ("" when every field is within it): max_new_tokens >= 1, temperature
+/// finite and >= 0, top_k >= 0, top_p in (0, 1], presence / frequency penalties
+/// in [-2, 2], repetition_penalty 0 (unset) or finite and > 0, min_p in [0, 1],
+/// logit_bias ids >= 0 with biases in [-100, 100], min_tokens in [0,
+/// max_new_tokens], non-empty stop strings, stop token ids >= 0, top_logprobs
+/// in [0, 20] and only with logprobs, keep_ratio in (0, 1], num_draft_tokens in
+/// [1, 64] when drafting, prompt lookup n in [1, 16] and ordered,
+/// tree_max_nodes in [1, 64] and tree_min_path_prob in [0, 1).
 inline std::string ResolvedOptionsViolation(const ResolvedOptions& r) {
   if (r.max_new_tokens < 1) return "max_new_tokens";
   const float t = r.sampling.temperature();

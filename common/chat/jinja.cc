@@ -371,7 +371,9 @@ class ExprParser {
     for (const ExprPtr& a : e.args) {
       if (a != nullptr) e.depth = std::max(e.depth, a->depth + 1);
     }
-    for (const auto& [k, v] : e.kwargs) e.depth = std::max(e.depth, v->depth + 1);
+    for (const auto& [k, v] : e.kwargs) {
+      e.depth = std::max(e.depth, v->depth + 1);
+    }
     if (e.depth > kMaxNesting) {
       Fail(absl::StrCat("line ", e.line, ": expression nested deeper than ",
                         kMaxNesting, " levels"));

@@ -260,7 +260,6 @@ __device__ double BlockExclusiveScan(double v, double* total, Shared& sh) {
   return base + excl;
 }
 
-// The row's p = ComputeDistribution(row, params), one id at a time.
 // The smallest key of a logit >= max + T ln(min_p) (computed in double, as
 // MinPLogitThreshold): the float cut-off f is the least float whose double
 // is >= the threshold, so for a float x, x >= f exactly when the host keeps
@@ -275,6 +274,7 @@ __device__ __forceinline__ Key MinPKey(float max_logit, float temperature,
   return static_cast<Key>(OrderedBits(f)) << 32;
 }
 
+// The row's p = ComputeDistribution(row, params), one id at a time.
 struct RowDist {
   const float* row;
   float max_logit;

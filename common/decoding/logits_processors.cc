@@ -1,6 +1,5 @@
 #include "common/decoding/logits_processors.h"
 
-
 namespace specserve {
 
 PenaltyTracker::PenaltyTracker(absl::Span<const int> prompt_ids) {

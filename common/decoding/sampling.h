@@ -24,8 +24,8 @@ struct SamplingParams {
   // Logit adjustments applied before everything above, in vLLM's order
   // (logits_processors.h): the logit bias, then penalties on tokens already
   // seen (OpenAI's presence / frequency, HF's and vLLM's repetition). They
-  // change the target's distribution p; a draft's q may ignore them and
-  // verification stays lossless.
+  // change the target's distribution p; the speculator applies them to its
+  // q too, which only raises acceptance.
   float presence_penalty = 0.f;    ///< [-2, 2]; 0 = off.
   float frequency_penalty = 0.f;   ///< [-2, 2]; 0 = off.
   float repetition_penalty = 1.f;  ///< > 0; 1 = off.
@@ -46,7 +46,9 @@ struct SamplingParams {
   }
   /// Whether the logits are adjusted before the sampling transform (a bias
   /// or penalties: decided on the host).
-  bool adjusts_logits() const { return has_penalties() || !logit_bias.empty(); }
+  bool adjusts_logits() const {
+    return has_penalties() || !logit_bias.empty();
+  }
 };
 
 /// Most logit_bias entries a request may carry.
@@ -56,11 +58,10 @@ inline constexpr int kMaxLogitBias = 1024;
 /// >= 0, top_k >= 0, top_p finite in (0, 1], presence_penalty and
 /// frequency_penalty finite in [-2, 2] (OpenAI's range), repetition_penalty
 /// finite and > 0 (vLLM's rule), min_p in [0, 1], logit_bias of at most
-/// kMaxLogitBias
-/// entries with ids >= 0 ascending and each bias finite in [-100, 100]
-/// (OpenAI's range; the vocabulary is the model's to check). A top_k
-/// larger than the vocabulary
-/// is allowed (it keeps everything, as HF does).
+/// kMaxLogitBias entries with ids >= 0 ascending and each bias finite in
+/// [-100, 100] (OpenAI's range; the vocabulary is the model's to check). A
+/// top_k larger than the vocabulary is allowed (it keeps everything, as HF
+/// does).
 absl::Status ValidateSamplingParams(const SamplingParams& params);
 
 /// Sparse distribution over the support left after the sampling transform:

@@ -109,7 +109,9 @@ DraftToken DraftSession::Propose(const ForwardOutput& out) {
   DraftToken d;
   // The row follows this call's drafts so far (penalties count them).
   std::vector<int> pending;
-  for (const DraftToken& t : drafts_) pending.push_back(t.id);
+  if (penalties_) {
+    for (const DraftToken& t : drafts_) pending.push_back(t.id);
+  }
   if (sampling_.greedy() && !sampling_.adjusts_logits()) {
     d.id = LastArgmax(out, vocab);
   } else if (sampling_.greedy()) {
@@ -335,10 +337,12 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   if (base < min_prob) return;
   // The node's row follows its path from the root (penalties count it).
   std::vector<int> path;
-  for (int n = parent; n >= 0; n = nodes_[n].parent) {
-    path.push_back(nodes_[n].token.id);
+  if (penalties_) {
+    for (int n = parent; n >= 0; n = nodes_[n].parent) {
+      path.push_back(nodes_[n].token.id);
+    }
+    std::reverse(path.begin(), path.end());
   }
-  std::reverse(path.begin(), path.end());
   const absl::Span<const float> row =
       absl::MakeConstSpan(Adjusted(logits, path), vocab);
   if (sampling_.greedy()) {

@@ -312,9 +312,7 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   // computed from them in CompleteForward). Penalized rows come back as
   // logits too: each row's penalties depend on the drafts before it.
   const bool greedy = request_.sampling.greedy();
-  host_round_ = final_planned_ &&
-                (request_.sampling.adjusts_logits() || MinTokensPending());
-  const bool host = host_round_;
+  const bool host = final_planned_ && DecidesOnHost();
   entry->input.argmax_only = greedy && !host;
   entry->input.sampling = nullptr;
   entry->input.logprobs_top_n = final_planned_ && request_.logprobs &&
@@ -355,7 +353,10 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   // row's logprobs when asked) or, for a sampled tree or with penalties,
   // logits.
   const bool row_sampled = !greedy && parents_.empty();
-  const bool reduced = (greedy || row_sampled) && !host_round_;
+  // CompleteForward runs for the final rows only, with output_ as
+  // PlanForward saw it: the same answer as there.
+  const bool host = DecidesOnHost();
+  const bool reduced = (greedy || row_sampled) && !host;
   const size_t want = static_cast<size_t>(k + 1) * (reduced ? 1 : c.vocab_size);
   const size_t got = !reduced  ? out.logits.size()
                      : greedy  ? out.argmax.size()
@@ -373,14 +374,13 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   };
   // On the host the adjusted rows are decided as the backend would have
   // decided raw ones.
-  HostRows host;
-  if (host_round_) host = DecideOnHost(out.logits);
-  const std::vector<int>& argmax = host_round_ ? host.argmax : out.argmax;
-  const std::vector<int>& sampled = host_round_ ? host.sampled : out.sampled;
+  HostRows decided;
+  if (host) decided = DecideOnHost(out.logits);
+  const std::vector<int>& argmax = host ? decided.argmax : out.argmax;
+  const std::vector<int>& sampled = host ? decided.sampled : out.sampled;
   const std::vector<uint8_t>& accepted_rows =
-      host_round_ ? host.accepted : out.accepted;
-  const std::vector<float>& tree_logits =
-      host_round_ ? host.logits : out.logits;
+      host ? decided.accepted : out.accepted;
+  const std::vector<float>& tree_logits = host ? decided.logits : out.logits;
   // The logit row each emitted token came from: a chain's token i from
   // row i; a tree's first from row 0 (the last context token), then each
   // from the row of the accepted node before it.
@@ -466,10 +466,12 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   return absl::OkStatus();
 }
 
-bool TargetSession::MinTokensPending() const {
-  return static_cast<int>(output_.size()) < request_.stop.min_new_tokens &&
-         (!request_.stop.eos_token_ids.empty() ||
-          !request_.stop.stop_token_ids.empty());
+bool TargetSession::DecidesOnHost() const {
+  const bool min_tokens_pending =
+      static_cast<int>(output_.size()) < request_.stop.min_new_tokens &&
+      (!request_.stop.eos_token_ids.empty() ||
+       !request_.stop.stop_token_ids.empty());
+  return request_.sampling.adjusts_logits() || min_tokens_pending;
 }
 
 TargetSession::HostRows TargetSession::DecideOnHost(

@@ -46,12 +46,6 @@ struct TargetRequest {
   bool logprobs = false;
   int top_logprobs = 0;
 };
-// With logit adjustments (SamplingParams::adjusts_logits) or while
-// StopConditions::min_new_tokens masks EOS and stop ids, a round's final
-// rows come back as logits: each row is adjusted for the output before it
-// (the emitted tokens, then the drafts on its path) and decided on the
-// host, by the same argmax, SampleRow and tree rules.
-
 
 /// One round: the prefill (with optional drafts) or one verification.
 struct RoundResult {
@@ -72,7 +66,12 @@ struct RoundResult {
 /// [last emitted token, x_1..x_k] (Leviathan et al. 2023; greedy or lossless
 /// rejection sampling, docs/ARCHITECTURE.md) and roll the KV cache
 /// back to the accepted length. k = 0 is a plain decode step; the first
-/// round verifies its drafts in the prefill forward.
+/// round verifies its drafts in the prefill forward. With a logit bias or
+/// penalties (SamplingParams::adjusts_logits), or while
+/// StopConditions::min_new_tokens masks EOS and stop ids, the final rows
+/// come back as logits: each is adjusted for the output before it (the
+/// emitted tokens, then the drafts on its path) and decided here by the
+/// same argmax, SampleRow and tree rules.
 class TargetSession : public Session {
  public:
   /// Validates the request: INVALID_ARGUMENT naming the field for an empty
@@ -193,8 +192,10 @@ class TargetSession : public Session {
   int final_tail() const { return 1 + rewrite_; }
   // On an empty KV cache, attaches the prompt's cached full blocks.
   void AttachCachedPrompt();
-  // Whether EOS / stop ids are still masked (min_new_tokens not reached).
-  bool MinTokensPending() const;
+  // Whether the round's final rows come back as logits and are decided
+  // here (DecideOnHost): a logit bias or penalties, or EOS / stop ids still
+  // masked (min_new_tokens not reached).
+  bool DecidesOnHost() const;
   // The final rows' logits ([k + 1, vocab]) adjusted row by row (logit
   // bias, penalties, the min_new_tokens mask), and their argmax (greedy)
   // or SampleRow outcomes (a sampled chain).
@@ -234,9 +235,6 @@ class TargetSession : public Session {
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
   RowSampling row_sampling_;  // a sampled chain's final forward
   std::optional<PenaltyTracker> penalties_;  // with sampling's penalties
-  // The round's final rows come back as logits and are decided on the
-  // host (DecideOnHost).
-  bool host_round_ = false;
   std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
 
