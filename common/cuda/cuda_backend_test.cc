@@ -2097,7 +2097,8 @@ void CheckGraphReplay(const std::string& model, bool sampled,
       ASSERT_OK(e.gpu->Forward(in, twins->back().get(), &o));
     }
   }
-  int exact = 0, rows_seen = 0, accepted = 0, logit_rows_seen = 0;
+  int exact = 0, rows_seen = 0, accepted = 0, logit_rows_seen = 0,
+      edited_rows_seen = 0;
   int64_t replays = e.gpu->graph_replays();
   // (sequences, rows per sequence) of each step.
   const std::vector<std::pair<int, int>> steps = {
@@ -2108,6 +2109,22 @@ void CheckGraphReplay(const std::string& model, bool sampled,
     std::vector<std::vector<int>> ids(seqs), pos(seqs);
     std::vector<RowSampling> jobs(seqs);
     std::vector<std::vector<SparseDist>> qs(seqs);
+    // Every fifth sequence that is decided on the device carries logit
+    // edits (a request with a logit bias / penalties): +50 on one random
+    // id per row, a repetition-style scale and a subtraction on the next.
+    // Steps without such a sequence follow steps with them, so stale edit
+    // offsets in the graphs' workspace would show.
+    std::vector<LogitEdits> edits(seqs);
+    for (int i = 0; i < seqs; ++i) {
+      if (i % 5 != 4) continue;
+      edits[i].offsets = {0};
+      for (int r = 0; r < rows; ++r) {
+        const int x = uniform_id();
+        edits[i].edits.push_back({x, 50.f, 1.f, 0.f});
+        edits[i].edits.push_back({(x + 1) % vocab, 0.f, 1.5f, 0.25f});
+        edits[i].offsets.push_back(static_cast<int>(edits[i].edits.size()));
+      }
+    }
     for (int i = 0; i < seqs; ++i) {
       for (int r = 0; r < rows; ++r) {
         ids[i].push_back(uniform_id());
@@ -2149,6 +2166,12 @@ void CheckGraphReplay(const std::string& model, bool sampled,
       eb[i].kv = eager[i].get();
       eb[i].input = AllRows(ids[i], pos[i]);
       eb[i].input.sampling = samples ? &jobs[i] : nullptr;
+      if (!edits[i].offsets.empty() &&
+          (samples || gb[i].input.argmax_only)) {
+        gb[i].input.logit_edits = &edits[i];
+        // A greedy twin's eager logits come back raw: edited below.
+        if (samples) eb[i].input.logit_edits = &edits[i];
+      }
     }
     std::vector<ForwardOutput> go, eo;
     e.gpu->set_cuda_graphs(true);
@@ -2184,6 +2207,15 @@ void CheckGraphReplay(const std::string& model, bool sampled,
           continue;
         }
         ASSERT_EQ(go[i].argmax.size(), static_cast<size_t>(rows));
+        if (gb[i].input.logit_edits != nullptr) {
+          std::vector<float> edited(row, row + vocab);
+          ApplyLogitEdits(edits[i], r, absl::MakeSpan(edited));
+          EXPECT_EQ(go[i].argmax[r], Argmax(edited.data(), vocab))
+              << i << "/" << r;
+          EXPECT_EQ(go[i].argmax[r], edits[i].edits[2 * r].id);
+          ++edited_rows_seen;
+          continue;
+        }
         const auto [top, second] = TopTwo(row, vocab);
         const int got = go[i].argmax[r];
         if (got == Argmax(row, vocab)) {
@@ -2196,8 +2228,9 @@ void CheckGraphReplay(const std::string& model, bool sampled,
       len[i] += rows;
     }
   }
-  EXPECT_GE(exact, rows_seen * 9 / 10);
+  EXPECT_GE(exact + edited_rows_seen, rows_seen * 9 / 10);
   EXPECT_GT(logit_rows_seen, 0);
+  if (!sampled) EXPECT_GT(edited_rows_seen, 0);
   if (sampled) {
     EXPECT_GT(accepted, 0);
   }
@@ -2214,6 +2247,18 @@ void CheckGraphReplay(const std::string& model, bool sampled,
   with_logprobs.logprobs_top_n = 2;
   ASSERT_OK(e.gpu->Forward(with_logprobs, graph[0].get(), &o));
   EXPECT_EQ(e.gpu->graph_replays(), replays);
+  // An eager greedy step with edits: +50 on an id makes it the argmax.
+  e.gpu->set_cuda_graphs(false);
+  const std::vector<int> after = {len[0] + 2};
+  ForwardInput edited = AllRows(one, after);
+  edited.argmax_only = true;
+  LogitEdits bias;
+  bias.offsets = {0, 1};
+  bias.edits = {{uniform_id(), 50.f, 1.f, 0.f}};
+  edited.logit_edits = &bias;
+  ASSERT_OK(e.gpu->Forward(edited, graph[0].get(), &o));
+  ASSERT_EQ(o.argmax.size(), 1u);
+  EXPECT_EQ(o.argmax[0], bias.edits[0].id);
 }
 
 TEST_P(ModelTest, GraphReplayEqualsEager) {

@@ -675,6 +675,10 @@ struct StepRegions {
   double* samp_uniforms;
   int* samp_out;
   void* samp_scratch;
+  // Logit edits (ForwardInput::logit_edits; PackLogitEdits' layout): [R + 1]
+  // offsets over the logit rows, then the edits.
+  int* edit_offsets;
+  LogitEdit* edits;
 };
 
 // Element counts of a step's regions.
@@ -686,6 +690,7 @@ struct StepSizes {
   size_t split_ws_bytes = 0;
   size_t tree_rows = 0;
   size_t samp_rows = 0, samp_ints = 0, samp_floats = 0;
+  size_t edit_rows = 0, edits = 0;  // edit_rows 0: no edit regions
 };
 
 // Lays the regions out from `base` (null: a dry run that only sizes them)
@@ -722,6 +727,9 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   reg->samp_out = static_cast<int*>(cv.Take(sizeof(int) * 2 * z.samp_rows));
   reg->samp_scratch = cv.Take(cuda_kernels::SampleRowsScratchBytes(
       static_cast<int>(z.samp_rows), c.vocab_size));
+  reg->edit_offsets = static_cast<int*>(
+      cv.Take(sizeof(int) * (z.edit_rows > 0 ? z.edit_rows + 1 : 0)));
+  reg->edits = static_cast<LogitEdit*>(cv.Take(sizeof(LogitEdit) * z.edits));
   return cv.size();
 }
 
@@ -785,11 +793,26 @@ absl::Status UploadSampling(const PackedRowSampling& p, const StepRegions& reg,
   return absl::OkStatus();
 }
 
+// Copies packed logit edits (offsets and edits) into `reg`'s edit regions.
+absl::Status UploadEdits(const LogitEdits& e, const StepRegions& reg,
+                         cudaStream_t stream) {
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      reg.edit_offsets, e.offsets.data(), sizeof(int) * e.offsets.size(),
+      cudaMemcpyHostToDevice, stream));
+  if (!e.edits.empty()) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.edits, e.edits.data(), sizeof(LogitEdit) * e.edits.size(),
+        cudaMemcpyHostToDevice, stream));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace cuda_step
 
 using cuda_step::BatchedArgs;
 using cuda_step::CarveStep;
 using cuda_step::SampleArgs;
+using cuda_step::UploadEdits;
 using cuda_step::UploadSampling;
 using cuda_step::StepRegions;
 using cuda_step::StepSizes;
@@ -821,6 +844,7 @@ struct CudaModelRunner::StepLaunch {
   // Runs after each layer's RoPE (the eager capture copies); may be empty.
   std::function<absl::Status(int layer)> after_rope;
   bool argmax = false;  // reduce the logit rows to reg->argmax
+  bool edits = false;   // ApplyLogitEdits over the logit rows first
 };
 
 // A CUDA graph step's fixed device layout: the regions for kMaxGraphRows
@@ -942,6 +966,10 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
   SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
                                          weights_->lm_head(), vocab,
                                          reg.logits, CudaDType::kF32, 0.0f));
+  if (s.edits) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ApplyLogitEdits(
+        reg.logits, vocab, R, reg.edit_offsets, reg.edits, stream_));
+  }
   if (s.argmax) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ArgmaxRows(
         reg.logits, R, vocab, reg.argmax, stream_));
@@ -1051,6 +1079,8 @@ absl::Status CudaModelRunner::Run(
   const cuda_step::PackedRowSampling samp =
       cuda_step::PackRowSampling(batch, lr0);
   const int NS = samp.num_rows;
+  // Every sequence's logit edits, over the step's logit rows.
+  const LogitEdits edits = cuda_step::PackLogitEdits(batch, lr0, R);
 
   StepSizes sizes;
   sizes.rows = NN;
@@ -1062,6 +1092,8 @@ absl::Status CudaModelRunner::Run(
   sizes.samp_rows = NS;
   sizes.samp_ints = samp.ints.size();
   sizes.samp_floats = samp.floats.size();
+  sizes.edit_rows = edits.offsets.empty() ? 0 : R;
+  sizes.edits = edits.edits.size();
   StepRegions reg;
   SPECSERVE_RETURN_IF_ERROR(
       workspace_.Reserve(CarveStep(nullptr, c, tb, sizes, &reg)));
@@ -1122,6 +1154,10 @@ absl::Status CudaModelRunner::Run(
       reg.ints, host_ints.data(), sizeof(int) * host_ints.size(),
       cudaMemcpyHostToDevice, stream_));
   SPECSERVE_RETURN_IF_ERROR(UploadSampling(samp, reg, stream_));
+  if (!edits.offsets.empty()) {
+    SPECSERVE_RETURN_IF_ERROR(UploadEdits(edits, reg, stream_));
+    step.edits = true;
+  }
   if (tree_rows > 0) {
     static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
     ba.tree_start = reg.tree_start;
@@ -1296,6 +1332,8 @@ StepSizes GraphStepSizes(const ModelConfig& c, int block_size, int num_sms,
   sizes.samp_rows = Nm;
   sizes.samp_ints = 4 * Nm + 1 + CudaModelRunner::kGraphMaxDraftQ;
   sizes.samp_floats = 3 * Nm + CudaModelRunner::kGraphMaxDraftQ;
+  sizes.edit_rows = Nm;
+  sizes.edits = CudaModelRunner::kGraphMaxLogitEdits;
   return sizes;
 }
 
@@ -1330,6 +1368,13 @@ absl::Status CudaModelRunner::AllocateGraphLayout() {
   gl->work = gl->seq_info + Nm * cuda_kernels::kSeqInfoFields;
   gl->combine = gl->work + 3 * static_cast<size_t>(gl->cap.num_work);
   gl->counts = gl->combine + 2 * static_cast<size_t>(gl->cap.num_combine);
+  // Every graph edits its logit rows (ApplyLogitEdits): no edits until a
+  // step brings some.
+  LogitEdits none;
+  none.offsets.assign(Nm + 1, 0);
+  SPECSERVE_RETURN_IF_ERROR(UploadEdits(none, gl->reg, stream_));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  graph_edits_live_ = false;
   graph_layout_ = std::move(gl);
   return absl::OkStatus();
 }
@@ -1352,7 +1397,8 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
       attention_path_ != AttentionPath::kSplitK && any_flash ? kFlashMinRows
                                                              : 0;
   if (!cuda_step::GraphEligible(batch, logit_rows, kMaxGraphRows,
-                                flash_min_rows, kGraphMaxDraftQ)) {
+                                flash_min_rows, kGraphMaxDraftQ,
+                                kGraphMaxLogitEdits)) {
     return false;
   }
   const bool sampled = cuda_step::AnySampling(batch);
@@ -1397,12 +1443,20 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   SPECSERVE_RETURN_IF_ERROR(
       upload(gl.combine, plan.combine.data(), plan.combine.size()));
   SPECSERVE_RETURN_IF_ERROR(upload(gl.counts, counts, 2));
+  // Every logit row is a graph row: job r samples / edits row r.
+  std::vector<int> lr0(S + 1, 0);
+  for (int i = 0; i < S; ++i) {
+    lr0[i + 1] = lr0[i] + static_cast<int>(logit_rows[i].size());
+  }
+  // The graph reads offsets [0, b]: this step's edits, or (once, after a
+  // step with edits) zeros for every row a later bucket may read.
+  LogitEdits edits = cuda_step::PackLogitEdits(batch, lr0, b);
+  if (!edits.offsets.empty() || graph_edits_live_) {
+    graph_edits_live_ = !edits.offsets.empty();
+    if (!graph_edits_live_) edits.offsets.assign(Nm + 1, 0);
+    SPECSERVE_RETURN_IF_ERROR(UploadEdits(edits, gl.reg, stream_));
+  }
   if (sampled) {
-    // Every logit row is a graph row: job r samples row r.
-    std::vector<int> lr0(S + 1, 0);
-    for (int i = 0; i < S; ++i) {
-      lr0[i + 1] = lr0[i] + static_cast<int>(logit_rows[i].size());
-    }
     SPECSERVE_RETURN_IF_ERROR(UploadSampling(
         cuda_step::PackRowSampling(batch, lr0, kMaxGraphRows), gl.reg,
         stream_));
@@ -1420,6 +1474,7 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     step.slots = gl.ids + 2 * Nm;
     step.logit_rows = gl.ids + 3 * Nm;
     step.argmax = true;
+    step.edits = true;
     cuda_kernels::BatchedAttentionArgs& ba = step.ba;
     ba = BatchedArgs(gl.reg, c, dt, cache_->block_size());
     ba.block_tables = gl.tables;

@@ -142,7 +142,8 @@ class CudaModelRunner : public ModelRunner {
   /// verify step of greedy (argmax_only) or device-sampled
   /// (ForwardInput::sampling) sequences with at most kMaxGraphRows rows in
   /// all, every row a logit row, no tree, capture or FlashAttention
-  /// sequence, and at most kGraphMaxDraftQ draft-distribution entries, is
+  /// sequence, at most kGraphMaxDraftQ draft-distribution entries and
+  /// kGraphMaxLogitEdits logit edits (ForwardInput::logit_edits), is
   /// padded to its bucket (1, 2, 4, 8, then multiples of 8; padding rows
   /// store no KV) and replayed from a graph captured on the bucket's first
   /// such step (one graph per bucket for greedy steps, one for steps with
@@ -152,10 +153,12 @@ class CudaModelRunner : public ModelRunner {
   /// eagerly.
   static constexpr int kMaxGraphRows = 128;
   static constexpr int kGraphMaxDraftQ = 1 << 20;
+  static constexpr int kGraphMaxLogitEdits = 1 << 16;
   void set_cuda_graphs(bool enabled);
   /// Bytes of the graphs' fixed workspace, allocated on the first graph
   /// step: kMaxGraphRows rows of every forward region, of fp32 logits and
   /// of SampleRows scratch, the sampling jobs (kGraphMaxDraftQ q entries),
+  /// kGraphMaxLogitEdits logit edits (1 MiB),
   /// block tables for sequences at max_position_embeddings, and the
   /// batched attention's capacity on a GPU of `num_sms` multiprocessors
   /// (more multiprocessors, more bytes): 160 MiB for Llama 3.1 8B in bf16
@@ -288,6 +291,8 @@ class CudaModelRunner : public ModelRunner {
   // bucket (indexed by the bucket's rows).
   DeviceBuffer graph_workspace_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<GraphLayout> graph_layout_ ABSL_GUARDED_BY(mu_);
+  // The graphs' edit offsets hold a step's edits (not all zeros).
+  bool graph_edits_live_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_) =
       std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
   std::vector<cudaGraphExec_t> sampled_graphs_ ABSL_GUARDED_BY(mu_) =

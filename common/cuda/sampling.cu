@@ -427,7 +427,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One block per logit row; a row's edits touch distinct ids, so its
+// threads never write one logit twice.
+__global__ void ApplyLogitEditsKernel(float* logits, int vocab,
+                                      const int* offsets,
+                                      const LogitEdit* edits) {
+  const int r = blockIdx.x;
+  float* row = logits + static_cast<size_t>(r) * vocab;
+  const int end = offsets[r + 1];
+  for (int i = offsets[r] + threadIdx.x; i < end; i += blockDim.x) {
+    const LogitEdit e = edits[i];
+    if (e.id >= 0 && e.id < vocab) row[e.id] = ApplyLogitEdit(row[e.id], e);
+  }
+}
+
 }  // namespace
+
+cudaError_t ApplyLogitEdits(float* logits, int vocab, int num_rows,
+                            const int* offsets, const LogitEdit* edits,
+                            cudaStream_t stream) {
+  if (vocab <= 0 || num_rows < 0) return cudaErrorInvalidValue;
+  if (num_rows == 0) return cudaSuccess;
+  if (logits == nullptr || offsets == nullptr || edits == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  SPECSERVE_LAUNCH(num_rows, 128, 0, stream, ApplyLogitEditsKernel)(
+      logits, vocab, offsets, edits);
+  return cudaGetLastError();
+}
 
 size_t SampleRowsScratchBytes(int num_rows, int vocab) {
   if (num_rows <= 0 || vocab <= 0) return 0;

@@ -15,6 +15,8 @@
 
 #include <cstddef>
 
+#include "common/decoding/logit_edit.h"
+
 namespace specserve {
 namespace cuda_kernels {
 
@@ -82,6 +84,21 @@ size_t SampleRowsScratchBytes(int num_rows, int vocab);
 /// draft_id with a null q_offsets / q_ids / q_probs. num_rows == 0 is a
 /// no-op (cudaSuccess, pointers unchecked, nothing launched).
 cudaError_t SampleRows(const SampleRowsArgs& args, cudaStream_t stream);
+
+/// A request's logit adjustments (logit bias, penalties, the min_tokens
+/// mask) on the device, before ArgmaxRows / SampleRows decide the rows:
+/// logits row r ([num_rows, vocab] fp32, in place) gets
+/// specserve::ApplyLogitEdit (common/decoding/logit_edit.h, the host's
+/// arithmetic, so rows equal the host's bit for bit) for each of edits
+/// [offsets[r], offsets[r + 1]), whose ids must be distinct within a row
+/// (ids outside [0, vocab) are skipped). offsets: int [num_rows + 1]; both
+/// may be read by a CUDA graph replay, so a row without edits is an empty
+/// range. One block per row.
+/// cudaErrorInvalidValue, before any launch, for vocab < 1, num_rows < 0 or
+/// a null pointer; num_rows == 0 launches nothing.
+cudaError_t ApplyLogitEdits(float* logits, int vocab, int num_rows,
+                            const int* offsets, const LogitEdit* edits,
+                            cudaStream_t stream);
 
 /// specserve::ComputeTokenLogprobs (common/decoding/logprobs.h) on the
 /// device for `num_rows` jobs, one block each (logprobs.cu): job j's

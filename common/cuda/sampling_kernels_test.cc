@@ -36,6 +36,7 @@
 #include "absl/types/span.h"
 #include "common/cuda/device.h"
 #include "common/cuda/device_array_test_util.h"
+#include "common/decoding/logits_processors.h"
 #include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
 #include "common/decoding/sampling.h"
@@ -867,6 +868,94 @@ TEST_F(SampleRowsTest, RowLogprobsMatchComputeTokenLogprobs) {
             << "job " << j << " rank " << k;
       }
     }
+  }
+}
+
+
+// ---------------------------------------------------------------------------
+// ApplyLogitEdits: a request's logit bias / penalties / mask on the device.
+// ---------------------------------------------------------------------------
+
+TEST(ApplyLogitEditsArgsTest, RejectsBadArgumentsBeforeAnyCudaCall) {
+  float* logits = reinterpret_cast<float*>(uintptr_t{0x10000});
+  const int* offsets = reinterpret_cast<const int*>(uintptr_t{0x20000});
+  const LogitEdit* edits = reinterpret_cast<const LogitEdit*>(uintptr_t{0x30000});
+  EXPECT_EQ(ck::ApplyLogitEdits(logits, 0, 1, offsets, edits, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyLogitEdits(logits, 10, -1, offsets, edits, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyLogitEdits(nullptr, 10, 1, offsets, edits, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyLogitEdits(logits, 10, 1, nullptr, edits, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyLogitEdits(logits, 10, 1, offsets, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyLogitEdits(nullptr, 10, 0, nullptr, nullptr, nullptr),
+            cudaSuccess);  // no rows: nothing launched
+}
+
+// Rows edited by AppendRowEdits' output for random biases, penalties and
+// masks (rows without edits among them, more edits than a block has
+// threads) equal the host's ApplyLogitEdits bit for bit, and untouched ids
+// keep their logits.
+TEST_F(SampleRowsTest, ApplyLogitEditsMatchesHost) {
+  for (int vocab : {37, 128256}) {
+    SCOPED_TRACE(vocab);
+    std::mt19937 rng(vocab + 1);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::uniform_int_distribution<int> id(0, vocab - 1);
+    constexpr int kRows = 6;
+    std::vector<float> logits(static_cast<size_t>(kRows) * vocab);
+    for (float& x : logits) x = normal(rng);
+    SamplingParams p;
+    p.presence_penalty = 0.4f;
+    p.frequency_penalty = -0.3f;
+    p.repetition_penalty = 1.3f;
+    for (int b = 0; b < 20; ++b) p.logit_bias.push_back({b * (vocab / 20), normal(rng)});
+    std::vector<int> prompt(600), output(50);
+    for (int& x : prompt) x = id(rng);
+    for (int& x : output) x = id(rng);
+    PenaltyTracker t(prompt);
+    t.AddOutput(output);
+    LogitEdits edits;
+    const std::vector<int> masked = {1, vocab - 1};
+    for (int r = 0; r < kRows; ++r) {
+      std::vector<int> pending(r);
+      for (int& x : pending) x = id(rng);
+      if (r == 2) {  // a row without edits
+        AppendRowEdits(SamplingParams(), nullptr, {}, {}, vocab, &edits);
+      } else {
+        AppendRowEdits(p, &t, pending, r % 2 ? absl::MakeConstSpan(masked)
+                                              : absl::Span<const int>(),
+                       vocab, &edits);
+      }
+    }
+    ASSERT_EQ(edits.offsets[3] - edits.offsets[2], 0);
+    if (vocab > 1000) ASSERT_GT(edits.offsets[1] - edits.offsets[0], 128);
+    std::vector<float> want = logits;
+    for (int r = 0; r < kRows; ++r) {
+      ApplyLogitEdits(edits, r,
+                      absl::MakeSpan(want.data() + static_cast<size_t>(r) * vocab,
+                                     vocab));
+    }
+    DeviceArray d_logits(logits.size() * sizeof(float)),
+        d_offsets(edits.offsets.size() * sizeof(int)),
+        d_edits(edits.edits.size() * sizeof(LogitEdit));
+    ASSERT_CUDA_OK(d_logits.Upload(logits));
+    ASSERT_CUDA_OK(d_offsets.Upload(edits.offsets));
+    ASSERT_CUDA_OK(d_edits.Upload(edits.edits));
+    ASSERT_CUDA_OK(ck::ApplyLogitEdits(d_logits.as<float>(), vocab, kRows,
+                                       d_offsets.as<int>(),
+                                       d_edits.as<LogitEdit>(), nullptr));
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> got(logits.size());
+    ASSERT_CUDA_OK(d_logits.Download(&got));
+    int changed = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "row " << i / vocab << " id " << i % vocab;
+      changed += got[i] != logits[i];
+    }
+    EXPECT_GT(changed, 0);
   }
 }
 

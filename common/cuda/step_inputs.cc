@@ -77,9 +77,10 @@ int GraphBucket(int rows) {
 
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
-                   int max_rows, int flash_min_rows, int max_q) {
+                   int max_rows, int flash_min_rows, int max_q,
+                   int max_edits) {
   int rows = 0;
-  size_t q = 0;
+  size_t q = 0, edits = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const ForwardInput& in = batch[i].input;
     const int n = static_cast<int>(in.token_ids.size());
@@ -98,10 +99,35 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
         if (in.sampling->draft_ids[j] >= 0) q += in.sampling->draft_q[j]->size();
       }
     }
+    if (in.logit_edits != nullptr) edits += in.logit_edits->edits.size();
     rows += n;
   }
   return !batch.empty() && rows <= max_rows &&
-         q <= static_cast<size_t>(max_q);
+         q <= static_cast<size_t>(max_q) &&
+         edits <= static_cast<size_t>(max_edits);
+}
+
+LogitEdits PackLogitEdits(absl::Span<const SequenceForward> batch,
+                          absl::Span<const int> logit_row_start, int rows) {
+  LogitEdits p;
+  bool any = false;
+  for (const SequenceForward& e : batch) any |= e.input.logit_edits != nullptr;
+  if (!any) return p;
+  p.offsets.reserve(rows + 1);
+  p.offsets.push_back(0);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const LogitEdits* e = batch[i].input.logit_edits;
+    for (int j = logit_row_start[i]; j < logit_row_start[i + 1]; ++j) {
+      if (e != nullptr) {
+        const int r = j - logit_row_start[i];
+        p.edits.insert(p.edits.end(), e->edits.begin() + e->offsets[r],
+                       e->edits.begin() + e->offsets[r + 1]);
+      }
+      p.offsets.push_back(static_cast<int>(p.edits.size()));
+    }
+  }
+  p.offsets.resize(rows + 1, static_cast<int>(p.edits.size()));
+  return p;
 }
 
 bool AnySampling(absl::Span<const SequenceForward> batch) {

@@ -53,6 +53,15 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
                                   absl::Span<const int> logit_row_start,
                                   int capacity = 0);
 
+/// The step's logit edits (ForwardInput::logit_edits) as ApplyLogitEdits
+/// reads them: offsets [rows + 1] over the step's concatenated logit rows
+/// (logit_row_start as for PackRowSampling), each sequence's rows edited
+/// as its LogitEdits says, every other row (no edits, or past the batch up
+/// to `rows`) an empty range. Empty (no offsets) when no sequence has
+/// edits. rows >= the batch's logit rows; inputs valid (ValidateBatch).
+LogitEdits PackLogitEdits(absl::Span<const SequenceForward> batch,
+                          absl::Span<const int> logit_row_start, int rows);
+
 /// The rows a captured step is padded to: 1, 2, 4, 8, then multiples of 8
 /// (vLLM's capture sizes). rows >= 1.
 int GraphBucket(int rows);
@@ -64,11 +73,13 @@ int GraphBucket(int rows);
 /// asking for the logits of all its rows in order;
 /// no sequence with >= flash_min_rows rows when `flash_min_rows` > 0 (those
 /// go to FlashAttention, launched per sequence); at most max_rows rows in
-/// all, and at most max_q draft-distribution entries over the sampled rows.
+/// all, at most max_q draft-distribution entries over the sampled rows and
+/// at most max_edits logit edits (ForwardInput::logit_edits) in all.
 /// logit_rows: each entry's resolved rows (ValidateBatch).
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
-                   int max_rows, int flash_min_rows, int max_q);
+                   int max_rows, int flash_min_rows, int max_q,
+                   int max_edits);
 
 /// Whether any sequence of `batch` samples on the device.
 bool AnySampling(absl::Span<const SequenceForward> batch);

@@ -3,6 +3,7 @@
 
 #include "common/cuda/step_inputs.h"
 
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -110,16 +111,17 @@ struct Step {
 
 TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_TRUE(GraphEligible(Step({1, 1, 1}).batch, Step({1, 1, 1}).logit_rows,
-                            128, 32, 100));
+                            128, 32, 100, 100));
   Step verify({4, 4, 1});
-  EXPECT_TRUE(GraphEligible(verify.batch, verify.logit_rows, 128, 32, 100));
-  EXPECT_FALSE(GraphEligible(verify.batch, verify.logit_rows, 8, 32, 100));
-  EXPECT_FALSE(GraphEligible({}, {}, 128, 32, 100));
+  EXPECT_TRUE(GraphEligible(verify.batch, verify.logit_rows, 128, 32, 100, 100));
+  EXPECT_FALSE(GraphEligible(verify.batch, verify.logit_rows, 8, 32, 100, 100));
+  EXPECT_FALSE(GraphEligible({}, {}, 128, 32, 100, 100));
 
-  auto with = [](const std::function<void(Step&)>& change, int max_q = 100) {
+  auto with = [](const std::function<void(Step&)>& change, int max_q = 100,
+                 int max_edits = 100) {
     Step s({1, 4});
     change(s);
-    return GraphEligible(s.batch, s.logit_rows, 128, 32, max_q);
+    return GraphEligible(s.batch, s.logit_rows, 128, 32, max_q, max_edits);
   };
   // Logits to the host (a request the host decides): yes, copied out of
   // the graph's logits.
@@ -136,6 +138,13 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_TRUE(with(sampled));
   EXPECT_TRUE(with(sampled, 6));
   EXPECT_FALSE(with(sampled, 5));
+  // Logit edits on the device: yes, within the edit capacity.
+  LogitEdits edits;
+  edits.offsets = {0, 2, 2, 3, 3};
+  edits.edits = {{1, 1.f, 1.f, 0.f}, {5, 0.f, 1.f, 2.f}, {1, 0.f, 1.3f, 0.f}};
+  auto edited = [&](Step& s) { s.batch[1].input.logit_edits = &edits; };
+  EXPECT_TRUE(with(edited, 100, 3));
+  EXPECT_FALSE(with(edited, 100, 2));
   // Both argmax_only and sampling is not a valid input; not graphed.
   EXPECT_FALSE(with([&](Step& s) { s.batch[1].input.sampling = &rs; }));
   EXPECT_FALSE(
@@ -150,9 +159,34 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {0, 2, 1, 3}; }));
   // A sequence FlashAttention would take.
   Step chunk({1, 32});
-  EXPECT_FALSE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 32, 100));
-  EXPECT_TRUE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 0, 100));
+  EXPECT_FALSE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 32, 100, 100));
+  EXPECT_TRUE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 0, 100, 100));
   EXPECT_FALSE(AnySampling(chunk.batch));
+}
+
+// Each sequence's edits land on its own logit rows of the step; other rows
+// and rows past the batch get empty ranges.
+TEST(PackLogitEditsTest, EditsFollowTheStepsLogitRows) {
+  LogitEdits a, c;
+  a.offsets = {0, 1, 1};
+  a.edits = {{4, 1.f, 1.f, 0.f}};
+  c.offsets = {0, 2};
+  c.edits = {{2, 0.f, 1.5f, 0.f}, {9, 0.f, 1.f, INFINITY}};
+  std::vector<SequenceForward> batch(3);
+  batch[0].input.logit_edits = &a;  // rows 0..1
+  // batch[1]: rows 2..4, no edits
+  batch[2].input.logit_edits = &c;  // row 5
+  const std::vector<int> lr0 = {0, 2, 5, 6};
+  const LogitEdits p = PackLogitEdits(batch, lr0, 8);
+  EXPECT_EQ(p.offsets, (std::vector<int>{0, 1, 1, 1, 1, 1, 3, 3, 3}));
+  ASSERT_EQ(p.edits.size(), 3u);
+  EXPECT_EQ(p.edits[0].id, 4);
+  EXPECT_EQ(p.edits[1].id, 2);
+  EXPECT_EQ(p.edits[2].id, 9);
+  EXPECT_EQ(p.edits[2].subtract, INFINITY);
+  batch[0].input.logit_edits = nullptr;
+  batch[2].input.logit_edits = nullptr;
+  EXPECT_TRUE(PackLogitEdits(batch, lr0, 8).offsets.empty());
 }
 
 // A graph step: a job for every logit row at fixed offsets (num_rows =

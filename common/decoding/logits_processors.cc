@@ -1,5 +1,8 @@
 #include "common/decoding/logits_processors.h"
 
+#include <algorithm>
+#include <limits>
+
 namespace specserve {
 
 PenaltyTracker::PenaltyTracker(absl::Span<const int> prompt_ids) {
@@ -69,6 +72,74 @@ void PenaltyTracker::Apply(const SamplingParams& params,
     if (id < vocab && !prompt_.contains(id) && !output_.contains(id)) {
       logits[id] = PenalizeLogit(logits[id], n, false, params);
     }
+  }
+}
+
+void PenaltyTracker::AddEdits(const SamplingParams& params,
+                              absl::Span<const int> pending, int vocab,
+                              absl::flat_hash_map<int, LogitEdit>* by_id) const {
+  if (!params.has_penalties()) return;
+  absl::flat_hash_map<int, int> counts(output_.begin(), output_.end());
+  for (const int id : pending) {
+    if (id >= 0) ++counts[id];
+  }
+  // PenalizeLogit's two steps as a scale and an amount subtracted.
+  const auto add = [&](int id, int count, bool in_prompt) {
+    if (id >= vocab) return;
+    const bool rescale = params.repetition_penalty != 1.f &&
+                         (in_prompt || count > 0);
+    if (!rescale && count == 0) return;
+    LogitEdit& e = (*by_id)[id];
+    e.id = id;
+    if (rescale) e.scale = params.repetition_penalty;
+    if (count > 0) {
+      e.subtract = params.frequency_penalty * static_cast<float>(count) +
+                   params.presence_penalty;
+    }
+  };
+  if (params.repetition_penalty != 1.f) {
+    for (const int id : prompt_) {
+      const auto it = counts.find(id);
+      add(id, it == counts.end() ? 0 : it->second, true);
+    }
+  }
+  for (const auto& [id, n] : counts) {
+    if (!prompt_.contains(id) || params.repetition_penalty == 1.f) {
+      add(id, n, prompt_.contains(id));
+    }
+  }
+}
+
+void AppendRowEdits(const SamplingParams& params,
+                    const PenaltyTracker* penalties,
+                    absl::Span<const int> pending, absl::Span<const int> masked,
+                    int vocab, LogitEdits* out) {
+  absl::flat_hash_map<int, LogitEdit> by_id;
+  for (const auto& [id, bias] : params.logit_bias) {
+    if (id >= 0 && id < vocab) by_id[id] = LogitEdit{id, bias, 1.f, 0.f};
+  }
+  if (penalties != nullptr) penalties->AddEdits(params, pending, vocab, &by_id);
+  for (const int id : masked) {
+    if (id < 0 || id >= vocab) continue;
+    LogitEdit& e = by_id[id];
+    e.id = id;
+    e.subtract = std::numeric_limits<float>::infinity();
+  }
+  if (out->offsets.empty()) out->offsets.push_back(0);
+  const size_t start = out->edits.size();
+  for (const auto& [id, e] : by_id) out->edits.push_back(e);
+  // Ascending ids: deterministic, and neighbouring ids share cache lines.
+  std::sort(out->edits.begin() + start, out->edits.end(),
+            [](const LogitEdit& a, const LogitEdit& b) { return a.id < b.id; });
+  out->offsets.push_back(static_cast<int>(out->edits.size()));
+}
+
+void ApplyLogitEdits(const LogitEdits& edits, int row,
+                     absl::Span<float> logits) {
+  const int vocab = static_cast<int>(logits.size());
+  for (int i = edits.offsets[row]; i < edits.offsets[row + 1]; ++i) {
+    const LogitEdit& e = edits.edits[i];
+    if (e.id >= 0 && e.id < vocab) logits[e.id] = ApplyLogitEdit(logits[e.id], e);
   }
 }
 

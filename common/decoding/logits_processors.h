@@ -21,6 +21,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/types/span.h"
+#include "common/decoding/logit_edit.h"
 #include "common/decoding/sampling.h"
 
 namespace specserve {
@@ -45,6 +46,13 @@ class PenaltyTracker {
   void Apply(const SamplingParams& params, absl::Span<const int> pending,
              absl::Span<float> logits) const;
 
+  /// The same penalties as edits (logit_edit.h), merged into `by_id`
+  /// (an id already there, e.g. from a logit bias, keeps its bias): one
+  /// per id that Apply would change, ids in [0, vocab).
+  void AddEdits(const SamplingParams& params, absl::Span<const int> pending,
+                int vocab,
+                absl::flat_hash_map<int, LogitEdit>* by_id) const;
+
   /// Emitted ids so far, counted (for tests).
   int output_count(int id) const;
 
@@ -61,6 +69,36 @@ void ApplyLogitBias(const SamplingParams& params, absl::Span<float> logits);
 /// `count` = times emitted (with pending), `in_prompt` = in the prompt.
 float PenalizeLogit(float logit, int count, bool in_prompt,
                     const SamplingParams& params);
+
+/// Edits of several logit rows in compressed-row form: row r's edits are
+/// edits[offsets[r] .. offsets[r + 1]), at most one per id, ascending.
+/// offsets has rows + 1 entries (empty = no rows).
+struct LogitEdits {
+  std::vector<int> offsets;
+  std::vector<LogitEdit> edits;
+
+  int rows() const {
+    return offsets.empty() ? 0 : static_cast<int>(offsets.size()) - 1;
+  }
+  void Clear() {
+    offsets.clear();
+    edits.clear();
+  }
+};
+
+/// Appends one row to `out`: the edits that make a raw logit row ([vocab])
+/// what ApplyLogitBias, then `penalties`->Apply(params, pending, ...)
+/// (null = no penalties), then setting every id of `masked` to -inf make
+/// it, bit for bit. Ids outside [0, vocab) are skipped.
+void AppendRowEdits(const SamplingParams& params,
+                    const PenaltyTracker* penalties,
+                    absl::Span<const int> pending, absl::Span<const int> masked,
+                    int vocab, LogitEdits* out);
+
+/// Applies row `row` of `edits` to a logit row ([vocab], in place); edits
+/// with ids outside [0, vocab) are skipped.
+void ApplyLogitEdits(const LogitEdits& edits, int row,
+                     absl::Span<float> logits);
 
 }  // namespace specserve
 

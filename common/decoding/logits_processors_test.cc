@@ -1,5 +1,7 @@
 #include "common/decoding/logits_processors.h"
 
+#include <limits>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -104,6 +106,74 @@ TEST(LogitBiasTest, AddsToTheListedIdsOnly) {
   min_p.temperature = 1.f;
   min_p.min_p = 0.1f;
   EXPECT_FALSE(min_p.adjusts_logits());  // the sampling transform's job
+}
+
+
+// The edits of a row make it what the processors make it, bit for bit, for
+// random prompts, outputs, pending drafts, biases, penalties (each on or
+// off) and masks, including ids outside the row.
+TEST(LogitEditsTest, EditedRowsEqualProcessedRows) {
+  std::mt19937 gen(7);
+  const int vocab = 50;
+  std::uniform_int_distribution<int> id(-2, vocab + 3);
+  std::uniform_real_distribution<float> logit(-6.f, 6.f);
+  for (int trial = 0; trial < 300; ++trial) {
+    SamplingParams p;
+    p.presence_penalty = trial % 2 ? 0.f : logit(gen) / 3.f;
+    p.frequency_penalty = trial % 3 ? 0.f : logit(gen) / 3.f;
+    p.repetition_penalty = trial % 5 < 2 ? 1.f : 0.5f + (trial % 7) * 0.3f;
+    for (int b = 0; b < 1 + trial % 4; ++b) {
+      const int bid = (b * 13 + trial) % (vocab + 5);
+      if (p.logit_bias.empty() || bid > p.logit_bias.back().first) {
+        p.logit_bias.push_back({bid, logit(gen) * 10.f});
+      }
+    }
+    if (trial % 4 == 0) p.logit_bias.clear();
+    std::vector<int> prompt(trial % 30), output(trial % 11), pending(trial % 5),
+        masked(trial % 3);
+    for (std::vector<int>* ids : {&prompt, &output, &pending, &masked}) {
+      for (int& x : *ids) x = id(gen);
+    }
+    PenaltyTracker t(prompt);
+    t.AddOutput(output);
+    std::vector<float> row(vocab);
+    for (float& x : row) x = logit(gen);
+    if (trial % 6 == 0) row[trial % vocab] = 0.f;
+    std::vector<float> want = row;
+    ApplyLogitBias(p, absl::MakeSpan(want));
+    t.Apply(p, pending, absl::MakeSpan(want));
+    for (const int m : masked) {
+      if (m >= 0 && m < vocab) want[m] = -std::numeric_limits<float>::infinity();
+    }
+    LogitEdits edits;
+    AppendRowEdits(p, nullptr, {}, {}, vocab, &edits);  // row 0: bias only
+    AppendRowEdits(p, &t, pending, masked, vocab, &edits);
+    ASSERT_EQ(edits.rows(), 2);
+    for (int r = 0; r < 2; ++r) {
+      for (int i = edits.offsets[r] + 1; i < edits.offsets[r + 1]; ++i) {
+        ASSERT_LT(edits.edits[i - 1].id, edits.edits[i].id);  // distinct
+      }
+    }
+    std::vector<float> got = row;
+    ApplyLogitEdits(edits, 1, absl::MakeSpan(got));
+    for (int v = 0; v < vocab; ++v) {
+      EXPECT_EQ(got[v], want[v]) << "trial " << trial << " id " << v;
+    }
+    std::vector<float> bias_only = row, bias_want = row;
+    ApplyLogitEdits(edits, 0, absl::MakeSpan(bias_only));
+    ApplyLogitBias(p, absl::MakeSpan(bias_want));
+    EXPECT_EQ(bias_only, bias_want) << "trial " << trial;
+  }
+}
+
+// Without bias, penalties or mask a row has no edits: it costs nothing.
+TEST(LogitEditsTest, NothingToDoIsNoEdits) {
+  PenaltyTracker t({1, 2});
+  t.AddOutput({3});
+  LogitEdits edits;
+  AppendRowEdits(SamplingParams(), &t, {4}, {}, 10, &edits);
+  ASSERT_EQ(edits.rows(), 1);
+  EXPECT_TRUE(edits.edits.empty());
 }
 
 }  // namespace

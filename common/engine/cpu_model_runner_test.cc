@@ -540,6 +540,49 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
     EXPECT_NE(st.message().find("logprobs_top_n"), std::string::npos) << st;
   }
   in.logprobs_top_n = -1;
+  // logit_edits: one row per logit row, distinct ids in the vocabulary,
+  // sane amounts; only with argmax_only or sampling, without logprobs.
+  in.argmax_only = true;
+  LogitEdits edits_good;
+  edits_good.offsets = {0, 1, 2};
+  edits_good.edits = {{3, 1.f, 1.f, 0.f}, {3, 0.f, 1.2f, INFINITY}};
+  ASSERT_TRUE(ValidateForwardInput(model.config(), [&] {
+                ForwardInput ok = in;
+                ok.logit_edits = &edits_good;
+                return ok;
+              }(), 0).ok());
+  std::vector<std::pair<std::string, LogitEdits>> bad_edits(6,
+                                                            {"", edits_good});
+  bad_edits[0].first = "2 offsets (want 3";
+  bad_edits[0].second.offsets = {0, 2};
+  bad_edits[1].first = "offsets decrease at row 1";
+  bad_edits[1].second.offsets = {0, 3, 2};
+  bad_edits[2].first = "id 512 repeated or outside";
+  bad_edits[2].second.edits[1].id = 512;
+  bad_edits[3].first = "id 3 repeated";
+  bad_edits[3].second.offsets = {0, 2, 2};
+  bad_edits[4].first = "scale 0";
+  bad_edits[4].second.edits[0].scale = 0.f;
+  bad_edits[5].first = "subtract -1";
+  bad_edits[5].second.edits[0].subtract = -1.f;
+  for (const auto& [message, edits] : bad_edits) {
+    in.logit_edits = &edits;
+    const absl::Status st = model.Forward(in, cache.get(), &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_NE(st.message().find(message), std::string::npos)
+        << st.message() << " / " << message;
+  }
+  in.logit_edits = &edits_good;
+  for (const auto& [top_n, argmax_only] :
+       {std::pair<int, bool>{0, true}, {-1, false}}) {
+    in.logprobs_top_n = top_n;
+    in.argmax_only = argmax_only;
+    const absl::Status st = model.Forward(in, cache.get(), &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << top_n;
+    EXPECT_NE(st.message().find("logit_edits"), std::string::npos) << st;
+  }
+  in.logit_edits = nullptr;
+  in.logprobs_top_n = -1;
   in.argmax_only = false;
   EXPECT_EQ(cache->size(), 0);
   in.logit_rows = {};

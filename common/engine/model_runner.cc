@@ -90,6 +90,58 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
   return absl::OkStatus();
 }
 
+absl::Status ValidateLogitEdits(const ForwardInput& in, size_t rows,
+                                int vocab) {
+  if (!in.argmax_only && in.sampling == nullptr) {
+    return absl::InvalidArgumentError(
+        "logit_edits needs argmax_only or sampling (logits come back raw)");
+  }
+  if (in.logprobs_top_n >= 0) {
+    return absl::InvalidArgumentError(
+        "logit_edits with logprobs_top_n: logprobs are of the raw logits");
+  }
+  const LogitEdits& e = *in.logit_edits;
+  if (e.offsets.size() != rows + 1 || e.offsets[0] != 0 ||
+      e.offsets.back() != static_cast<int>(e.edits.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logit_edits has ", e.offsets.size(), " offsets (want ", rows + 1,
+        ", from 0 to ", e.edits.size(), ")"));
+  }
+  // stamp as in ValidateRowSampling: a repeated id in a row would make two
+  // device threads edit one logit at once.
+  for (size_t r = 0; r < rows; ++r) {
+    if (e.offsets[r + 1] < e.offsets[r]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_edits offsets decrease at row ", r));
+    }
+  }
+  thread_local std::vector<uint32_t> stamp;
+  thread_local uint32_t epoch = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    if (stamp.size() < static_cast<size_t>(vocab) || ++epoch == 0) {
+      stamp.assign(std::max<size_t>(stamp.size(), vocab), 0);
+      epoch = 1;
+    }
+    for (int i = e.offsets[r]; i < e.offsets[r + 1]; ++i) {
+      const LogitEdit& x = e.edits[i];
+      if (x.id < 0 || x.id >= vocab || stamp[x.id] == epoch) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "logit_edits row ", r, ": id ", x.id,
+            " repeated or outside [0, ", vocab, ")"));
+      }
+      stamp[x.id] = epoch;
+      if (!std::isfinite(x.bias) || !std::isfinite(x.scale) ||
+          !(x.scale > 0.f) || !(x.subtract >= 0.f)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "logit_edits row ", r, ", id ", x.id, ": bias ", x.bias,
+            ", scale ", x.scale, ", subtract ", x.subtract,
+            " (want finite, finite > 0, >= 0)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
@@ -142,6 +194,13 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
   if (in.sampling != nullptr) {
     if (absl::Status s = ValidateRowSampling(*in.sampling, in.argmax_only,
                                              logit_rows.size(), c.vocab_size);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (in.logit_edits != nullptr) {
+    if (absl::Status s = ValidateLogitEdits(in, logit_rows.size(),
+                                            c.vocab_size);
         !s.ok()) {
       return s;
     }
@@ -243,7 +302,12 @@ void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
     const size_t rows = o.logits.size() / vocab;
     o.argmax.resize(rows);
     const int top_n = batch[i].input.logprobs_top_n;
+    const LogitEdits* edits = batch[i].input.logit_edits;
     for (size_t r = 0; r < rows; ++r) {
+      if (edits != nullptr) {
+        ApplyLogitEdits(*edits, static_cast<int>(r),
+                        absl::MakeSpan(o.logits.data() + r * vocab, vocab));
+      }
       const auto row = absl::MakeConstSpan(o.logits.data() + r * vocab, vocab);
       o.argmax[r] = Argmax(row);
       if (top_n >= 0) {
@@ -268,7 +332,12 @@ void SampleOnHost(absl::Span<const SequenceForward> batch, int vocab,
     // Rows in order up to the first one not accepted: verification reads
     // no further, and each row costs a ComputeDistribution.
     const int top_n = batch[i].input.logprobs_top_n;
+    const LogitEdits* edits = batch[i].input.logit_edits;
     for (size_t r = 0; r < rows; ++r) {
+      if (edits != nullptr) {
+        ApplyLogitEdits(*edits, static_cast<int>(r),
+                        absl::MakeSpan(o.logits.data() + r * vocab, vocab));
+      }
       const auto logits =
           absl::MakeConstSpan(o.logits.data() + r * vocab, vocab);
       const RowSample row = SampleRow(

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/logits_processors.h"
 #include "common/decoding/logprobs.h"
 #include "common/decoding/sampling.h"
 #include "common/engine/paged_kv_cache.h"
@@ -79,6 +80,15 @@ struct ForwardInput {
   /// ForwardOutput::token_logprobs. So a backend still returns no logits.
   /// -1 = none; at most kMaxTopLogprobs.
   int logprobs_top_n = -1;
+  /// A request's logit adjustments (logit bias, penalties, the min_tokens
+  /// mask; logits_processors.h), one row of edits per logit row, applied
+  /// before the rows are decided (argmax_only or sampling): so adjusted
+  /// requests are decided where the logits are, and the CUDA backend
+  /// copies back ids, not [rows, vocab] logits. Needs argmax_only or
+  /// sampling and no logprobs (those are of the raw logits). Owned by the
+  /// caller; null = none. Ids distinct within a row, in [0, vocab); bias
+  /// finite, scale finite and > 0, subtract >= 0 (+inf masks).
+  const LogitEdits* logit_edits = nullptr;
 };
 
 /// One sequence's output of a forward pass.

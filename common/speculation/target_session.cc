@@ -309,12 +309,18 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   // row's SampleRow outcome (on CUDA both stay on the device), and with
   // logprobs the backend adds each row's logprobs. A sampled tree's
   // recursive rejection over siblings reads the logits (its logprobs are
-  // computed from them in CompleteForward). Penalized rows come back as
-  // logits too: each row's penalties depend on the drafts before it.
+  // computed from them in CompleteForward). Adjusted rows (a logit bias,
+  // penalties, min_tokens) carry their edits to the backend, unless they
+  // are decided here (DecidesOnHost).
   const bool greedy = request_.sampling.greedy();
   const bool host = final_planned_ && DecidesOnHost();
   entry->input.argmax_only = greedy && !host;
   entry->input.sampling = nullptr;
+  entry->input.logit_edits = nullptr;
+  if (final_planned_ && !host && AdjustsLogits()) {
+    logit_edits_ = RoundEdits();
+    entry->input.logit_edits = &logit_edits_;
+  }
   entry->input.logprobs_top_n = final_planned_ && request_.logprobs &&
                                         (greedy || parents_.empty()) && !host
                                     ? request_.top_logprobs
@@ -466,7 +472,7 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   return absl::OkStatus();
 }
 
-bool TargetSession::DecidesOnHost() const {
+bool TargetSession::AdjustsLogits() const {
   const bool min_tokens_pending =
       static_cast<int>(output_.size()) < request_.stop.min_new_tokens &&
       (!request_.stop.eos_token_ids.empty() ||
@@ -474,16 +480,22 @@ bool TargetSession::DecidesOnHost() const {
   return request_.sampling.adjusts_logits() || min_tokens_pending;
 }
 
-TargetSession::HostRows TargetSession::DecideOnHost(
-    absl::Span<const float> logits) const {
+bool TargetSession::DecidesOnHost() const {
+  const bool sampled_tree =
+      !request_.sampling.greedy() && !parents_.empty();
+  return AdjustsLogits() && (sampled_tree || request_.logprobs);
+}
+
+LogitEdits TargetSession::RoundEdits() const {
   const int vocab = model_->config().vocab_size;
   const int k = static_cast<int>(drafts_.size());
-  const SamplingParams& params = request_.sampling;
   const StopConditions& stop = request_.stop;
-  HostRows out;
-  out.logits.assign(logits.begin(), logits.end());
-  // Row r follows the drafts on its path: a chain's first r drafts; a
-  // tree's row 0 none, row 1 + i node i and its ancestors, root first.
+  std::vector<int> masked;
+  for (const std::vector<int>* ids :
+       {&stop.eos_token_ids, &stop.stop_token_ids}) {
+    masked.insert(masked.end(), ids->begin(), ids->end());
+  }
+  LogitEdits edits;
   std::vector<int> before;
   for (int r = 0; r <= k; ++r) {
     before.clear();
@@ -493,25 +505,33 @@ TargetSession::HostRows TargetSession::DecideOnHost(
       for (int node = r - 1; node >= 0; node = parents_[node]) {
         before.push_back(drafts_[node].id);
       }
-      std::reverse(before.begin(), before.end());
     }
-    const absl::Span<float> row = absl::MakeSpan(
-        out.logits.data() + static_cast<size_t>(r) * vocab, vocab);
-    ApplyLogitBias(params, row);
-    if (penalties_) penalties_->Apply(params, before, row);
     // The token this row decides is output token output_.size() + (drafts
     // before it): before min_new_tokens it may not end the request.
-    if (static_cast<int>(output_.size() + before.size()) <
-        stop.min_new_tokens) {
-      for (const std::vector<int>* ids :
-           {&stop.eos_token_ids, &stop.stop_token_ids}) {
-        for (const int id : *ids) {
-          if (id >= 0 && id < vocab) {
-            row[id] = -std::numeric_limits<float>::infinity();
-          }
-        }
-      }
-    }
+    const bool mask = static_cast<int>(output_.size() + before.size()) <
+                      stop.min_new_tokens;
+    AppendRowEdits(request_.sampling,
+                   penalties_ ? &*penalties_ : nullptr, before,
+                   mask ? absl::MakeConstSpan(masked)
+                        : absl::Span<const int>(),
+                   vocab, &edits);
+  }
+  return edits;
+}
+
+TargetSession::HostRows TargetSession::DecideOnHost(
+    absl::Span<const float> logits) const {
+  const int vocab = model_->config().vocab_size;
+  const int k = static_cast<int>(drafts_.size());
+  const SamplingParams& params = request_.sampling;
+  HostRows out;
+  out.logits.assign(logits.begin(), logits.end());
+  const LogitEdits edits = RoundEdits();
+  for (int r = 0; r <= k; ++r) {
+    ApplyLogitEdits(edits, r,
+                    absl::MakeSpan(out.logits.data() +
+                                       static_cast<size_t>(r) * vocab,
+                                   vocab));
   }
   const auto row = [&](int r) {
     return absl::MakeConstSpan(

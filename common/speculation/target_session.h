@@ -192,13 +192,23 @@ class TargetSession : public Session {
   int final_tail() const { return 1 + rewrite_; }
   // On an empty KV cache, attaches the prompt's cached full blocks.
   void AttachCachedPrompt();
-  // Whether the round's final rows come back as logits and are decided
-  // here (DecideOnHost): a logit bias or penalties, or EOS / stop ids still
-  // masked (min_new_tokens not reached).
+  // Whether the round's final rows are adjusted before they are decided:
+  // a logit bias or penalties, or EOS / stop ids still masked
+  // (min_new_tokens not reached).
+  bool AdjustsLogits() const;
+  // Each final row's adjustments ([k + 1] rows of edits): row r follows
+  // the drafts on its path (a chain's first r drafts; a tree's row 1 + i
+  // node i and its ancestors), which count as output for the penalties
+  // and min_new_tokens.
+  LogitEdits RoundEdits() const;
+  // Whether adjusted final rows come back as logits and are decided here
+  // (DecideOnHost): a sampled tree (its recursive rejection reads the
+  // logits) or a request with logprobs (of the raw logits). Other adjusted
+  // rounds hand RoundEdits() to the backend, which decides the edited rows
+  // where the logits are.
   bool DecidesOnHost() const;
-  // The final rows' logits ([k + 1, vocab]) adjusted row by row (logit
-  // bias, penalties, the min_new_tokens mask), and their argmax (greedy)
-  // or SampleRow outcomes (a sampled chain).
+  // The final rows' logits ([k + 1, vocab]) with RoundEdits() applied, and
+  // their argmax (greedy) or SampleRow outcomes (a sampled chain).
   struct HostRows {
     std::vector<float> logits;
     std::vector<int> argmax;
@@ -234,6 +244,7 @@ class TargetSession : public Session {
   bool final_planned_ = false;
   std::vector<int> plan_tokens_, plan_positions_;  // the planned forward
   RowSampling row_sampling_;  // a sampled chain's final forward
+  LogitEdits logit_edits_;    // an adjusted final forward's, on the backend
   std::optional<PenaltyTracker> penalties_;  // with sampling's penalties
   std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
