@@ -22,21 +22,22 @@ namespace specserve {
 /// logit' = R(logit + bias) - subtract, with R(x) = x / scale for x > 0 and
 /// x * scale otherwise (the repetition penalty of Keskar et al. 2019, CTRL;
 /// scale 1 = none), and subtract = f * count + p for OpenAI's frequency /
-/// presence penalties. subtract = +inf masks the id: logit' = -inf.
+/// presence penalties (either sign). subtract = +inf masks the id:
+/// logit' = -inf.
 /// The field order and the arithmetic are those of ApplyLogitBias then
 /// PenalizeLogit, so an edited row equals the processors' row bit for bit.
 struct LogitEdit {
   int32_t id = 0;       // in [0, vocab)
   float bias = 0.f;     // added first
   float scale = 1.f;    // > 0
-  float subtract = 0.f; // >= 0, or +inf (mask)
+  float subtract = 0.f; // finite, or +inf (mask)
 };
 static_assert(sizeof(LogitEdit) == 16, "the device reads 16-byte edits");
 
 /// The edited logit (see LogitEdit).
 SPECSERVE_HOST_DEVICE inline float ApplyLogitEdit(float logit,
                                                   const LogitEdit& e) {
-  if (e.subtract > 3.0e38f) return -__builtin_huge_valf();
+  if (e.subtract == __builtin_huge_valf()) return -__builtin_huge_valf();
   float x = logit + e.bias;
   if (e.scale != 1.f) x = x > 0.f ? x / e.scale : x * e.scale;
   return x - e.subtract;

@@ -563,8 +563,8 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
   bad_edits[3].second.offsets = {0, 2, 2};
   bad_edits[4].first = "scale 0";
   bad_edits[4].second.edits[0].scale = 0.f;
-  bad_edits[5].first = "subtract -1";
-  bad_edits[5].second.edits[0].subtract = -1.f;
+  bad_edits[5].first = "subtract -inf";
+  bad_edits[5].second.edits[0].subtract = -INFINITY;
   for (const auto& [message, edits] : bad_edits) {
     in.logit_edits = &edits;
     const absl::Status st = model.Forward(in, cache.get(), &out);

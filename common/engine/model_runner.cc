@@ -130,12 +130,13 @@ absl::Status ValidateLogitEdits(const ForwardInput& in, size_t rows,
             " repeated or outside [0, ", vocab, ")"));
       }
       stamp[x.id] = epoch;
+      const bool mask = x.subtract == std::numeric_limits<float>::infinity();
       if (!std::isfinite(x.bias) || !std::isfinite(x.scale) ||
-          !(x.scale > 0.f) || !(x.subtract >= 0.f)) {
+          !(x.scale > 0.f) || !(std::isfinite(x.subtract) || mask)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "logit_edits row ", r, ", id ", x.id, ": bias ", x.bias,
             ", scale ", x.scale, ", subtract ", x.subtract,
-            " (want finite, finite > 0, >= 0)"));
+            " (want finite, finite > 0, finite or +inf)"));
       }
     }
   }

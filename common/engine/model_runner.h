@@ -87,7 +87,7 @@ struct ForwardInput {
   /// copies back ids, not [rows, vocab] logits. Needs argmax_only or
   /// sampling and no logprobs (those are of the raw logits). Owned by the
   /// caller; null = none. Ids distinct within a row, in [0, vocab); bias
-  /// finite, scale finite and > 0, subtract >= 0 (+inf masks).
+  /// finite, scale finite and > 0, subtract finite or +inf (a mask).
   const LogitEdits* logit_edits = nullptr;
 };
 

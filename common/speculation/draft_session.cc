@@ -112,8 +112,9 @@ DraftToken DraftSession::Propose(const ForwardOutput& out) {
   if (penalties_) {
     for (const DraftToken& t : drafts_) pending.push_back(t.id);
   }
-  if (sampling_.greedy() && !sampling_.adjusts_logits()) {
-    d.id = LastArgmax(out, vocab);
+  if (sampling_.greedy() && (!sampling_.adjusts_logits() ||
+                             !out.argmax.empty())) {
+    d.id = LastArgmax(out, vocab);  // edited by the backend, if adjusted
   } else if (sampling_.greedy()) {
     d.id = Argmax(absl::MakeConstSpan(
         Adjusted(out.logits.data() + out.logits.size() - vocab, pending),
@@ -526,6 +527,7 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
     entry->input.position_ids = plan_positions_;
     entry->input.capture_query_rows.clear();
     entry->input.argmax_only = false;  // the children need probabilities
+    entry->input.logit_edits = nullptr;
     entry->capture = nullptr;
     return absl::OkStatus();
   }
@@ -544,11 +546,22 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.logit_rows.clear();  // the last row
   entry->input.capture_query_rows.clear();
   // The look-ahead is greedy, and so is a greedy chain's next draft: the
-  // argmax is all they read (of the raw logits: a logit bias or penalties
-  // need them whole). A tree's root needs probabilities.
+  // argmax is all they read (a logit bias or penalties travel with the
+  // forward as edits of its row; Propose's pending drafts). A tree's root
+  // needs probabilities.
   entry->input.argmax_only =
-      op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy() &&
-                            !sampling_.adjusts_logits());
+      op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy());
+  entry->input.logit_edits = nullptr;
+  if (op_ == Op::kDraft && sampling_.greedy() && sampling_.adjusts_logits()) {
+    std::vector<int> pending;
+    if (penalties_) {
+      for (const DraftToken& t : drafts_) pending.push_back(t.id);
+    }
+    draft_edits_.Clear();
+    AppendRowEdits(sampling_, penalties_ ? &*penalties_ : nullptr, pending,
+                   {}, model_->config().vocab_size, &draft_edits_);
+    entry->input.logit_edits = &draft_edits_;
+  }
   entry->capture = nullptr;
   // Speculative Prefill scores the last prompt row and every look-ahead
   // row: capture them.

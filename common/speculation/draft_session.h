@@ -178,6 +178,7 @@ class DraftSession : public Session {
   SamplingParams sampling_;
   Rng rng_;
   std::vector<float> adjusted_;  // Adjusted's scratch row
+  LogitEdits draft_edits_;       // a greedy adjusted draft's, on the backend
   // With the request's penalties: the prompt (from Score) and the tokens
   // the target emitted.
   std::optional<PenaltyTracker> penalties_;
