@@ -47,11 +47,10 @@ absl::Status OutputProcessor::AddRound(const v1::GenerateResponse& round,
     if (!decoder_) continue;
     auto delta = decoder_->Append(id);
     if (!delta.ok()) return delta.status();
-    if (completion_ <= min_tokens_) {  // one of the first min_tokens
-      chunk->mutable_text()->append(*delta);
-      continue;
-    }
-    chunk->mutable_text()->append(stops_.Append(*delta));
+    // The first min_tokens tokens' text ends no stop string, but may start
+    // one that ends later.
+    chunk->mutable_text()->append(
+        stops_.Append(*delta, /*can_match=*/completion_ > min_tokens_));
     if (stops_.matched()) {
       finish_reason_ = "stop";
       break;

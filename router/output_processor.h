@@ -28,9 +28,9 @@ class OutputProcessor {
  public:
   /// `tokenizer` null = token ids only, no text (and no stop strings).
   /// `start`: when the request arrived (TTFT and total time count from
-  /// it). `metrics` may be null. Both must outlive this object. The text
-  /// of the first `min_tokens` tokens (vLLM's min_tokens) is never
-  /// searched for stop strings.
+  /// it). `metrics` may be null. Both must outlive this object. No stop
+  /// string may end in the text of the first `min_tokens` tokens (vLLM's
+  /// min_tokens); one that starts there and ends later counts.
   OutputProcessor(const Tokenizer* tokenizer, std::vector<std::string> stops,
                   absl::Time start, RouterMetrics* metrics,
                   int min_tokens = 0);

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/time/time.h"
 #include "common/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
@@ -146,6 +147,23 @@ TEST(OutputProcessorTest, LogprobsStayAlignedWithTokens) {
     ASSERT_TRUE(out.AddRound(more, absl::UnixEpoch(), &chunk).ok());
     EXPECT_TRUE(out.finished());
     EXPECT_TRUE(out.stopped_by_string());
+  }
+  {  // min_tokens ends after "Once upon": "upon a" straddles the boundary
+     // and still ends the text (vLLM's rule); "Once" alone does not.
+    int upon = 0;
+    for (size_t k = 1; k <= ids.size() && upon == 0; ++k) {
+      auto text = (*tok)->Decode(absl::MakeConstSpan(ids.data(), k));
+      ASSERT_TRUE(text.ok());
+      if (absl::EndsWith(*text, "upon")) upon = static_cast<int>(k);
+    }
+    ASSERT_GT(upon, 0);
+    OutputProcessor out(tok->get(), {"upon a", "Once"}, absl::UnixEpoch(),
+                        nullptr, upon);
+    v1::GenerateTextChunk chunk;
+    ASSERT_TRUE(out.AddRound(r, absl::UnixEpoch(), &chunk).ok());
+    EXPECT_TRUE(out.stopped_by_string());
+    EXPECT_EQ(chunk.text(), "Once ");
+    EXPECT_EQ(chunk.token_ids_size(), upon + 1);  // up to the one ending it
   }
   {  // A target that sent none: none.
     OutputProcessor out(tok->get(), {}, absl::UnixEpoch(), nullptr);

@@ -118,13 +118,19 @@ StopStringFilter::StopStringFilter(std::vector<std::string> stops) {
   }
 }
 
-std::string StopStringFilter::Append(absl::string_view text) {
+std::string StopStringFilter::Append(absl::string_view text, bool can_match) {
   if (matched_) return "";
   held_.append(text.data(), text.size());
+  if (!can_match) protected_ = held_.size();
   // Text before held_ never hides a match start (it would have been held),
-  // so the earliest match in held_ is the first one in the whole output.
+  // so the earliest match in held_ that ends past the protected bytes is
+  // the first one in the whole output.
   size_t first = std::string::npos;
-  for (const std::string& s : stops_) first = std::min(first, held_.find(s));
+  for (const std::string& s : stops_) {
+    const size_t from =
+        protected_ >= s.size() ? protected_ - s.size() + 1 : 0;
+    first = std::min(first, held_.find(s, from));
+  }
   if (first != std::string::npos) {
     matched_ = true;
     std::string out = held_.substr(0, first);
@@ -143,6 +149,7 @@ std::string StopStringFilter::Append(absl::string_view text) {
   }
   std::string out = held_.substr(0, held_.size() - hold);
   held_.erase(0, held_.size() - hold);
+  protected_ = protected_ > out.size() ? protected_ - out.size() : 0;
   return out;
 }
 

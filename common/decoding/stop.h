@@ -101,7 +101,11 @@ class StopStringFilter {
   explicit StopStringFilter(std::vector<std::string> stops);
   /// Adds `text`; returns the text that is now safe to emit. After a match
   /// (matched() turns true) returns the text before it and ignores input.
-  std::string Append(absl::string_view text);
+  /// can_match false (the text of vLLM's first min_tokens tokens): no
+  /// match may end inside `text`, but one that starts there and ends in
+  /// later text counts (as in vLLM, whose search of new text reaches back
+  /// a stop string's length).
+  std::string Append(absl::string_view text, bool can_match = true);
   /// End of stream: the held-back text (nothing after a match).
   std::string Flush();
   bool matched() const { return matched_; }
@@ -109,6 +113,7 @@ class StopStringFilter {
  private:
   std::vector<std::string> stops_;
   std::string held_;
+  size_t protected_ = 0;  // leading bytes of held_ no match may end in
   bool matched_ = false;
 };
 

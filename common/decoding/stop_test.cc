@@ -173,5 +173,32 @@ TEST(StopStringFilterTest, HoldsBackPossibleStartsAndCutsAtTheFirstMatch) {
   EXPECT_TRUE(h.matched());
 }
 
+// Text that may not end a match (min_tokens): a stop string inside it is
+// not one, but one that starts in it and ends in later text is.
+TEST(StopStringFilterTest, ProtectedTextCanStartButNotEndAMatch) {
+  StopStringFilter f({"abc"});
+  EXPECT_EQ(f.Append("xxabc", /*can_match=*/false), "xxabc");
+  EXPECT_FALSE(f.matched());
+  EXPECT_EQ(f.Append("-ab", false), "-");  // held: may start "abc"
+  EXPECT_EQ(f.Append("c tail"), "");       // straddles the boundary
+  EXPECT_TRUE(f.matched());
+
+  // A shorter stop string held inside a longer one's prefix stays
+  // unmatched while protected, and matches once it ends in new text.
+  StopStringFilter g({"abc", "b"});
+  EXPECT_EQ(g.Append("ab", false), "");
+  EXPECT_FALSE(g.matched());
+  EXPECT_EQ(g.Append("x"), "abx");
+  EXPECT_FALSE(g.matched());
+  EXPECT_EQ(g.Append("yb"), "y");
+  EXPECT_TRUE(g.matched());
+
+  // Protection ends with the protected text: the same text matches after.
+  StopStringFilter h({"."});
+  EXPECT_EQ(h.Append("a.", false), "a.");
+  EXPECT_EQ(h.Append("b."), "b");
+  EXPECT_TRUE(h.matched());
+}
+
 }  // namespace
 }  // namespace specserve
