@@ -280,6 +280,12 @@ std::string JsonMatcher::Key() const {
 
 JsonTokenMask::JsonTokenMask(TokenByteTable table, std::vector<int> eos_ids)
     : table_(std::move(table)), eos_ids_(std::move(eos_ids)) {
+  for (int id = 0; id < static_cast<int>(table_.bytes.size()) && !can_open_;
+       ++id) {
+    JsonMatcher m;
+    can_open_ = !table_.special[id] && m.Advance(table_.bytes[id]) &&
+                table_.bytes[id].find('{') != std::string::npos;
+  }
   // Build the trie from a map-based one: children sorted by byte and
   // stored contiguously, breadth-first.
   struct Building {

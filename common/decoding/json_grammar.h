@@ -114,6 +114,10 @@ class JsonTokenMask {
   bool Advance(JsonMatcher* m, int id) const;
 
   int vocab_size() const { return static_cast<int>(table_.bytes.size()); }
+  /// Whether some id can open the object (a token holding '{' after any
+  /// whitespace): false for a vocabulary without braces, which could only
+  /// write whitespace and end.
+  bool can_open() const { return can_open_; }
 
  private:
   struct Node {
@@ -129,6 +133,7 @@ class JsonTokenMask {
 
   TokenByteTable table_;
   std::vector<int> eos_ids_;
+  bool can_open_ = false;
   mutable absl::Mutex mu_;
   mutable absl::flat_hash_map<std::string, std::vector<int>> cache_
       ABSL_GUARDED_BY(mu_);

@@ -119,18 +119,37 @@ void AppendRowEdits(const SamplingParams& params,
     if (id >= 0 && id < vocab) by_id[id] = LogitEdit{id, bias, 1.f, 0.f};
   }
   if (penalties != nullptr) penalties->AddEdits(params, pending, vocab, &by_id);
-  for (const int id : masked) {
-    if (id < 0 || id >= vocab) continue;
-    LogitEdit& e = by_id[id];
-    e.id = id;
-    e.subtract = std::numeric_limits<float>::infinity();
+  // The mask may be most of the vocabulary (JSON mode): kept out of the
+  // map, sorted once (usually already) and merged.
+  std::vector<int> mask(masked.begin(), masked.end());
+  if (!std::is_sorted(mask.begin(), mask.end())) {
+    std::sort(mask.begin(), mask.end());
   }
-  if (out->offsets.empty()) out->offsets.push_back(0);
-  const size_t start = out->edits.size();
-  for (const auto& [id, e] : by_id) out->edits.push_back(e);
+  mask.erase(std::unique(mask.begin(), mask.end()), mask.end());
+  constexpr float kMask = std::numeric_limits<float>::infinity();
+  std::vector<LogitEdit> adjusted;
+  adjusted.reserve(by_id.size());
+  for (const auto& [id, e] : by_id) adjusted.push_back(e);
+  const auto by_id_less = [](const LogitEdit& a, const LogitEdit& b) {
+    return a.id < b.id;
+  };
   // Ascending ids: deterministic, and neighbouring ids share cache lines.
-  std::sort(out->edits.begin() + start, out->edits.end(),
-            [](const LogitEdit& a, const LogitEdit& b) { return a.id < b.id; });
+  std::sort(adjusted.begin(), adjusted.end(), by_id_less);
+  if (out->offsets.empty()) out->offsets.push_back(0);
+  size_t a = 0;
+  for (const int id : mask) {
+    if (id < 0 || id >= vocab) continue;
+    while (a < adjusted.size() && adjusted[a].id < id) {
+      out->edits.push_back(adjusted[a++]);
+    }
+    LogitEdit e{id, 0.f, 1.f, kMask};
+    if (a < adjusted.size() && adjusted[a].id == id) {
+      e = adjusted[a++];
+      e.subtract = kMask;
+    }
+    out->edits.push_back(e);
+  }
+  out->edits.insert(out->edits.end(), adjusted.begin() + a, adjusted.end());
   out->offsets.push_back(static_cast<int>(out->edits.size()));
 }
 

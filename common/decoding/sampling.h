@@ -37,6 +37,11 @@ struct SamplingParams {
   /// one's stay; then top-k and top-p (ComputeDistribution, and the CUDA
   /// SampleRows kernel). No effect when greedy.
   float min_p = 0.f;
+  /// Structured output, JSON mode (OpenAI's response_format json_object):
+  /// the output is one JSON object, then EOS (json_grammar.h). The target
+  /// masks every row to the ids that keep it so; the speculator's drafts
+  /// follow the same mask.
+  bool json_object = false;
 
   bool greedy() const { return temperature == 0.f; }
   /// Whether any penalty is on.

@@ -29,6 +29,7 @@ TargetSession::TargetSession(ModelRunner* model, TargetRequest request,
                            ? request_.token_ids
                            : request_.penalty_prompt_ids);
   }
+  if (request_.sampling.json_object) json_.emplace();
 }
 
 TargetSession::~TargetSession() {
@@ -104,6 +105,16 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
   }
   if (r.max_drafts < 0 || r.max_drafts > 64) {
     return absl::InvalidArgumentError("max_drafts must be in [0, 64]");
+  }
+  if (r.sampling.json_object && r.json_mask == nullptr) {
+    return absl::FailedPreconditionError(
+        "JSON mode (response_format json_object) needs the target's "
+        "tokenizer; this checkpoint has none");
+  }
+  if (r.sampling.json_object && !r.json_mask->can_open()) {
+    return absl::FailedPreconditionError(
+        "JSON mode (response_format json_object): no token of this "
+        "vocabulary can write '{'");
   }
   if (!r.ignore_eos) r.stop.eos_token_ids = c.eos_token_ids;
   r.stop.max_context = max_ctx;
@@ -459,6 +470,11 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
   if (penalties_) penalties_->AddOutput(round.tokens);
+  if (json_) {
+    for (const int id : round.tokens) {
+      if (!request_.json_mask->Advance(&*json_, id)) break;  // EOS: done
+    }
+  }
   if (request_.logprobs) {  // the backend's, or a sampled tree's logits
     for (int i = 0; i < stop.num_emit; ++i) {
       round.logprobs.push_back(
@@ -477,7 +493,8 @@ bool TargetSession::AdjustsLogits() const {
       static_cast<int>(output_.size()) < request_.stop.min_new_tokens &&
       (!request_.stop.eos_token_ids.empty() ||
        !request_.stop.stop_token_ids.empty());
-  return request_.sampling.adjusts_logits() || min_tokens_pending;
+  return request_.sampling.adjusts_logits() || min_tokens_pending ||
+         json_.has_value();
 }
 
 bool TargetSession::DecidesOnHost() const {
@@ -496,7 +513,7 @@ LogitEdits TargetSession::RoundEdits() const {
     masked.insert(masked.end(), ids->begin(), ids->end());
   }
   LogitEdits edits;
-  std::vector<int> before;
+  std::vector<int> before, row_masked;
   for (int r = 0; r <= k; ++r) {
     before.clear();
     if (parents_.empty()) {
@@ -505,15 +522,33 @@ LogitEdits TargetSession::RoundEdits() const {
       for (int node = r - 1; node >= 0; node = parents_[node]) {
         before.push_back(drafts_[node].id);
       }
+      std::reverse(before.begin(), before.end());  // root first
     }
+    row_masked.clear();
     // The token this row decides is output token output_.size() + (drafts
     // before it): before min_new_tokens it may not end the request.
-    const bool mask = static_cast<int>(output_.size() + before.size()) <
-                      stop.min_new_tokens;
+    if (static_cast<int>(output_.size() + before.size()) <
+        stop.min_new_tokens) {
+      row_masked = masked;
+    }
+    if (json_) {
+      // The row continues the object past the drafts on its path; a draft
+      // the grammar rejects is itself rejected by an earlier row, so rows
+      // after it are never read and stay unmasked.
+      JsonMatcher m = *json_;
+      bool reachable = true;
+      for (const int id : before) {
+        if (!(reachable = request_.json_mask->Advance(&m, id))) break;
+      }
+      if (reachable) {
+        request_.json_mask->Disallowed(m, &row_masked);
+        for (int id = request_.json_mask->vocab_size(); id < vocab; ++id) {
+          row_masked.push_back(id);  // model rows past the tokenizer's
+        }
+      }
+    }
     AppendRowEdits(request_.sampling,
-                   penalties_ ? &*penalties_ : nullptr, before,
-                   mask ? absl::MakeConstSpan(masked)
-                        : absl::Span<const int>(),
+                   penalties_ ? &*penalties_ : nullptr, before, row_masked,
                    vocab, &edits);
   }
   return edits;

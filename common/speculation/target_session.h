@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/json_grammar.h"
 #include "common/decoding/logprobs.h"
 #include "common/decoding/logits_processors.h"
 #include "common/decoding/sampling.h"
@@ -45,6 +46,9 @@ struct TargetRequest {
   /// uniforms: the tokens do not change.
   bool logprobs = false;
   int top_logprobs = 0;
+  /// With sampling.json_object (required then): the vocabulary's JSON
+  /// mask, built by the service from its tokenizer; outlives the session.
+  const JsonTokenMask* json_mask = nullptr;
 };
 
 /// One round: the prefill (with optional drafts) or one verification.
@@ -66,12 +70,13 @@ struct RoundResult {
 /// [last emitted token, x_1..x_k] (Leviathan et al. 2023; greedy or lossless
 /// rejection sampling, docs/ARCHITECTURE.md) and roll the KV cache
 /// back to the accepted length. k = 0 is a plain decode step; the first
-/// round verifies its drafts in the prefill forward. With a logit bias or
-/// penalties (SamplingParams::adjusts_logits), or while
-/// StopConditions::min_new_tokens masks EOS and stop ids, the final rows
-/// come back as logits: each is adjusted for the output before it (the
-/// emitted tokens, then the drafts on its path) and decided here by the
-/// same argmax, SampleRow and tree rules.
+/// round verifies its drafts in the prefill forward. With a logit bias,
+/// penalties or JSON mode, or while StopConditions::min_new_tokens masks
+/// EOS and stop ids, each final row is adjusted for the output before it
+/// (the emitted tokens, then the drafts on its path): the backend applies
+/// the round's LogitEdits before its argmax / SampleRow, or (a sampled
+/// tree, logprobs) the rows come back as logits and are decided here by
+/// the same rules.
 class TargetSession : public Session {
  public:
   /// Validates the request: INVALID_ARGUMENT naming the field for an empty
@@ -246,6 +251,7 @@ class TargetSession : public Session {
   RowSampling row_sampling_;  // a sampled chain's final forward
   LogitEdits logit_edits_;    // an adjusted final forward's, on the backend
   std::optional<PenaltyTracker> penalties_;  // with sampling's penalties
+  std::optional<JsonMatcher> json_;  // JSON mode: the output so far
   std::optional<RoundResult> result_;  // the completed round, not yet taken
 };
 

@@ -8,6 +8,8 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/tokenizer/token_bytes.h"
+#include "nlohmann/json.hpp"
 #include "common/decoding/stats.h"
 #include "common/engine/test_util.h"
 #include "gtest/gtest.h"
@@ -1159,6 +1161,150 @@ TEST_F(TargetSessionTest, MinTokensMasksEosUntilReached) {
         }).tokens;
     ASSERT_GE(out.size(), 30u);
     for (int i = 0; i < 29; ++i) EXPECT_NE(out[i], eos[0]) << i;
+  }
+}
+
+// JSON mode: masked greedy decoding written out here, independent of
+// JsonTokenMask (every id's bytes tried on a JsonMatcher; EOS once the
+// object is complete, or when nothing else is left).
+std::vector<int> JsonGreedyReference(ModelRunner& m, const TargetRequest& r,
+                                     const TokenByteTable& table, int n) {
+  const std::vector<int>& eos = m.config().eos_token_ids;
+  const int vocab = m.config().vocab_size;
+  auto cache = *m.NewSequence(static_cast<int>(r.token_ids.size()) + n + 1);
+  ForwardInput in;
+  in.token_ids = r.token_ids;
+  in.position_ids = r.position_ids;
+  ForwardOutput fwd;
+  EXPECT_TRUE(m.Forward(in, cache.get(), &fwd).ok());
+  JsonMatcher json;
+  std::vector<int> out;
+  for (int i = 0; i < n; ++i) {
+    std::vector<float> row = fwd.logits;
+    ApplyLogitBias(r.sampling, absl::MakeSpan(row));
+    bool any = false;
+    for (int id = 0; id < vocab; ++id) {
+      JsonMatcher next = json;
+      const bool is_eos = std::find(eos.begin(), eos.end(), id) != eos.end();
+      const bool ok = !is_eos && !json.complete() &&
+                      id < static_cast<int>(table.bytes.size()) &&
+                      !table.special[id] && next.Advance(table.bytes[id]);
+      any |= ok;
+      if (!ok && !is_eos) row[id] = -INFINITY;
+    }
+    if (any) {
+      for (int id : eos) row[id] = -INFINITY;
+    }
+    const int id = static_cast<int>(
+        std::max_element(row.begin(), row.end()) - row.begin());
+    if (std::find(eos.begin(), eos.end(), id) != eos.end()) break;
+    out.push_back(id);
+    EXPECT_TRUE(json.Advance(table.bytes[id]));
+    const int pos = r.position_ids.back() + 1 + i;
+    in.token_ids = absl::MakeConstSpan(&out.back(), 1);
+    in.position_ids = absl::MakeConstSpan(&pos, 1);
+    EXPECT_TRUE(m.Forward(in, cache.get(), &fwd).ok());
+  }
+  return out;
+}
+
+// JSON mode (response_format json_object): greedy rounds with no drafts,
+// random chains (EOS and invalid ids among them) and random trees emit
+// exactly masked greedy decoding; every output is a valid prefix of an
+// object, and with a bias towards '"' and '}' the object closes and the
+// request ends at EOS with text that parses as a JSON object. Sampled
+// outputs stay valid prefixes too.
+TEST_F(TargetSessionTest, JsonModeRoundsEqualMaskedGreedyDecoding) {
+  // tinystories-656K's vocabulary has no '{' (and no byte pieces): refused.
+  {
+    auto w = LoadBundled("tinystories-656K");
+    ASSERT_NE(w, nullptr);
+    auto runner = testing_util::MakeCpuRunner(w);
+    auto tok = LoadTokenizer("models/tinystories-656K");
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    const JsonTokenMask braceless(*BuildTokenByteTable(**tok),
+                                  runner->config().eos_token_ids);
+    EXPECT_FALSE(braceless.can_open());
+    TargetRequest r = Request({1, 403, 407, 261}, 40);
+    r.sampling.json_object = true;
+    r.json_mask = &braceless;
+    const absl::Status st = TargetSession::Create(runner.get(), r).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(st.message().find("'{'"), std::string::npos) << st;
+  }
+  // stories260K's sentencepiece vocabulary has every byte.
+  ModelRunner* big = target_.get();
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  absl::StatusOr<TokenByteTable> table = BuildTokenByteTable(**tok);
+  ASSERT_TRUE(table.ok()) << table.status();
+  const std::vector<int>& eos = big->config().eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  const JsonTokenMask mask(*table, eos);
+  ASSERT_TRUE(mask.can_open());
+  const auto text_of = [&](const std::vector<int>& ids) {
+    std::string t;
+    for (int id : ids) t += table->bytes[id];
+    return t;
+  };
+  TargetRequest r = Request({1, 403, 407, 261}, 40);
+  r.sampling.json_object = true;
+  EXPECT_EQ(TargetSession::Create(big, r).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // no mask: no tokenizer
+  r.json_mask = &mask;
+  const std::vector<int> want = JsonGreedyReference(*big, r, *table, 40);
+  ASSERT_EQ(want.size(), 40u) << text_of(want);
+  JsonMatcher m;
+  EXPECT_TRUE(m.Advance(text_of(want))) << text_of(want);
+  RandomDrafts drafts{want, big->config().vocab_size, eos[0]};
+  ExpectEveryDraftingEmits(big, r, &drafts);
+
+  // Nudged to close: '"' and '}' cheaper, ',' and whitespace dearer (this
+  // story model loves newlines and long lists).
+  for (int id = 0; id < static_cast<int>(table->bytes.size()); ++id) {
+    const std::string& b = table->bytes[id];
+    if (b == "\"") {
+      r.sampling.logit_bias.push_back({id, 6.f});
+    } else if (b == "}") {  // a byte piece, never seen in training
+      r.sampling.logit_bias.push_back({id, 30.f});
+    } else if (b == ",") {
+      r.sampling.logit_bias.push_back({id, -10.f});
+    } else if (!b.empty() &&
+               b.find_first_not_of(" \n\t\r") == std::string::npos) {
+      r.sampling.logit_bias.push_back({id, -20.f});
+    }
+  }
+  ASSERT_FALSE(r.sampling.logit_bias.empty());
+  r.stop.max_new_tokens = 60;
+  const std::vector<int> closed = JsonGreedyReference(*big, r, *table, 60);
+  ASSERT_LT(closed.size(), 60u) << text_of(closed) << [&] {
+    std::string s;
+    for (int id : closed) s += absl::StrCat(id, "[", table->bytes[id], "] ");
+    return s;
+  }();
+  const nlohmann::json parsed =
+      nlohmann::json::parse(text_of(closed), nullptr, false);
+  EXPECT_TRUE(parsed.is_object()) << text_of(closed);
+  RandomDrafts closing{closed, big->config().vocab_size, eos[0]};
+  ExpectEveryDraftingEmits(big, r, &closing);
+  auto s = TargetSession::Create(big, r);
+  ASSERT_TRUE(s.ok());
+  while (!(*s)->finished()) ASSERT_TRUE((*s)->Step({}, {}).ok());
+  EXPECT_EQ((*s)->finish_reason(), FinishReason::kEos);
+
+  // Sampled, with point-mass drafts of random ids: valid prefixes only.
+  r.sampling.logit_bias.clear();
+  r.sampling.temperature = 1.2f;
+  r.stop.max_new_tokens = 30;
+  for (int seed = 0; seed < 10; ++seed) {
+    r.sampling.seed = seed;
+    const std::vector<int> out =
+        RunSession(big, r, [&](auto& g, auto* d, auto* p) {
+          drafts.Chain(g, d, p);
+          for (DraftToken& x : *d) x.q = {{x.id, 1.f}};
+        }).tokens;
+    JsonMatcher sm;
+    EXPECT_TRUE(sm.Advance(text_of(out))) << seed << ": " << text_of(out);
   }
 }
 
