@@ -30,6 +30,8 @@
 #include "nlohmann/json.hpp"
 #include "protos/router.grpc.pb.h"
 #include "protos/target.grpc.pb.h"
+#include "common/decoding/json_grammar.h"
+#include "common/tokenizer/token_bytes.h"
 #include "router/router_server.h"
 #include "router/test_env.h"
 #include "router/target_client.h"
@@ -651,6 +653,68 @@ TEST_F(HttpServerTest, StopStringsAndSeeds) {
   ASSERT_TRUE(a && b && a->status == 200 && b->status == 200);
   EXPECT_EQ(json::parse(a->body)["choices"][0]["text"],
             json::parse(b->body)["choices"][0]["text"]);
+}
+
+// JSON mode (response_format json_object): the target and the
+// speculator keep every token inside one JSON object. This story model
+// would write strings forever, so the request nudges it to close (a bias
+// towards '"' and '}', away from ',' and whitespace): the answer is then a
+// complete object, ended by EOS ("stop"), unary and streamed alike. A JSON
+// schema and unknown types are refused, naming response_format.
+TEST_F(HttpServerTest, JsonModeAnswersAreJsonObjects) {
+  Start();
+  absl::StatusOr<TokenByteTable> table = BuildTokenByteTable(*tokenizer_);
+  ASSERT_TRUE(table.ok()) << table.status();
+  json bias = json::object();
+  for (int id = 0; id < static_cast<int>(table->bytes.size()); ++id) {
+    const std::string& b = table->bytes[id];
+    if (b == "\"") bias[std::to_string(id)] = 6;
+    if (b == "}") bias[std::to_string(id)] = 30;
+    if (b == ",") bias[std::to_string(id)] = -10;
+    if (!b.empty() && b.find_first_not_of(" \n\t\r") == std::string::npos) {
+      bias[std::to_string(id)] = -20;
+    }
+  }
+  json req = {{"prompt", "Once upon a time"},
+              {"max_tokens", 60},
+              {"logit_bias", bias},
+              {"response_format", {{"type", "json_object"}}}};
+  auto res = Post("/v1/completions", req.dump());
+  ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "");
+  const json c = json::parse(res->body);
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop") << res->body;
+  const std::string text = c["choices"][0]["text"];
+  EXPECT_TRUE(json::parse(text, nullptr, false).is_object()) << text;
+  req["stream"] = true;
+  auto streamed = Post("/v1/completions", req.dump());
+  ASSERT_TRUE(streamed && streamed->status == 200);
+  std::string joined;
+  for (const json& e : ParseSse(streamed->body).events) {
+    joined += e["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(joined, text);
+  // Without the nudge the output is still a prefix of an object.
+  json plain = {{"prompt", "Once upon a time"},
+                {"max_tokens", 24},
+                {"response_format", {{"type", "json_object"}}}};
+  auto cut = Post("/v1/completions", plain.dump());
+  ASSERT_TRUE(cut && cut->status == 200);
+  JsonMatcher m;
+  const std::string cut_text = json::parse(cut->body)["choices"][0]["text"];
+  EXPECT_TRUE(m.Advance(cut_text)) << cut_text;
+  plain["response_format"] = {{"type", "text"}};
+  auto text_format = Post("/v1/completions", plain.dump());
+  ASSERT_TRUE(text_format && text_format->status == 200);
+  EXPECT_NE(json::parse(text_format->body)["choices"][0]["text"], cut_text);
+
+  for (const json& bad :
+       {json{{"type", "json_schema"}, {"json_schema", {{"name", "x"}}}},
+        json{{"type", "yaml"}}, json{{"kind", "json_object"}},
+        json("json_object")}) {
+    plain["response_format"] = bad;
+    ExpectError(Post("/v1/completions", plain.dump()), 400,
+                "response_format");
+  }
 }
 
 // n choices: independent runs, choice i with seed + i, so a seeded sampled

@@ -335,6 +335,31 @@ absl::Status ParseSampling(const json& body,
     }
     s->set_min_p(static_cast<float>(*min_p));
   }
+  // OpenAI's response_format: "text" (the default) or "json_object" (JSON
+  // mode). A JSON schema is refused rather than ignored.
+  if (const json* rf = Member(body, "response_format");
+      rf != nullptr && !rf->is_null()) {
+    if (!rf->is_object()) return WrongType("response_format", "an object", *rf);
+    const json* type = Member(*rf, "type");
+    if (type == nullptr || !type->is_string()) {
+      return ParamError("response_format",
+                        "'response_format.type' must be \"text\" or "
+                        "\"json_object\"");
+    }
+    const std::string t = type->get<std::string>();
+    if (t == "json_object") {
+      s->set_json_object(true);
+    } else if (t == "json_schema") {
+      return ParamError("response_format",
+                        "'response_format' type \"json_schema\" is not "
+                        "supported; \"json_object\" (JSON mode) is");
+    } else if (t != "text") {
+      return ParamError("response_format",
+                        absl::StrCat("'response_format.type' must be "
+                                     "\"text\" or \"json_object\", got \"",
+                                     t, "\""));
+    }
+  }
   // OpenAI's penalties, and vLLM's repetition_penalty extension.
   using S = v1::GenerationSampling;
   for (const auto& [key, set] :

@@ -143,6 +143,7 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
   }
   *o.sampling.mutable_logit_bias() = s.logit_bias();
   o.sampling.set_min_p(s.min_p());
+  o.sampling.set_json_object(s.json_object());
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(

@@ -39,9 +39,11 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
   SpeculatorServiceImpl(const SpeculatorServerOptions& options,
                         ModelRunner* model, const v1::ModelInfo* info,
                         SessionManager* sessions, BatchScheduler* scheduler,
-                        SpeculatorMetrics* metrics)
+                        SpeculatorMetrics* metrics,
+                        LazyJsonTokenMask* json_mask)
       : options_(options),
         model_(model),
+        json_mask_(json_mask),
         info_(info),
         sessions_(sessions),
         scheduler_(scheduler),
@@ -80,6 +82,7 @@ class SpeculatorServiceImpl final : public v1::Speculator::CallbackService {
 
   const SpeculatorServerOptions& options_;
   ModelRunner* model_;
+  LazyJsonTokenMask* json_mask_;
   const v1::ModelInfo* info_;
   SessionManager* sessions_;
   BatchScheduler* scheduler_;
@@ -122,7 +125,9 @@ grpc::ServerUnaryReactor* SpeculatorServiceImpl::Score(
                      opts->look_ahead, " exceed the KV pool of ", pool_tokens,
                      " tokens (kv_budget_bytes)")));
   }
-  auto created = DraftSession::Create(model_, capacity, *sampling);
+  auto created = DraftSession::Create(
+      model_, capacity, *sampling,
+      sampling->json_object ? json_mask_->Get() : nullptr);
   if (!created.ok()) return Reply(reactor, "Score", created.status());
   // Admission (max_sessions) happens before queueing the work.
   auto lease = std::make_shared<SessionManager::Lease>();
@@ -438,6 +443,8 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   const std::string id =
       options.model_id.empty() ? Basename(options.model_dir) : options.model_id;
   s->info_ = MakeModelInfo(id, s->model_->config(), s->tokenizer_.get());
+  s->json_mask_ = std::make_unique<LazyJsonTokenMask>(
+      s->tokenizer_.get(), s->model_->config().eos_token_ids);
 
   SessionManagerOptions so;
   so.max_sessions = options.max_sessions > 0
@@ -468,7 +475,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   s->scheduler_ = *std::move(scheduler);
   s->service_ = std::make_unique<SpeculatorServiceImpl>(
       s->options_, s->model_.get(), &s->info_, s->sessions_.get(),
-      s->scheduler_.get(), s->metrics_.get());
+      s->scheduler_.get(), s->metrics_.get(), s->json_mask_.get());
   return s;
 }
 

@@ -12,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "prometheus/registry.h"
 #include "protos/common.pb.h"
+#include "common/service/json_mask.h"
 #include "common/service/model_service_options.h"
 #include "common/engine/model_runner_factory.h"
 #include "common/service/wire_options.h"
@@ -98,6 +99,8 @@ class SpeculatorServer {
   std::unique_ptr<SpeculatorMetrics> metrics_;
   std::unique_ptr<ModelRunner> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  // JSON mode's drafts (built on the first JSON-mode request).
+  std::unique_ptr<LazyJsonTokenMask> json_mask_;
   v1::ModelInfo info_;
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<SpeculatorServiceImpl> service_;

@@ -393,11 +393,14 @@ class TargetServer::GenerateReactor
             !s.ok()) {
           return s;
         }
-        auto session = TargetSession::Create(
-            server_->model_.get(),
-            ToTargetRequest(request_.prefill(),
-                            server_->options_.default_max_new_tokens,
-                            server_->options_.max_drafts));
+        TargetRequest target_request = ToTargetRequest(
+            request_.prefill(), server_->options_.default_max_new_tokens,
+            server_->options_.max_drafts);
+        if (target_request.sampling.json_object) {
+          target_request.json_mask = server_->JsonMask();
+        }
+        auto session = TargetSession::Create(server_->model_.get(),
+                                             std::move(target_request));
         if (!session.ok()) return session.status();
         const int64_t bytes =
             static_cast<int64_t>((*session)->kv_capacity_bytes());
@@ -734,6 +737,8 @@ TargetServer::TargetServer(TargetServerOptions options,
     : options_(std::move(options)),
       model_(std::move(model)),
       tokenizer_(std::move(tokenizer)),
+      json_mask_(std::make_unique<LazyJsonTokenMask>(
+          tokenizer_.get(), model_->config().eos_token_ids)),
       registry_(std::move(registry)),
       metrics_(std::move(metrics)),
       scheduler_(std::move(scheduler)),
@@ -756,6 +761,8 @@ TargetServer::TargetServer(TargetServerOptions options,
                               tokenizer_.get()))) {}
 
 TargetServer::~TargetServer() { Shutdown(); }
+
+const JsonTokenMask* TargetServer::JsonMask() { return json_mask_->Get(); }
 
 absl::Status TargetServer::Start(int port) {
   if (server_ != nullptr) {

@@ -197,6 +197,33 @@ await check("logit_bias and min_tokens", async () => {
       (e) => e instanceof OpenAI.BadRequestError && e.param === "logit_bias");
 });
 
+await check("response_format json_object (JSON mode)", async () => {
+  // The story model writes an object (unclosed within max_tokens: it
+  // would fill strings forever); it starts with "{" and has no text
+  // outside JSON. A schema is refused, not ignored.
+  const r = await client.chat.completions.create({
+    model, messages: [{ role: "user", content: "Tell me a story." }],
+    max_tokens: 16, temperature: 0, response_format: { type: "json_object" },
+  });
+  const content = r.choices[0].message.content;
+  assert.ok(content.trimStart().startsWith("{"), content);
+  const plain = await client.chat.completions.create({
+    model, messages: [{ role: "user", content: "Tell me a story." }],
+    max_tokens: 16, temperature: 0,
+  });
+  assert.ok(!plain.choices[0].message.content.trimStart().startsWith("{"));
+  await assert.rejects(
+      client.chat.completions.create({
+        model, messages: [{ role: "user", content: "x" }],
+        response_format: {
+          type: "json_schema",
+          json_schema: { name: "s", schema: { type: "object" } },
+        },
+      }),
+      (e) => e instanceof OpenAI.BadRequestError &&
+             e.param === "response_format");
+});
+
 await check("n choices (unary and stream)", async () => {
   const req = {
     model, messages: [{ role: "user", content: "Tell me a story." }],

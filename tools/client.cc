@@ -62,6 +62,9 @@ ABSL_FLAG(std::string, logit_bias, "",
           "id:bias,... added to those ids' logits (bias in [-100, 100])");
 ABSL_FLAG(double, min_p, 0,
           "min_p in [0, 1]: drop tokens less likely than min_p x the top one");
+ABSL_FLAG(bool, json_object, false,
+          "JSON mode (OpenAI's response_format json_object): the output is "
+          "one JSON object");
 ABSL_FLAG(int, min_tokens, 0,
           "no EOS, stop id or stop string before this many tokens");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1 = default)");
@@ -189,6 +192,7 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
     (*s->mutable_logit_bias())[id] = bias;
   }
   if (absl::GetFlag(FLAGS_min_p) > 0) s->set_min_p(absl::GetFlag(FLAGS_min_p));
+  if (absl::GetFlag(FLAGS_json_object)) s->set_json_object(true);
   if (absl::GetFlag(FLAGS_min_tokens) > 0) {
     s->set_min_tokens(absl::GetFlag(FLAGS_min_tokens));
   }

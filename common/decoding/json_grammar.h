@@ -18,7 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "common/tokenizer/token_bytes.h"
+#include "common/tokenizer/token_byte_table.h"
 
 namespace specserve {
 
@@ -33,7 +33,7 @@ namespace specserve {
 class JsonMatcher {
  public:
   static constexpr int kMaxDepth = 48;
-  static constexpr int kMaxWhitespace = 16;
+  static constexpr int kMaxWhitespace = 8;
 
   /// Consumes `c`; false (and no change) when no JSON object has this
   /// prefix.

@@ -10,6 +10,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/tokenizer/token_bytes.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -71,8 +72,10 @@ TEST(JsonMatcherTest, RejectsWhatIsNotAnObjectPrefix) {
 TEST(JsonMatcherTest, LimitsWhitespaceRunsAndDepth) {
   EXPECT_TRUE(Accepts(std::string(JsonMatcher::kMaxWhitespace, ' ') + "{"));
   EXPECT_FALSE(Accepts(std::string(JsonMatcher::kMaxWhitespace + 1, ' ')));
-  EXPECT_TRUE(AcceptsComplete("{\"a\":" + std::string(16, '\n') + "1" +
-                              std::string(16, ' ') + "}"));
+  const int w = JsonMatcher::kMaxWhitespace;
+  EXPECT_TRUE(AcceptsComplete("{\"a\":" + std::string(w, '\n') + "1" +
+                              std::string(w, ' ') + "}"));
+  EXPECT_FALSE(Accepts("{\"a\":" + std::string(w + 1, '\n')));
   // Whitespace inside strings is content, not counted.
   EXPECT_TRUE(AcceptsComplete("{\"" + std::string(100, ' ') + "\":1}"));
   std::string deep = "{\"a\":";

@@ -113,6 +113,7 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   out.repetition_penalty =
       p.repetition_penalty() == 0.f ? 1.f : p.repetition_penalty();
   out.min_p = p.min_p();
+  out.json_object = p.json_object();
   out.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
   std::sort(out.logit_bias.begin(), out.logit_bias.end());
   return out;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -73,12 +74,34 @@ void DraftSession::Preempt() {
 }
 
 absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
-    ModelRunner* model, int capacity, const SamplingParams& sampling) {
+    ModelRunner* model, int capacity, const SamplingParams& sampling,
+    const JsonTokenMask* json_mask) {
   if (auto s = ValidateSamplingParams(sampling); !s.ok()) return s;
   auto cache = model->NewSequence(capacity);
   if (!cache.ok()) return cache.status();
-  return std::unique_ptr<DraftSession>(
+  std::unique_ptr<DraftSession> session(
       new DraftSession(model, *std::move(cache), sampling));
+  if (sampling.json_object && json_mask != nullptr && json_mask->can_open()) {
+    session->json_mask_ = json_mask;
+    session->json_.emplace();
+  }
+  return session;
+}
+
+std::vector<int> DraftSession::JsonDisallowed(
+    absl::Span<const int> pending) const {
+  std::vector<int> out;
+  if (!json_) return out;
+  JsonMatcher m = *json_;
+  for (const int id : pending) {
+    if (!json_mask_->Advance(&m, id)) return out;
+  }
+  json_mask_->Disallowed(m, &out);
+  for (int id = json_mask_->vocab_size(); id < model_->config().vocab_size;
+       ++id) {
+    out.push_back(id);
+  }
+  return out;
 }
 
 namespace {
@@ -95,12 +118,15 @@ int LastArgmax(const ForwardOutput& out, int vocab) {
 
 const float* DraftSession::Adjusted(const float* logits,
                                    absl::Span<const int> pending) {
-  if (!sampling_.adjusts_logits()) return logits;
+  if (!Adjusts()) return logits;
   const int vocab = model_->config().vocab_size;
   adjusted_.assign(logits, logits + vocab);
   const absl::Span<float> row = absl::MakeSpan(adjusted_);
   ApplyLogitBias(sampling_, row);
   if (penalties_) penalties_->Apply(sampling_, pending, row);
+  for (const int id : JsonDisallowed(pending)) {
+    if (id < vocab) row[id] = -std::numeric_limits<float>::infinity();
+  }
   return adjusted_.data();
 }
 
@@ -109,10 +135,10 @@ DraftToken DraftSession::Propose(const ForwardOutput& out) {
   DraftToken d;
   // The row follows this call's drafts so far (penalties count them).
   std::vector<int> pending;
-  if (penalties_) {
+  if (penalties_ || json_) {
     for (const DraftToken& t : drafts_) pending.push_back(t.id);
   }
-  if (sampling_.greedy() && (!sampling_.adjusts_logits() ||
+  if (sampling_.greedy() && (!Adjusts() ||
                              !out.argmax.empty())) {
     d.id = LastArgmax(out, vocab);  // edited by the backend, if adjusted
   } else if (sampling_.greedy()) {
@@ -234,6 +260,11 @@ absl::StatusOr<int> DraftSession::PrepareDraft(absl::Span<const int> emitted) {
   }
   committed_.insert(committed_.end(), emitted.begin(), emitted.end());
   if (penalties_) penalties_->AddOutput(emitted);
+  if (json_) {
+    for (const int id : emitted) {
+      if (!json_mask_->Advance(&*json_, id)) break;
+    }
+  }
 
   // Keep the longest cached prefix that agrees with what the target
   // emitted (rejected drafts roll back; a tree's nodes are cached as -1 and
@@ -338,7 +369,7 @@ void DraftSession::ExpandTreeNode(int parent, const float* logits) {
   if (base < min_prob) return;
   // The node's row follows its path from the root (penalties count it).
   std::vector<int> path;
-  if (penalties_) {
+  if (penalties_ || json_) {
     for (int n = parent; n >= 0; n = nodes_[n].parent) {
       path.push_back(nodes_[n].token.id);
     }
@@ -552,14 +583,15 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   entry->input.argmax_only =
       op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy());
   entry->input.logit_edits = nullptr;
-  if (op_ == Op::kDraft && sampling_.greedy() && sampling_.adjusts_logits()) {
+  if (op_ == Op::kDraft && sampling_.greedy() && Adjusts()) {
     std::vector<int> pending;
-    if (penalties_) {
+    if (penalties_ || json_) {
       for (const DraftToken& t : drafts_) pending.push_back(t.id);
     }
     draft_edits_.Clear();
     AppendRowEdits(sampling_, penalties_ ? &*penalties_ : nullptr, pending,
-                   {}, model_->config().vocab_size, &draft_edits_);
+                   JsonDisallowed(pending), model_->config().vocab_size,
+                   &draft_edits_);
     entry->input.logit_edits = &draft_edits_;
   }
   entry->capture = nullptr;

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/decoding/json_grammar.h"
 #include "common/decoding/logits_processors.h"
 #include "common/decoding/sampling.h"
 #include "common/decoding/verification.h"
@@ -65,9 +66,14 @@ struct ScoreResult {
 class DraftSession : public Session {
  public:
   /// `capacity`: KV cache tokens (<= the model's max context).
+  /// `json_mask`: with sampling.json_object, the vocabulary's JSON mask
+  /// (outlives the session), so drafts keep the output a JSON object as
+  /// the target will; null = drafts unconstrained (still lossless, more
+  /// often rejected).
   /// INVALID_ARGUMENT for bad sampling params or capacity.
   static absl::StatusOr<std::unique_ptr<DraftSession>> Create(
-      ModelRunner* model, int capacity, const SamplingParams& sampling);
+      ModelRunner* model, int capacity, const SamplingParams& sampling,
+      const JsonTokenMask* json_mask = nullptr);
 
   /// Speculative Prefill scoring of `prompt` (token ids, BOS included; the
   /// session must be fresh). Rows = the last prompt token + the look-ahead
@@ -162,11 +168,18 @@ class DraftSession : public Session {
   // argmax; sampled, a draw from q (kept in the draft).
   DraftToken Propose(const ForwardOutput& out);
   // `logits` ([vocab]) adjusted as the target adjusts its rows (the logit
-  // bias, the penalties for the output so far and then `pending`; a
-  // scratch copy, valid until the next call), or `logits` itself without
-  // either: q then follows the target's p, which only raises acceptance
-  // (any q is lossless). min_p is ComputeDistribution's.
+  // bias, the penalties for the output so far and then `pending`, the
+  // JSON mask after them; a scratch copy, valid until the next call), or
+  // `logits` itself without any: q then follows the target's p, which only
+  // raises acceptance (any q is lossless). min_p is ComputeDistribution's.
   const float* Adjusted(const float* logits, absl::Span<const int> pending);
+  // Whether rows are adjusted (bias, penalties, JSON mode).
+  bool Adjusts() const {
+    return sampling_.adjusts_logits() || json_.has_value();
+  }
+  // The ids the JSON mask forbids after the output and `pending` (none
+  // without JSON mode, or when a pending id breaks the object).
+  std::vector<int> JsonDisallowed(absl::Span<const int> pending) const;
   // On an empty cache: attaches the cached full blocks of `tokens` (at
   // positions 0..) but the last token, sets cached_; returns the tokens.
   int AttachCachedPrefix(absl::Span<const int> tokens);
@@ -182,6 +195,9 @@ class DraftSession : public Session {
   // With the request's penalties: the prompt (from Score) and the tokens
   // the target emitted.
   std::optional<PenaltyTracker> penalties_;
+  // JSON mode: the mask and the object the emitted tokens wrote so far.
+  const JsonTokenMask* json_mask_ = nullptr;
+  std::optional<JsonMatcher> json_;
   std::vector<int> cached_;     // token ids in the KV cache, in order
   std::vector<int> committed_;  // prompt + target-emitted tokens
   std::vector<int> look_ahead_;  // proposed by Score, unconfirmed

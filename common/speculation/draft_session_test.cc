@@ -9,6 +9,7 @@
 #include <set>
 
 #include "common/engine/test_util.h"
+#include "common/tokenizer/token_bytes.h"
 #include "gtest/gtest.h"
 
 namespace specserve {
@@ -557,6 +558,85 @@ TEST_F(DraftSessionTest, SampledDraftsCarryNormalisedQAndAreSeeded) {
 // The request's logit bias shapes the drafts as it shapes the target's p:
 // greedy chains and tree nodes are the argmax / top tokens of the biased
 // logits, and a sampled q gives a banned token no mass.
+// JSON mode: with the vocabulary's mask, greedy chains, sampled chains and
+// greedy trees draft only what keeps the output (the emitted tokens, then
+// the drafts on the path) a JSON object prefix; without it they do not.
+TEST_F(DraftSessionTest, JsonModeDraftsKeepTheObjectValid) {
+  auto tok = LoadTokenizer("models/stories260K-draft");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  absl::StatusOr<TokenByteTable> table = BuildTokenByteTable(**tok);
+  ASSERT_TRUE(table.ok());
+  const JsonTokenMask mask(*table, model_->config().eos_token_ids);
+  const std::vector<int> prompt = {1, 403, 407, 261};
+  ScoreOptions no_look_ahead;
+  no_look_ahead.look_ahead = 0;
+  // The target emitted "{": a key or "}" must follow (a story model's
+  // words would not).
+  int open = -1;
+  for (int id = 0; id < static_cast<int>(table->bytes.size()); ++id) {
+    if (table->bytes[id] == "{" && open < 0) open = id;
+  }
+  ASSERT_GE(open, 0);
+  const std::vector<int> emitted = {open};
+  const auto valid = [&](std::vector<int> ids) {
+    JsonMatcher m;
+    for (int id : ids) {
+      if (!mask.Advance(&m, id)) return false;
+    }
+    return true;
+  };
+  int unconstrained_valid = 0;
+  for (const bool json : {true, false}) {
+    for (const float temperature : {0.f, 1.f}) {
+      SamplingParams p;
+      p.json_object = true;
+      p.temperature = temperature;
+      p.seed = 5;
+      auto s = DraftSession::Create(model_.get(), 512, p,
+                                    json ? &mask : nullptr);
+      ASSERT_TRUE(s.ok());
+      ASSERT_TRUE((*s)->Score(prompt, no_look_ahead).ok());
+      auto drafts = (*s)->Draft({}, 1);  // the first: must open
+      ASSERT_TRUE(drafts.ok());
+      std::vector<int> out;
+      for (const DraftToken& d : *drafts) out.push_back(d.id);
+      if (json) EXPECT_TRUE(valid(out)) << temperature;
+      drafts = (*s)->Draft(emitted, 8);
+      ASSERT_TRUE(drafts.ok());
+      out = emitted;
+      for (const DraftToken& d : *drafts) out.push_back(d.id);
+      if (json) {
+        EXPECT_TRUE(valid(out)) << temperature;
+      } else {
+        unconstrained_valid += valid(out);
+      }
+    }
+    if (!json) continue;
+    auto tree = DraftSession::Create(model_.get(), 512,
+                                     [] { SamplingParams p; p.json_object = true; return p; }(),
+                                     &mask);
+    ASSERT_TRUE(tree.ok());
+    ASSERT_TRUE((*tree)->Score(prompt, no_look_ahead).ok());
+    ASSERT_TRUE((*tree)->Draft({}, 1).ok());
+    std::vector<int> parents;
+    auto nodes = (*tree)->DraftTree(emitted, DraftTreeShape{{3, 2, 2}, 12, 0.0},
+                                    &parents);
+    ASSERT_TRUE(nodes.ok());
+    ASSERT_GT(nodes->size(), 3u);
+    for (size_t i = 0; i < nodes->size(); ++i) {
+      std::vector<int> path;
+      for (int n = static_cast<int>(i); n >= 0; n = parents[n]) {
+        path.push_back((*nodes)[n].id);
+      }
+      std::reverse(path.begin(), path.end());
+      path.insert(path.begin(), emitted.begin(), emitted.end());
+      EXPECT_TRUE(valid(path)) << "node " << i;
+    }
+  }
+  // The story model left alone does not write JSON.
+  EXPECT_LT(unconstrained_valid, 2);
+}
+
 TEST_F(DraftSessionTest, DraftsFollowTheLogitBias) {
   const std::vector<int> prompt = {1, 403, 407, 261};
   ScoreOptions no_look_ahead;

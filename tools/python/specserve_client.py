@@ -101,7 +101,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   tree_max_nodes=None, tree_min_path_prob=None,
                   logprobs=None, presence_penalty=None,
                   frequency_penalty=None, repetition_penalty=None,
-                  logit_bias=None, min_tokens=None, min_p=None):
+                  logit_bias=None, min_tokens=None, min_p=None,
+                  json_object=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
@@ -114,7 +115,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     repetition_penalty > 0 (prompt and generated ids) as OpenAI and vLLM
     define them. logit_bias: {token id: bias in [-100, 100]}; min_tokens:
     no EOS, stop id or stop string before this many tokens (vLLM's);
-    min_p in [0, 1]."""
+    min_p in [0, 1]; json_object: JSON mode (the output is one JSON
+    object, OpenAI's response_format json_object)."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -138,6 +140,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.sampling.min_tokens = min_tokens
     if min_p is not None:
         req.sampling.min_p = min_p
+    if json_object:
+        req.sampling.json_object = True
     if stop:
         req.sampling.stop.extend(stop)
     if logprobs is not None:
@@ -185,6 +189,8 @@ def main():
     ap.add_argument("--min_p", type=float,
                     help="[0, 1]: drop tokens less likely than min_p times "
                          "the likeliest")
+    ap.add_argument("--json_object", action="store_true",
+                    help="JSON mode: the output is one JSON object")
     ap.add_argument("--min_tokens", type=int,
                     help="no EOS, stop id or stop string before this many "
                          "tokens")
@@ -243,6 +249,7 @@ def main():
                                       a.logit_bias.split(","))}
                                     if a.logit_bias else None),
                         min_tokens=a.min_tokens, min_p=a.min_p,
+                        json_object=a.json_object or None,
                         keep_ratio=a.keep_ratio,
                         num_draft_tokens=a.num_draft_tokens,
                         spec_decode_method=a.spec_decode_method,
