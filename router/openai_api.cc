@@ -657,6 +657,8 @@ absl::Status NameParam(absl::Status status, Endpoint endpoint) {
     param = endpoint == Endpoint::kChat ? "messages" : "prompt";
   } else if (field == "sampling.max_new_tokens") {
     param = "max_tokens";
+  } else if (field == "sampling.json_object") {
+    param = "response_format";
   } else if (absl::ConsumePrefix(&field, "sampling.")) {
     param = std::string(field);
   } else if (absl::StartsWith(field, "speculative_prefill.") ||

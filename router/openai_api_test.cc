@@ -37,6 +37,7 @@ TEST(ParseRequestTest, MapsEveryField) {
                        {"logit_bias", {{"5", -100}, {"17", 2.5}}},
                        {"min_tokens", 3},
                        {"min_p", 0.05},
+                       {"response_format", {{"type", "json_object"}}},
                        {"stop", "\n"},
                        {"stop_token_ids", {5, 6}},
                        {"ignore_eos", true},
@@ -82,6 +83,7 @@ TEST(ParseRequestTest, MapsEveryField) {
   EXPECT_FLOAT_EQ(s.logit_bias().at(17), 2.5f);
   EXPECT_EQ(s.min_tokens(), 3);
   EXPECT_FLOAT_EQ(s.min_p(), 0.05f);
+  EXPECT_TRUE(s.json_object());
   ASSERT_EQ(s.stop_size(), 1);
   EXPECT_EQ(s.stop(0), "\n");
   ASSERT_EQ(s.stop_token_ids_size(), 2);
@@ -167,7 +169,9 @@ TEST(ParseRequestTest, DeeplyNestedBodiesAreRefused) {
 }
 
 TEST(ParseRequestTest, UnsetFieldsStayUnset) {
-  auto p = Completion({{"prompt", {1, 2, 3}}, {"temperature", nullptr}});
+  auto p = Completion({{"prompt", {1, 2, 3}},
+                       {"temperature", nullptr},
+                       {"response_format", {{"type", "text"}}}});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_FALSE(p->stream);
   EXPECT_EQ(p->request.token_ids().ids_size(), 3);
@@ -178,6 +182,7 @@ TEST(ParseRequestTest, UnsetFieldsStayUnset) {
   EXPECT_FALSE(p->request.sampling().has_frequency_penalty());
   EXPECT_FALSE(p->request.sampling().has_repetition_penalty());
   EXPECT_FALSE(p->request.sampling().has_min_tokens());
+  EXPECT_FALSE(p->request.sampling().has_json_object());
   EXPECT_EQ(p->request.sampling().logit_bias_size(), 0);
   EXPECT_FALSE(p->request.has_speculative_prefill());
 }
@@ -279,6 +284,12 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"min_p", 1.5}}, "min_p"},
       {{{"prompt", "a"}, {"min_p", "0.1"}}, "min_p"},
       {{{"prompt", "a"}, {"min_tokens", 1.5}}, "min_tokens"},
+      {{{"prompt", "a"}, {"response_format", {{"type", "json_schema"}}}},
+       "response_format"},
+      {{{"prompt", "a"}, {"response_format", {{"type", "xml"}}}},
+       "response_format"},
+      {{{"prompt", "a"}, {"response_format", "json_object"}},
+       "response_format"},
   };
   for (const Case& c : cases) {
     auto p = Completion(c.body);
@@ -473,6 +484,8 @@ TEST(StatusMappingTest, RouterErrorsNameTheParameter) {
   EXPECT_EQ(param("prompt: 600 tokens leave no room"), "prompt");
   EXPECT_EQ(param("sampling.max_new_tokens must be >= 1"), "max_tokens");
   EXPECT_EQ(param("sampling.top_p must be in (0, 1]"), "top_p");
+  EXPECT_EQ(param("sampling.json_object: JSON mode is not available"),
+            "response_format");
   EXPECT_EQ(param("sampling.stop_token_ids[0] = 7 is outside"),
             "stop_token_ids");
   EXPECT_EQ(param("speculative_prefill.keep_ratio must be"),

@@ -106,14 +106,16 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
   if (r.max_drafts < 0 || r.max_drafts > 64) {
     return absl::InvalidArgumentError("max_drafts must be in [0, 64]");
   }
+  // Refused as the request's (INVALID_ARGUMENT, 400 over HTTP): this model
+  // cannot serve JSON mode.
   if (r.sampling.json_object && r.json_mask == nullptr) {
-    return absl::FailedPreconditionError(
-        "JSON mode (response_format json_object) needs the target's "
-        "tokenizer; this checkpoint has none");
+    return absl::InvalidArgumentError(
+        "sampling.json_object: JSON mode needs the target's tokenizer; this "
+        "checkpoint has none");
   }
   if (r.sampling.json_object && !r.json_mask->can_open()) {
-    return absl::FailedPreconditionError(
-        "JSON mode (response_format json_object): no token of this "
+    return absl::InvalidArgumentError(
+        "sampling.json_object: JSON mode is not available: no token of this "
         "vocabulary can write '{'");
   }
   if (!r.ignore_eos) r.stop.eos_token_ids = c.eos_token_ids;

@@ -1229,7 +1229,7 @@ TEST_F(TargetSessionTest, JsonModeRoundsEqualMaskedGreedyDecoding) {
     r.sampling.json_object = true;
     r.json_mask = &braceless;
     const absl::Status st = TargetSession::Create(runner.get(), r).status();
-    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("'{'"), std::string::npos) << st;
   }
   // stories260K's sentencepiece vocabulary has every byte.
@@ -1250,7 +1250,7 @@ TEST_F(TargetSessionTest, JsonModeRoundsEqualMaskedGreedyDecoding) {
   TargetRequest r = Request({1, 403, 407, 261}, 40);
   r.sampling.json_object = true;
   EXPECT_EQ(TargetSession::Create(big, r).status().code(),
-            absl::StatusCode::kFailedPrecondition);  // no mask: no tokenizer
+            absl::StatusCode::kInvalidArgument);  // no mask: no tokenizer
   r.json_mask = &mask;
   const std::vector<int> want = JsonGreedyReference(*big, r, *table, 40);
   ASSERT_EQ(want.size(), 40u) << text_of(want);
