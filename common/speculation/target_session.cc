@@ -527,12 +527,7 @@ LogitEdits TargetSession::RoundEdits() const {
       std::reverse(before.begin(), before.end());  // root first
     }
     row_masked.clear();
-    // The token this row decides is output token output_.size() + (drafts
-    // before it): before min_new_tokens it may not end the request.
-    if (static_cast<int>(output_.size() + before.size()) <
-        stop.min_new_tokens) {
-      row_masked = masked;
-    }
+    bool json_complete = false;
     if (json_) {
       // The row continues the object past the drafts on its path; a draft
       // the grammar rejects is itself rejected by an earlier row, so rows
@@ -547,7 +542,16 @@ LogitEdits TargetSession::RoundEdits() const {
         for (int id = request_.json_mask->vocab_size(); id < vocab; ++id) {
           row_masked.push_back(id);  // model rows past the tokenizer's
         }
+        json_complete = m.complete();
       }
+    }
+    // The token this row decides is output token output_.size() + (drafts
+    // before it): before min_new_tokens it may not end the request. A
+    // closed JSON object overrides that (EOS is all it allows).
+    if (static_cast<int>(output_.size() + before.size()) <
+            stop.min_new_tokens &&
+        !json_complete) {
+      row_masked.insert(row_masked.end(), masked.begin(), masked.end());
     }
     AppendRowEdits(request_.sampling,
                    penalties_ ? &*penalties_ : nullptr, before, row_masked,

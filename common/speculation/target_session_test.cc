@@ -1291,6 +1291,11 @@ TEST_F(TargetSessionTest, JsonModeRoundsEqualMaskedGreedyDecoding) {
   ASSERT_TRUE(s.ok());
   while (!(*s)->finished()) ASSERT_TRUE((*s)->Step({}, {}).ok());
   EXPECT_EQ((*s)->finish_reason(), FinishReason::kEos);
+  // A closed object ends the output even before min_new_tokens: EOS is all
+  // the grammar allows, and masking it too would leave no token at all.
+  r.stop.min_new_tokens = 59;
+  EXPECT_EQ(RunSession(big, r, nullptr).tokens, closed);
+  r.stop.min_new_tokens = 0;
 
   // Sampled, with point-mass drafts of random ids: valid prefixes only.
   r.sampling.logit_bias.clear();
