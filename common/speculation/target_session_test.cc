@@ -864,15 +864,15 @@ std::vector<float> PenalizedByHand(std::vector<float> logits,
   return logits;
 }
 
-// Greedy decoding of `r` with its logit bias and penalties, and its EOS
-// ids masked before min_new_tokens, one fresh forward per token, up to n
-// tokens or before the first EOS.
-std::vector<int> PenalizedGreedyReference(ModelRunner& m,
-                                          const TargetRequest& r, int n) {
+// Greedy decoding of `r`, one fresh forward per token, up to n tokens or
+// before the first EOS (unless ignore_eos), each row's logits first passed
+// through adjust(row, output so far).
+std::vector<int> AdjustedGreedyReference(
+    ModelRunner& m, const TargetRequest& r, int n,
+    const std::function<void(std::vector<float>*, const std::vector<int>&)>&
+        adjust) {
   const int next = r.next_position >= 0 ? r.next_position
                                         : r.position_ids.back() + 1;
-  const std::vector<int>& prompt =
-      r.penalty_prompt_ids.empty() ? r.token_ids : r.penalty_prompt_ids;
   std::vector<int> out;
   const std::vector<int>& eos = m.config().eos_token_ids;
   // One sequence, one row per token (the prompt's logits first).
@@ -883,11 +883,8 @@ std::vector<int> PenalizedGreedyReference(ModelRunner& m,
   ForwardOutput fwd;
   EXPECT_TRUE(m.Forward(in, cache.get(), &fwd).ok());
   for (int i = 0; i < n; ++i) {
-    std::vector<float> row =
-        PenalizedByHand(fwd.logits, prompt, out, r.sampling);
-    if (i < r.stop.min_new_tokens) {
-      for (int id : eos) row[id] = -INFINITY;
-    }
+    std::vector<float> row = fwd.logits;
+    adjust(&row, out);
     const int id = static_cast<int>(
         std::max_element(row.begin(), row.end()) - row.begin());
     // The session ends at EOS without emitting it.
@@ -902,6 +899,22 @@ std::vector<int> PenalizedGreedyReference(ModelRunner& m,
     EXPECT_TRUE(m.Forward(step, cache.get(), &fwd).ok());
   }
   return out;
+}
+
+// Greedy decoding of `r` with its logit bias and penalties, and its EOS
+// ids masked before min_new_tokens.
+std::vector<int> PenalizedGreedyReference(ModelRunner& m,
+                                          const TargetRequest& r, int n) {
+  const std::vector<int>& prompt =
+      r.penalty_prompt_ids.empty() ? r.token_ids : r.penalty_prompt_ids;
+  const std::vector<int>& eos = m.config().eos_token_ids;
+  return AdjustedGreedyReference(
+      m, r, n, [&](std::vector<float>* row, const std::vector<int>& out) {
+        *row = PenalizedByHand(*row, prompt, out, r.sampling);
+        if (static_cast<int>(out.size()) < r.stop.min_new_tokens) {
+          for (int id : eos) (*row)[id] = -INFINITY;
+        }
+      });
 }
 
 // Greedy with penalties: plain rounds, random chain drafts and random trees
@@ -1171,16 +1184,11 @@ std::vector<int> JsonGreedyReference(ModelRunner& m, const TargetRequest& r,
                                      const TokenByteTable& table, int n) {
   const std::vector<int>& eos = m.config().eos_token_ids;
   const int vocab = m.config().vocab_size;
-  auto cache = *m.NewSequence(static_cast<int>(r.token_ids.size()) + n + 1);
-  ForwardInput in;
-  in.token_ids = r.token_ids;
-  in.position_ids = r.position_ids;
-  ForwardOutput fwd;
-  EXPECT_TRUE(m.Forward(in, cache.get(), &fwd).ok());
-  JsonMatcher json;
-  std::vector<int> out;
-  for (int i = 0; i < n; ++i) {
-    std::vector<float> row = fwd.logits;
+  return AdjustedGreedyReference(m, r, n, [&](std::vector<float>* row_ptr,
+                                              const std::vector<int>& out) {
+    std::vector<float>& row = *row_ptr;
+    JsonMatcher json;
+    for (int id : out) EXPECT_TRUE(json.Advance(table.bytes[id]));
     ApplyLogitBias(r.sampling, absl::MakeSpan(row));
     bool any = false;
     for (int id = 0; id < vocab; ++id) {
@@ -1195,17 +1203,7 @@ std::vector<int> JsonGreedyReference(ModelRunner& m, const TargetRequest& r,
     if (any) {
       for (int id : eos) row[id] = -INFINITY;
     }
-    const int id = static_cast<int>(
-        std::max_element(row.begin(), row.end()) - row.begin());
-    if (std::find(eos.begin(), eos.end(), id) != eos.end()) break;
-    out.push_back(id);
-    EXPECT_TRUE(json.Advance(table.bytes[id]));
-    const int pos = r.position_ids.back() + 1 + i;
-    in.token_ids = absl::MakeConstSpan(&out.back(), 1);
-    in.position_ids = absl::MakeConstSpan(&pos, 1);
-    EXPECT_TRUE(m.Forward(in, cache.get(), &fwd).ok());
-  }
-  return out;
+  });
 }
 
 // JSON mode (response_format json_object): greedy rounds with no drafts,
