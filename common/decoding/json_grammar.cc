@@ -55,6 +55,11 @@ bool JsonMatcher::Utf8(unsigned char c) {
   return true;
 }
 
+bool JsonMatcher::To(State s) {
+  state_ = s;
+  return true;
+}
+
 bool JsonMatcher::EndValue() {
   state_ = depth_ == 0 ? State::kDone : State::kAfter;
   return true;
@@ -210,35 +215,19 @@ bool JsonMatcher::Advance(unsigned char c) {
         ok = true;
       }
       break;
+    // Number states that need a byte: each accepts one class and moves on.
     case State::kMinus:
-      if (c == '0') {
-        state_ = State::kZero;
-        ok = true;
-      } else if (c >= '1' && c <= '9') {
-        state_ = State::kInt;
-        ok = true;
-      }
+      ok = c == '0' ? To(State::kZero) : IsDigit(c) && To(State::kInt);
       break;
     case State::kDot:
-      if (IsDigit(c)) {
-        state_ = State::kFrac;
-        ok = true;
-      }
+      ok = IsDigit(c) && To(State::kFrac);
       break;
     case State::kExp:
-      if (c == '+' || c == '-') {
-        state_ = State::kExpSign;
-        ok = true;
-      } else if (IsDigit(c)) {
-        state_ = State::kExpDigits;
-        ok = true;
-      }
+      ok = c == '+' || c == '-' ? To(State::kExpSign)
+                                : IsDigit(c) && To(State::kExpDigits);
       break;
     case State::kExpSign:
-      if (IsDigit(c)) {
-        state_ = State::kExpDigits;
-        ok = true;
-      }
+      ok = IsDigit(c) && To(State::kExpDigits);
       break;
     case State::kLiteral: {
       const absl::string_view lit = kLiterals[literal_];

@@ -74,6 +74,8 @@ class JsonMatcher {
   bool EndValue();
   bool StartValue(unsigned char c, bool array_first);
   bool Whitespace(unsigned char c);
+  // Moves to `s`; true (for `ok = cond && To(s)`).
+  bool To(State s);
   // One byte of string content (not '"' or '\\' outside a character).
   bool Utf8(unsigned char c);
 
