@@ -9,12 +9,10 @@
 #include <string>
 #include <utility>
 
-#include "absl/base/call_once.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
-#include "absl/synchronization/notification.h"
 #include "httplib.h"
 #include "router/api_key.h"
 #include "router/chat_format.h"
@@ -96,29 +94,6 @@ absl::Status CheckModel(RouterServer& router, const std::string& requested) {
 // A streaming request: each choice's runner works on its own thread and
 // queues SSE events; the connection thread writes them (httplib's content
 // provider).
-// The n choices of one request share its prompt: choices after the first
-// start once the first has sent its first token (or ended). By then the
-// speculator and the target hold the prompt's KV in their prefix caches,
-// so the other choices' Speculative Prefill and target prefill read it
-// instead of computing it again (vLLM forks a request's n samples after
-// one prefill); their first tokens come that much later.
-class ChoiceGate {
- public:
-  /// Lets the waiting choices start; idempotent.
-  void Open() {
-    absl::call_once(once_, [this] { open_.Notify(); });
-  }
-  /// Waits for Open() or `deadline` (the request's: past it the choice
-  /// starts and fails on its own).
-  void Wait(absl::Time deadline) {
-    open_.WaitForNotificationWithDeadline(deadline);
-  }
-
- private:
-  absl::once_flag once_;
-  absl::Notification open_;
-};
-
 struct HttpServer::Stream {
   Stream(const RouterBackends* backends, openai::ResponseBuilder b, int n)
       : builder(std::move(b)), running(n) {
@@ -131,7 +106,6 @@ struct HttpServer::Stream {
   }
   std::vector<std::unique_ptr<RequestRunner>> runners;  // one per choice
   std::vector<std::thread> workers;
-  ChoiceGate gate;  // choices 1.. wait for choice 0's first token
   absl::Mutex mu;
   openai::ResponseBuilder builder ABSL_GUARDED_BY(mu);
   std::deque<std::string> events ABSL_GUARDED_BY(mu);
@@ -349,22 +323,16 @@ class HttpHandlers {
     }
     absl::Mutex mu;
     absl::Status first;  // guarded by mu
-    ChoiceGate gate;
     const auto run = [&](int i) {
       // Choice 0 runs the request as parsed; the others a copy with their
-      // seed, once choice 0 has its first token.
+      // seed.
       std::optional<v1::GenerateTextRequest> own;
-      if (i > 0) {
-        own = openai::ChoiceRequest(request, i);
-        gate.Wait(deadline);
-      }
+      if (i > 0) own = openai::ChoiceRequest(request, i);
       const absl::Status st = runners[i]->Run(
           own ? *own : request, start, deadline,
-          [out = &(*outs)[i], &gate, i](const v1::GenerateTextChunk& c) {
+          [out = &(*outs)[i]](const v1::GenerateTextChunk& c) {
             AppendChunk(c, out);
-            if (i == 0 && c.token_ids_size() > 0) gate.Open();
           });
-      if (i == 0) gate.Open();
       if (st.ok()) return;
       {
         absl::MutexLock lock(&mu);
@@ -399,17 +367,14 @@ class HttpHandlers {
       call->workers.emplace_back([s, c, i, n,
                                   request = std::move(requests[i]), start,
                                   deadline] {
-        if (i > 0) c->gate.Wait(deadline);  // ChoiceGate
         const absl::Status st = c->runners[i]->Run(
             request, start, deadline,
             [c, i](const v1::GenerateTextChunk& chunk) {
-              if (i == 0 && chunk.token_ids_size() > 0) c->gate.Open();
               absl::MutexLock lock(&c->mu);
               std::string ev = c->builder.StreamEvents(chunk, i);
               c->started = true;
               if (!ev.empty()) c->events.push_back(std::move(ev));
             });
-        if (i == 0) c->gate.Open();
         s->Unregister(c->runners[i].get());
         bool last, cancel_others = false;
         absl::Status status;

@@ -655,46 +655,6 @@ TEST_F(HttpServerTest, StopStringsAndSeeds) {
             json::parse(b->body)["choices"][0]["text"]);
 }
 
-// n choices share the prompt's prefill: the choices after the first start
-// once it has a token, so each of them finds every full block of the
-// (kept) prompt in the target's prefix cache instead of prefilling it
-// again. (Started together, as before, they found from none to all of it,
-// depending on timing.) Unary and streamed.
-TEST_F(HttpServerTest, NChoicesReuseTheFirstChoicesPrefill) {
-  Start();
-  PagedKvCache& kv = target_->model().kv_cache();
-  const int bs = kv.block_size();
-  for (const bool stream : {false, true}) {
-    SCOPED_TRACE(stream);
-    // An empty prefix cache (the services' default is on, by flag).
-    kv.EnablePrefixCaching(false);
-    kv.EnablePrefixCaching(true);
-    json req = {{"prompt", StoryPrompt(10)},
-                {"max_tokens", 4},
-                {"n", 3},
-                {"temperature", 1.0},
-                {"seed", 5},
-                {"stream", stream}};
-    if (stream) req["stream_options"] = {{"include_usage", true}};
-    const int64_t before = kv.prefix_cache_hits();
-    auto res = Post("/v1/completions", req.dump());
-    ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "");
-    int kept = 0;
-    if (stream) {  // choice 0's last chunk carries its stats
-      for (const json& e : ParseSse(res->body).events) {
-        if (e.contains("specserve") && e["choices"].size() == 1 &&
-            e["choices"][0]["index"] == 0) {
-          kept = e["specserve"]["kept_prompt_tokens"];
-        }
-      }
-    } else {
-      kept = json::parse(res->body)["specserve"]["kept_prompt_tokens"];
-    }
-    ASSERT_GE(kept, bs);
-    EXPECT_EQ(kv.prefix_cache_hits() - before, 2 * (kept / bs) * bs);
-  }
-}
-
 // JSON mode (response_format json_object): the target and the
 // speculator keep every token inside one JSON object. This story model
 // would write strings forever, so the request nudges it to close (a bias
