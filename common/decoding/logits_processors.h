@@ -71,8 +71,9 @@ float PenalizeLogit(float logit, int count, bool in_prompt,
                     const SamplingParams& params);
 
 /// Edits of several logit rows in compressed-row form: row r's edits are
-/// edits[offsets[r] .. offsets[r + 1]), at most one per id, ascending.
-/// offsets has rows + 1 entries (empty = no rows).
+/// edits[offsets[r] .. offsets[r + 1]), at most one per id (ascending, as
+/// AppendRowEdits writes them; backends need only distinct ids). offsets
+/// has rows + 1 entries (empty = no rows).
 struct LogitEdits {
   std::vector<int> offsets;
   std::vector<LogitEdit> edits;

@@ -81,7 +81,8 @@ struct ForwardInput {
   /// -1 = none; at most kMaxTopLogprobs.
   int logprobs_top_n = -1;
   /// A request's logit adjustments (logit bias, penalties, the min_tokens
-  /// mask; logits_processors.h), one row of edits per logit row, applied
+  /// mask, JSON mode's mask; logits_processors.h, json_grammar.h), one row
+  /// of edits per logit row, applied
   /// before the rows are decided (argmax_only or sampling): so adjusted
   /// requests are decided where the logits are, and the CUDA backend
   /// copies back ids, not [rows, vocab] logits. Needs argmax_only or
