@@ -12,6 +12,8 @@
 
 #include "common/speculation/target_session.h"
 #include "common/tokenizer/tokenizer.h"
+#include "common/decoding/json_grammar.h"
+#include "common/tokenizer/token_bytes.h"
 #include "gtest/gtest.h"
 #include "prometheus/text_serializer.h"
 #include "protos/speculator.grpc.pb.h"
@@ -855,6 +857,58 @@ TEST_F(RequestRunnerTest, DraftTreesAreLosslessAndAcceptMoreThanChains) {
   EXPECT_TRUE(
       Eventually([&] { return speculator_->sessions().num_sessions() == 0; }));
   EXPECT_TRUE(Eventually([&] { return target_->active_sessions() == 0; }));
+}
+
+// JSON mode through the real services with every drafting method: greedy
+// output is the same without drafts, with chains, n-gram drafts and trees
+// (lossless under the mask), and sampled chains and trees (a sampled tree
+// is decided on the host with the same mask) write only valid prefixes of
+// a JSON object.
+TEST_F(RequestRunnerTest, JsonModeWithEveryDraftingMethod) {
+  const std::string text = StoryPrompt(3);
+  absl::StatusOr<TokenByteTable> table = BuildTokenByteTable(*tokenizer_);
+  ASSERT_TRUE(table.ok()) << table.status();
+  const auto valid = [&](const v1::GenerateTextResponse& r) {
+    JsonMatcher m;
+    for (int id : r.token_ids()) {
+      if (!m.Advance(table->bytes[id])) return false;
+    }
+    return true;
+  };
+  auto request = [&](const std::string& method) {
+    v1::GenerateTextRequest r;
+    r.set_text(text);
+    r.mutable_sampling()->set_max_new_tokens(32);
+    r.mutable_sampling()->set_json_object(true);
+    r.mutable_speculative_prefill()->set_enabled(false);
+    r.mutable_speculative_decoding()->set_enabled(!method.empty());
+    if (!method.empty()) {
+      r.mutable_speculative_decoding()->set_method(method);
+      r.mutable_speculative_decoding()->set_num_draft_tokens(4);
+    }
+    return r;
+  };
+  Outcome plain = Run(request(""));
+  ASSERT_TRUE(plain.status.ok()) << plain.status;
+  EXPECT_TRUE(valid(plain.response));
+  EXPECT_EQ(plain.response.usage().completion_tokens(), 32);
+  for (const char* method : {"draft", "ngram", "draft_tree"}) {
+    SCOPED_TRACE(method);
+    Outcome o = Run(request(method));
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(Ids(o.response), Ids(plain.response));
+  }
+  for (const char* method : {"draft", "draft_tree"}) {
+    for (int seed = 0; seed < 3; ++seed) {
+      SCOPED_TRACE(absl::StrCat(method, " seed ", seed));
+      v1::GenerateTextRequest r = request(method);
+      r.mutable_sampling()->set_temperature(1.0f);
+      r.mutable_sampling()->set_seed(seed);
+      Outcome o = Run(r);
+      ASSERT_TRUE(o.status.ok()) << o.status;
+      EXPECT_TRUE(valid(o.response)) << o.response.text();
+    }
+  }
 }
 
 TEST(ResolveOptionsTest, AppliesDefaults) {
