@@ -275,11 +275,15 @@ class HttpHandlers {
       return SendError(res, st);
     }
     const bool chat = endpoint == openai::Endpoint::kChat;
-    const int n = parsed->n;
+    // Every prompt's n choices, prompt-major (OpenAI's choice order).
+    std::vector<v1::GenerateTextRequest> requests =
+        openai::ChoiceRequests(*parsed);
+    const int n = static_cast<int>(requests.size());
     openai::ResponseBuilder builder(
         endpoint, openai::NewId(chat ? "chatcmpl-" : "cmpl-"),
         parsed->model.empty() ? model : parsed->model,
-        absl::ToUnixSeconds(absl::Now()), parsed->include_usage, n);
+        absl::ToUnixSeconds(absl::Now()), parsed->include_usage, n,
+        parsed->n);
     if (parsed->request.sampling().logprobs()) {
       builder.EnableLogprobs(s->router_->tokenizer());
     }
@@ -289,31 +293,30 @@ class HttpHandlers {
                    "router at capacity: ",
                    s->router_->options().max_concurrent_requests,
                    " requests in flight (--max_concurrent_requests; a "
-                   "request of n choices takes n)")));
+                   "request of n choices takes n, of each prompt)")));
     }
     const absl::Time start = absl::Now();
     const absl::Time deadline = start + s->router_->options().request_deadline;
     if (!parsed->stream) {
       std::vector<v1::GenerateTextResponse> outs(n);
-      const absl::Status st =
-          RunChoices(s, parsed->request, start, deadline, &outs);
+      const absl::Status st = RunChoices(s, requests, start, deadline, &outs);
       s->router_->Done(st, n);
       if (!st.ok()) return SendError(res, openai::NameParam(st, endpoint));
       res.set_content(Dump(builder.Response(outs)), kJson);
       return;
     }
-    Stream(s, endpoint, std::move(parsed->request), n, start, deadline,
+    Stream(s, endpoint, std::move(requests), start, deadline,
            std::move(builder), res);
   }
 
  private:
-  // Runs the n = outs->size() choices of `request` at once (choice 0 on
-  // this thread), each into its response. The first error cancels the
-  // others and is returned.
-  static absl::Status RunChoices(HttpServer* s,
-                                 const v1::GenerateTextRequest& request,
-                                 absl::Time start, absl::Time deadline,
-                                 std::vector<v1::GenerateTextResponse>* outs) {
+  // Runs the choices' requests (one per choice, outs->size() of them) at
+  // once (choice 0 on this thread), each into its response. The first
+  // error cancels the others and is returned.
+  static absl::Status RunChoices(
+      HttpServer* s, const std::vector<v1::GenerateTextRequest>& requests,
+      absl::Time start, absl::Time deadline,
+      std::vector<v1::GenerateTextResponse>* outs) {
     const int n = static_cast<int>(outs->size());
     std::vector<std::unique_ptr<RequestRunner>> runners;
     for (int i = 0; i < n; ++i) {
@@ -324,12 +327,8 @@ class HttpHandlers {
     absl::Mutex mu;
     absl::Status first;  // guarded by mu
     const auto run = [&](int i) {
-      // Choice 0 runs the request as parsed; the others a copy with their
-      // seed.
-      std::optional<v1::GenerateTextRequest> own;
-      if (i > 0) own = openai::ChoiceRequest(request, i);
       const absl::Status st = runners[i]->Run(
-          own ? *own : request, start, deadline,
+          requests[i], start, deadline,
           [out = &(*outs)[i]](const v1::GenerateTextChunk& c) {
             AppendChunk(c, out);
           });
@@ -351,18 +350,14 @@ class HttpHandlers {
   }
 
   static void Stream(HttpServer* s, openai::Endpoint endpoint,
-                     v1::GenerateTextRequest request, int n,
+                     std::vector<v1::GenerateTextRequest> requests,
                      absl::Time start, absl::Time deadline,
                      openai::ResponseBuilder builder, httplib::Response& res) {
+    const int n = static_cast<int>(requests.size());
     auto call = std::make_shared<HttpServer::Stream>(s->router_->backends(),
                                                      std::move(builder), n);
     for (auto& r : call->runners) s->Register(r.get());
     HttpServer::Stream* c = call.get();
-    // Choice 0 takes the request as parsed; the others a copy with their
-    // seed.
-    std::vector<v1::GenerateTextRequest> requests(n);
-    for (int i = 1; i < n; ++i) requests[i] = openai::ChoiceRequest(request, i);
-    requests[0] = std::move(request);
     for (int i = 0; i < n; ++i) {
       call->workers.emplace_back([s, c, i, n,
                                   request = std::move(requests[i]), start,

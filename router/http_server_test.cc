@@ -439,6 +439,62 @@ TEST_F(HttpServerTest, TokenIdPromptsAndOneElementBatches) {
   EXPECT_FALSE(text.empty());
 }
 
+// A batch of prompts (OpenAI's `prompt` as a list): prompt p's choice i is
+// choice p * n + i and equals that prompt alone with seed + i; usage counts
+// each prompt once; streamed, the same texts under the same indices.
+TEST_F(HttpServerTest, PromptBatches) {
+  Start();
+  const std::vector<std::string> prompts = {"Once upon a time",
+                                            "The little dog"};
+  const json req = {{"prompt", prompts},
+                    {"max_tokens", 10},
+                    {"n", 2},
+                    {"temperature", 1.0},
+                    {"seed", 21}};
+  auto res = Post("/v1/completions", req.dump());
+  ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "");
+  const json j = json::parse(res->body);
+  ASSERT_EQ(j["choices"].size(), 4u);
+  int prompt_tokens = 0;
+  std::vector<std::string> texts;
+  for (int p = 0; p < 2; ++p) {
+    prompt_tokens += static_cast<int>(tokenizer_->Encode(prompts[p], true)->size());
+    for (int i = 0; i < 2; ++i) {
+      const json& c = j["choices"][p * 2 + i];
+      EXPECT_EQ(c["index"], p * 2 + i);
+      auto alone = Post("/v1/completions",
+                        json{{"prompt", prompts[p]},
+                             {"max_tokens", 10},
+                             {"temperature", 1.0},
+                             {"seed", 21 + i}}
+                            .dump());
+      ASSERT_TRUE(alone && alone->status == 200);
+      EXPECT_EQ(c["text"], json::parse(alone->body)["choices"][0]["text"])
+          << p << "/" << i;
+      texts.push_back(c["text"]);
+    }
+  }
+  EXPECT_NE(texts[0], texts[2]);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], prompt_tokens);
+  json streamed = req;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  auto sres = Post("/v1/completions", streamed.dump());
+  ASSERT_TRUE(sres && sres->status == 200);
+  std::vector<std::string> joined(4);
+  const Sse sse = ParseSse(sres->body);
+  for (const json& e : sse.events) {
+    if (e["choices"].empty()) {
+      EXPECT_EQ(e["usage"]["prompt_tokens"], prompt_tokens);
+      continue;
+    }
+    joined[e["choices"][0]["index"].get<int>()] +=
+        e["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(joined, texts);
+  EXPECT_TRUE(sse.done);
+}
+
 TEST_F(HttpServerTest, StreamingMatchesUnary) {
   Start();
   for (const bool chat : {false, true}) {
@@ -820,8 +876,10 @@ TEST_F(HttpServerTest, BadRequests) {
   ExpectError(Post("/v1/completions", R"({"prompt": 5})"), 400, "prompt");
   ExpectError(Post("/v1/completions", R"({"prompt": [1, "a"]})"), 400,
               "prompt");
-  ExpectError(Post("/v1/completions", R"({"prompt": ["a", "b"]})"), 400,
+  ExpectError(Post("/v1/completions", R"({"prompt": ["a", ""]})"), 400,
               "prompt");
+  ExpectError(Post("/v1/completions", R"({"prompt": [[1, 2], [1, 100000]]})"),
+              400, "prompt");
   // Errors of the router's own checks name the OpenAI parameter too.
   ExpectError(Post("/v1/completions", R"({"prompt": [1, 100000]})"), 400,
               "prompt");

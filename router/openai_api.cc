@@ -200,36 +200,50 @@ absl::Status ParseIds(const json& v, absl::string_view param,
   return absl::OkStatus();
 }
 
-absl::Status ParsePrompt(const json& body, v1::GenerateTextRequest* r) {
-  const json* p = Member(body, "prompt");
-  if (p == nullptr) return ParamError("prompt", "'prompt' is required");
-  if (p->is_string()) {
-    if (p->get_ref<const std::string&>().empty()) {
+// One prompt (a string or a list of token ids) into `r`.
+absl::Status ParseOnePrompt(const json& p, v1::GenerateTextRequest* r) {
+  if (p.is_string()) {
+    if (p.get_ref<const std::string&>().empty()) {
       return ParamError("prompt", "'prompt' is empty");
     }
-    r->set_text(p->get<std::string>());
+    r->set_text(p.get<std::string>());
     return absl::OkStatus();
   }
-  if (!p->is_array()) {
-    return WrongType("prompt", "a string or a list of token ids", *p);
+  if (!p.is_array()) {
+    return WrongType("prompt", "a string or a list of token ids", p);
   }
-  if (!p->empty() && ((*p)[0].is_string() || (*p)[0].is_array())) {
-    // A batch of prompts: one only (n = 1, one choice).
-    if (p->size() != 1) {
-      return ParamError("prompt",
-                        "a batch of prompts is not supported: send one");
-    }
-    const json& one = (*p)[0];
-    if (one.is_string()) {
-      if (one.get_ref<const std::string&>().empty()) {
-        return ParamError("prompt", "'prompt' is empty");
-      }
-      r->set_text(one.get<std::string>());
-      return absl::OkStatus();
-    }
-    return ParseIds(one, "prompt", r->mutable_token_ids());
+  return ParseIds(p, "prompt", r->mutable_token_ids());
+}
+
+// `prompt`: one prompt into out->request, or a batch (a list of strings or
+// of token-id lists): the first there, the others into out->more_prompts.
+absl::Status ParsePrompt(const json& body, ParsedRequest* out) {
+  const json* p = Member(body, "prompt");
+  if (p == nullptr) return ParamError("prompt", "'prompt' is required");
+  const bool batch = p->is_array() && !p->empty() &&
+                     ((*p)[0].is_string() || (*p)[0].is_array());
+  if (!batch) return ParseOnePrompt(*p, &out->request);
+  const int prompts = static_cast<int>(p->size());
+  if (prompts > kMaxPrompts || prompts * out->n > kMaxPrompts) {
+    return ParamError(
+        "prompt", absl::StrCat("a batch of ", prompts, " prompts x n = ",
+                               out->n, " choices; at most ", kMaxPrompts,
+                               " choices in all are allowed"));
   }
-  return ParseIds(*p, "prompt", r->mutable_token_ids());
+  const v1::GenerateTextRequest common = out->request;
+  for (int i = 0; i < prompts; ++i) {
+    if (!(*p)[i].is_string() && !(*p)[i].is_array()) {
+      return WrongType(absl::StrCat("prompt[", i, "]"),
+                       "a string or a list of token ids", (*p)[i]);
+    }
+    v1::GenerateTextRequest* r = &out->request;
+    if (i > 0) {
+      out->more_prompts.push_back(common);
+      r = &out->more_prompts.back();
+    }
+    if (absl::Status s = ParseOnePrompt((*p)[i], r); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 // messages -> [{"role", "content"}] with content parts joined.
@@ -607,7 +621,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   if (auto s = ParseExtensions(body, &r); !s.ok()) return s;
   if (endpoint == Endpoint::kCompletions) {
-    if (auto s = ParsePrompt(body, &r); !s.ok()) return s;
+    if (auto s = ParsePrompt(body, &out); !s.ok()) return s;
     return out;
   }
   // Tool calling needs the template's tool prompt and a tool-call parser:
@@ -745,15 +759,27 @@ v1::GenerateTextRequest ChoiceRequest(const v1::GenerateTextRequest& request,
   return r;
 }
 
+std::vector<v1::GenerateTextRequest> ChoiceRequests(const ParsedRequest& p) {
+  std::vector<v1::GenerateTextRequest> out;
+  for (int prompt = 0; prompt < p.num_prompts(); ++prompt) {
+    const v1::GenerateTextRequest& base =
+        prompt == 0 ? p.request : p.more_prompts[prompt - 1];
+    for (int i = 0; i < p.n; ++i) out.push_back(ChoiceRequest(base, i));
+  }
+  return out;
+}
+
 ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
                                  std::string model, int64_t created,
-                                 bool include_usage, int n)
+                                 bool include_usage, int n,
+                                 int choices_per_prompt)
     : endpoint_(endpoint),
       id_(std::move(id)),
       model_(std::move(model)),
       created_(created),
       include_usage_(include_usage),
       n_(std::max(n, 1)),
+      per_prompt_(choices_per_prompt > 0 ? choices_per_prompt : n_),
       role_sent_(n_, false),
       text_offset_(n_, 0) {}
 
@@ -888,12 +914,7 @@ json ResponseBuilder::Response(
       choice["text"] = r.text();
     }
     choices.push_back(std::move(choice));
-    if (i == 0) {
-      usage = r.usage();
-    } else {
-      usage.set_completion_tokens(usage.completion_tokens() +
-                                  r.usage().completion_tokens());
-    }
+    AddUsage(r.usage(), static_cast<int>(i), &usage);
   }
   json out = {{"id", id_},
               {"object", chat ? "chat.completion" : "text_completion"},
@@ -905,6 +926,18 @@ json ResponseBuilder::Response(
     out["specserve"] = Stats(responses[0].usage(), responses[0].stats());
   }
   return out;
+}
+
+void ResponseBuilder::AddUsage(const v1::Usage& choice, int index,
+                               v1::Usage* total) const {
+  // Each prompt once (its first choice's), every completion.
+  if (index % per_prompt_ == 0) {
+    total->set_prompt_tokens(total->prompt_tokens() + choice.prompt_tokens());
+    total->set_kept_prompt_tokens(total->kept_prompt_tokens() +
+                                  choice.kept_prompt_tokens());
+  }
+  total->set_completion_tokens(total->completion_tokens() +
+                               choice.completion_tokens());
 }
 
 json ResponseBuilder::Chunk() const {
@@ -962,13 +995,8 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
         {choice(chunk.text(), OpenAiFinishReason(chunk.finish_reason()))});
     c["specserve"] = Stats(chunk.usage(), chunk.stats());
     emit(c);
-    if (finished_++ == 0) {
-      usage_ = chunk.usage();
-    } else {
-      usage_.set_completion_tokens(usage_.completion_tokens() +
-                                   chunk.usage().completion_tokens());
-    }
-    if (include_usage_ && finished_ == n_) {
+    AddUsage(chunk.usage(), index, &usage_);
+    if (include_usage_ && ++finished_ == n_) {
       json u = Chunk();
       u["choices"] = json::array();
       u["usage"] = Usage(usage_);

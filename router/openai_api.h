@@ -36,17 +36,30 @@ enum class Endpoint { kCompletions, kChat };
 /// A validated request body.
 struct ParsedRequest {
   v1::GenerateTextRequest request;  ///< what the router runs.
+  /// A completions request's batch of prompts (`prompt` as a list of
+  /// strings or of token-id lists): `request` holds the first, these the
+  /// others (the same request with another prompt). Empty = one prompt.
+  std::vector<v1::GenerateTextRequest> more_prompts;
   std::string model;                ///< as sent; "" when absent.
   bool stream = false;
   bool include_usage = false;  ///< stream_options.include_usage.
-  /// Choices to generate, in [1, kMaxChoices]: `n` independent runs of
-  /// `request` (ChoiceRequest gives each its seed).
+  /// Choices to generate per prompt, in [1, kMaxChoices]: `n` independent
+  /// runs of each prompt (ChoiceRequest gives each its seed).
   int n = 1;
+
+  int num_prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
 };
 
 /// Most choices (`n`) one request may ask for; each is a request in flight
 /// for the router's admission (--max_concurrent_requests).
 inline constexpr int kMaxChoices = 16;
+/// Most prompts in one completions batch, and most choices (prompts x n)
+/// in all.
+inline constexpr int kMaxPrompts = 64;
+
+/// Every choice's request, in OpenAI's order: prompt p's choice i is
+/// choice p * n + i (ChoiceRequest(prompt p's request, i)).
+std::vector<v1::GenerateTextRequest> ChoiceRequests(const ParsedRequest& p);
 
 /// Choice `index`'s run of `request`: a request with a seed gives choice i
 /// seed + i (reproducible, and the choices differ when sampled); without
@@ -142,8 +155,12 @@ std::string OpenAiFinishReason(absl::string_view router_reason);
 /// request's choices (>= 1).
 class ResponseBuilder {
  public:
+  /// `n`: the choices in all; `choices_per_prompt` (0 = n): how many of
+  /// them share a prompt (choices p * choices_per_prompt .. share prompt
+  /// p), so usage counts each prompt once.
   ResponseBuilder(Endpoint endpoint, std::string id, std::string model,
-                  int64_t created, bool include_usage, int n = 1);
+                  int64_t created, bool include_usage, int n = 1,
+                  int choices_per_prompt = 0);
 
   /// Asks for each choice's `logprobs` (else null): the tokens' log-
   /// probabilities the chunks carry (GenerateTextChunk.logprobs), in the
@@ -158,7 +175,7 @@ class ResponseBuilder {
   void EnableLogprobs(const Tokenizer* tokenizer);
 
   /// The non-streaming response: choice i from responses[i] (one per
-  /// choice), usage (the prompt once, the completions of every choice
+  /// choice), usage (each prompt once, the completions of every choice
   /// summed), and the `specserve` object (Stats) of the first choice.
   nlohmann::json Response(
       absl::Span<const v1::GenerateTextResponse> responses) const;
@@ -189,6 +206,9 @@ class ResponseBuilder {
 
  private:
   nlohmann::json Chunk() const;  // the fields every stream chunk has
+  // Adds choice `index`'s usage to *total: its completion, and its prompt
+  // when it is its prompt's first choice.
+  void AddUsage(const v1::Usage& choice, int index, v1::Usage* total) const;
   nlohmann::json Usage(const v1::Usage& usage) const;
   // The choice's `logprobs` for `ids` / `logprobs` (aligned); completions'
   // text_offset starts at *offset and advances it.
@@ -205,6 +225,7 @@ class ResponseBuilder {
   const int64_t created_;
   const bool include_usage_;
   const int n_;
+  const int per_prompt_;  // choices per prompt
   bool logprobs_ = false;
   const Tokenizer* tokenizer_ = nullptr;
   // Per choice: the chat role delta was sent; streamed completions'

@@ -240,6 +240,12 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"model", 1}}, "model"},
       {{{"prompt", {-1}}}, "prompt"},
       {{{"prompt", json::array()}}, "prompt"},
+      {{{"prompt", {"a", ""}}}, "prompt"},
+      {{{"prompt", {"a", 5}}}, "prompt[1]"},
+      {{{"prompt", {"a", "b"}}, {"n", 33}}, "n"},
+      {{{"prompt", json(std::vector<std::string>(65, "a"))}}, "prompt"},
+      {{{"prompt", json(std::vector<std::string>(22, "a"))}, {"n", 3}},
+       "prompt"},
       {{{"prompt", "a"}, {"speculative_decoding", {{"enabled", 1}}}},
        "speculative_decoding.enabled"},
       {{{"prompt", "a"}, {"speculative_decoding", {{"method", 3}}}},
@@ -561,6 +567,65 @@ TEST(ResponseBuilderTest, ChatStream) {
                             "total_tokens": 7})"));
   EXPECT_EQ(ev[1]["id"], "chatcmpl-1");
   EXPECT_EQ(ResponseBuilder::DoneEvent(), "data: [DONE]\n\n");
+}
+
+// A batch of prompts: one request per prompt, the same but for the
+// prompt, and prompt p's choice i is choice p * n + i with seed + i.
+TEST(ParseRequestTest, PromptBatches) {
+  auto p = Completion({{"prompt", {"Once", "upon", {7, 8, 9}}},
+                       {"n", 2},
+                       {"seed", 10},
+                       {"temperature", 0.5}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->num_prompts(), 3);
+  EXPECT_EQ(p->request.text(), "Once");
+  EXPECT_EQ(p->more_prompts[0].text(), "upon");
+  EXPECT_EQ(p->more_prompts[1].token_ids().ids_size(), 3);
+  EXPECT_FLOAT_EQ(p->more_prompts[1].sampling().temperature(), 0.5f);
+  const std::vector<v1::GenerateTextRequest> choices = ChoiceRequests(*p);
+  ASSERT_EQ(choices.size(), 6u);
+  for (int c = 0; c < 6; ++c) {
+    EXPECT_EQ(choices[c].sampling().seed(), 10u + c % 2) << c;
+  }
+  EXPECT_EQ(choices[1].text(), "Once");
+  EXPECT_EQ(choices[2].text(), "upon");
+  EXPECT_EQ(choices[5].token_ids().ids(2), 9);
+  // 64 choices in all is the most.
+  EXPECT_TRUE(Completion({{"prompt", std::vector<std::string>(16, "a")},
+                          {"n", 4}})
+                  .ok());
+  auto one = Completion({{"prompt", {"only"}}});
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->num_prompts(), 1);
+  EXPECT_EQ(ChoiceRequests(*one).size(), 1u);
+}
+
+// Usage counts each prompt once: choices 0..n-1 share prompt 0, and so on.
+TEST(ResponseBuilderTest, BatchUsageCountsEachPromptOnce) {
+  ResponseBuilder b(Endpoint::kCompletions, "cmpl-1", "m", 100,
+                    /*include_usage=*/true, /*n=*/4, /*choices_per_prompt=*/2);
+  std::vector<v1::GenerateTextResponse> rs(4);
+  for (int i = 0; i < 4; ++i) {
+    rs[i].mutable_usage()->set_prompt_tokens(i < 2 ? 10 : 20);
+    rs[i].mutable_usage()->set_completion_tokens(i + 1);
+  }
+  const json j = b.Response(rs);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 30);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 10);
+  EXPECT_EQ(j["choices"][3]["index"], 3);
+  // Streamed: the usage chunk after the last choice's final chunk.
+  std::vector<json> usage_events;
+  for (int i : {2, 0, 3, 1}) {
+    v1::GenerateTextChunk c;
+    c.set_finish_reason("length");
+    *c.mutable_usage() = rs[i].usage();
+    for (const json& e : Events(b.StreamEvents(c, i))) {
+      if (e["choices"].empty()) usage_events.push_back(e);
+    }
+  }
+  ASSERT_EQ(usage_events.size(), 1u);
+  EXPECT_EQ(usage_events[0]["usage"]["prompt_tokens"], 30);
+  EXPECT_EQ(usage_events[0]["usage"]["completion_tokens"], 10);
 }
 
 TEST(ResponseBuilderTest, CompletionResponse) {

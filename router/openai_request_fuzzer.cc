@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "common/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "router/chat_format.h"
@@ -76,8 +77,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckRejection(parsed.status(), endpoint);
     return 0;
   }
-  if (parsed->n < 1 || parsed->n > specserve::openai::kMaxChoices) {
+  if (parsed->n < 1 || parsed->n > specserve::openai::kMaxChoices ||
+      parsed->num_prompts() * parsed->n > specserve::openai::kMaxPrompts ||
+      (endpoint == specserve::openai::Endpoint::kChat &&
+       parsed->num_prompts() != 1)) {
     std::abort();
+  }
+  for (const auto& more : parsed->more_prompts) {
+    // Every prompt of a batch is the same request with another prompt.
+    if (!google::protobuf::util::MessageDifferencer::Equals(
+            more.sampling(), parsed->request.sampling())) {
+      std::abort();
+    }
   }
   const auto r = specserve::ResolveOptions(parsed->request,
                                            specserve::RequestDefaults{});

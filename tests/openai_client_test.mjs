@@ -224,6 +224,28 @@ await check("response_format json_object (JSON mode)", async () => {
              e.param === "response_format");
 });
 
+await check("a batch of prompts", async () => {
+  // OpenAI's order: prompt p's choice i is choice p * n + i; each prompt is
+  // counted once in the usage.
+  const r = await client.completions.create({
+    model, prompt: ["Once upon a time", "The dog"], max_tokens: 6,
+    temperature: 0, n: 2,
+  });
+  assert.equal(r.choices.length, 4);
+  assert.deepEqual(r.choices.map((c) => c.index), [0, 1, 2, 3]);
+  assert.equal(r.choices[0].text, r.choices[1].text);  // greedy
+  assert.notEqual(r.choices[0].text, r.choices[2].text);
+  const one = await client.completions.create({
+    model, prompt: "The dog", max_tokens: 6, temperature: 0,
+  });
+  assert.equal(r.choices[3].text, one.choices[0].text);
+  const first = await client.completions.create({
+    model, prompt: "Once upon a time", max_tokens: 6, temperature: 0,
+  });
+  assert.equal(r.usage.prompt_tokens,
+               first.usage.prompt_tokens + one.usage.prompt_tokens);
+});
+
 await check("n choices (unary and stream)", async () => {
   const req = {
     model, messages: [{ role: "user", content: "Tell me a story." }],
