@@ -698,6 +698,16 @@ TEST_F(HttpServerTest, StopStringsAndSeeds) {
   const json c = json::parse(cut->body);
   EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(c["choices"][0]["text"], text.substr(0, text.find(stop)));
+  // vLLM's include_stop_str_in_output keeps the stop string.
+  auto kept = Post("/v1/completions", json{{"prompt", "Once upon a time"},
+                                           {"max_tokens", 30},
+                                           {"stop", {stop, "zzzz"}},
+                                           {"include_stop_str_in_output", true}}
+                                          .dump());
+  ASSERT_TRUE(kept && kept->status == 200) << kept->body;
+  const json k = json::parse(kept->body);
+  EXPECT_EQ(k["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(k["choices"][0]["text"], text.substr(0, text.find(stop)) + stop);
 
   // Sampling: the same seed gives the same text.
   const json sampled = {{"prompt", "Once upon a time"},

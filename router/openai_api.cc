@@ -416,6 +416,9 @@ absl::Status ParseSampling(const json& body,
   }
   SPECSERVE_ASSIGN(ignore_eos, GetBool(body, "ignore_eos", "ignore_eos"));
   if (ignore_eos) s->set_ignore_eos(*ignore_eos);
+  SPECSERVE_ASSIGN(include_stop, GetBool(body, "include_stop_str_in_output",
+                                         "include_stop_str_in_output"));
+  if (include_stop) s->set_include_stop_str_in_output(*include_stop);
   SPECSERVE_ASSIGN(min_tokens,
                    GetInt(body, "min_tokens", "min_tokens", 0, kInt32Max));
   if (min_tokens) s->set_min_tokens(static_cast<int>(*min_tokens));

@@ -41,6 +41,7 @@ TEST(ParseRequestTest, MapsEveryField) {
                        {"stop", "\n"},
                        {"stop_token_ids", {5, 6}},
                        {"ignore_eos", true},
+                       {"include_stop_str_in_output", true},
                        {"stream", true},
                        {"stream_options", {{"include_usage", true}}},
                        {"logprobs", nullptr},
@@ -89,6 +90,7 @@ TEST(ParseRequestTest, MapsEveryField) {
   ASSERT_EQ(s.stop_token_ids_size(), 2);
   EXPECT_EQ(s.stop_token_ids(1), 6);
   EXPECT_TRUE(s.ignore_eos());
+  EXPECT_TRUE(s.include_stop_str_in_output());
   const v1::SpeculativePrefillConfig& sp = r.speculative_prefill();
   EXPECT_TRUE(sp.enabled());
   EXPECT_FLOAT_EQ(sp.keep_ratio(), 0.25f);

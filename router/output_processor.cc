@@ -14,8 +14,8 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 OutputProcessor::OutputProcessor(const Tokenizer* tokenizer,
                                  std::vector<std::string> stops,
                                  absl::Time start, RouterMetrics* metrics,
-                                 int min_tokens)
-    : stops_(std::move(stops)),
+                                 int min_tokens, bool include_stop)
+    : stops_(std::move(stops), include_stop),
       min_tokens_(min_tokens),
       start_(start),
       metrics_(metrics) {

@@ -31,9 +31,11 @@ class OutputProcessor {
   /// it). `metrics` may be null. Both must outlive this object. No stop
   /// string may end in the text of the first `min_tokens` tokens (vLLM's
   /// min_tokens); one that starts there and ends later counts.
+  /// `include_stop`: a matched stop string ends the text (vLLM's
+  /// include_stop_str_in_output) instead of being cut.
   OutputProcessor(const Tokenizer* tokenizer, std::vector<std::string> stops,
                   absl::Time start, RouterMetrics* metrics,
-                  int min_tokens = 0);
+                  int min_tokens = 0, bool include_stop = false);
 
   /// Takes one target message answered at `now`: one round (one target
   /// forward: the prefill or a verify round), or the several rounds a

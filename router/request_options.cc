@@ -162,6 +162,7 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
     }
     o.stop.push_back(s.stop(i));
   }
+  o.include_stop_str = s.include_stop_str_in_output();
   if (s.stop_token_ids_size() > kMaxStopTokenIds) {
     return absl::InvalidArgumentError(
         absl::StrCat("sampling.stop_token_ids has ", s.stop_token_ids_size(),

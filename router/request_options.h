@@ -86,6 +86,9 @@ struct ResolvedOptions {
   v1::SamplingParams sampling;  ///< top_p in (0, 1]; seed as sent (or 0).
   bool has_seed = false;
   std::vector<std::string> stop;    ///< non-empty stop strings.
+  /// A matched stop string ends the text (vLLM's
+  /// include_stop_str_in_output); false = cut before it.
+  bool include_stop_str = false;
   std::vector<int> stop_token_ids;  ///< >= 0 (vocabulary checked later).
   bool ignore_eos = false;
   /// vLLM's min_tokens, in [0, max_new_tokens]: no EOS, stop id or stop

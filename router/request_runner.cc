@@ -224,7 +224,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     if (fallback.empty()) fallback = std::move(reason);
   };
   OutputProcessor output(b.tokenizer, opts.stop, start, b.metrics,
-                         opts.min_tokens);
+                         opts.min_tokens, opts.include_stop_str);
   v1::GenerationStats& stats = *output.mutable_stats();
   stats.set_speculate_s(plan.speculate_s);
   v1::Prefill& prefill = plan.prefill;

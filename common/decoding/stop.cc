@@ -112,7 +112,9 @@ void StopChecker::Finish(FinishReason reason) {
   if (reason_ == FinishReason::kNone) reason_ = reason;
 }
 
-StopStringFilter::StopStringFilter(std::vector<std::string> stops) {
+StopStringFilter::StopStringFilter(std::vector<std::string> stops,
+                                   bool include_stop)
+    : include_stop_(include_stop) {
   for (auto& s : stops) {
     if (!s.empty()) stops_.push_back(std::move(s));
   }
@@ -125,15 +127,21 @@ std::string StopStringFilter::Append(absl::string_view text, bool can_match) {
   // Text before held_ never hides a match start (it would have been held),
   // so the earliest match in held_ that ends past the protected bytes is
   // the first one in the whole output.
-  size_t first = std::string::npos;
+  size_t first = std::string::npos, first_len = 0;
   for (const std::string& s : stops_) {
     const size_t from =
         protected_ >= s.size() ? protected_ - s.size() + 1 : 0;
-    first = std::min(first, held_.find(s, from));
+    const size_t at = held_.find(s, from);
+    // The earliest match; at one place, the longest stop string.
+    if (at < first || (at == first && at != std::string::npos &&
+                       s.size() > first_len)) {
+      first = at;
+      first_len = s.size();
+    }
   }
   if (first != std::string::npos) {
     matched_ = true;
-    std::string out = held_.substr(0, first);
+    std::string out = held_.substr(0, first + (include_stop_ ? first_len : 0));
     held_.clear();
     return out;
   }

@@ -97,8 +97,11 @@ class StopChecker {
 /// is not included) and everything after is dropped. Not thread-safe.
 class StopStringFilter {
  public:
-  /// Empty strings in `stops` are ignored.
-  explicit StopStringFilter(std::vector<std::string> stops);
+  /// Empty strings in `stops` are ignored. `include_stop`: the text
+  /// returned at a match ends with the stop string (vLLM's
+  /// include_stop_str_in_output) instead of before it.
+  explicit StopStringFilter(std::vector<std::string> stops,
+                            bool include_stop = false);
   /// Adds `text`; returns the text that is now safe to emit. After a match
   /// (matched() turns true) returns the text before it and ignores input.
   /// can_match false (the text of vLLM's first min_tokens tokens): no
@@ -114,6 +117,7 @@ class StopStringFilter {
   std::vector<std::string> stops_;
   std::string held_;
   size_t protected_ = 0;  // leading bytes of held_ no match may end in
+  bool include_stop_ = false;
   bool matched_ = false;
 };
 

@@ -173,6 +173,17 @@ TEST(StopStringFilterTest, HoldsBackPossibleStartsAndCutsAtTheFirstMatch) {
   EXPECT_TRUE(h.matched());
 }
 
+// include_stop (vLLM's include_stop_str_in_output): the text at a match
+// ends with the stop string, the longest one where two match at one place.
+TEST(StopStringFilterTest, IncludedStopStringsEndTheText) {
+  StopStringFilter f({"b", "xy"}, /*include_stop=*/true);
+  EXPECT_EQ(f.Append("12x"), "12");
+  EXPECT_EQ(f.Append("y tail"), "xy");
+  EXPECT_TRUE(f.matched());
+  StopStringFilter g({"a", "ab"}, true);
+  EXPECT_EQ(g.Append("-ab-"), "-ab");
+}
+
 // Text that may not end a match (min_tokens): a stop string inside it is
 // not one, but one that starts in it and ends in later text is.
 TEST(StopStringFilterTest, ProtectedTextCanStartButNotEndAMatch) {
