@@ -365,4 +365,21 @@ bool JsonTokenMask::Advance(JsonMatcher* m, int id) const {
   return m->Advance(table_.bytes[id]);
 }
 
+bool JsonTokenMask::Advance(JsonMatcher* m, absl::Span<const int> ids) const {
+  for (const int id : ids) {
+    if (!Advance(m, id)) return false;
+  }
+  return true;
+}
+
+bool JsonTokenMask::DisallowedAfter(JsonMatcher m,
+                                    absl::Span<const int> pending,
+                                    int model_vocab,
+                                    std::vector<int>* out) const {
+  if (!Advance(&m, pending)) return false;
+  Disallowed(m, out);
+  for (int id = vocab_size(); id < model_vocab; ++id) out->push_back(id);
+  return m.complete();
+}
+
 }  // namespace specserve

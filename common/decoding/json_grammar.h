@@ -18,6 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "common/tokenizer/token_byte_table.h"
 
 namespace specserve {
@@ -114,6 +115,18 @@ class JsonTokenMask {
   /// Advances `m` by `id`'s bytes; false if m rejects them (or id is
   /// special, or outside the vocabulary).
   bool Advance(JsonMatcher* m, int id) const;
+  /// Advances `m` by each of `ids` in turn; false at the first one it
+  /// rejects (the ones before it stay consumed).
+  bool Advance(JsonMatcher* m, absl::Span<const int> ids) const;
+
+  /// The mask of a row that follows `m` and then `pending` (drafts before
+  /// the row): Disallowed after them, plus every id in [vocab_size(),
+  /// model_vocab) (model rows past the tokenizer's). Returns whether the
+  /// object is then complete; nothing is appended when a pending id breaks
+  /// the object (such a row is never read: the row before it rejects that
+  /// id).
+  bool DisallowedAfter(JsonMatcher m, absl::Span<const int> pending,
+                       int model_vocab, std::vector<int>* out) const;
 
   int vocab_size() const { return static_cast<int>(table_.bytes.size()); }
   /// Whether some id can open the object (a token holding '{' after any

@@ -88,18 +88,20 @@ absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
   return session;
 }
 
+std::vector<int> DraftSession::DraftIds() const {
+  std::vector<int> ids;
+  if (penalties_ || json_) {
+    for (const DraftToken& t : drafts_) ids.push_back(t.id);
+  }
+  return ids;
+}
+
 std::vector<int> DraftSession::JsonDisallowed(
     absl::Span<const int> pending) const {
   std::vector<int> out;
-  if (!json_) return out;
-  JsonMatcher m = *json_;
-  for (const int id : pending) {
-    if (!json_mask_->Advance(&m, id)) return out;
-  }
-  json_mask_->Disallowed(m, &out);
-  for (int id = json_mask_->vocab_size(); id < model_->config().vocab_size;
-       ++id) {
-    out.push_back(id);
+  if (json_) {
+    json_mask_->DisallowedAfter(*json_, pending, model_->config().vocab_size,
+                                &out);
   }
   return out;
 }
@@ -133,21 +135,15 @@ const float* DraftSession::Adjusted(const float* logits,
 DraftToken DraftSession::Propose(const ForwardOutput& out) {
   const int vocab = model_->config().vocab_size;
   DraftToken d;
-  // The row follows this call's drafts so far (penalties count them).
-  std::vector<int> pending;
-  if (penalties_ || json_) {
-    for (const DraftToken& t : drafts_) pending.push_back(t.id);
-  }
-  if (sampling_.greedy() && (!Adjusts() ||
-                             !out.argmax.empty())) {
+  if (sampling_.greedy() && (!Adjusts() || !out.argmax.empty())) {
     d.id = LastArgmax(out, vocab);  // edited by the backend, if adjusted
   } else if (sampling_.greedy()) {
     d.id = Argmax(absl::MakeConstSpan(
-        Adjusted(out.logits.data() + out.logits.size() - vocab, pending),
+        Adjusted(out.logits.data() + out.logits.size() - vocab, DraftIds()),
         vocab));
   } else {
     d.q = ComputeDistribution(
-        absl::MakeConstSpan(Adjusted(out.logits.data(), pending), vocab),
+        absl::MakeConstSpan(Adjusted(out.logits.data(), DraftIds()), vocab),
         sampling_);
     d.id = SampleFrom(d.q, &rng_);
   }
@@ -260,11 +256,7 @@ absl::StatusOr<int> DraftSession::PrepareDraft(absl::Span<const int> emitted) {
   }
   committed_.insert(committed_.end(), emitted.begin(), emitted.end());
   if (penalties_) penalties_->AddOutput(emitted);
-  if (json_) {
-    for (const int id : emitted) {
-      if (!json_mask_->Advance(&*json_, id)) break;
-    }
-  }
+  if (json_) json_mask_->Advance(&*json_, emitted);
 
   // Keep the longest cached prefix that agrees with what the target
   // emitted (rejected drafts roll back; a tree's nodes are cached as -1 and
@@ -584,10 +576,7 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
       op_ == Op::kScore || (op_ == Op::kDraft && sampling_.greedy());
   entry->input.logit_edits = nullptr;
   if (op_ == Op::kDraft && sampling_.greedy() && Adjusts()) {
-    std::vector<int> pending;
-    if (penalties_ || json_) {
-      for (const DraftToken& t : drafts_) pending.push_back(t.id);
-    }
+    const std::vector<int> pending = DraftIds();
     draft_edits_.Clear();
     AppendRowEdits(sampling_, penalties_ ? &*penalties_ : nullptr, pending,
                    JsonDisallowed(pending), model_->config().vocab_size,

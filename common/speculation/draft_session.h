@@ -173,6 +173,9 @@ class DraftSession : public Session {
   // `logits` itself without any: q then follows the target's p, which only
   // raises acceptance (any q is lossless). min_p is ComputeDistribution's.
   const float* Adjusted(const float* logits, absl::Span<const int> pending);
+  // This call's drafts so far, which the next row follows: what penalties
+  // and the JSON mask count as pending (empty when neither is on).
+  std::vector<int> DraftIds() const;
   // Whether rows are adjusted (bias, penalties, JSON mode).
   bool Adjusts() const {
     return sampling_.adjusts_logits() || json_.has_value();

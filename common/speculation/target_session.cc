@@ -472,11 +472,8 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   round.finish = stop.reason;
   output_.insert(output_.end(), round.tokens.begin(), round.tokens.end());
   if (penalties_) penalties_->AddOutput(round.tokens);
-  if (json_) {
-    for (const int id : round.tokens) {
-      if (!request_.json_mask->Advance(&*json_, id)) break;  // EOS: done
-    }
-  }
+  // Stops at EOS, which is not part of the object.
+  if (json_) request_.json_mask->Advance(&*json_, round.tokens);
   if (request_.logprobs) {  // the backend's, or a sampled tree's logits
     for (int i = 0; i < stop.num_emit; ++i) {
       round.logprobs.push_back(
@@ -528,22 +525,9 @@ LogitEdits TargetSession::RoundEdits() const {
     }
     row_masked.clear();
     bool json_complete = false;
-    if (json_) {
-      // The row continues the object past the drafts on its path; a draft
-      // the grammar rejects is itself rejected by an earlier row, so rows
-      // after it are never read and stay unmasked.
-      JsonMatcher m = *json_;
-      bool reachable = true;
-      for (const int id : before) {
-        if (!(reachable = request_.json_mask->Advance(&m, id))) break;
-      }
-      if (reachable) {
-        request_.json_mask->Disallowed(m, &row_masked);
-        for (int id = request_.json_mask->vocab_size(); id < vocab; ++id) {
-          row_masked.push_back(id);  // model rows past the tokenizer's
-        }
-        json_complete = m.complete();
-      }
+    if (json_) {  // the object continued past the drafts on the path
+      json_complete = request_.json_mask->DisallowedAfter(*json_, before,
+                                                          vocab, &row_masked);
     }
     // The token this row decides is output token output_.size() + (drafts
     // before it): before min_new_tokens it may not end the request. A
