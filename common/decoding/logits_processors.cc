@@ -1,6 +1,7 @@
 #include "common/decoding/logits_processors.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 namespace specserve {
@@ -120,12 +121,17 @@ void AppendRowEdits(const SamplingParams& params,
   }
   if (penalties != nullptr) penalties->AddEdits(params, pending, vocab, &by_id);
   // The mask may be most of the vocabulary (JSON mode): kept out of the
-  // map, sorted once (usually already) and merged.
-  std::vector<int> mask(masked.begin(), masked.end());
-  if (!std::is_sorted(mask.begin(), mask.end())) {
-    std::sort(mask.begin(), mask.end());
+  // map and merged, read in place when already strictly ascending (a JSON
+  // mask alone), else sorted and deduplicated in a copy.
+  std::vector<int> sorted;
+  absl::Span<const int> mask = masked;
+  if (std::adjacent_find(masked.begin(), masked.end(),
+                         std::greater_equal<int>()) != masked.end()) {
+    sorted.assign(masked.begin(), masked.end());
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    mask = sorted;
   }
-  mask.erase(std::unique(mask.begin(), mask.end()), mask.end());
   constexpr float kMask = std::numeric_limits<float>::infinity();
   std::vector<LogitEdit> adjusted;
   adjusted.reserve(by_id.size());

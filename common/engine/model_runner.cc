@@ -15,6 +15,35 @@ namespace specserve {
 
 namespace {
 
+// Which ids of one row were seen already (a repeated id would make two
+// device threads update one entry at once). Per thread and reused, with a
+// fresh epoch per row: no allocation or clearing of a vocabulary-sized
+// array per step.
+class RowIdStamps {
+ public:
+  static RowIdStamps& ForThread() {
+    thread_local RowIdStamps stamps;
+    return stamps;
+  }
+  // Forgets the ids of the previous row.
+  void NewRow(int vocab) {
+    if (stamp_.size() < static_cast<size_t>(vocab) || ++epoch_ == 0) {
+      stamp_.assign(std::max<size_t>(stamp_.size(), vocab), 0);
+      epoch_ = 1;
+    }
+  }
+  // Marks `id` (in [0, vocab)); false if this row had it already.
+  bool Mark(int id) {
+    if (stamp_[id] == epoch_) return false;
+    stamp_[id] = epoch_;
+    return true;
+  }
+
+ private:
+  std::vector<uint32_t> stamp_;
+  uint32_t epoch_ = 0;
+};
+
 absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
                                  size_t rows, int vocab) {
   if (argmax_only) {
@@ -35,12 +64,9 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
         " q and ", s.uniforms.size(), " uniforms for ", rows,
         " logit rows (want rows, rows, 2 * rows)"));
   }
-  // stamp[id] == epoch marks ids already listed in the row's draft_q: a
-  // repeated id would make two device threads update one residual entry at
-  // once. Per thread and reused, with a fresh epoch per row: no allocation
-  // or clearing of a vocabulary-sized array per verify step.
-  thread_local std::vector<uint32_t> stamp;
-  thread_local uint32_t epoch = 0;
+  // A draft_q listing an id twice: two device threads would update one
+  // residual entry at once.
+  RowIdStamps& stamps = RowIdStamps::ForThread();
   for (size_t r = 0; r < rows; ++r) {
     const int x = s.draft_ids[r];
     if (x < -1 || x >= vocab) {
@@ -52,10 +78,7 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
       return absl::InvalidArgumentError(
           absl::StrCat("sampling.draft_q[", r, "] is null for a draft"));
     }
-    if (stamp.size() < static_cast<size_t>(vocab) || ++epoch == 0) {
-      stamp.assign(std::max<size_t>(stamp.size(), vocab), 0);
-      epoch = 1;
-    }
+    stamps.NewRow(vocab);
     float own = 0.f;
     for (const auto& [id, prob] : *s.draft_q[r]) {
       if (id < 0 || id >= vocab) {
@@ -68,11 +91,10 @@ absl::Status ValidateRowSampling(const RowSampling& s, bool argmax_only,
             absl::StrCat("sampling.draft_q[", r, "] gives id ", id,
                          " probability ", prob, " (want finite, >= 0)"));
       }
-      if (stamp[id] == epoch) {
+      if (!stamps.Mark(id)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "sampling.draft_q[", r, "] lists id ", id, " more than once"));
       }
-      stamp[id] = epoch;
       if (id == x) own = prob;
     }
     // The acceptance test divides by q(draft).
@@ -107,29 +129,23 @@ absl::Status ValidateLogitEdits(const ForwardInput& in, size_t rows,
         "logit_edits has ", e.offsets.size(), " offsets (want ", rows + 1,
         ", from 0 to ", e.edits.size(), ")"));
   }
-  // stamp as in ValidateRowSampling: a repeated id in a row would make two
-  // device threads edit one logit at once.
   for (size_t r = 0; r < rows; ++r) {
     if (e.offsets[r + 1] < e.offsets[r]) {
       return absl::InvalidArgumentError(
           absl::StrCat("logit_edits offsets decrease at row ", r));
     }
   }
-  thread_local std::vector<uint32_t> stamp;
-  thread_local uint32_t epoch = 0;
+  // A row listing an id twice: two device threads would edit one logit.
+  RowIdStamps& stamps = RowIdStamps::ForThread();
   for (size_t r = 0; r < rows; ++r) {
-    if (stamp.size() < static_cast<size_t>(vocab) || ++epoch == 0) {
-      stamp.assign(std::max<size_t>(stamp.size(), vocab), 0);
-      epoch = 1;
-    }
+    stamps.NewRow(vocab);
     for (int i = e.offsets[r]; i < e.offsets[r + 1]; ++i) {
       const LogitEdit& x = e.edits[i];
-      if (x.id < 0 || x.id >= vocab || stamp[x.id] == epoch) {
+      if (x.id < 0 || x.id >= vocab || !stamps.Mark(x.id)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "logit_edits row ", r, ": id ", x.id,
             " repeated or outside [0, ", vocab, ")"));
       }
-      stamp[x.id] = epoch;
       const bool mask = x.subtract == std::numeric_limits<float>::infinity();
       if (!std::isfinite(x.bias) || !std::isfinite(x.scale) ||
           !(x.scale > 0.f) || !(std::isfinite(x.subtract) || mask)) {
