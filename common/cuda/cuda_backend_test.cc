@@ -1922,8 +1922,9 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
 // logprobs_top_n with argmax_only: each row's logprobs, computed on the
 // device from the logits it keeps, equal ComputeTokenLogprobs of the same
 // rows' logits handed out by a logits sequence of the same batch (same
-// kernels, same numbers), for the argmax token; no logits come back. The
-// step runs eagerly (no graph).
+// kernels, same numbers), for the argmax token, or with logprob_ids for
+// the next prompt token (teacher forcing; the last row's -1 keeps its
+// argmax); no logits come back. The step runs eagerly (no graph).
 TEST_P(ModelTest, DeviceLogprobsEqualHostLogprobsOfLogits) {
   Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
   ASSERT_NE(e.gpu, nullptr);
@@ -1933,15 +1934,20 @@ TEST_P(ModelTest, DeviceLogprobsEqualHostLogprobsOfLogits) {
   for (int& id : ids) id = Uniform(0, vocab - 1);
   const std::vector<int> pos = Iota(0, n);
   std::vector<std::unique_ptr<KvSequence>> kv =
-      NewSeqs(*e.gpu, 2, c.max_position_embeddings);
-  ASSERT_EQ(kv.size(), 2u);
-  std::vector<SequenceForward> batch(2);
+      NewSeqs(*e.gpu, 3, c.max_position_embeddings);
+  ASSERT_EQ(kv.size(), 3u);
+  std::vector<SequenceForward> batch(3);
   batch[0].kv = kv[0].get();
   batch[0].input = AllRows(ids, pos);
   batch[0].input.argmax_only = true;
   batch[0].input.logprobs_top_n = top_n;
   batch[1].kv = kv[1].get();
   batch[1].input = AllRows(ids, pos);
+  batch[2].kv = kv[2].get();
+  batch[2].input = batch[0].input;
+  for (int r = 0; r < n; ++r) {
+    batch[2].input.logprob_ids.push_back(r + 1 < n ? ids[r + 1] : -1);
+  }
   const int64_t replays = e.gpu->graph_replays();
   std::vector<ForwardOutput> out;
   ASSERT_OK(e.gpu->Forward(batch, &out));
@@ -1962,6 +1968,14 @@ TEST_P(ModelTest, DeviceLogprobsEqualHostLogprobsOfLogits) {
           << "row " << r << " rank " << k;
     }
     EXPECT_EQ(got.top[0].first, out[0].argmax[r]) << "row " << r;
+    const int forced = r + 1 < n ? ids[r + 1] : out[0].argmax[r];
+    const TokenLogprobs want_forced = ComputeTokenLogprobs(
+        absl::MakeConstSpan(out[1].logits_row(r, vocab), vocab), forced,
+        top_n);
+    ASSERT_EQ(out[2].token_logprobs.size(), static_cast<size_t>(n));
+    EXPECT_NEAR(out[2].token_logprobs[r].logprob, want_forced.logprob, 1e-4)
+        << "row " << r;
+    EXPECT_EQ(out[2].argmax[r], out[0].argmax[r]) << "row " << r;
   }
 }
 

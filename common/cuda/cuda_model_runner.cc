@@ -281,7 +281,9 @@ absl::Status CudaModelRunner::RowLogprobsOnDevice(
       for (int r = 0; r < rows; ++r) {
         int token = -1;  // the row's token: argmax, accepted draft or sample
         if (in.argmax_only) {
-          token = argmax[lr0[i] + r];
+          token = in.logprob_ids.empty() || in.logprob_ids[r] < 0
+                      ? argmax[lr0[i] + r]
+                      : in.logprob_ids[r];  // teacher-forced (prompt rows)
         } else if (in.sampling != nullptr) {
           const bool accepted = samp_out[num_sampled + samp_next + r] != 0;
           token = accepted ? in.sampling->draft_ids[r]

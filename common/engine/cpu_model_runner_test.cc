@@ -419,6 +419,48 @@ TEST(CpuModelRunnerTest, KvRollbackEqualsFromScratch) {
   EXPECT_EQ(cache->positions(), fresh->positions());
 }
 
+// logprob_ids (teacher forcing, prompt logprobs): each row's logprobs are
+// of the id given, as ComputeTokenLogprobs gives them from the same rows'
+// logits; a -1 row keeps its argmax; argmax is unchanged.
+TEST(CpuModelRunnerTest, LogprobIdsAreTeacherForced) {
+  auto model_ptr = Runner("stories260K");
+  CpuModelRunner& model = *model_ptr;
+  const int vocab = model.config().vocab_size;
+  const std::vector<int> ids = {1, 17, 99, 42, 500, 3, 250};
+  const std::vector<int> pos = {0, 1, 2, 3, 4, 5, 6};
+  const int n = static_cast<int>(ids.size());
+  ForwardInput in;
+  in.token_ids = ids;
+  in.position_ids = pos;
+  for (int r = 0; r < n; ++r) in.logit_rows.push_back(r);
+  auto plain = Seq(model, 16);
+  ForwardOutput logits;
+  ASSERT_TRUE(model.Forward(in, plain.get(), &logits).ok());
+  in.argmax_only = true;
+  in.logprobs_top_n = 2;
+  for (int r = 0; r < n; ++r) {
+    in.logprob_ids.push_back(r + 1 < n ? ids[r + 1] : -1);
+  }
+  auto forced = Seq(model, 16);
+  ForwardOutput out;
+  ASSERT_TRUE(model.Forward(in, forced.get(), &out).ok());
+  ASSERT_EQ(out.token_logprobs.size(), static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    const auto row = absl::MakeConstSpan(logits.logits_row(r, vocab), vocab);
+    const int top = Argmax(logits.logits_row(r, vocab), vocab);
+    EXPECT_EQ(out.argmax[r], top) << r;
+    const TokenLogprobs want =
+        ComputeTokenLogprobs(row, r + 1 < n ? ids[r + 1] : top, 2);
+    EXPECT_NEAR(out.token_logprobs[r].logprob, want.logprob, 1e-5) << r;
+    ASSERT_EQ(out.token_logprobs[r].top.size(), 2u) << r;
+    EXPECT_EQ(out.token_logprobs[r].top[0].first, out.argmax[r]) << r;
+  }
+  // Not always the argmax: the prompt's tokens are not the model's picks.
+  int differ = 0;
+  for (int r = 0; r + 1 < n; ++r) differ += out.argmax[r] != ids[r + 1];
+  EXPECT_GT(differ, 0);
+}
+
 TEST(CpuModelRunnerTest, QueryCaptureMatchesRowsAndKeysAreCached) {
   auto model_ptr = Runner("stories260K-draft");
   CpuModelRunner& model = *model_ptr;
@@ -582,6 +624,30 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
     EXPECT_NE(st.message().find("logit_edits"), std::string::npos) << st;
   }
   in.logit_edits = nullptr;
+  // logprob_ids: one per logit row, in [-1, vocab), with argmax_only and
+  // logprobs_top_n >= 0.
+  struct BadForced {
+    std::vector<int> ids;
+    bool argmax_only;
+    int top_n;
+    const char* message;
+  };
+  for (const BadForced& b :
+       {BadForced{{1, 2}, true, 0, "2 entries for 1 logit rows"},
+        BadForced{{512}, true, 0, "logprob_ids[0] = 512"},
+        BadForced{{-2}, true, 0, "logprob_ids[0] = -2"},
+        BadForced{{1}, true, -1, "needs argmax_only"},
+        BadForced{{1}, false, -1, "needs argmax_only"}}) {
+    in.logit_rows = {};
+    in.logprob_ids = b.ids;
+    in.argmax_only = b.argmax_only;
+    in.logprobs_top_n = b.top_n;
+    const absl::Status st = model.Forward(in, cache.get(), &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.message;
+    EXPECT_NE(st.message().find(b.message), std::string::npos)
+        << st.message() << " / " << b.message;
+  }
+  in.logprob_ids.clear();
   in.logprobs_top_n = -1;
   in.argmax_only = false;
   EXPECT_EQ(cache->size(), 0);

@@ -208,6 +208,24 @@ absl::StatusOr<std::vector<int>> ValidateForwardInput(const ModelConfig& c,
         "logprobs_top_n needs argmax_only or sampling (with logits, the "
         "caller has the rows)");
   }
+  if (!in.logprob_ids.empty()) {
+    if (!in.argmax_only || in.logprobs_top_n < 0) {
+      return absl::InvalidArgumentError(
+          "logprob_ids needs argmax_only and logprobs_top_n >= 0");
+    }
+    if (in.logprob_ids.size() != logit_rows.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logprob_ids has ", in.logprob_ids.size(), " entries for ",
+          logit_rows.size(), " logit rows"));
+    }
+    for (size_t r = 0; r < in.logprob_ids.size(); ++r) {
+      if (in.logprob_ids[r] < -1 || in.logprob_ids[r] >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "logprob_ids[", r, "] = ", in.logprob_ids[r], " outside [-1, ",
+            c.vocab_size, ")"));
+      }
+    }
+  }
   if (in.sampling != nullptr) {
     if (absl::Status s = ValidateRowSampling(*in.sampling, in.argmax_only,
                                              logit_rows.size(), c.vocab_size);
@@ -328,8 +346,10 @@ void ReduceToArgmax(absl::Span<const SequenceForward> batch, int vocab,
       const auto row = absl::MakeConstSpan(o.logits.data() + r * vocab, vocab);
       o.argmax[r] = Argmax(row);
       if (top_n >= 0) {
-        o.token_logprobs.push_back(
-            ComputeTokenLogprobs(row, o.argmax[r], top_n));
+        const std::vector<int>& forced = batch[i].input.logprob_ids;
+        const int id = forced.empty() || forced[r] < 0 ? o.argmax[r]
+                                                       : forced[r];
+        o.token_logprobs.push_back(ComputeTokenLogprobs(row, id, top_n));
       }
     }
     o.logits.clear();

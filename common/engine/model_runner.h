@@ -80,6 +80,12 @@ struct ForwardInput {
   /// ForwardOutput::token_logprobs. So a backend still returns no logits.
   /// -1 = none; at most kMaxTopLogprobs.
   int logprobs_top_n = -1;
+  /// Empty, or [logit rows] with argmax_only and logprobs_top_n >= 0: the
+  /// id each row's logprob is of, in place of its argmax (teacher forcing:
+  /// a prompt row's logprob of the next prompt token, vLLM's
+  /// prompt_logprobs); -1 = the row's argmax. ForwardOutput::argmax is
+  /// still each row's argmax.
+  std::vector<int> logprob_ids;
   /// A request's logit adjustments (logit bias, penalties, the min_tokens
   /// mask, JSON mode's mask; logits_processors.h, json_grammar.h), one row
   /// of edits per logit row, applied
@@ -193,7 +199,9 @@ struct ImportanceResult {
 /// outside [0, max_position_embeddings), a logit / capture row outside
 /// [0, n), or `sampling` that does not match the logit rows (sizes, params
 /// greedy or invalid, argmax_only also set, a draft id or a q id outside
-/// the vocabulary, a missing q, a uniform outside [0, 1)). With `cached` >= 0 (the sequence's size before the forward)
+/// the vocabulary, a missing q, a uniform outside [0, 1)), or
+/// logprob_ids not one per logit row, outside [-1, vocab) or without
+/// argmax_only and logprobs_top_n >= 0. With `cached` >= 0 (the sequence's size before the forward)
 /// also tree_parents: INVALID_ARGUMENT unless its size is at most
 /// min(cached + n, kMaxTreeSpan) and every entry j is in [-1, j). Returns the logit rows
 /// to compute (the last row when none were asked for).

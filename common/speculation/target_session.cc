@@ -103,6 +103,20 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
   if (r.top_logprobs > 0 && !r.logprobs) {
     return absl::InvalidArgumentError("top_logprobs needs logprobs");
   }
+  if (r.prompt_logprobs < -1 || r.prompt_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_logprobs must be in [-1, ", kMaxTopLogprobs,
+                     "], got ", r.prompt_logprobs));
+  }
+  if (r.prompt_logprobs >= 0 &&
+      (r.position_ids.back() != n - 1 || r.next_position != n)) {
+    // Strictly increasing from >= 0, so the last one being n - 1 means
+    // 0..n-1.
+    return absl::InvalidArgumentError(
+        "prompt_logprobs needs the whole prompt (position_ids 0..n-1, "
+        "next_position n): a pruned prompt has no logprobs for the tokens "
+        "Speculative Prefill dropped");
+  }
   if (r.max_drafts < 0 || r.max_drafts > 64) {
     return absl::InvalidArgumentError("max_drafts must be in [0, 64]");
   }
@@ -226,8 +240,14 @@ int TargetSession::NextPosition() const {
   return request_.next_position + static_cast<int>(output_.size());
 }
 
+bool TargetSession::CollectsPromptLogprobs() const {
+  return request_.prompt_logprobs >= 0 && !prefilled_ &&
+         prompt_lp_.size() + 1 < request_.token_ids.size();
+}
+
 void TargetSession::AttachCachedPrompt() {
   if (!attach_pending_ || cache_->size() != 0) return;
+  if (CollectsPromptLogprobs()) return;  // every prompt row's logits
   attach_pending_ = false;
   // Prefix caching: whole blocks of the prompt (kept tokens at their
   // original positions) that another request, or this one before a
@@ -284,8 +304,11 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
   // The tail is the prompt on the first round, a recomputation after a
   // preemption, else just the last emitted token.
   const int tail = std::min(left, final_tail());
-  const int take =
-      left + k <= max_rows ? left : std::min(left - tail, max_rows);
+  int take = left + k <= max_rows ? left : std::min(left - tail, max_rows);
+  // Prompt rows that owe prompt logprobs go in chunks of their own: the
+  // final forward's rows are decided, these are teacher-forced.
+  const bool collect = CollectsPromptLogprobs() && left > tail;
+  if (collect) take = std::min({left - tail, max_rows, kPromptLogprobChunk});
   if (take < 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the round's final forward needs ", tail + k, " rows, the budget is ",
@@ -338,6 +361,22 @@ absl::Status TargetSession::PlanForward(int max_rows, SequenceForward* entry) {
                                         (greedy || parents_.empty()) && !host
                                     ? request_.top_logprobs
                                     : -1;
+  entry->input.logprob_ids.clear();
+  plan_prompt_lp_ = 0;
+  if (collect) {
+    // Row g's logprob is of prompt token g + 1; rows collected before a
+    // preemption are not asked again.
+    const int first = std::max(done, static_cast<int>(prompt_lp_.size()));
+    for (int g = first; g < done + take; ++g) {
+      entry->input.logit_rows.push_back(g - done);
+      entry->input.logprob_ids.push_back(request_.token_ids[g + 1]);
+    }
+    plan_prompt_lp_ = static_cast<int>(entry->input.logprob_ids.size());
+    if (plan_prompt_lp_ > 0) {
+      entry->input.argmax_only = true;
+      entry->input.logprobs_top_n = request_.prompt_logprobs;
+    }
+  }
   if (final_planned_ && !greedy && parents_.empty()) {
     // Two uniforms per row, drawn for every row so a seeded request's
     // draws do not depend on where the first rejection falls.
@@ -363,6 +402,16 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   }
   const ModelConfig& c = model_->config();
   if (!final_planned_) {
+    if (plan_prompt_lp_ > 0) {
+      if (out.token_logprobs.size() != static_cast<size_t>(plan_prompt_lp_)) {
+        Abort();
+        return absl::InternalError(absl::StrCat(
+            "forward returned ", out.token_logprobs.size(),
+            " prompt logprobs, expected ", plan_prompt_lp_));
+      }
+      prompt_lp_.insert(prompt_lp_.end(), out.token_logprobs.begin(),
+                        out.token_logprobs.end());
+    }
     round_ns_ += MonotonicNowNs() - planned_at_;
     return absl::OkStatus();
   }
@@ -456,6 +505,11 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
     return s;
   }
   rewrite_ = accepted - kept;
+  std::vector<TokenLogprobs> prompt_logprobs;
+  if (!prefilled_ && request_.prompt_logprobs >= 0) {
+    prompt_logprobs = std::move(prompt_lp_);
+    prompt_lp_.clear();
+  }
   if (!prefilled_) {
     // The prompt's full blocks are final (rollbacks never go below the
     // prompt): list them for later requests.
@@ -465,6 +519,7 @@ absl::Status TargetSession::CompleteForward(const ForwardOutput& out) {
   in_round_ = false;
 
   RoundResult round;
+  round.prompt_logprobs = std::move(prompt_logprobs);
   round.num_drafts = k;
   round.num_accepted = accepted;
   const StopChecker::Result stop = stop_.Append(tokens);

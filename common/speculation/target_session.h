@@ -46,6 +46,15 @@ struct TargetRequest {
   /// uniforms: the tokens do not change.
   bool logprobs = false;
   int top_logprobs = 0;
+  /// vLLM's prompt_logprobs: -1 = none; else every prompt token after the
+  /// first gets its logprob under the raw logits of the row before it
+  /// (teacher forcing), with this many (0..20) likeliest alternatives, in
+  /// the first round's RoundResult::prompt_logprobs. Needs the whole prompt
+  /// (position_ids 0..n-1: a pruned prompt has no row before a dropped
+  /// token) and bypasses the prefix cache on the first prefill (cached rows
+  /// have no logits). Prompt rows then run in chunks of at most
+  /// kPromptLogprobChunk rows, apart from the round's final forward.
+  int prompt_logprobs = -1;
   /// With sampling.json_object (required then): the vocabulary's JSON
   /// mask, built by the service from its tokenizer; outlives the session.
   const JsonTokenMask* json_mask = nullptr;
@@ -59,6 +68,9 @@ struct RoundResult {
   /// With TargetRequest::logprobs: [tokens.size()], token i's logprob and
   /// top alternatives; else empty.
   std::vector<TokenLogprobs> logprobs;
+  /// With TargetRequest::prompt_logprobs >= 0, in the first round only:
+  /// [n - 1] for prompt tokens 1..n-1, in order.
+  std::vector<TokenLogprobs> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
   /// The round's forwards + verification (with a scheduler: the time of
   /// the batched forwards that carried it, shared with other sessions).
@@ -85,7 +97,9 @@ class TargetSession : public Session {
   /// last position or >= max context, bad sampling or stop conditions,
   /// penalty_prompt_ids or logit_bias ids outside the vocabulary,
   /// max_new_tokens < 1, top_logprobs outside [0, kMaxTopLogprobs] or
-  /// above 0 without logprobs.
+  /// above 0 without logprobs, prompt_logprobs outside [-1,
+  /// kMaxTopLogprobs] or set for a pruned prompt (positions not 0..n-1, or
+  /// next_position not n).
   static absl::StatusOr<std::unique_ptr<TargetSession>> Create(
       ModelRunner* model, TargetRequest request);
 
@@ -180,6 +194,10 @@ class TargetSession : public Session {
   size_t kv_capacity_bytes() const { return cache_->bytes_capacity(); }
   /// Tokens the KV cache may need: kept + max_new_tokens + max_drafts.
   static int CapacityFor(const ModelConfig& config, const TargetRequest& r);
+  /// Rows per prefill forward while prompt logprobs are collected: their
+  /// logits are computed for every row ([rows, vocab] fp32, 256 MB at a
+  /// 128K vocabulary).
+  static constexpr int kPromptLogprobChunk = 512;
 
  private:
   TargetSession(ModelRunner* model, TargetRequest request,
@@ -195,8 +213,11 @@ class TargetSession : public Session {
   // Context tokens the round's final forward carries: the last one, plus
   // the accepted tree tokens the cache did not keep (rewrite_).
   int final_tail() const { return 1 + rewrite_; }
-  // On an empty KV cache, attaches the prompt's cached full blocks.
+  // On an empty KV cache, attaches the prompt's cached full blocks (not
+  // while prompt logprobs are collected).
   void AttachCachedPrompt();
+  // Whether prompt rows still owe their prompt logprobs.
+  bool CollectsPromptLogprobs() const;
   // Whether the round's final rows are adjusted before they are decided:
   // a logit bias or penalties, or EOS / stop ids still masked
   // (min_new_tokens not reached).
@@ -253,6 +274,10 @@ class TargetSession : public Session {
   std::optional<PenaltyTracker> penalties_;  // with sampling's penalties
   std::optional<JsonMatcher> json_;  // JSON mode: the output so far
   std::optional<RoundResult> result_;  // the completed round, not yet taken
+  // Prompt logprobs collected so far (entry i: prompt token i + 1, from
+  // prompt row i), and how many the planned chunk adds.
+  std::vector<TokenLogprobs> prompt_lp_;
+  int plan_prompt_lp_ = 0;
 };
 
 }  // namespace specserve

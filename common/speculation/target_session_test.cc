@@ -838,6 +838,128 @@ TEST_F(TargetSessionTest, BadLogprobsAreRejected) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Prompt logprobs (vLLM's prompt_logprobs): each prompt token after the
+// first gets ComputeTokenLogprobs of the row before it in a plain full
+// prefill, whatever the chunking, with a preemption in the middle of the
+// collection, and although the prefix cache holds the prompt (bypassed:
+// cached rows have no logits). The tokens are those of the same request
+// without them; only the first round carries them.
+TEST_F(TargetSessionTest, PromptLogprobsAreTeacherForcedPrefillRows) {
+  KvCacheOptions o;
+  o.block_size = 8;
+  o.prefix_caching = true;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(target_w_->config) * 512 * 4;
+  auto runner = CpuModelRunner::Create(target_w_, o);
+  ASSERT_TRUE(runner.ok());
+  ModelRunner& m = **runner;
+  const int vocab = m.config().vocab_size, kTop = 3, kNew = 10;
+  std::mt19937 rng(21);
+  std::vector<int> prompt = {1};
+  for (int i = 1; i < 60; ++i) prompt.push_back(3 + rng() % 500);
+  const int n = static_cast<int>(prompt.size());
+  std::vector<float> rows;  // [n, vocab]: every prompt row's logits
+  {
+    auto kv = *m.NewSequence(64);
+    ForwardInput in;
+    in.token_ids = prompt;
+    std::vector<int> pos(n);
+    std::iota(pos.begin(), pos.end(), 0);
+    in.position_ids = pos;
+    for (int r = 0; r < n; ++r) in.logit_rows.push_back(r);
+    ForwardOutput out;
+    ASSERT_TRUE(m.Forward(in, kv.get(), &out).ok());
+    rows = out.logits;
+  }
+  // The same request without prompt logprobs, which also fills the
+  // prefix cache with the prompt's blocks.
+  std::vector<int> plain;
+  {
+    auto s = TargetSession::Create(&m, Request(prompt, kNew));
+    ASSERT_TRUE(s.ok()) << s.status();
+    while (!(*s)->finished()) ASSERT_TRUE((*s)->Step({}).ok());
+    plain = (*s)->output();
+  }
+  TargetRequest r = Request(prompt, kNew);
+  r.prompt_logprobs = kTop;
+  auto s = TargetSession::Create(&m, r);
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<int> got;
+  int round_no = 0, prompt_chunks = 0;
+  while (!(*s)->finished()) {
+    std::vector<DraftToken> drafts(rng() % 4);
+    for (auto& d : drafts) d.id = 3 + rng() % 500;
+    ASSERT_TRUE((*s)->BeginRound(drafts).ok());
+    int forwards = 0;
+    while (!(*s)->round_complete()) {
+      if (round_no == 0 && forwards == 3) (*s)->Preempt();
+      const int budget = std::max((*s)->min_forward_rows(),
+                                  static_cast<int>(rng() % 24) + 1);
+      SequenceForward entry;
+      ASSERT_TRUE((*s)->PlanForward(budget, &entry).ok());
+      if (!entry.input.logprob_ids.empty()) ++prompt_chunks;
+      std::vector<ForwardOutput> outs;
+      ASSERT_TRUE(m.Forward(absl::MakeConstSpan(&entry, 1), &outs).ok());
+      ASSERT_TRUE((*s)->CompleteForward(outs[0]).ok());
+      ++forwards;
+    }
+    auto round = (*s)->TakeRoundResult();
+    ASSERT_TRUE(round.ok());
+    if (round_no == 0) {
+      ASSERT_EQ(round->prompt_logprobs.size(), static_cast<size_t>(n - 1));
+      for (int i = 0; i + 1 < n; ++i) {
+        const TokenLogprobs want = ComputeTokenLogprobs(
+            absl::MakeConstSpan(rows.data() + static_cast<size_t>(i) * vocab,
+                                vocab),
+            prompt[i + 1], kTop);
+        const TokenLogprobs& lp = round->prompt_logprobs[i];
+        EXPECT_NEAR(lp.logprob, want.logprob, 1e-4) << "token " << i + 1;
+        ASSERT_EQ(lp.top.size(), static_cast<size_t>(kTop));
+        for (int t = 0; t < kTop; ++t) {
+          EXPECT_EQ(lp.top[t].first, want.top[t].first) << i << " " << t;
+          EXPECT_NEAR(lp.top[t].second, want.top[t].second, 1e-4);
+        }
+      }
+    } else {
+      EXPECT_TRUE(round->prompt_logprobs.empty()) << round_no;
+    }
+    got.insert(got.end(), round->tokens.begin(), round->tokens.end());
+    ++round_no;
+  }
+  EXPECT_GT(prompt_chunks, 3);
+  EXPECT_EQ((*s)->cached_prompt_tokens(), 0);
+  EXPECT_EQ(got, plain);
+}
+
+TEST_F(TargetSessionTest, BadPromptLogprobsAreRejected) {
+  TargetRequest r = Request({1, 5, 9, 12}, 4);
+  for (int top : {-2, 21}) {
+    r.prompt_logprobs = top;
+    const auto s = TargetSession::Create(target_.get(), r);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << top;
+    EXPECT_NE(s.status().message().find("prompt_logprobs"), std::string::npos);
+  }
+  r.prompt_logprobs = 0;
+  EXPECT_TRUE(TargetSession::Create(target_.get(), r).ok());
+  // A pruned prompt (Speculative Prefill's): no row before a dropped token.
+  TargetRequest pruned = r;
+  pruned.position_ids = {0, 1, 3, 4};
+  pruned.next_position = 5;
+  EXPECT_EQ(TargetSession::Create(target_.get(), pruned).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  TargetRequest tail = r;
+  tail.next_position = 9;
+  EXPECT_EQ(TargetSession::Create(target_.get(), tail).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A one-token prompt has no prompt logprobs to give.
+  TargetRequest one = Request({1}, 2);
+  one.prompt_logprobs = 2;
+  auto s = TargetSession::Create(target_.get(), one);
+  ASSERT_TRUE(s.ok());
+  auto round = (*s)->Step({});
+  ASSERT_TRUE(round.ok());
+  EXPECT_TRUE(round->prompt_logprobs.empty());
+}
+
 // ---- penalties ----
 
 // The logit bias, then presence / frequency / repetition penalties as vLLM
