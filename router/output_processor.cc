@@ -131,6 +131,10 @@ void AppendChunk(const v1::GenerateTextChunk& chunk,
                                      chunk.token_ids().end());
   response->mutable_logprobs()->Add(chunk.logprobs().begin(),
                                     chunk.logprobs().end());
+  response->mutable_prompt_token_ids()->Add(chunk.prompt_token_ids().begin(),
+                                            chunk.prompt_token_ids().end());
+  response->mutable_prompt_logprobs()->Add(chunk.prompt_logprobs().begin(),
+                                           chunk.prompt_logprobs().end());
   if (!chunk.finish_reason().empty()) {
     response->set_finish_reason(chunk.finish_reason());
     *response->mutable_usage() = chunk.usage();

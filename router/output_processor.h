@@ -93,8 +93,8 @@ class OutputProcessor {
   std::string finish_reason_;
 };
 
-/// Folds a chunk into a unary response: text, token ids and logprobs
-/// appended, the
+/// Folds a chunk into a unary response: text, token ids, logprobs and
+/// the prompt's ids and logprobs (first chunk) appended, the
 /// final chunk's finish reason, usage and stats copied.
 void AppendChunk(const v1::GenerateTextChunk& chunk,
                  v1::GenerateTextResponse* response);

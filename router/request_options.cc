@@ -195,6 +195,21 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
 
   const v1::SpeculativePrefillConfig& p = request.speculative_prefill();
   o.spec_prefill = p.has_enabled() ? p.enabled() : d.spec_prefill;
+  if (s.has_prompt_logprobs()) {
+    o.prompt_logprobs = s.prompt_logprobs();
+    if (o.prompt_logprobs < 0 || o.prompt_logprobs > kMaxTopLogprobs) {
+      return Bad("sampling.prompt_logprobs",
+                 absl::StrCat("in [0, ", kMaxTopLogprobs, "]"),
+                 o.prompt_logprobs);
+    }
+    // Pruned tokens have no logprob: the whole prompt goes to the target.
+    if (p.has_enabled() && p.enabled()) {
+      return absl::InvalidArgumentError(
+          "sampling.prompt_logprobs needs the whole prompt: "
+          "speculative_prefill.enabled must not be true");
+    }
+    o.spec_prefill = false;
+  }
   v1::SpecPrefillOptions& po = o.prefill;
   po.set_keep_ratio(p.has_keep_ratio() ? p.keep_ratio() : d.prefill.keep_ratio);
   po.set_keep_mass(p.has_keep_mass() ? p.keep_mass() : d.prefill.keep_mass);

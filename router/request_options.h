@@ -96,6 +96,9 @@ struct ResolvedOptions {
   int min_tokens = 0;
   bool logprobs = false;  ///< each token's logprob (target raw logits).
   int top_logprobs = 0;   ///< in [0, kMaxTopLogprobs]; > 0 only with logprobs.
+  /// vLLM's prompt_logprobs: -1 = none, else in [0, kMaxTopLogprobs]
+  /// alternatives per prompt token; spec_prefill is then false.
+  int prompt_logprobs = -1;
   bool spec_prefill = false;
   v1::SpecPrefillOptions prefill;  ///< every field set (keep_ratio etc.).
   bool spec_decode = false;
@@ -118,7 +121,9 @@ struct ResolvedOptions {
 /// kMaxLogitBias ids or with a bias outside [-100, 100], min_tokens
 /// outside [0, max_new_tokens],
 /// an empty stop string, a negative stop token id, top_logprobs outside
-/// [0, 20] or set without logprobs, keep_ratio outside
+/// [0, 20] or set without logprobs, prompt_logprobs outside [0, 20] or
+/// with speculative_prefill.enabled = true (a request that leaves it
+/// unset gets no pruning), keep_ratio outside
 /// (0, 1], keep_mass outside [0, 1], chunk_size < 1, pool_kernel_size even or <
 /// 1, look_ahead outside [0, 64], keep_first / keep_last / min_prompt_tokens <
 /// 0, num_draft_tokens outside [1, 64], an unknown method, prompt_lookup_min

@@ -191,6 +191,35 @@ TEST(ResolveOptionsTest, LogprobsAreCheckedAndKept) {
   EXPECT_THAT(r.status().message(), HasSubstr("needs sampling.logprobs"));
 }
 
+TEST(ResolveOptionsTest, PromptLogprobsTurnPruningOff) {
+  v1::GenerateTextRequest req;
+  RequestDefaults d;
+  d.spec_prefill = true;
+  auto off = ResolveOptions(req, d);
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->prompt_logprobs, -1);
+  EXPECT_TRUE(off->spec_prefill);
+  req.mutable_sampling()->set_prompt_logprobs(0);
+  auto on = ResolveOptions(req, d);
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_EQ(on->prompt_logprobs, 0);
+  EXPECT_FALSE(on->spec_prefill);
+  for (int bad : {-1, 21}) {
+    req.mutable_sampling()->set_prompt_logprobs(bad);
+    auto r = ResolveOptions(req, d);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+    EXPECT_THAT(r.status().message(),
+                HasSubstr("sampling.prompt_logprobs must be in [0, 20]"));
+  }
+  req.mutable_sampling()->set_prompt_logprobs(5);
+  req.mutable_speculative_prefill()->set_enabled(true);
+  auto r = ResolveOptions(req, d);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status()));
+  EXPECT_THAT(r.status().message(), HasSubstr("needs the whole prompt"));
+  req.mutable_speculative_prefill()->set_enabled(false);
+  EXPECT_TRUE(ResolveOptions(req, d).ok());
+}
+
 TEST(ResolveOptionsTest, PenaltiesAreCheckedAndKept) {
   v1::GenerateTextRequest req;
   auto off = ResolveOptions(req, RequestDefaults());

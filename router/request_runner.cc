@@ -320,6 +320,9 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   stop->set_min_new_tokens(opts.min_tokens);
   prefill.set_logprobs(opts.logprobs);
   prefill.set_top_logprobs(opts.top_logprobs);
+  if (opts.prompt_logprobs >= 0) {
+    prefill.set_prompt_logprobs(opts.prompt_logprobs);
+  }
 
   // --- Target: prefill, then verify rounds.
   grpc::ClientContext tctx;
@@ -365,6 +368,15 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
     const absl::Time now = absl::Now();
     if (round == 0) stats.set_target_prefill_s(Seconds(now - prefill_sent));
     if (absl::Status s = output.AddRound(resp, now, &chunk); !s.ok()) return s;
+    if (round == 0 && opts.prompt_logprobs >= 0) {
+      if (resp.prompt_logprobs_size() != std::max(n - 1, 0)) {
+        return absl::InternalError(absl::StrCat(
+            "the target returned ", resp.prompt_logprobs_size(),
+            " prompt logprobs for a prompt of ", n, " tokens"));
+      }
+      chunk.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+      *chunk.mutable_prompt_logprobs() = resp.prompt_logprobs();
+    }
     if (output.finished()) break;
     sink(chunk);
     if (continuous) continue;

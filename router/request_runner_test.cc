@@ -255,6 +255,63 @@ TEST_F(RequestRunnerTest, DraftingWithoutPruningAndPlainServingAreLossless) {
   }
 }
 
+// sampling.prompt_logprobs: the whole prompt goes to the target although
+// the defaults prune (kept = prompt tokens), the output is the full-prompt
+// greedy continuation, and the response carries the prompt's ids and one
+// logprob per prompt token after the first, the target model's
+// log-softmax of the row before it; streamed, only the first chunk has
+// them. Enabling Speculative Prefill with it is refused.
+TEST_F(RequestRunnerTest, PromptLogprobsComeWithTheWholePrompt) {
+  const std::string text = StoryPrompt(4);
+  const std::vector<int> prompt = Encode(text);
+  const int n = static_cast<int>(prompt.size());
+  const int vocab = model_->config().vocab_size;
+  std::vector<float> rows;
+  {
+    auto kv = *model_->NewSequence(n);
+    ForwardInput in;
+    in.token_ids = prompt;
+    std::vector<int> pos(n);
+    for (int i = 0; i < n; ++i) pos[i] = i;
+    in.position_ids = pos;
+    for (int r = 0; r < n; ++r) in.logit_rows.push_back(r);
+    ForwardOutput out;
+    ASSERT_TRUE(model_->Forward(in, kv.get(), &out).ok());
+    rows = out.logits;
+  }
+  v1::GenerateTextRequest req = Request(text, 12, 0.3f, true);
+  req.mutable_speculative_prefill()->clear_enabled();
+  backends_.defaults.spec_prefill = true;
+  req.mutable_sampling()->set_prompt_logprobs(2);
+  int with_prompt = 0;
+  Outcome o = Run(req, [&](const v1::GenerateTextChunk& c, RequestRunner*) {
+    if (c.prompt_logprobs_size() > 0) ++with_prompt;
+  });
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_EQ(with_prompt, 1);
+  EXPECT_EQ(Ids(o.response), FullReference(text, 12));
+  EXPECT_EQ(o.response.usage().kept_prompt_tokens(), n);
+  ASSERT_EQ(std::vector<int>(o.response.prompt_token_ids().begin(),
+                             o.response.prompt_token_ids().end()),
+            prompt);
+  ASSERT_EQ(o.response.prompt_logprobs_size(), n - 1);
+  for (int i = 0; i + 1 < n; ++i) {
+    const TokenLogprobs want = ComputeTokenLogprobs(
+        absl::MakeConstSpan(rows.data() + static_cast<size_t>(i) * vocab,
+                            vocab),
+        prompt[i + 1], 2);
+    const v1::TokenLogprob& got = o.response.prompt_logprobs(i);
+    EXPECT_NEAR(got.logprob(), want.logprob, 1e-4) << i;
+    ASSERT_EQ(got.top_size(), 2) << i;
+    EXPECT_EQ(got.top(0).id(), want.top[0].first) << i;
+  }
+  req.mutable_speculative_prefill()->set_enabled(true);
+  Outcome refused = Run(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status)) << refused.status;
+  EXPECT_NE(refused.status.message().find("prompt_logprobs"),
+            std::string::npos);
+}
+
 TEST_F(RequestRunnerTest, PrunedPrefillKeepsOriginalPositions) {
   const std::string text = StoryPrompt(15);
   const std::vector<int> prompt = Encode(text);

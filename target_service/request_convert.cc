@@ -32,6 +32,7 @@ TargetRequest ToTargetRequest(const v1::Prefill& p,
   r.max_drafts = max_drafts;
   r.logprobs = p.logprobs();
   r.top_logprobs = p.top_logprobs();
+  r.prompt_logprobs = p.has_prompt_logprobs() ? p.prompt_logprobs() : -1;
   return r;
 }
 

@@ -530,14 +530,19 @@ class TargetServer::GenerateReactor
     pending_.set_num_drafts(pending_.num_drafts() + round.num_drafts);
     pending_.set_num_accepted(pending_.num_accepted() + round.num_accepted);
     pending_.mutable_token_ids()->Add(round.tokens.begin(), round.tokens.end());
-    for (const TokenLogprobs& lp : round.logprobs) {
-      v1::TokenLogprob* out = pending_.add_logprobs();
+    const auto add = [](const TokenLogprobs& lp, v1::TokenLogprob* out) {
       out->set_logprob(lp.logprob);
       for (const auto& [id, logprob] : lp.top) {
         v1::TopLogprob* t = out->add_top();
         t->set_id(id);
         t->set_logprob(logprob);
       }
+    };
+    for (const TokenLogprobs& lp : round.logprobs) {
+      add(lp, pending_.add_logprobs());
+    }
+    for (const TokenLogprobs& lp : round.prompt_logprobs) {
+      add(lp, pending_.add_prompt_logprobs());
     }
     if (round.finish != FinishReason::kNone) {
       pending_.set_finish_reason(std::string(FinishReasonName(round.finish)));

@@ -750,6 +750,17 @@ TEST_F(TargetServerTest, BadInputIsInvalidArgumentNamingTheField) {
        "top_logprobs"},
       {"top_logprobs without logprobs",
        [](v1::Prefill* p) { p->set_top_logprobs(2); }, "top_logprobs"},
+      {"prompt_logprobs > 20",
+       [](v1::Prefill* p) { p->set_prompt_logprobs(21); }, "prompt_logprobs"},
+      {"prompt_logprobs of a pruned prompt",
+       [](v1::Prefill* p) {
+         p->set_prompt_logprobs(1);
+         for (int i = 0; i < p->position_ids_size(); ++i) {
+           p->set_position_ids(i, 2 * i);
+         }
+         p->set_next_position(2 * p->position_ids_size());
+       },
+       "prompt_logprobs"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -850,7 +861,40 @@ TEST_F(TargetServerTest, LogprobsAreAlignedWithTokenIds) {
     const StreamResult got =
         RunStream(stub_.get(), MakePrefill(kPrompt, 8), NoDrafts());
     ASSERT_TRUE(got.status.ok());
-    for (const auto& resp : got.responses) EXPECT_EQ(resp.logprobs_size(), 0);
+    for (const auto& resp : got.responses) {
+      EXPECT_EQ(resp.logprobs_size(), 0);
+      EXPECT_EQ(resp.prompt_logprobs_size(), 0);
+    }
+  }
+}
+
+// Prefill.prompt_logprobs: the first response carries one logprob per
+// prompt token after the first, the in-process session's; no other does.
+TEST_F(TargetServerTest, PromptLogprobsComeInTheFirstResponse) {
+  TargetRequest r = MakeRequest(kPrompt, 6);
+  r.prompt_logprobs = 2;
+  auto session = TargetSession::Create(target_.get(), r);
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto first = (*session)->Step({});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->prompt_logprobs.size(), kPrompt.size() - 1);
+  v1::Prefill prefill = MakePrefill(kPrompt, 6);
+  prefill.set_prompt_logprobs(2);
+  auto ds = NewDraftSession({});
+  const StreamResult got =
+      RunStream(stub_.get(), prefill, FromDraftSession(ds.get(), 4));
+  ASSERT_TRUE(got.status.ok()) << got.status.error_message();
+  ASSERT_FALSE(got.responses.empty());
+  const v1::GenerateResponse& resp = got.responses[0];
+  ASSERT_EQ(resp.prompt_logprobs_size(), static_cast<int>(kPrompt.size()) - 1);
+  for (int i = 0; i < resp.prompt_logprobs_size(); ++i) {
+    const v1::TokenLogprob& lp = resp.prompt_logprobs(i);
+    EXPECT_NEAR(lp.logprob(), first->prompt_logprobs[i].logprob, 1e-5) << i;
+    ASSERT_EQ(lp.top_size(), 2) << i;
+    EXPECT_EQ(lp.top(0).id(), first->prompt_logprobs[i].top[0].first) << i;
+  }
+  for (size_t i = 1; i < got.responses.size(); ++i) {
+    EXPECT_EQ(got.responses[i].prompt_logprobs_size(), 0) << i;
   }
 }
 
