@@ -74,6 +74,27 @@ std::string ModelName(RouterServer& router) {
   return info ? info->model_id() : "";
 }
 
+// `echo`'s text of each prompt: as sent, or its ids decoded by the
+// router's tokenizer ("" without one, as the rest of such a response).
+std::vector<std::string> EchoTexts(const openai::ParsedRequest& p,
+                                   RouterServer& router) {
+  std::vector<std::string> out;
+  for (int i = 0; i < p.num_prompts(); ++i) {
+    const v1::GenerateTextRequest& r =
+        i == 0 ? p.request : p.more_prompts[i - 1];
+    std::string text = r.text();
+    if (!r.has_token_ids() || router.tokenizer() == nullptr) {
+      out.push_back(std::move(text));
+      continue;
+    }
+    const auto& ids = r.token_ids().ids();
+    absl::StatusOr<std::string> decoded =
+        router.tokenizer()->Decode(std::vector<int>(ids.begin(), ids.end()));
+    out.push_back(decoded.ok() ? *std::move(decoded) : "");
+  }
+  return out;
+}
+
 // NOT_FOUND (param "model") for a `model` other than the one served; ""
 // (not sent) is the served one.
 absl::Status CheckModel(RouterServer& router, const std::string& requested) {
@@ -287,6 +308,7 @@ class HttpHandlers {
     if (parsed->request.sampling().logprobs()) {
       builder.EnableLogprobs(s->router_->tokenizer());
     }
+    if (parsed->echo) builder.EnableEcho(EchoTexts(*parsed, *s->router_));
     if (!s->router_->Admit(n)) {
       return SendError(
           res, absl::ResourceExhaustedError(absl::StrCat(

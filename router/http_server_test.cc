@@ -256,6 +256,62 @@ TEST_F(HttpServerTest, CompletionMatchesGrpc) {
 // logprobs of their own tokens (together those of the unary answer); chat
 // gets its {content: [...]} shape; the gRPC API returns them aligned with
 // token_ids; bad values are 400s.
+// Completions' echo through the stack, as lm-evaluation-harness scores a
+// continuation (echo, logprobs, max_tokens 1): the prompt's tokens come
+// first in the logprobs, the first with null, the rest real logprobs, and
+// the whole prompt reaches the target although the router's defaults
+// prune; without logprobs the echo only prefixes the text; streamed, the
+// events add up to the unary answer.
+TEST_F(HttpServerTest, EchoThroughTheStack) {
+  Start();
+  const std::string prompt = StoryPrompt(2);
+  json req = {{"prompt", prompt}, {"max_tokens", 1}, {"echo", true},
+              {"logprobs", 1}};
+  auto res = Post("/v1/completions", req.dump());
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json u = json::parse(res->body);
+  const json& choice = u["choices"][0];
+  const std::string text = choice["text"];
+  EXPECT_EQ(text.substr(0, prompt.size()), prompt);
+  const int prompt_tokens = u["usage"]["prompt_tokens"];
+  EXPECT_EQ(u["specserve"]["kept_prompt_tokens"], prompt_tokens);
+  const json& lp = choice["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), static_cast<size_t>(prompt_tokens + 1)) << u;
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  for (int i = 1; i <= prompt_tokens; ++i) {
+    EXPECT_LE(lp["token_logprobs"][i].get<double>(), 0.0) << i;
+    EXPECT_GE(lp["top_logprobs"][i].size(), 1u) << i;
+  }
+  // Without logprobs: the prompt, then what the same request answers.
+  auto plain = Post("/v1/completions",
+                    json{{"prompt", prompt}, {"max_tokens", 6}}.dump());
+  auto echoed = Post(
+      "/v1/completions",
+      json{{"prompt", prompt}, {"max_tokens", 6}, {"echo", true}}.dump());
+  ASSERT_TRUE(plain && echoed);
+  ASSERT_EQ(echoed->status, 200) << echoed->body;
+  EXPECT_EQ(json::parse(echoed->body)["choices"][0]["text"],
+            prompt + json::parse(plain->body)["choices"][0]["text"]
+                         .get<std::string>());
+  // Streamed.
+  req["stream"] = true;
+  auto streamed = Post("/v1/completions", req.dump());
+  ASSERT_TRUE(streamed);
+  ASSERT_EQ(streamed->status, 200) << streamed->body;
+  std::string joined;
+  json tokens = json::array();
+  for (const json& e : ParseSse(streamed->body).events) {
+    if (e["choices"].empty()) continue;
+    joined += e["choices"][0]["text"].get<std::string>();
+    const json& l = e["choices"][0]["logprobs"];
+    for (const json& t : l["tokens"]) tokens.push_back(t);
+  }
+  EXPECT_EQ(joined, text);
+  EXPECT_EQ(tokens, lp["tokens"]);
+}
+
 TEST_F(HttpServerTest, LogprobsThroughTheStack) {
   Start();
   const std::string prompt = StoryPrompt(3);

@@ -598,6 +598,9 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   // Known parameters that would change the answer and are not implemented:
   // refused when they ask for something, rather than silently ignored.
   for (const char* key : {"echo", "suffix", "best_of"}) {
+    if (endpoint == Endpoint::kCompletions && key == std::string("echo")) {
+      continue;  // parsed below
+    }
     const json* v = Member(body, key);
     if (v != nullptr && AsksForSomething(*v, key == std::string("best_of"))) {
       return ParamError(key, absl::StrCat("'", key, "' is not supported"));
@@ -624,6 +627,13 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   if (auto s = ParseExtensions(body, &r); !s.ok()) return s;
   if (endpoint == Endpoint::kCompletions) {
+    SPECSERVE_ASSIGN(echo, GetBool(body, "echo", "echo"));
+    out.echo = echo.value_or(false);
+    // Echoed logprobs are the prompt's too: every prompt row's logits
+    // (no Speculative Prefill pruning for this request).
+    if (out.echo && r.sampling().logprobs()) {
+      r.mutable_sampling()->set_prompt_logprobs(r.sampling().top_logprobs());
+    }
     if (auto s = ParsePrompt(body, &out); !s.ok()) return s;
     return out;
   }
@@ -784,7 +794,18 @@ ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
       n_(std::max(n, 1)),
       per_prompt_(choices_per_prompt > 0 ? choices_per_prompt : n_),
       role_sent_(n_, false),
+      echo_sent_(n_, false),
       text_offset_(n_, 0) {}
+
+void ResponseBuilder::EnableEcho(std::vector<std::string> prompt_texts) {
+  echo_ = std::move(prompt_texts);
+}
+
+const std::string& ResponseBuilder::EchoText(int index) const {
+  static const std::string kNone;
+  const size_t prompt = static_cast<size_t>(index / per_prompt_);
+  return prompt < echo_.size() ? echo_[prompt] : kNone;
+}
 
 void ResponseBuilder::EnableLogprobs(const Tokenizer* tokenizer) {
   logprobs_ = true;
@@ -822,11 +843,11 @@ std::string ResponseBuilder::TokenBytes(int id, const std::string& text) const {
   return text;
 }
 
-json ResponseBuilder::Logprobs(
-    const google::protobuf::RepeatedField<int32_t>& ids,
-    const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs,
-    int64_t* offset) const {
+template <typename Message>
+json ResponseBuilder::Logprobs(const Message& m, int64_t* offset) const {
   if (!logprobs_) return nullptr;
+  const auto& ids = m.token_ids();
+  const auto& logprobs = m.logprobs();
   auto value = [](float lp) {
     return std::isnan(lp) ? -9999.0 : std::max<double>(lp, -9999.0);
   };
@@ -856,21 +877,34 @@ json ResponseBuilder::Logprobs(
   }
   json tokens = json::array(), token_logprobs = json::array(),
        top_logprobs = json::array(), text_offset = json::array();
-  for (int i = 0; i < n; ++i) {
-    const std::string text = TokenText(ids[i]);
+  const auto add = [&](int id, const v1::TokenLogprob* lp) {
+    const std::string text = TokenText(id);
+    tokens.push_back(text);
+    text_offset.push_back(*offset);
+    *offset += static_cast<int64_t>(text.size());
+    if (lp == nullptr) {  // an echoed prompt's first token
+      token_logprobs.push_back(nullptr);
+      top_logprobs.push_back(nullptr);
+      return;
+    }
     json top = json::object();
-    for (const v1::TopLogprob& t : logprobs[i].top()) {
+    for (const v1::TopLogprob& t : lp->top()) {
       const std::string t_text = TokenText(t.id());
       if (!top.contains(t_text)) top[t_text] = value(t.logprob());
     }
     // vLLM lists the sampled token with the top-N.
-    if (!top.contains(text)) top[text] = value(logprobs[i].logprob());
-    tokens.push_back(text);
-    token_logprobs.push_back(value(logprobs[i].logprob()));
+    if (!top.contains(text)) top[text] = value(lp->logprob());
+    token_logprobs.push_back(value(lp->logprob()));
     top_logprobs.push_back(std::move(top));
-    text_offset.push_back(*offset);
-    *offset += static_cast<int64_t>(text.size());
+  };
+  // Echo: prompt token i + 1's logprob is prompt_logprobs[i].
+  const auto& prompt = m.prompt_token_ids();
+  if (prompt.size() == m.prompt_logprobs().size() + 1) {
+    for (int i = 0; i < prompt.size(); ++i) {
+      add(prompt[i], i == 0 ? nullptr : &m.prompt_logprobs(i - 1));
+    }
   }
+  for (int i = 0; i < n; ++i) add(ids[i], &logprobs[i]);
   return {{"tokens", std::move(tokens)},
           {"token_logprobs", std::move(token_logprobs)},
           {"top_logprobs", std::move(top_logprobs)},
@@ -909,12 +943,12 @@ json ResponseBuilder::Response(
     const v1::GenerateTextResponse& r = responses[i];
     int64_t offset = 0;
     json choice = {{"index", i},
-                   {"logprobs", Logprobs(r.token_ids(), r.logprobs(), &offset)},
+                   {"logprobs", Logprobs(r, &offset)},
                    {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
     if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
     } else {
-      choice["text"] = r.text();
+      choice["text"] = EchoText(static_cast<int>(i)) + r.text();
     }
     choices.push_back(std::move(choice));
     AddUsage(r.usage(), static_cast<int>(i), &usage);
@@ -964,10 +998,15 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
                                            json::error_handler_t::replace),
                     "\n\n");
   };
+  // Echo: the prompt goes first, with the choice's first event.
+  std::string delta = chunk.text();
+  if (!echo_sent_[index] && !chat) {
+    echo_sent_[index] = true;
+    delta = EchoText(index) + delta;
+  }
   auto choice = [&](const std::string& text, const json& finish) {
     json c = {{"index", index},
-              {"logprobs", Logprobs(chunk.token_ids(), chunk.logprobs(),
-                                    &text_offset_[index])},
+              {"logprobs", Logprobs(chunk, &text_offset_[index])},
               {"finish_reason", finish}};
     if (chat) {
       c["delta"] = text.empty() ? json::object() : json{{"content", text}};
@@ -986,16 +1025,18 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
     emit(c);
     role_sent_[index] = true;
   }
-  const bool has_logprobs = logprobs_ && chunk.logprobs_size() > 0;
-  if ((!chunk.text().empty() || has_logprobs) && !last) {
+  const bool has_logprobs =
+      logprobs_ &&
+      (chunk.logprobs_size() > 0 || chunk.prompt_token_ids_size() > 0);
+  if ((!delta.empty() || has_logprobs) && !last) {
     json c = Chunk();
-    c["choices"] = json::array({choice(chunk.text(), nullptr)});
+    c["choices"] = json::array({choice(delta, nullptr)});
     emit(c);
   }
   if (last) {
     json c = Chunk();
     c["choices"] = json::array(
-        {choice(chunk.text(), OpenAiFinishReason(chunk.finish_reason()))});
+        {choice(delta, OpenAiFinishReason(chunk.finish_reason()))});
     c["specserve"] = Stats(chunk.usage(), chunk.stats());
     emit(c);
     AddUsage(chunk.usage(), index, &usage_);

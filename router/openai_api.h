@@ -46,6 +46,9 @@ struct ParsedRequest {
   /// Choices to generate per prompt, in [1, kMaxChoices]: `n` independent
   /// runs of each prompt (ChoiceRequest gives each its seed).
   int n = 1;
+  /// Completions' `echo`: each choice's text (and with `logprobs`, its
+  /// logprobs, the prompt's first) starts with its prompt.
+  bool echo = false;
 
   int num_prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
 };
@@ -174,6 +177,14 @@ class ResponseBuilder {
   /// is part of a character. -inf is written as -9999.0 (as vLLM).
   void EnableLogprobs(const Tokenizer* tokenizer);
 
+  /// Completions' `echo`: prompt p's choices start with prompt_texts[p]
+  /// (its text as sent, or its ids decoded). With logprobs, the chunks'
+  /// prompt_token_ids and prompt_logprobs (sampling.prompt_logprobs) come
+  /// first in `logprobs`: the first prompt token's logprob and
+  /// top_logprobs are null (nothing comes before it), as OpenAI's and
+  /// vLLM's; text_offset counts from the prompt's first token.
+  void EnableEcho(std::vector<std::string> prompt_texts);
+
   /// The non-streaming response: choice i from responses[i] (one per
   /// choice), usage (each prompt once, the completions of every choice
   /// summed), and the `specserve` object (Stats) of the first choice.
@@ -211,11 +222,12 @@ class ResponseBuilder {
   void AddUsage(const v1::Usage& choice, int index, v1::Usage* total) const;
   nlohmann::json Usage(const v1::Usage& usage) const;
   // The choice's `logprobs` for `ids` / `logprobs` (aligned); completions'
-  // text_offset starts at *offset and advances it.
-  nlohmann::json Logprobs(
-      const google::protobuf::RepeatedField<int32_t>& ids,
-      const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs,
-      int64_t* offset) const;
+  // text_offset starts at *offset and advances it. With echo, the
+  // message's prompt ids / logprobs (the first message's) come first.
+  template <typename Message>
+  nlohmann::json Logprobs(const Message& m, int64_t* offset) const;
+  // Choice `index`'s echoed prompt text ("" without echo).
+  const std::string& EchoText(int index) const;
   std::string TokenText(int id) const;
   std::string TokenBytes(int id, const std::string& text) const;
 
@@ -228,9 +240,11 @@ class ResponseBuilder {
   const int per_prompt_;  // choices per prompt
   bool logprobs_ = false;
   const Tokenizer* tokenizer_ = nullptr;
+  std::vector<std::string> echo_;  // per prompt; empty = no echo
   // Per choice: the chat role delta was sent; streamed completions'
   // text_offset so far.
   std::vector<bool> role_sent_;
+  std::vector<bool> echo_sent_;  // streamed: the prompt went out
   std::vector<int64_t> text_offset_;
   int finished_ = 0;   // choices whose final chunk was built
   v1::Usage usage_;    // their usage, completion_tokens summed

@@ -279,7 +279,7 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"logprobs", true}}, "logprobs"},
       {{{"prompt", "a"}, {"logprobs", 99999999999}}, "logprobs"},
       {{{"prompt", "a"}, {"top_logprobs", 2}}, "top_logprobs"},
-      {{{"prompt", "a"}, {"echo", true}}, "echo"},
+      {{{"prompt", "a"}, {"echo", "yes"}}, "echo"},
       {{{"prompt", "a"}, {"best_of", 3}}, "best_of"},
       {{{"prompt", "a"}, {"suffix", "x"}}, "suffix"},
       {{{"prompt", "a"}, {"logit_bias", {{"x", 10}}}}, "logit_bias"},
@@ -306,6 +306,35 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
     EXPECT_EQ(ParamOf(p.status()).value_or("(none)"), c.param) << c.body;
     EXPECT_EQ(HttpStatus(p.status()), 400);
   }
+}
+
+ChatFormat PlainChat();  // below
+
+// Completions' echo: the prompt's logprobs are asked for only with
+// logprobs (then with the same top-N); chat's echo stays refused.
+TEST(ParseRequestTest, CompletionEchoAsksForPromptLogprobsWithLogprobs) {
+  auto p = Completion({{"prompt", "a"}, {"echo", true}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->echo);
+  EXPECT_FALSE(p->request.sampling().has_prompt_logprobs());
+  p = Completion({{"prompt", {"a", "b"}}, {"echo", true}, {"logprobs", 2}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().prompt_logprobs(), 2);
+  ASSERT_EQ(p->more_prompts.size(), 1u);
+  EXPECT_EQ(p->more_prompts[0].sampling().prompt_logprobs(), 2);
+  p = Completion({{"prompt", "a"}, {"echo", false}, {"logprobs", 2}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->echo);
+  EXPECT_FALSE(p->request.sampling().has_prompt_logprobs());
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  auto chat = ParseRequest(
+      Endpoint::kChat,
+      json{{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+           {"echo", true}}
+          .dump(),
+      PlainChat(), tok->get());
+  EXPECT_EQ(ParamOf(chat.status()).value_or("(none)"), "echo");
 }
 
 TEST(ParseRequestTest, CompletionLogprobs) {
@@ -731,6 +760,73 @@ TEST(ResponseBuilderTest, CompletionLogprobs) {
   EXPECT_EQ(l2["text_offset"],
             json::array({lp["text_offset"][1], lp["text_offset"][2]}));
   EXPECT_EQ(ev[0]["choices"][0]["finish_reason"], "length");
+}
+
+// echo: each choice's text starts with its prompt's; with logprobs the
+// prompt's tokens come first, the first with null logprob and top, the
+// text offsets running on into the completion; streamed, the prompt goes
+// with the choice's first event only.
+TEST(ResponseBuilderTest, CompletionEcho) {
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int> prompt = *(*tok)->Encode("Once upon", false);
+  const std::vector<int> out = *(*tok)->Encode(" a time", false);
+  ASSERT_GE(prompt.size(), 2u);
+  v1::GenerateTextResponse r;
+  r.set_text(" a time");
+  r.set_finish_reason("length");
+  for (int id : out) {
+    r.add_token_ids(id);
+    *r.add_logprobs() = Lp(-1.f, {{id, -1.f}});
+  }
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    r.add_prompt_token_ids(prompt[i]);
+    if (i > 0) *r.add_prompt_logprobs() = Lp(-2.f - i, {{7, -0.5f}});
+  }
+  ResponseBuilder plain(Endpoint::kCompletions, "cmpl-1", "m", 100, false);
+  plain.EnableEcho({"Once upon"});
+  EXPECT_EQ(plain.Response(r)["choices"][0]["text"], "Once upon a time");
+
+  ResponseBuilder b(Endpoint::kCompletions, "cmpl-1", "m", 100, false);
+  b.EnableLogprobs(tok->get());
+  b.EnableEcho({"Once upon"});
+  const json lp = b.Response(r)["choices"][0]["logprobs"];
+  const size_t all = prompt.size() + out.size();
+  ASSERT_EQ(lp["tokens"].size(), all) << lp;
+  ASSERT_EQ(lp["token_logprobs"].size(), all);
+  ASSERT_EQ(lp["top_logprobs"].size(), all);
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null());
+  std::string joined;
+  for (size_t i = 0; i < all; ++i) {
+    EXPECT_EQ(lp["text_offset"][i], joined.size()) << i;
+    joined += lp["tokens"][i].get<std::string>();
+    if (i == 0) continue;
+    const float want = i < prompt.size() ? -2.f - i : -1.f;
+    EXPECT_FLOAT_EQ(lp["token_logprobs"][i].get<float>(), want) << i;
+  }
+  EXPECT_EQ(joined, " Once upon a time");
+
+  ResponseBuilder s(Endpoint::kCompletions, "cmpl-2", "m", 100, false);
+  s.EnableLogprobs(tok->get());
+  s.EnableEcho({"Once upon"});
+  v1::GenerateTextChunk c;
+  c.set_text(" a");
+  c.add_token_ids(out[0]);
+  *c.add_logprobs() = r.logprobs(0);
+  *c.mutable_prompt_token_ids() = r.prompt_token_ids();
+  *c.mutable_prompt_logprobs() = r.prompt_logprobs();
+  std::vector<json> ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0]["choices"][0]["text"], "Once upon a");
+  EXPECT_EQ(ev[0]["choices"][0]["logprobs"]["tokens"].size(),
+            prompt.size() + 1);
+  c.Clear();
+  c.set_text(" time");
+  c.set_finish_reason("length");
+  ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0]["choices"][0]["text"], " time");
 }
 
 TEST(ResponseBuilderTest, ChatLogprobs) {
