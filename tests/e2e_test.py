@@ -196,6 +196,25 @@ class E2ETest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as e:
             self.stub.Generate(bad, timeout=60)
         self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        # prompt_logprobs=N: the whole prompt reaches the target (the
+        # router's default would prune it), one logprob per prompt token
+        # after the first, and the output is the full prefill's.
+        pl = self.stub.Generate(self.request(prompt_logprobs=2), timeout=60)
+        self.assertEqual(list(pl.token_ids), list(plain.token_ids))
+        self.assertEqual(list(pl.prompt_token_ids), list(self.ids))
+        self.assertEqual(len(pl.prompt_logprobs), len(self.ids) - 1)
+        self.assertEqual(pl.usage.kept_prompt_tokens, len(self.ids))
+        for lp in pl.prompt_logprobs:
+            self.assertEqual(len(lp.top), 2)
+            self.assertLessEqual(lp.logprob, lp.top[0].logprob + 1e-5)
+        out = run_json([find_binary("tools/client"), "--router",
+                        self.stack.router.address, "--token_ids",
+                        ",".join(map(str, self.ids)), "--max_new_tokens", "4",
+                        "--temperature", "0", "--prompt_logprobs", "2",
+                        "--json"])
+        self.assertEqual(len(out["prompt_logprobs"]), len(self.ids) - 1)
+        self.assertAlmostEqual(out["prompt_logprobs"][5]["logprob"],
+                               pl.prompt_logprobs[5].logprob, delta=1e-5)
 
     def test_i_cli_reads_prompts_from_files(self):
         # //tools:client: --prompt_file and --token_ids_file (ids split by

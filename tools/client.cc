@@ -2,7 +2,7 @@
 //
 //   bazel run //tools:client -- --router localhost:50050
 //     --prompt "Once upon a time" --max_new_tokens 64 [--stream] [--json]
-//     [--logprobs N]
+//     [--logprobs N] [--prompt_logprobs N]
 //
 // Plaintext by default; --tls (gRPC's default roots) or --tls_ca_file
 // speaks TLS to a router serving it, --tls_cert_file / --tls_key_file add
@@ -73,6 +73,10 @@ ABSL_FLAG(std::string, stop_token_ids, "", "stop token ids");
 ABSL_FLAG(int, logprobs, -1,
           "each token's logprob (target raw logits) with the N likeliest "
           "alternatives, N in [0, 20] (-1 = off); --json prints them");
+ABSL_FLAG(int, prompt_logprobs, -1,
+          "each prompt token's logprob (after the first) with the N "
+          "likeliest alternatives, N in [0, 20] (-1 = off); the whole prompt "
+          "is prefilled (no Speculative Prefill); --json prints them");
 ABSL_FLAG(double, keep_ratio, -1, "Speculative Prefill keep ratio");
 ABSL_FLAG(int, look_ahead, -1, "Speculative Prefill look-ahead tokens");
 ABSL_FLAG(int, chunk_size, -1, "Speculative Prefill chunk size");
@@ -209,6 +213,9 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   if (absl::GetFlag(FLAGS_logprobs) >= 0) {
     s->set_logprobs(true);
     s->set_top_logprobs(absl::GetFlag(FLAGS_logprobs));
+  }
+  if (absl::GetFlag(FLAGS_prompt_logprobs) >= 0) {
+    s->set_prompt_logprobs(absl::GetFlag(FLAGS_prompt_logprobs));
   }
   auto* sp = req.mutable_speculative_prefill();
   if (absl::GetFlag(FLAGS_no_spec_prefill)) sp->set_enabled(false);
@@ -350,10 +357,12 @@ int Run() {
     std::string text;
     std::vector<int> ids;
     nlohmann::json logprobs = nlohmann::json::array();
+    nlohmann::json prompt_logprobs = nlohmann::json::array();
     while (reader->Read(&chunk)) {
       text += chunk.text();
       ids.insert(ids.end(), chunk.token_ids().begin(), chunk.token_ids().end());
       AppendLogprobs(chunk.logprobs(), &logprobs);
+      AppendLogprobs(chunk.prompt_logprobs(), &prompt_logprobs);
       if (!json) {
         std::fputs(chunk.text().c_str(), stdout);
         std::fflush(stdout);
@@ -368,6 +377,9 @@ int Run() {
     out["text"] = text;
     out["token_ids"] = ids;
     if (req->sampling().logprobs()) out["logprobs"] = std::move(logprobs);
+    if (req->sampling().has_prompt_logprobs()) {
+      out["prompt_logprobs"] = std::move(prompt_logprobs);
+    }
   } else {
     v1::GenerateTextResponse resp;
     grpc::Status s = stub->Generate(&ctx, *req, &resp);
@@ -380,6 +392,10 @@ int Run() {
     if (req->sampling().logprobs()) {
       out["logprobs"] = nlohmann::json::array();
       AppendLogprobs(resp.logprobs(), &out["logprobs"]);
+    }
+    if (req->sampling().has_prompt_logprobs()) {
+      out["prompt_logprobs"] = nlohmann::json::array();
+      AppendLogprobs(resp.prompt_logprobs(), &out["prompt_logprobs"]);
     }
     if (!json) std::fputs(resp.text().c_str(), stdout);
   }

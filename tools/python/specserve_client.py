@@ -102,7 +102,7 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   logprobs=None, presence_penalty=None,
                   frequency_penalty=None, repetition_penalty=None,
                   logit_bias=None, min_tokens=None, min_p=None,
-                  json_object=None):
+                  json_object=None, prompt_logprobs=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
@@ -116,7 +116,10 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     define them. logit_bias: {token id: bias in [-100, 100]}; min_tokens:
     no EOS, stop id or stop string before this many tokens (vLLM's);
     min_p in [0, 1]; json_object: JSON mode (the output is one JSON
-    object, OpenAI's response_format json_object)."""
+    object, OpenAI's response_format json_object). prompt_logprobs: N in
+    [0, 20] returns each prompt token's logprob after the first (vLLM's;
+    response.prompt_logprobs, aligned with response.prompt_token_ids[1:]);
+    the whole prompt is then prefilled (no Speculative Prefill)."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -147,6 +150,8 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     if logprobs is not None:
         req.sampling.logprobs = True
         req.sampling.top_logprobs = logprobs
+    if prompt_logprobs is not None:
+        req.sampling.prompt_logprobs = prompt_logprobs
     if keep_ratio is not None:
         req.speculative_prefill.keep_ratio = keep_ratio
     if spec_prefill is not None:
@@ -212,6 +217,10 @@ def main():
     ap.add_argument("--logprobs", type=int,
                     help="print each token's logprob with the N likeliest "
                          "alternatives (N in [0, 20])")
+    ap.add_argument("--prompt_logprobs", type=int,
+                    help="print each prompt token's logprob (after the "
+                         "first) with the N likeliest alternatives; the "
+                         "whole prompt is prefilled")
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tls", action="store_true",
@@ -259,12 +268,15 @@ def main():
                         if a.tree_branching else None,
                         tree_max_nodes=a.tree_max_nodes,
                         tree_min_path_prob=a.tree_min_path_prob,
-                        logprobs=a.logprobs)
+                        logprobs=a.logprobs,
+                        prompt_logprobs=a.prompt_logprobs)
     try:
         if a.stream:
             last = None
-            ids, lps = [], []
+            ids, lps, prompt_ids, prompt_lps = [], [], [], []
             for chunk in stub.GenerateStream(req, timeout=a.timeout):
+                prompt_ids.extend(chunk.prompt_token_ids)
+                prompt_lps.extend(chunk.prompt_logprobs)
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 ids.extend(chunk.token_ids)
@@ -276,10 +288,17 @@ def main():
             sys.stdout.write(resp.text)
             usage, stats, finish = resp.usage, resp.stats, resp.finish_reason
             ids, lps = list(resp.token_ids), list(resp.logprobs)
+            prompt_ids = list(resp.prompt_token_ids)
+            prompt_lps = list(resp.prompt_logprobs)
     except grpc.RpcError as e:
         print("error: %s %s" % (e.code().name, e.details()), file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     print()
+    for token_id, lp in zip(prompt_ids[1:], prompt_lps):
+        print("prompt token %d logprob %.4f top %s" % (
+            token_id, lp.logprob,
+            " ".join("%d:%.4f" % (t.id, t.logprob) for t in lp.top)),
+            file=sys.stderr)
     for token_id, lp in zip(ids, lps):
         print("token %d logprob %.4f top %s" % (
             token_id, lp.logprob,
