@@ -17,8 +17,6 @@ bool IsHex(unsigned char c) {
   return IsDigit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
 }
 
-constexpr absl::string_view kLiterals[] = {"true", "false", "null"};
-
 }  // namespace
 
 bool JsonMatcher::Whitespace(unsigned char c) {
@@ -36,6 +34,7 @@ bool JsonMatcher::Utf8(unsigned char c) {
     return true;
   }
   if (c < 0x20) return false;  // control characters must be escaped
+  if (!StringChar()) return false;
   if (c < 0x80) return true;
   // RFC 3629's table: the lead byte fixes the length and the second
   // byte's range (no overlongs, no surrogates, nothing past U+10FFFF).
@@ -55,68 +54,155 @@ bool JsonMatcher::Utf8(unsigned char c) {
   return true;
 }
 
+bool JsonMatcher::StringChar() {
+  if (str_node_ == 0) return true;  // a key: no limits
+  const int max = node(str_node_).max_length;
+  if (max >= 0 && str_len_ >= max) return false;
+  if (str_len_ < 0xFFFF) ++str_len_;
+  return true;
+}
+
 bool JsonMatcher::To(State s) {
   state_ = s;
   return true;
 }
 
+int JsonMatcher::ExpectedNode() const {
+  if (depth_ == 0) return schema_->root();
+  const Frame& f = stack_[depth_ - 1];
+  const JsonSchema::Node& n = node(f.node);
+  if (f.kind == '[' || n.kind == JsonSchema::Kind::kMap) return n.child;
+  return n.values[f.count - 1];  // the property whose key was just read
+}
+
+uint64_t JsonMatcher::KeyCandidates(const JsonSchema::Node& n, int passed) {
+  uint64_t bits = 0;
+  for (int i = passed; i < static_cast<int>(n.keys.size()); ++i) {
+    bits |= uint64_t{1} << i;
+    if (n.required[i]) break;
+  }
+  return bits;
+}
+
+bool JsonMatcher::RequiredLeft(const JsonSchema::Node& n, int passed) {
+  for (int i = passed; i < static_cast<int>(n.required.size()); ++i) {
+    if (n.required[i]) return true;
+  }
+  return false;
+}
+
+const std::vector<std::string>& JsonMatcher::Literals() const {
+  const JsonSchema::Node& n = node(set_node_);
+  return set_keys_ ? n.keys : n.literals;
+}
+
+bool JsonMatcher::LiteralEnds() const {
+  const std::vector<std::string>& lits = Literals();
+  bool complete = false, longer = false;
+  for (uint64_t a = alive_; a != 0; a &= a - 1) {
+    const size_t len = lits[__builtin_ctzll(a)].size();
+    complete |= len == literal_pos_;
+    longer |= len > literal_pos_;
+  }
+  return complete && !longer;
+}
+
+bool JsonMatcher::FinishLiteral() {
+  if (!set_keys_) return EndValue();
+  // Keys end with their quote, so exactly one is complete.
+  const std::vector<std::string>& keys = Literals();
+  for (uint64_t a = alive_; a != 0; a &= a - 1) {
+    const int i = __builtin_ctzll(a);
+    if (keys[i].size() == literal_pos_) {
+      stack_[depth_ - 1].count = static_cast<uint16_t>(i + 1);
+      state_ = State::kColon;
+      return true;
+    }
+  }
+  return false;
+}
+
 bool JsonMatcher::EndValue() {
-  state_ = depth_ == 0 ? State::kDone : State::kAfter;
+  if (depth_ == 0) {
+    state_ = State::kDone;
+    return true;
+  }
+  Frame& f = stack_[depth_ - 1];
+  if (f.kind == '[' && f.count < 0xFFFF) ++f.count;
+  state_ = State::kAfter;
   return true;
 }
 
 bool JsonMatcher::StartValue(unsigned char c, bool array_first) {
   if (array_first && c == ']') {
+    if (node(stack_[depth_ - 1].node).min_items > 0) return false;
     --depth_;
     return EndValue();
   }
-  switch (c) {
-    case '{':
-    case '[':
+  const int cls = JsonSchema::ClassOf(c);
+  if (cls < 0) return false;
+  const int typed = node(ExpectedNode()).by_class[cls];
+  if (typed < 0) return false;
+  const JsonSchema::Node& n = node(typed);
+  switch (n.kind) {
+    case JsonSchema::Kind::kObject:
+    case JsonSchema::Kind::kMap:
+    case JsonSchema::Kind::kArray:
       if (depth_ >= kMaxDepth) return false;
-      stack_[depth_++] = static_cast<char>(c);
+      stack_[depth_++] = {static_cast<uint16_t>(typed), 0,
+                          static_cast<char>(c)};
       state_ = c == '{' ? State::kObjectFirst : State::kArrayFirst;
       return true;
-    case '"':
+    case JsonSchema::Kind::kString:
       key_ = false;
+      str_node_ = static_cast<uint16_t>(typed);
+      str_len_ = 0;
       state_ = State::kString;
       return true;
-    case '-':
-      state_ = State::kMinus;
+    case JsonSchema::Kind::kNumber:
+      integer_ = n.integer;
+      state_ = c == '-' ? State::kMinus : c == '0' ? State::kZero : State::kInt;
       return true;
-    case '0':
-      state_ = State::kZero;
-      return true;
-    case 't':
-    case 'f':
-    case 'n':
-      literal_ = c == 't' ? 0 : c == 'f' ? 1 : 2;
+    case JsonSchema::Kind::kLiterals: {
+      set_node_ = static_cast<uint16_t>(typed);
+      set_keys_ = false;
+      alive_ = 0;
+      for (size_t i = 0; i < n.literals.size(); ++i) {
+        if (static_cast<unsigned char>(n.literals[i][0]) == c) {
+          alive_ |= uint64_t{1} << i;
+        }
+      }
+      if (alive_ == 0) return false;
       literal_pos_ = 1;
       state_ = State::kLiteral;
-      return true;
-    default:
-      if (c >= '1' && c <= '9') {
-        state_ = State::kInt;
-        return true;
-      }
-      return false;
+      return LiteralEnds() ? FinishLiteral() : true;
+    }
+    case JsonSchema::Kind::kDispatch:
+      break;
   }
+  return false;
 }
 
 bool JsonMatcher::Advance(unsigned char c) {
   const JsonMatcher before = *this;
-  // Number states: a byte that cannot continue the number ends it (where
-  // the number may end) and is then read in the container's state.
+  // Number states and literal sets: a byte that cannot continue the value
+  // ends it (where it may end) and is then read in the container's state.
   switch (state_) {
     case State::kZero:
-      if (c == '.') { state_ = State::kDot; return true; }
-      if (c == 'e' || c == 'E') { state_ = State::kExp; return true; }
+      if (c == '.' && !integer_) { state_ = State::kDot; return true; }
+      if ((c == 'e' || c == 'E') && !integer_) {
+        state_ = State::kExp;
+        return true;
+      }
       EndValue();
       break;
     case State::kInt:
       if (IsDigit(c)) return true;
-      if (c == '.') { state_ = State::kDot; return true; }
-      if (c == 'e' || c == 'E') { state_ = State::kExp; return true; }
+      if (c == '.' && !integer_) { state_ = State::kDot; return true; }
+      if ((c == 'e' || c == 'E') && !integer_) {
+        state_ = State::kExp;
+        return true;
+      }
       EndValue();
       break;
     case State::kFrac:
@@ -128,6 +214,32 @@ bool JsonMatcher::Advance(unsigned char c) {
       if (IsDigit(c)) return true;
       EndValue();
       break;
+    case State::kLiteral: {
+      const std::vector<std::string>& lits = Literals();
+      uint64_t next = 0;
+      bool complete = false;
+      for (uint64_t a = alive_; a != 0; a &= a - 1) {
+        const int i = __builtin_ctzll(a);
+        const std::string& lit = lits[i];
+        if (lit.size() > literal_pos_ &&
+            static_cast<unsigned char>(lit[literal_pos_]) == c) {
+          next |= uint64_t{1} << i;
+        }
+        complete |= lit.size() == literal_pos_;
+      }
+      if (next != 0) {
+        alive_ = next;
+        ++literal_pos_;
+        if (LiteralEnds() && !FinishLiteral()) {
+          *this = before;
+          return false;
+        }
+        return true;
+      }
+      // "1" of {1, 12} followed by ',': the shorter value ends here.
+      if (!complete || !FinishLiteral()) return false;
+      break;
+    }
     default:
       break;
   }
@@ -154,16 +266,35 @@ bool JsonMatcher::Advance(unsigned char c) {
       ok = StartValue(c, true);
       break;
     case State::kObjectFirst:
-    case State::kKey:
-      if (c == '"') {
-        key_ = true;
-        state_ = State::kString;
-        ok = true;
-      } else if (c == '}' && state_ == State::kObjectFirst) {
+    case State::kKey: {
+      const Frame& f = stack_[depth_ - 1];
+      const JsonSchema::Node& n = node(f.node);
+      if (n.kind == JsonSchema::Kind::kMap) {
+        if (c == '"') {
+          key_ = true;
+          str_node_ = 0;
+          state_ = State::kString;
+          ok = true;
+        } else if (c == '}' && state_ == State::kObjectFirst) {
+          --depth_;
+          ok = EndValue();
+        }
+      } else if (c == '"') {
+        alive_ = KeyCandidates(n, f.count);
+        if (alive_ != 0) {
+          set_node_ = f.node;
+          set_keys_ = true;
+          literal_pos_ = 1;
+          state_ = State::kLiteral;
+          ok = true;
+        }
+      } else if (c == '}' && state_ == State::kObjectFirst &&
+                 !RequiredLeft(n, f.count)) {
         --depth_;
         ok = EndValue();
       }
       break;
+    }
     case State::kColon:
       if (c == ':') {
         state_ = State::kValue;
@@ -171,11 +302,25 @@ bool JsonMatcher::Advance(unsigned char c) {
       }
       break;
     case State::kAfter: {
-      const char top = stack_[depth_ - 1];
-      if (c == ',') {
-        state_ = top == '{' ? State::kKey : State::kValue;
-        ok = true;
-      } else if ((c == '}' && top == '{') || (c == ']' && top == '[')) {
+      const Frame& f = stack_[depth_ - 1];
+      const JsonSchema::Node& n = node(f.node);
+      if (f.kind == '[') {
+        if (c == ',') {
+          ok = (n.max_items < 0 || f.count < n.max_items) && To(State::kValue);
+        } else if (c == ']' && f.count >= n.min_items) {
+          --depth_;
+          ok = EndValue();
+        }
+      } else if (n.kind == JsonSchema::Kind::kMap) {
+        if (c == ',') {
+          ok = To(State::kKey);
+        } else if (c == '}') {
+          --depth_;
+          ok = EndValue();
+        }
+      } else if (c == ',') {
+        ok = KeyCandidates(n, f.count) != 0 && To(State::kKey);
+      } else if (c == '}' && !RequiredLeft(n, f.count)) {
         --depth_;
         ok = EndValue();
       }
@@ -184,16 +329,19 @@ bool JsonMatcher::Advance(unsigned char c) {
     case State::kString:
       if (utf8_left_ > 0) {  // inside a multi-byte character
         ok = Utf8(c);
+      } else if (surrogate_ & kNeedLow) {  // the pair's second \u
+        ok = c == '\\' && To(State::kEscape);
       } else if (c == '"') {
         if (key_) {
           state_ = State::kColon;
           ok = true;
         } else {
-          ok = EndValue();
+          ok = (str_node_ == 0 || str_len_ >= node(str_node_).min_length) &&
+               EndValue();
         }
       } else if (c == '\\') {
         state_ = State::kEscape;
-        ok = true;
+        ok = StringChar();
       } else {
         ok = Utf8(c);
       }
@@ -201,20 +349,43 @@ bool JsonMatcher::Advance(unsigned char c) {
     case State::kEscape:
       if (c == 'u') {
         hex_left_ = 4;
+        surrogate_ = (surrogate_ & kNeedLow) ? kInLow : 0;
         state_ = State::kHex;
         ok = true;
+      } else if (surrogate_ & kNeedLow) {
+        ok = false;
       } else if (c == '"' || c == '\\' || c == '/' || c == 'b' ||
                  c == 'f' || c == 'n' || c == 'r' || c == 't') {
         state_ = State::kString;
         ok = true;
       }
       break;
-    case State::kHex:
-      if (IsHex(c)) {
-        if (--hex_left_ == 0) state_ = State::kString;
-        ok = true;
+    case State::kHex: {
+      if (!IsHex(c)) break;
+      const bool d = c == 'd' || c == 'D';
+      // The second digit of a \uDxxx: 8-B a high surrogate, C-F a low.
+      const bool low_range = (c >= 'c' && c <= 'f') || (c >= 'C' && c <= 'F');
+      const bool high_range = c == '8' || c == '9' || c == 'a' || c == 'b' ||
+                              c == 'A' || c == 'B';
+      if (hex_left_ == 4) {
+        if ((surrogate_ & kInLow) && !d) break;
+        if (d) surrogate_ |= kHexD;
+      } else if (hex_left_ == 3 && (surrogate_ & kHexD)) {
+        if (surrogate_ & kInLow) {
+          if (!low_range) break;
+        } else if (low_range) {
+          break;  // a low surrogate without its high one
+        } else if (high_range) {
+          surrogate_ |= kHexHigh;
+        }
+      }
+      ok = true;
+      if (--hex_left_ == 0) {
+        surrogate_ = (surrogate_ & kHexHigh) ? kNeedLow : 0;
+        state_ = State::kString;
       }
       break;
+    }
     // Number states that need a byte: each accepts one class and moves on.
     case State::kMinus:
       ok = c == '0' ? To(State::kZero) : IsDigit(c) && To(State::kInt);
@@ -229,14 +400,7 @@ bool JsonMatcher::Advance(unsigned char c) {
     case State::kExpSign:
       ok = IsDigit(c) && To(State::kExpDigits);
       break;
-    case State::kLiteral: {
-      const absl::string_view lit = kLiterals[literal_];
-      if (c == static_cast<unsigned char>(lit[literal_pos_])) {
-        ok = true;
-        if (++literal_pos_ == lit.size()) EndValue();
-      }
-      break;
-    }
+    case State::kLiteral:  // continued or ended above
     case State::kZero:
     case State::kInt:
     case State::kFrac:
@@ -255,15 +419,71 @@ bool JsonMatcher::Advance(absl::string_view bytes) {
   return true;
 }
 
+namespace {
+
+// A count as far as a [lo, hi] limit can tell it apart: exact below hi
+// (when there is one), else clamped at lo.
+uint16_t CountKey(uint16_t count, int lo, int hi) {
+  if (hi >= 0) return count;
+  return static_cast<uint16_t>(std::min<int>(count, lo));
+}
+
+void AppendU16(uint16_t v, std::string* k) {
+  k->push_back(static_cast<char>(v & 0xFF));
+  k->push_back(static_cast<char>(v >> 8));
+}
+
+}  // namespace
+
 std::string JsonMatcher::Key() const {
-  std::string k = {static_cast<char>(state_), static_cast<char>(key_),
-                   static_cast<char>(hex_left_), static_cast<char>(literal_),
-                   static_cast<char>(literal_pos_),
-                   static_cast<char>(whitespace_),
-                   static_cast<char>(utf8_left_),
-                   static_cast<char>(utf8_lo_),
-                   static_cast<char>(utf8_hi_)};
-  k.append(stack_.data(), depth_);
+  // Only what the rest of the object depends on, so equal futures share
+  // one cache entry (a string's length matters only under min/maxLength,
+  // an array's count only under min/maxItems).
+  std::string k;
+  const uint64_t id = schema_->id();
+  k.append(reinterpret_cast<const char*>(&id), sizeof(id));
+  const char fields[] = {static_cast<char>(state_),
+                         static_cast<char>(key_),
+                         static_cast<char>(hex_left_),
+                         static_cast<char>(surrogate_),
+                         static_cast<char>(whitespace_),
+                         static_cast<char>(utf8_left_),
+                         static_cast<char>(utf8_lo_),
+                         static_cast<char>(utf8_hi_)};
+  k.append(fields, sizeof(fields));
+  switch (state_) {
+    case State::kString:
+    case State::kEscape:
+    case State::kHex:
+      AppendU16(str_node_, &k);
+      if (str_node_ != 0) {
+        const JsonSchema::Node& n = node(str_node_);
+        AppendU16(CountKey(str_len_, n.min_length, n.max_length), &k);
+      }
+      break;
+    case State::kLiteral:
+      k.push_back(static_cast<char>(set_keys_));
+      AppendU16(set_node_, &k);
+      AppendU16(literal_pos_, &k);
+      k.append(reinterpret_cast<const char*>(&alive_), sizeof(alive_));
+      break;
+    case State::kMinus:
+    case State::kZero:
+    case State::kInt:
+      k.push_back(static_cast<char>(integer_));
+      break;
+    default:
+      break;
+  }
+  for (int i = 0; i < depth_; ++i) {
+    const Frame& f = stack_[i];
+    const JsonSchema::Node& n = node(f.node);
+    k.push_back(f.kind);
+    AppendU16(f.node, &k);
+    AppendU16(f.kind == '[' ? CountKey(f.count, n.min_items, n.max_items)
+                            : f.count,
+              &k);
+  }
   return k;
 }
 

@@ -2,9 +2,9 @@
 #define SPECSERVE_COMMON_DECODING_JSON_GRAMMAR_H_
 
 // Structured output, JSON mode (OpenAI's response_format
-// {"type": "json_object"}; vLLM's guided decoding): a byte-level pushdown
-// recognizer of one JSON object (RFC 8259), and the token mask it implies
-// for a vocabulary. A constrained request masks, at every decoded row, the
+// {"type": "json_object"}, or "json_schema" with a JsonSchema; vLLM's
+// guided decoding): a byte-level pushdown recognizer of one JSON object
+// (RFC 8259), and the token mask it implies for a vocabulary. A constrained request masks, at every decoded row, the
 // ids whose bytes the recognizer would reject; once the object is closed
 // only EOS is left. In a speculative round row j's recognizer has consumed
 // the drafts before it, like its penalties (logits_processors.h).
@@ -19,22 +19,30 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "common/decoding/json_schema.h"
 #include "common/tokenizer/token_byte_table.h"
 
 namespace specserve {
 
 /// The state of a JSON object being written, one byte at a time. Accepts
-/// exactly the prefixes of `ws* object`, where object is RFC 8259's, with
-/// two limits that keep a model from running away: at most kMaxDepth
-/// nested arrays / objects, and at most kMaxWhitespace whitespace bytes in
-/// a row outside strings. Nothing may follow the closed object. Strings
-/// hold valid UTF-8 (RFC 3629: no overlongs, surrogates or code points past
-/// U+10FFFF) without control characters, and RFC 8259's escapes.
-/// Trivially copyable (~80 bytes): a mask search copies it per trie node.
+/// exactly the prefixes of `ws* object`, where object is RFC 8259's and,
+/// with a schema, an instance of it written as JsonSchema describes
+/// (properties in schema order), with two limits that keep a model from
+/// running away: at most kMaxDepth nested arrays / objects, and at most
+/// kMaxWhitespace whitespace bytes in a row outside strings. Nothing may
+/// follow the closed object. Strings hold valid UTF-8 (RFC 3629: no
+/// overlongs, surrogates or code points past U+10FFFF) without control
+/// characters, and RFC 8259's escapes. Trivially copyable (~320 bytes): a
+/// mask search copies it per trie node.
 class JsonMatcher {
  public:
   static constexpr int kMaxDepth = 48;
   static constexpr int kMaxWhitespace = 8;
+
+  /// Any JSON object (JSON mode).
+  JsonMatcher() : JsonMatcher(&JsonSchema::AnyObject()) {}
+  /// An instance of `schema` (not null; outlives the matcher and copies).
+  explicit JsonMatcher(const JsonSchema* schema) : schema_(schema) {}
 
   /// Consumes `c`; false (and no change) when no JSON object has this
   /// prefix.
@@ -44,7 +52,7 @@ class JsonMatcher {
   bool Advance(absl::string_view bytes);
   /// Whether the top-level object is closed (only EOS may follow).
   bool complete() const { return state_ == State::kDone; }
-  /// A key equal for equal states (for mask caches).
+  /// A key equal for equal states of one schema (for mask caches).
   std::string Key() const;
 
  private:
@@ -67,9 +75,31 @@ class JsonMatcher {
     kExp,        // after e / E: a sign or digit
     kExpSign,    // after the exponent's sign: a digit
     kExpDigits,  // in the exponent digits
-    kLiteral,    // in true / false / null
+    kLiteral,    // in one of a literal set (an enum, true / false / null,
+                 // an object's next keys)
     kDone,       // the top-level object is closed
   };
+  // An open container: its schema node, and an array's items so far or
+  // the object properties passed (the next key is among those after).
+  struct Frame {
+    uint16_t node;
+    uint16_t count;
+    char kind;  // '{' or '['
+  };
+  const JsonSchema::Node& node(int i) const { return schema_->node(i); }
+  // The dispatch node of the value that starts next.
+  int ExpectedNode() const;
+  // Bits of the properties of object node `n` that may come next after
+  // `passed`: up to the first required one.
+  static uint64_t KeyCandidates(const JsonSchema::Node& n, int passed);
+  static bool RequiredLeft(const JsonSchema::Node& n, int passed);
+  // The literal set in progress: its candidates; whether one is complete
+  // and none longer (it ends now); ends it (EndValue, or a key's colon).
+  const std::vector<std::string>& Literals() const;
+  bool LiteralEnds() const;
+  bool FinishLiteral();
+  // A string character starts (code point counting for min/maxLength).
+  bool StringChar();
   // The byte after a complete number, or the end of any value: ends the
   // value and consumes `c` in the container's state.
   bool EndValue();
@@ -80,16 +110,28 @@ class JsonMatcher {
   // One byte of string content (not '"' or '\\' outside a character).
   bool Utf8(unsigned char c);
 
+  const JsonSchema* schema_;
   State state_ = State::kStart;
   bool key_ = false;          // the string in progress is a key
+  bool integer_ = false;      // the number in progress is an integer
+  bool set_keys_ = false;     // the literal set is an object's keys
   uint8_t hex_left_ = 0;
-  uint8_t literal_ = 0;       // 0 true, 1 false, 2 null
-  uint8_t literal_pos_ = 0;   // bytes of the literal matched
+  // \u escapes of UTF-16 surrogates come in pairs (a strict parser
+  // refuses a lone one): kHexD (the escape's first digit is d),
+  // kHexHigh (it is a high surrogate), kNeedLow (a \u low surrogate must
+  // follow), kInLow (this escape is that low surrogate).
+  uint8_t surrogate_ = 0;
+  static constexpr uint8_t kHexD = 1, kHexHigh = 2, kNeedLow = 4, kInLow = 8;
   uint8_t whitespace_ = 0;    // whitespace bytes in a row
   uint8_t depth_ = 0;
   uint8_t utf8_left_ = 0;            // continuation bytes still due
   uint8_t utf8_lo_ = 0x80, utf8_hi_ = 0xBF;  // the next one's range
-  std::array<char, kMaxDepth> stack_{};  // '{' or '[' per open container
+  uint16_t set_node_ = 0;     // the literal set's node
+  uint16_t literal_pos_ = 0;  // bytes of the literal set matched
+  uint16_t str_node_ = 0;     // the value string's node (0: a key's)
+  uint16_t str_len_ = 0;      // its code points so far
+  uint64_t alive_ = 0;        // candidates of the literal set still matching
+  std::array<Frame, kMaxDepth> stack_{};
 };
 
 /// The ids a JSON object's writer may emit next, for one vocabulary: a

@@ -34,7 +34,9 @@ TEST(JsonMatcherTest, ObjectsAreAcceptedByteByByteAndComplete) {
   for (const char* s : {
            "{}", " \n{ }", "{\"a\":1}", "{\"a\": -0.5e+10, \"b\": [true, false, null]}",
            "{\"k\":{\"n\":{\"m\":[[],{},\"\"]}}}", "{\"s\":\"q\\\"\\\\\\/\\b\\f\\n\\r\\t\\u00e9\"}",
-           "{\"x\":0,\"y\":12.25,\"z\":1E5,\"w\":-7}", "{\"caf\xC3\xA9\":\"\xF0\x9F\x98\x80\"}"}) {
+           "{\"x\":0,\"y\":12.25,\"z\":1E5,\"w\":-7}", "{\"caf\xC3\xA9\":\"\xF0\x9F\x98\x80\"}",
+           // A surrogate pair (U+1F600), and escapes near the range.
+           "{\"e\":\"\\uD83D\\ude00 \\ud7ff\\ue000\\uDbFf\\uDfFf\"}"}) {
     SCOPED_TRACE(s);
     const std::string text = s;
     JsonMatcher m;
@@ -57,7 +59,12 @@ TEST(JsonMatcherTest, RejectsWhatIsNotAnObjectPrefix) {
                         // UTF-8: a lone continuation byte, an overlong, a
                         // surrogate, past U+10FFFF, a lead byte cut short.
                         "{\"\xA9\"", "{\"\xC0\xAF\"", "{\"\xED\xA0\x80\"",
-                        "{\"\xF4\x90\x80\x80\"", "{\"\xC3\""}) {
+                        "{\"\xF4\x90\x80\x80\"", "{\"\xC3\"",
+                        // UTF-16 escapes: a lone low surrogate, a high one
+                        // not followed by a low one (end, text, \n, a
+                        // high).
+                        "{\"\\udc00", "{\"\\ud800\"", "{\"\\ud800a",
+                        "{\"\\ud800\\n", "{\"\\ud800\\ud800"}) {
     SCOPED_TRACE(s);
     EXPECT_FALSE(Accepts(s));
   }
