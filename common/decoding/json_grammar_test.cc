@@ -181,9 +181,12 @@ TokenByteTable SyntheticTable() {
   return t;
 }
 
-void CheckMask(const TokenByteTable& table, int eos, const std::string& text) {
+void CheckMask(const TokenByteTable& table, int eos, const std::string& text,
+               const JsonSchema* schema = nullptr) {
   JsonTokenMask mask(table, {eos});
-  JsonMatcher m;
+  const JsonMatcher start =
+      schema != nullptr ? JsonMatcher(schema) : JsonMatcher();
+  JsonMatcher m = start;
   double worst_ms = 0;
   std::vector<std::vector<int>> searched;
   for (size_t i = 0; i <= text.size(); ++i) {
@@ -209,7 +212,7 @@ void CheckMask(const TokenByteTable& table, int eos, const std::string& text) {
     if (i < text.size()) ASSERT_TRUE(m.Advance(static_cast<unsigned char>(text[i])));
   }
   // Again, from the cache: the same answers.
-  JsonMatcher again;
+  JsonMatcher again = start;
   double cached_ms = 0;
   for (size_t i = 0; i <= text.size(); ++i) {
     std::vector<int> cached;
@@ -228,8 +231,19 @@ void CheckMask(const TokenByteTable& table, int eos, const std::string& text) {
 
 const char kPath[] = "{\"name\": \"caf\xC3\xA9\\n\", \"n\": [-1.5e3, 0, true],\n \"o\": {}}";
 
+// A schema (response_format json_schema) the path is an instance of.
+const char kPathSchema[] = R"({"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "n": {"type": "array", "items": {"anyOf": [{"type": "number"},
+                                               {"enum": [true, false]}]}},
+    "o": {"type": "object", "properties": {"k": {"enum": ["a", 1]}}}},
+  "required": ["name", "o"]})";
+
 TEST(JsonTokenMaskTest, EqualsBruteForceOnASyntheticVocabulary) {
   CheckMask(SyntheticTable(), /*eos=*/0, kPath);
+  auto schema = JsonSchema::Compile(kPathSchema);
+  ASSERT_TRUE(schema.ok()) << schema.status();
+  CheckMask(SyntheticTable(), /*eos=*/0, kPath, schema->get());
 }
 
 TEST(JsonTokenMaskTest, NothingLeftMeansEosOnly) {
@@ -257,6 +271,9 @@ TEST(JsonTokenMaskTest, EqualsBruteForceOnLlama3) {
   absl::StatusOr<TokenByteTable> t = BuildTokenByteTable(**tok);
   ASSERT_TRUE(t.ok()) << t.status();
   CheckMask(*t, (*tok)->eos_id(), kPath);
+  auto schema = JsonSchema::Compile(kPathSchema);
+  ASSERT_TRUE(schema.ok()) << schema.status();
+  CheckMask(*t, (*tok)->eos_id(), kPath, schema->get());
 }
 
 }  // namespace
