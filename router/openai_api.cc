@@ -349,28 +349,38 @@ absl::Status ParseSampling(const json& body,
     }
     s->set_min_p(static_cast<float>(*min_p));
   }
-  // OpenAI's response_format: "text" (the default) or "json_object" (JSON
-  // mode). A JSON schema is refused rather than ignored.
+  // OpenAI's response_format: "text" (the default), "json_object" (JSON
+  // mode) or "json_schema" (structured output: {"json_schema": {"name",
+  // "schema", "strict"}}; the schema is always enforced, and compiled, or
+  // refused, by the router's options check).
   if (const json* rf = Member(body, "response_format");
       rf != nullptr && !rf->is_null()) {
     if (!rf->is_object()) return WrongType("response_format", "an object", *rf);
     const json* type = Member(*rf, "type");
     if (type == nullptr || !type->is_string()) {
       return ParamError("response_format",
-                        "'response_format.type' must be \"text\" or "
-                        "\"json_object\"");
+                        "'response_format.type' must be \"text\", "
+                        "\"json_object\" or \"json_schema\"");
     }
     const std::string t = type->get<std::string>();
     if (t == "json_object") {
       s->set_json_object(true);
     } else if (t == "json_schema") {
-      return ParamError("response_format",
-                        "'response_format' type \"json_schema\" is not "
-                        "supported; \"json_object\" (JSON mode) is");
+      const json* js = Member(*rf, "json_schema");
+      const json* schema = js != nullptr && js->is_object()
+                               ? Member(*js, "schema")
+                               : nullptr;
+      if (schema == nullptr || !(schema->is_object() || schema->is_boolean())) {
+        return ParamError("response_format",
+                          "'response_format' of type \"json_schema\" needs "
+                          "'json_schema': {\"schema\": {...}}");
+      }
+      s->set_json_schema(schema->dump());
     } else if (t != "text") {
       return ParamError("response_format",
                         absl::StrCat("'response_format.type' must be "
-                                     "\"text\" or \"json_object\", got \"",
+                                     "\"text\", \"json_object\" or "
+                                     "\"json_schema\", got \"",
                                      t, "\""));
     }
   }
@@ -622,6 +632,16 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   if (auto s = ParseSampling(body, r.mutable_sampling()); !s.ok()) {
     return s;
   }
+  if (r.sampling().has_json_schema()) {
+    // The schema as sent: its properties' order is the order they are
+    // written in (the body's json sorts object keys).
+    const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(
+        body_text, nullptr, /*allow_exceptions=*/false);
+    if (!ordered.is_discarded()) {
+      r.mutable_sampling()->set_json_schema(
+          ordered["response_format"]["json_schema"]["schema"].dump());
+    }
+  }
   if (auto s = ParseLogprobs(endpoint, body, r.mutable_sampling()); !s.ok()) {
     return s;
   }
@@ -684,7 +704,8 @@ absl::Status NameParam(absl::Status status, Endpoint endpoint) {
     param = endpoint == Endpoint::kChat ? "messages" : "prompt";
   } else if (field == "sampling.max_new_tokens") {
     param = "max_tokens";
-  } else if (field == "sampling.json_object") {
+  } else if (field == "sampling.json_object" ||
+             field == "sampling.json_schema") {
     param = "response_format";
   } else if (absl::ConsumePrefix(&field, "sampling.")) {
     param = std::string(field);

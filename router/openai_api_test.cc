@@ -294,6 +294,10 @@ TEST(ParseRequestTest, ErrorsNameTheParameter) {
       {{{"prompt", "a"}, {"min_tokens", 1.5}}, "min_tokens"},
       {{{"prompt", "a"}, {"response_format", {{"type", "json_schema"}}}},
        "response_format"},
+      {{{"prompt", "a"},
+        {"response_format",
+         {{"type", "json_schema"}, {"json_schema", {{"schema", "x"}}}}}},
+       "response_format"},
       {{{"prompt", "a"}, {"response_format", {{"type", "xml"}}}},
        "response_format"},
       {{{"prompt", "a"}, {"response_format", "json_object"}},
@@ -335,6 +339,21 @@ TEST(ParseRequestTest, CompletionEchoAsksForPromptLogprobsWithLogprobs) {
           .dump(),
       PlainChat(), tok->get());
   EXPECT_EQ(ParamOf(chat.status()).value_or("(none)"), "echo");
+}
+
+// response_format json_schema: the schema's text, its keys in the order
+// the body lists them.
+TEST(ParseRequestTest, JsonSchemaKeepsThePropertyOrder) {
+  auto p = ParseRequest(
+      Endpoint::kCompletions,
+      R"({"prompt": "a", "response_format": {"type": "json_schema",
+          "json_schema": {"name": "x", "strict": true, "schema":
+          {"type": "object", "properties": {"z": {}, "a": {}}}}}})",
+      {}, nullptr);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().json_schema(),
+            R"({"type":"object","properties":{"z":{},"a":{}}})");
+  EXPECT_FALSE(p->request.sampling().has_json_object());
 }
 
 TEST(ParseRequestTest, CompletionLogprobs) {

@@ -144,6 +144,18 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
   *o.sampling.mutable_logit_bias() = s.logit_bias();
   o.sampling.set_min_p(s.min_p());
   o.sampling.set_json_object(s.json_object());
+  if (s.has_json_schema()) {
+    if (s.json_object()) {
+      return absl::InvalidArgumentError(
+          "sampling.json_schema and sampling.json_object are exclusive (a "
+          "schema's output is a JSON object already)");
+    }
+    if (s.json_schema().empty()) {
+      return absl::InvalidArgumentError("sampling.json_schema is empty");
+    }
+    o.sampling.set_json_schema(s.json_schema());
+  }
+  // Compiles the schema too (its errors name sampling.json_schema).
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(

@@ -191,6 +191,32 @@ TEST(ResolveOptionsTest, LogprobsAreCheckedAndKept) {
   EXPECT_THAT(r.status().message(), HasSubstr("needs sampling.logprobs"));
 }
 
+TEST(ResolveOptionsTest, JsonSchemaIsCompiledAtTheEdge) {
+  v1::GenerateTextRequest req;
+  req.mutable_sampling()->set_json_schema(
+      R"({"type": "object", "properties": {"a": {"type": "integer"}}})");
+  auto ok = ResolveOptions(req, RequestDefaults());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->sampling.json_schema(), req.sampling().json_schema());
+  struct Case {
+    std::string schema;
+    bool json_object;
+    const char* message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {R"({"type": "object", "properties": {"a": {"format": "uri"}}})",
+            false, "sampling.json_schema: properties.a: 'format' is not"},
+           {"[", false, "sampling.json_schema: the schema is not JSON"},
+           {"", false, "sampling.json_schema is empty"},
+           {R"({"type": "object"})", true, "are exclusive"}}) {
+    req.mutable_sampling()->set_json_schema(c.schema);
+    req.mutable_sampling()->set_json_object(c.json_object);
+    auto r = ResolveOptions(req, RequestDefaults());
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << c.schema;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message));
+  }
+}
+
 TEST(ResolveOptionsTest, PromptLogprobsTurnPruningOff) {
   v1::GenerateTextRequest req;
   RequestDefaults d;

@@ -14,6 +14,7 @@
 #include "common/model/weights.h"
 #include "common/service/grpc_util.h"
 #include "common/service/metrics_util.h"
+#include "common/service/wire_options.h"
 #include "common/speculation/target_session.h"
 #include "target_service/request_convert.h"
 
@@ -396,6 +397,12 @@ class TargetServer::GenerateReactor
         TargetRequest target_request = ToTargetRequest(
             request_.prefill(), server_->options_.default_max_new_tokens,
             server_->options_.max_drafts);
+        if (absl::Status s =
+                AttachJsonSchema(request_.prefill().sampling(),
+                                 "prefill.sampling.", &target_request.sampling);
+            !s.ok()) {
+          return s;
+        }
         if (target_request.sampling.json_object) {
           target_request.json_mask = server_->JsonMask();
         }

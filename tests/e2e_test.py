@@ -216,6 +216,40 @@ class E2ETest(unittest.TestCase):
         self.assertAlmostEqual(out["prompt_logprobs"][5]["logprob"],
                                pl.prompt_logprobs[5].logprob, delta=1e-5)
 
+    def test_k_json_schema_through_both_clients(self):
+        # build_request(json_schema=...) and --json_schema @file: the answer
+        # is an instance of the schema, properties in its order, the same
+        # from both clients; a schema with an unsupported keyword is
+        # INVALID_ARGUMENT.
+        schema = {"type": "object",
+                  "properties": {"pet": {"enum": ["cat", "dog"]},
+                                 "name": {"type": "string", "maxLength": 5},
+                                 "ok": {"type": "boolean"}},
+                  "required": ["pet", "name", "ok"]}
+        resp = self.stub.Generate(self.request(json_schema=schema,
+                                               max_new_tokens=120), timeout=60)
+        self.assertEqual(resp.finish_reason, "eos", resp.text)
+        value = json.loads(resp.text)
+        self.assertEqual(list(value), ["pet", "name", "ok"])
+        self.assertIn(value["pet"], ("cat", "dog"))
+        self.assertIsInstance(value["ok"], bool)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(schema, f)
+            f.flush()
+            out = run_json([find_binary("tools/client"), "--router",
+                            self.stack.router.address, "--token_ids",
+                            ",".join(map(str, self.ids)), "--max_new_tokens",
+                            "120", "--temperature", "0", "--json_schema",
+                            "@" + f.name, "--json"])
+        self.assertEqual(out["text"], resp.text)
+        bad = dict(schema)
+        bad["properties"] = {"pet": {"type": "string", "pattern": "^c"}}
+        bad["required"] = ["pet"]
+        with self.assertRaises(grpc.RpcError) as e:
+            self.stub.Generate(self.request(json_schema=bad), timeout=60)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("pattern", e.exception.details())
+
     def test_i_cli_reads_prompts_from_files(self):
         # //tools:client: --prompt_file and --token_ids_file (ids split by
         # commas and whitespace) give what --prompt / --token_ids give.

@@ -65,6 +65,9 @@ ABSL_FLAG(double, min_p, 0,
 ABSL_FLAG(bool, json_object, false,
           "JSON mode (OpenAI's response_format json_object): the output is "
           "one JSON object");
+ABSL_FLAG(std::string, json_schema, "",
+          "structured output: a JSON Schema the output is an instance of "
+          "(the schema's JSON text, or @path to a file holding it)");
 ABSL_FLAG(int, min_tokens, 0,
           "no EOS, stop id or stop string before this many tokens");
 ABSL_FLAG(int64_t, seed, -1, "sampling seed (-1 = default)");
@@ -197,6 +200,14 @@ absl::StatusOr<v1::GenerateTextRequest> BuildRequest() {
   }
   if (absl::GetFlag(FLAGS_min_p) > 0) s->set_min_p(absl::GetFlag(FLAGS_min_p));
   if (absl::GetFlag(FLAGS_json_object)) s->set_json_object(true);
+  if (std::string schema = absl::GetFlag(FLAGS_json_schema); !schema.empty()) {
+    if (schema[0] == '@') {
+      auto text = ReadAll(schema.substr(1));
+      if (!text.ok()) return text.status();
+      schema = *std::move(text);
+    }
+    s->set_json_schema(schema);
+  }
   if (absl::GetFlag(FLAGS_min_tokens) > 0) {
     s->set_min_tokens(absl::GetFlag(FLAGS_min_tokens));
   }

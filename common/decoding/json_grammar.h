@@ -41,8 +41,10 @@ class JsonMatcher {
 
   /// Any JSON object (JSON mode).
   JsonMatcher() : JsonMatcher(&JsonSchema::AnyObject()) {}
-  /// An instance of `schema` (not null; outlives the matcher and copies).
-  explicit JsonMatcher(const JsonSchema* schema) : schema_(schema) {}
+  /// An instance of `schema` (outlives the matcher and its copies); null =
+  /// any JSON object.
+  explicit JsonMatcher(const JsonSchema* schema)
+      : schema_(schema != nullptr ? schema : &JsonSchema::AnyObject()) {}
 
   /// Consumes `c`; false (and no change) when no JSON object has this
   /// prefix.

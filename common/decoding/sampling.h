@@ -2,6 +2,7 @@
 #define SPECSERVE_COMMON_DECODING_SAMPLING_H_
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <utility>
 #include <vector>
@@ -16,6 +17,8 @@ namespace specserve {
 /// temperature / top-k / top-p (the closer q is to p, the more drafts are
 /// accepted) and sends q with its drafts, so any q keeps speculative
 /// decoding lossless.
+class JsonSchema;  // json_schema.h
+
 struct SamplingParams {
   float temperature = 0.f;  ///< 0 = greedy; otherwise finite and > 0.
   int top_k = 0;            ///< 0 = off; otherwise keep the k most likely.
@@ -42,6 +45,9 @@ struct SamplingParams {
   /// masks every row to the ids that keep it so; the speculator's drafts
   /// follow the same mask.
   bool json_object = false;
+  /// With json_object: the schema the object is an instance of (OpenAI's
+  /// json_schema; JsonSchema::Compile); null = any object.
+  std::shared_ptr<const JsonSchema> json_schema;
 
   bool greedy() const { return temperature == 0.f; }
   /// Whether any penalty is on.

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/decoding/json_schema.h"
 
 namespace specserve {
 namespace {
@@ -113,18 +114,34 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   out.repetition_penalty =
       p.repetition_penalty() == 0.f ? 1.f : p.repetition_penalty();
   out.min_p = p.min_p();
-  out.json_object = p.json_object();
+  out.json_object = p.json_object() || !p.json_schema().empty();
   out.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
   std::sort(out.logit_bias.begin(), out.logit_bias.end());
   return out;
 }
 
 absl::StatusOr<SamplingParams> ResolveSampling(const v1::SamplingParams& p) {
-  const SamplingParams out = ToSamplingParams(p);
+  SamplingParams out = ToSamplingParams(p);
   if (absl::Status s = ValidateSamplingParams(out); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.", s.message()));
   }
+  if (absl::Status s = AttachJsonSchema(p, "sampling.", &out); !s.ok()) {
+    return s;
+  }
   return out;
+}
+
+absl::Status AttachJsonSchema(const v1::SamplingParams& p,
+                              absl::string_view prefix, SamplingParams* out) {
+  if (p.json_schema().empty()) return absl::OkStatus();
+  absl::StatusOr<std::shared_ptr<const JsonSchema>> schema =
+      JsonSchema::Compile(p.json_schema());
+  if (!schema.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "json_schema: ", schema.status().message()));
+  }
+  out->json_schema = *std::move(schema);
+  return absl::OkStatus();
 }
 
 absl::Status ValidateNumDraftTokens(int k, const std::string& field) {

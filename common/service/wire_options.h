@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/decoding/sampling.h"
 #include "common/model/config.h"
@@ -55,6 +56,12 @@ absl::Status ValidatePrompt(absl::Span<const int> token_ids, int look_ahead,
 /// Wire SamplingParams -> engine SamplingParams, unvalidated (proto3's
 /// top_p 0 and repetition_penalty 0, i.e. unset, are read as 1).
 SamplingParams ToSamplingParams(const v1::SamplingParams& p);
+
+/// Compiles `p.json_schema` (if set) into out->json_schema
+/// (JsonSchema::Compile; json_object is already set by ToSamplingParams).
+/// INVALID_ARGUMENT "<prefix>json_schema: <why>" for a schema it refuses.
+absl::Status AttachJsonSchema(const v1::SamplingParams& p,
+                              absl::string_view prefix, SamplingParams* out);
 
 /// ToSamplingParams, validated: INVALID_ARGUMENT naming "sampling.<field>"
 /// for invalid values.

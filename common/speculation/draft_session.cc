@@ -83,7 +83,7 @@ absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
       new DraftSession(model, *std::move(cache), sampling));
   if (sampling.json_object && json_mask != nullptr && json_mask->can_open()) {
     session->json_mask_ = json_mask;
-    session->json_.emplace();
+    session->json_.emplace(sampling.json_schema.get());
   }
   return session;
 }

@@ -29,7 +29,9 @@ TargetSession::TargetSession(ModelRunner* model, TargetRequest request,
                            ? request_.token_ids
                            : request_.penalty_prompt_ids);
   }
-  if (request_.sampling.json_object) json_.emplace();
+  if (request_.sampling.json_object) {
+    json_.emplace(request_.sampling.json_schema.get());
+  }
 }
 
 TargetSession::~TargetSession() {

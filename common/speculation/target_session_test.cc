@@ -1309,7 +1309,7 @@ std::vector<int> JsonGreedyReference(ModelRunner& m, const TargetRequest& r,
   return AdjustedGreedyReference(m, r, n, [&](std::vector<float>* row_ptr,
                                               const std::vector<int>& out) {
     std::vector<float>& row = *row_ptr;
-    JsonMatcher json;
+    JsonMatcher json(r.sampling.json_schema.get());
     for (int id : out) EXPECT_TRUE(json.Advance(table.bytes[id]));
     ApplyLogitBias(r.sampling, absl::MakeSpan(row));
     bool any = false;
@@ -1431,6 +1431,52 @@ TEST_F(TargetSessionTest, JsonModeRoundsEqualMaskedGreedyDecoding) {
     JsonMatcher sm;
     EXPECT_TRUE(sm.Advance(text_of(out))) << seed << ": " << text_of(out);
   }
+}
+
+// JSON Schema (response_format json_schema): greedy rounds with no
+// drafts, random chains and random trees emit exactly masked greedy
+// decoding under the schema's matcher; every value of this schema is
+// bounded, so the object closes, ends at EOS, and is an instance of the
+// schema with its properties in order.
+TEST_F(TargetSessionTest, JsonSchemaRoundsEqualMaskedGreedyDecoding) {
+  ModelRunner* m = target_.get();
+  auto tok = LoadTokenizer("models/stories260K");
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  absl::StatusOr<TokenByteTable> table = BuildTokenByteTable(**tok);
+  ASSERT_TRUE(table.ok()) << table.status();
+  const std::vector<int>& eos = m->config().eos_token_ids;
+  const JsonTokenMask mask(*table, eos);
+  auto schema = JsonSchema::Compile(R"({"type": "object", "properties": {
+      "mood": {"enum": ["happy", "sad"]},
+      "name": {"type": "string", "maxLength": 6},
+      "n": {"enum": [1, 2, 3]},
+      "ok": {"type": "boolean"}},
+    "required": ["mood", "name", "ok"]})");
+  ASSERT_TRUE(schema.ok()) << schema.status();
+  TargetRequest r = Request({1, 403, 407, 261}, 200);
+  r.sampling.json_object = true;
+  r.sampling.json_schema = *schema;
+  r.json_mask = &mask;
+  const std::vector<int> want = JsonGreedyReference(*m, r, *table, 200);
+  std::string text;
+  for (int id : want) text += table->bytes[id];
+  ASSERT_LT(want.size(), 200u) << text;
+  const nlohmann::ordered_json v =
+      nlohmann::ordered_json::parse(text, nullptr, false);
+  ASSERT_TRUE(v.is_object()) << text;
+  EXPECT_TRUE(v["mood"] == "happy" || v["mood"] == "sad") << text;
+  EXPECT_LE(v["name"].get<std::string>().size(), 6u) << text;
+  EXPECT_TRUE(v["ok"].is_boolean()) << text;
+  std::vector<std::string> keys;
+  for (const auto& [k, x] : v.items()) keys.push_back(k);
+  EXPECT_EQ(keys.front(), "mood") << text;
+  EXPECT_EQ(keys.back(), "ok") << text;
+  RandomDrafts drafts{want, m->config().vocab_size, eos[0]};
+  ExpectEveryDraftingEmits(m, r, &drafts);
+  auto s = TargetSession::Create(m, r);
+  ASSERT_TRUE(s.ok());
+  while (!(*s)->finished()) ASSERT_TRUE((*s)->Step({}, {}).ok());
+  EXPECT_EQ((*s)->finish_reason(), FinishReason::kEos);
 }
 
 // min_p on a sampled request (the backend samples it, as top-k and top-p):

@@ -17,6 +17,7 @@ certificate for another name than the dialled host. The same flags as
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -102,7 +103,7 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
                   logprobs=None, presence_penalty=None,
                   frequency_penalty=None, repetition_penalty=None,
                   logit_bias=None, min_tokens=None, min_p=None,
-                  json_object=None, prompt_logprobs=None):
+                  json_object=None, prompt_logprobs=None, json_schema=None):
     """Builds a GenerateTextRequest; None leaves a field to the router.
 
     spec_decode_method: "draft" | "ngram" | "draft_tree"; tree_branching a
@@ -119,7 +120,9 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
     object, OpenAI's response_format json_object). prompt_logprobs: N in
     [0, 20] returns each prompt token's logprob after the first (vLLM's;
     response.prompt_logprobs, aligned with response.prompt_token_ids[1:]);
-    the whole prompt is then prefilled (no Speculative Prefill)."""
+    the whole prompt is then prefilled (no Speculative Prefill).
+    json_schema: a JSON Schema (a dict, or its JSON text) the output is an
+    instance of; properties are written in the schema's order."""
     req = pb.GenerateTextRequest()
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
@@ -145,6 +148,9 @@ def build_request(pb, prompt=None, token_ids=None, max_new_tokens=None,
         req.sampling.min_p = min_p
     if json_object:
         req.sampling.json_object = True
+    if json_schema is not None:
+        req.sampling.json_schema = (json_schema if isinstance(json_schema, str)
+                                    else json.dumps(json_schema))
     if stop:
         req.sampling.stop.extend(stop)
     if logprobs is not None:
@@ -194,6 +200,9 @@ def main():
     ap.add_argument("--min_p", type=float,
                     help="[0, 1]: drop tokens less likely than min_p times "
                          "the likeliest")
+    ap.add_argument("--json_schema",
+                    help="structured output: a JSON Schema (its JSON text) "
+                         "the output is an instance of")
     ap.add_argument("--json_object", action="store_true",
                     help="JSON mode: the output is one JSON object")
     ap.add_argument("--min_tokens", type=int,
@@ -259,6 +268,7 @@ def main():
                                     if a.logit_bias else None),
                         min_tokens=a.min_tokens, min_p=a.min_p,
                         json_object=a.json_object or None,
+                        json_schema=a.json_schema,
                         keep_ratio=a.keep_ratio,
                         num_draft_tokens=a.num_draft_tokens,
                         spec_decode_method=a.spec_decode_method,
