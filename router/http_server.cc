@@ -309,6 +309,7 @@ class HttpHandlers {
       builder.EnableLogprobs(s->router_->tokenizer());
     }
     if (parsed->echo) builder.EnableEcho(EchoTexts(*parsed, *s->router_));
+    if (!parsed->tool_call.empty()) builder.EnableToolCall(parsed->tool_call);
     if (!s->router_->Admit(n)) {
       return SendError(
           res, absl::ResourceExhaustedError(absl::StrCat(

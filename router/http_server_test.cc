@@ -907,6 +907,59 @@ TEST_F(HttpServerTest, JsonSchemaAnswersAreInstances) {
   }
 }
 
+// Function calling through the stack: a named tool_choice makes the
+// answer that call, its arguments an instance of the function's
+// parameters (bounded here, so the call closes: finish "stop"), the same
+// streamed as the tool_calls argument deltas joined; "auto" is a 400
+// naming tool_choice.
+TEST_F(HttpServerTest, NamedToolCallsThroughTheStack) {
+  Start();
+  const std::string body = R"({"messages": [{"role": "user", "content":
+      "Once upon a time"}], "max_tokens": 200, "tools": [
+      {"type": "function", "function": {"name": "pick_pet",
+       "description": "Pick a pet.", "parameters": {"type": "object",
+       "properties": {"pet": {"enum": ["cat", "dog"]},
+                      "name": {"type": "string", "maxLength": 6},
+                      "happy": {"type": "boolean"}},
+       "required": ["pet", "name", "happy"]}}}],
+      "tool_choice": {"type": "function", "function": {"name": "pick_pet"}}})";
+  auto res = Post("/v1/chat/completions", body);
+  ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "");
+  const json r = json::parse(res->body);
+  const json& msg = r["choices"][0]["message"];
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "stop") << res->body;
+  EXPECT_TRUE(msg["content"].is_null());
+  ASSERT_EQ(msg["tool_calls"].size(), 1u) << res->body;
+  EXPECT_EQ(msg["tool_calls"][0]["function"]["name"], "pick_pet");
+  const std::string args = msg["tool_calls"][0]["function"]["arguments"];
+  const nlohmann::ordered_json v =
+      nlohmann::ordered_json::parse(args, nullptr, false);
+  ASSERT_TRUE(v.is_object()) << args;
+  EXPECT_EQ(v.begin().key(), "pet") << args;
+  EXPECT_TRUE(v["pet"] == "cat" || v["pet"] == "dog") << args;
+  EXPECT_TRUE(v["happy"].is_boolean()) << args;
+  nlohmann::ordered_json streamed_req = nlohmann::ordered_json::parse(body);
+  streamed_req["stream"] = true;
+  auto streamed = Post("/v1/chat/completions", streamed_req.dump());
+  ASSERT_TRUE(streamed && streamed->status == 200);
+  std::string joined;
+  int opened = 0;
+  for (const json& e : ParseSse(streamed->body).events) {
+    if (e["choices"].empty()) continue;
+    const json& d = e["choices"][0]["delta"];
+    if (!d.contains("tool_calls")) continue;
+    const json& call = d["tool_calls"][0];
+    opened += call.contains("id");
+    joined += call["function"]["arguments"].get<std::string>();
+  }
+  EXPECT_EQ(opened, 1);
+  EXPECT_EQ(joined, args);
+  json autochoice = json::parse(body);
+  autochoice["tool_choice"] = "auto";
+  ExpectError(Post("/v1/chat/completions", autochoice.dump()), 400,
+              "tool_choice");
+}
+
 // n choices: independent runs, choice i with seed + i, so a seeded sampled
 // request is reproducible choice by choice and its choices differ; the
 // usage counts the prompt once and every choice's completion; streamed,

@@ -263,7 +263,7 @@ absl::StatusOr<json> NormalizeMessages(const json& body) {
                         absl::StrCat("'", param, ".role' must be a string"));
     }
     std::string content;
-    if (const json* c = Member(msg, "content"); c != nullptr) {
+    if (const json* c = Member(msg, "content"); c != nullptr && !c->is_null()) {
       if (c->is_string()) {
         content = c->get<std::string>();
       } else if (c->is_array()) {
@@ -286,9 +286,144 @@ absl::StatusOr<json> NormalizeMessages(const json& body) {
                          "a string or an array of text parts", *c);
       }
     }
-    out.push_back({{"role", role->get<std::string>()}, {"content", content}});
+    json normalized = {{"role", role->get<std::string>()},
+                       {"content", content}};
+    // Tool use in the history (an assistant's calls, a tool's answer):
+    // passed on for the template to render.
+    if (const json* calls = Member(msg, "tool_calls"); calls != nullptr) {
+      if (!calls->is_array()) {
+        return WrongType(absl::StrCat(param, ".tool_calls"), "an array",
+                         *calls);
+      }
+      normalized["tool_calls"] = *calls;
+    }
+    for (const char* key : {"tool_call_id", "name"}) {
+      if (const json* v = Member(msg, key); v != nullptr) {
+        if (!v->is_string()) {
+          return WrongType(absl::StrCat(param, ".", key), "a string", *v);
+        }
+        normalized[key] = *v;
+      }
+    }
+    out.push_back(std::move(normalized));
   }
   return out;
+}
+
+// Chat's `tools` and `tool_choice` (OpenAI's function calling; vLLM's
+// named function calling). *tools gets the tools for the template (empty:
+// none). A call the answer must be (tool_choice naming a function, or
+// "required" with one tool) sets *call to its name and the request's JSON
+// schema to the function's parameters (`ordered`: the body with its key
+// order, for the schema). "auto" needs a parser of the model's free-form
+// tool calls, which this server does not have: refused.
+absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
+                        json* tools, std::string* call,
+                        v1::GenerationSampling* s) {
+  *tools = json::array();
+  std::vector<std::string> names;
+  if (const json* t = Member(body, "tools"); t != nullptr && !t->is_null()) {
+    if (!t->is_array()) return WrongType("tools", "an array", *t);
+    for (size_t i = 0; i < t->size(); ++i) {
+      const std::string param = absl::StrCat("tools[", i, "]");
+      const json& tool = (*t)[i];
+      const json* type = tool.is_object() ? Member(tool, "type") : nullptr;
+      const json* fn = tool.is_object() ? Member(tool, "function") : nullptr;
+      if (type == nullptr || *type != "function" || fn == nullptr ||
+          !fn->is_object()) {
+        return ParamError(param, absl::StrCat("'", param,
+                                              "' must be {\"type\": "
+                                              "\"function\", \"function\": "
+                                              "{...}}"));
+      }
+      const json* name = Member(*fn, "name");
+      const bool good_name =
+          name != nullptr && name->is_string() &&
+          !name->get_ref<const std::string&>().empty() &&
+          name->get_ref<const std::string&>().size() <= 64 &&
+          name->get_ref<const std::string&>().find_first_not_of(
+              "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+              "0123456789_-") == std::string::npos;
+      if (!good_name) {
+        return ParamError(absl::StrCat(param, ".function.name"),
+                          absl::StrCat("'", param,
+                                       ".function.name' must be 1 to 64 of "
+                                       "a-z, A-Z, 0-9, _ and -"));
+      }
+      if (const json* p = Member(*fn, "parameters");
+          p != nullptr && !p->is_object()) {
+        return WrongType(absl::StrCat(param, ".function.parameters"),
+                         "a JSON Schema object", *p);
+      }
+      names.push_back(name->get<std::string>());
+      tools->push_back(tool);
+    }
+  }
+  std::string choice = names.empty() ? "none" : "auto";
+  std::string named;
+  if (const json* c = Member(body, "tool_choice"); c != nullptr && !c->is_null()) {
+    if (c->is_string()) {
+      choice = c->get<std::string>();
+      if (choice != "none" && choice != "auto" && choice != "required") {
+        return ParamError("tool_choice",
+                          "'tool_choice' must be \"none\", \"auto\", "
+                          "\"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}");
+      }
+    } else {
+      const json* fn = c->is_object() ? Member(*c, "function") : nullptr;
+      const json* name = fn != nullptr && fn->is_object() ? Member(*fn, "name")
+                                                         : nullptr;
+      if (name == nullptr || !name->is_string()) {
+        return ParamError("tool_choice",
+                          "'tool_choice' must name a function: {\"type\": "
+                          "\"function\", \"function\": {\"name\": ...}}");
+      }
+      choice = "named";
+      named = name->get<std::string>();
+    }
+  }
+  if (choice == "none") return absl::OkStatus();
+  if (names.empty()) {
+    return ParamError("tool_choice", "'tool_choice' needs 'tools'");
+  }
+  if (choice == "auto") {
+    return ParamError(
+        "tool_choice",
+        "'tool_choice' \"auto\" (the default with 'tools') needs a parser "
+        "of the model's own tool-call format, which this server does not "
+        "have: name the function ({\"type\": \"function\", "
+        "\"function\": {\"name\": ...}}), or use \"required\" with one "
+        "tool");
+  }
+  if (choice == "required") {
+    if (names.size() != 1) {
+      return ParamError("tool_choice",
+                        "'tool_choice' \"required\" is supported with one "
+                        "tool; with several, name the function");
+    }
+    named = names[0];
+  }
+  const auto it = std::find(names.begin(), names.end(), named);
+  if (it == names.end()) {
+    return ParamError("tool_choice",
+                      absl::StrCat("'tool_choice' names '", named,
+                                   "', which is not in 'tools'"));
+  }
+  if (s->has_json_schema() || s->json_object()) {
+    return ParamError("tool_choice",
+                      "a forced tool call cannot be combined with "
+                      "'response_format'");
+  }
+  // The call's arguments are an instance of the function's parameters.
+  const size_t index = static_cast<size_t>(it - names.begin());
+  // Validated above through `body`: the same document.
+  const nlohmann::ordered_json& fn =
+      ordered.at("tools").at(index).at("function");
+  s->set_json_schema(fn.contains("parameters") ? fn["parameters"].dump()
+                                               : "{\"type\": \"object\"}");
+  *call = named;
+  return absl::OkStatus();
 }
 
 absl::Status ParseStop(const json& body, v1::GenerationSampling* s) {
@@ -632,15 +767,18 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   if (auto s = ParseSampling(body, r.mutable_sampling()); !s.ok()) {
     return s;
   }
-  if (r.sampling().has_json_schema()) {
-    // The schema as sent: its properties' order is the order they are
-    // written in (the body's json sorts object keys).
-    const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(
-        body_text, nullptr, /*allow_exceptions=*/false);
-    if (!ordered.is_discarded()) {
-      r.mutable_sampling()->set_json_schema(
-          ordered["response_format"]["json_schema"]["schema"].dump());
-    }
+  // Schemas as sent: their properties' order is the order they are
+  // written in (the body's json sorts object keys).
+  const bool needs_order = r.sampling().has_json_schema() ||
+                           (endpoint == Endpoint::kChat &&
+                            Member(body, "tool_choice") != nullptr);
+  const nlohmann::ordered_json ordered =
+      needs_order ? nlohmann::ordered_json::parse(body_text, nullptr,
+                                                  /*allow_exceptions=*/false)
+                  : nlohmann::ordered_json();
+  if (r.sampling().has_json_schema() && !ordered.is_discarded()) {
+    r.mutable_sampling()->set_json_schema(
+        ordered.at("response_format").at("json_schema").at("schema").dump());
   }
   if (auto s = ParseLogprobs(endpoint, body, r.mutable_sampling()); !s.ok()) {
     return s;
@@ -657,11 +795,11 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
     if (auto s = ParsePrompt(body, &out); !s.ok()) return s;
     return out;
   }
-  // Tool calling needs the template's tool prompt and a tool-call parser:
-  // refused rather than silently ignored.
-  if (const json* tools = Member(body, "tools");
-      tools != nullptr && !(tools->is_array() && tools->empty())) {
-    return ParamError("tools", "'tools' (function calling) is not supported");
+  json tools;
+  if (auto s = ParseTools(body, ordered, &tools, &out.tool_call,
+                          r.mutable_sampling());
+      !s.ok()) {
+    return s;
   }
   auto messages = NormalizeMessages(body);
   if (!messages.ok()) return messages.status();
@@ -682,6 +820,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
                                 "add_generation_prompt"));
   if (gen) context["add_generation_prompt"] = *gen;
   context["messages"] = *messages;
+  if (!tools.empty()) context["tools"] = tools;  // the template's to render
   auto text = chat.render(context);
   if (!text.ok()) {
     if (!absl::IsInvalidArgument(text.status())) return text.status();
@@ -820,6 +959,13 @@ ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
 
 void ResponseBuilder::EnableEcho(std::vector<std::string> prompt_texts) {
   echo_ = std::move(prompt_texts);
+}
+
+void ResponseBuilder::EnableToolCall(std::string name) {
+  tool_call_ = std::move(name);
+  call_ids_.clear();
+  for (int i = 0; i < n_; ++i) call_ids_.push_back(NewId("call_"));
+  call_opened_.assign(n_, false);
 }
 
 const std::string& ResponseBuilder::EchoText(int index) const {
@@ -966,7 +1112,16 @@ json ResponseBuilder::Response(
     json choice = {{"index", i},
                    {"logprobs", Logprobs(r, &offset)},
                    {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
-    if (chat) {
+    if (chat && !tool_call_.empty()) {
+      choice["message"] = {
+          {"role", "assistant"},
+          {"content", nullptr},
+          {"tool_calls",
+           json::array({{{"id", call_ids_[i]},
+                         {"type", "function"},
+                         {"function",
+                          {{"name", tool_call_}, {"arguments", r.text()}}}}})}};
+    } else if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
     } else {
       choice["text"] = EchoText(static_cast<int>(i)) + r.text();
@@ -1029,7 +1184,16 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
     json c = {{"index", index},
               {"logprobs", Logprobs(chunk, &text_offset_[index])},
               {"finish_reason", finish}};
-    if (chat) {
+    if (chat && !tool_call_.empty() && !text.empty()) {
+      json call = {{"index", 0}, {"function", {{"arguments", text}}}};
+      if (!call_opened_[index]) {  // the call's first delta names it
+        call_opened_[index] = true;
+        call["id"] = call_ids_[index];
+        call["type"] = "function";
+        call["function"]["name"] = tool_call_;
+      }
+      c["delta"] = {{"tool_calls", json::array({std::move(call)})}};
+    } else if (chat) {
       c["delta"] = text.empty() ? json::object() : json{{"content", text}};
     } else {
       c["text"] = text;

@@ -49,6 +49,10 @@ struct ParsedRequest {
   /// Completions' `echo`: each choice's text (and with `logprobs`, its
   /// logprobs, the prompt's first) starts with its prompt.
   bool echo = false;
+  /// Chat: the function every choice's answer is a call of (tool_choice
+  /// naming it, or "required" with one tool); its text is the call's
+  /// arguments. Empty = a plain answer.
+  std::string tool_call;
 
   int num_prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
 };
@@ -185,6 +189,14 @@ class ResponseBuilder {
   /// vLLM's; text_offset counts from the prompt's first token.
   void EnableEcho(std::vector<std::string> prompt_texts);
 
+  /// Chat answers that are calls of function `name` (ParsedRequest::
+  /// tool_call): each choice's message has content null and one
+  /// `tool_calls` entry {id "call_...", type "function", function {name,
+  /// arguments: the choice's text}}; streamed, the first text delta opens
+  /// the call (index 0, id, type, name) and the others carry
+  /// `function.arguments` deltas, as OpenAI streams tool calls.
+  void EnableToolCall(std::string name);
+
   /// The non-streaming response: choice i from responses[i] (one per
   /// choice), usage (each prompt once, the completions of every choice
   /// summed), and the `specserve` object (Stats) of the first choice.
@@ -245,6 +257,9 @@ class ResponseBuilder {
   // text_offset so far.
   std::vector<bool> role_sent_;
   std::vector<bool> echo_sent_;  // streamed: the prompt went out
+  std::string tool_call_;        // the function called; "" = none
+  std::vector<std::string> call_ids_;  // per choice, with tool_call_
+  std::vector<bool> call_opened_;      // streamed: the call's first delta
   std::vector<int64_t> text_offset_;
   int finished_ = 0;   // choices whose final chunk was built
   v1::Usage usage_;    // their usage, completion_tokens summed

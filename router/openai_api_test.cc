@@ -5,6 +5,8 @@
 
 #include <limits>
 #include <memory>
+#include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -479,16 +481,89 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
                         .status()),
             "chat_template_kwargs");
 
-  // Function calling is refused, not ignored.
-  json with_tools = body;
-  with_tools["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}}}}};
-  EXPECT_EQ(ParamOf(ParseRequest(Endpoint::kChat, with_tools.dump(), f,
-                                 tok->get())
-                        .status()),
-            "tools");
-  with_tools["tools"] = json::array();
-  EXPECT_TRUE(
-      ParseRequest(Endpoint::kChat, with_tools.dump(), f, tok->get()).ok());
+  // Function calling: a named function (or "required" with one tool)
+  // makes the answer that call, its arguments an instance of the
+  // function's parameters, in their order; the tools reach the template.
+  // "auto" (the default with tools) needs a tool-call parser: refused.
+  const char* tools_body = R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "get_weather",
+                 "parameters": {"type": "object", "properties": {
+                   "where": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["where"]}}},
+                {"type": "function", "function": {"name": "now"}}],
+      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})";
+  p = ParseRequest(Endpoint::kChat, tools_body, f, tok->get());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->tool_call, "get_weather");
+  EXPECT_EQ(p->request.sampling().json_schema(),
+            R"({"type":"object","properties":{"where":{"type":"string"},)"
+            R"("unit":{"enum":["c","f"]}},"required":["where"]})");
+  ASSERT_EQ(seen["tools"].size(), 2u);
+  EXPECT_EQ(seen["tools"][1]["function"]["name"], "now");
+  json tb = json::parse(tools_body);
+  tb["tool_choice"] = {{"type", "function"}, {"function", {{"name", "now"}}}};
+  p = ParseRequest(Endpoint::kChat, tb.dump(), f, tok->get());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().json_schema(), R"({"type": "object"})");
+  tb["tool_choice"] = "none";
+  p = ParseRequest(Endpoint::kChat, tb.dump(), f, tok->get());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->tool_call.empty());
+  EXPECT_FALSE(p->request.sampling().has_json_schema());
+  json one = json::parse(tools_body);
+  one["tools"].erase(1);
+  one["tool_choice"] = "required";
+  p = ParseRequest(Endpoint::kChat, one.dump(), f, tok->get());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->tool_call, "get_weather");
+  struct ToolCase {
+    std::function<void(json*)> edit;
+    std::string param;
+  };
+  for (const ToolCase& c : std::vector<ToolCase>{
+           {[](json* b) { b->erase("tool_choice"); }, "tool_choice"},
+           {[](json* b) { (*b)["tool_choice"] = "auto"; }, "tool_choice"},
+           {[](json* b) { (*b)["tool_choice"] = "required"; }, "tool_choice"},
+           {[](json* b) { (*b)["tool_choice"] = "any"; }, "tool_choice"},
+           {[](json* b) {
+              (*b)["tool_choice"]["function"]["name"] = "missing";
+            },
+            "tool_choice"},
+           {[](json* b) {
+              (*b)["response_format"] = {{"type", "json_object"}};
+            },
+            "tool_choice"},
+           {[](json* b) { b->erase("tools"); }, "tool_choice"},
+           {[](json* b) { (*b)["tools"][0]["type"] = "code"; }, "tools[0]"},
+           {[](json* b) { (*b)["tools"][1]["function"]["name"] = "a b"; },
+            "tools[1].function.name"},
+           {[](json* b) { (*b)["tools"][0]["function"]["parameters"] = 3; },
+            "tools[0].function.parameters"},
+           {[](json* b) { (*b)["messages"][0]["tool_calls"] = 1; },
+            "messages[0].tool_calls"},
+       }) {
+    json b = json::parse(tools_body);
+    c.edit(&b);
+    auto bad_tools = ParseRequest(Endpoint::kChat, b.dump(), f, tok->get());
+    EXPECT_EQ(ParamOf(bad_tools.status()).value_or("(none)"), c.param)
+        << b.dump() << " " << bad_tools.status();
+  }
+  // A conversation that used a tool: the calls and the answer reach the
+  // template.
+  json history = {
+      {"messages",
+       {{{"role", "user"}, {"content", "weather?"}},
+        {{"role", "assistant"},
+         {"content", nullptr},
+         {"tool_calls",
+          {{{"id", "call_1"},
+            {"type", "function"},
+            {"function", {{"name", "now"}, {"arguments", "{}"}}}}}}},
+        {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "noon"}}}}};
+  ASSERT_TRUE(ParseRequest(Endpoint::kChat, history.dump(), f, tok->get()).ok());
+  EXPECT_EQ(seen["messages"][1]["tool_calls"][0]["id"], "call_1");
+  EXPECT_EQ(seen["messages"][2]["tool_call_id"], "call_1");
+  EXPECT_FALSE(seen.contains("tools"));
 
   // Without a tokenizer chat is refused; a template error is a 400.
   EXPECT_FALSE(ParseRequest(Endpoint::kChat, body.dump(), f, nullptr).ok());
@@ -846,6 +921,57 @@ TEST(ResponseBuilderTest, CompletionEcho) {
   ev = Events(s.StreamEvents(c));
   ASSERT_EQ(ev.size(), 1u);
   EXPECT_EQ(ev[0]["choices"][0]["text"], " time");
+}
+
+// A forced tool call: the message holds the call (content null, an id per
+// choice, the text as arguments); streamed, the first text delta opens
+// the call and later ones carry argument deltas only.
+TEST(ResponseBuilderTest, ToolCalls) {
+  ResponseBuilder b(Endpoint::kChat, "chatcmpl-1", "m", 100, false, 2);
+  b.EnableToolCall("get_weather");
+  std::vector<v1::GenerateTextResponse> r(2);
+  r[0].set_text(R"({"where": "Paris"})");
+  r[1].set_text(R"({"where": "Oslo"})");
+  r[0].set_finish_reason("eos");
+  r[1].set_finish_reason("eos");
+  const json out = b.Response(r);
+  std::set<std::string> ids;
+  for (int i = 0; i < 2; ++i) {
+    const json& m = out["choices"][i]["message"];
+    EXPECT_TRUE(m["content"].is_null());
+    ASSERT_EQ(m["tool_calls"].size(), 1u);
+    const json& call = m["tool_calls"][0];
+    EXPECT_EQ(call["type"], "function");
+    EXPECT_EQ(call["function"]["name"], "get_weather");
+    EXPECT_EQ(call["function"]["arguments"], r[i].text());
+    EXPECT_TRUE(absl::StartsWith(call["id"].get<std::string>(), "call_"));
+    ids.insert(call["id"].get<std::string>());
+    EXPECT_EQ(out["choices"][i]["finish_reason"], "stop");
+  }
+  EXPECT_EQ(ids.size(), 2u);
+
+  ResponseBuilder s(Endpoint::kChat, "chatcmpl-2", "m", 100, false);
+  s.EnableToolCall("get_weather");
+  v1::GenerateTextChunk c;
+  c.set_text(R"({"where": )");
+  std::vector<json> ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 2u);  // the role, then the call's first delta
+  EXPECT_EQ(ev[0]["choices"][0]["delta"]["role"], "assistant");
+  const json& first = ev[1]["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(first["index"], 0);
+  EXPECT_EQ(first["type"], "function");
+  EXPECT_EQ(first["function"]["name"], "get_weather");
+  EXPECT_EQ(first["function"]["arguments"], R"({"where": )");
+  EXPECT_FALSE(ev[1]["choices"][0]["delta"].contains("content"));
+  c.set_text(R"("Paris"})");
+  c.set_finish_reason("eos");
+  ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  const json& more = ev[0]["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(more["function"]["arguments"], R"("Paris"})");
+  EXPECT_FALSE(more.contains("id"));
+  EXPECT_FALSE(more["function"].contains("name"));
+  EXPECT_EQ(ev[0]["choices"][0]["finish_reason"], "stop");
 }
 
 TEST(ResponseBuilderTest, ChatLogprobs) {

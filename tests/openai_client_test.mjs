@@ -212,16 +212,82 @@ await check("response_format json_object (JSON mode)", async () => {
     max_tokens: 16, temperature: 0,
   });
   assert.ok(!plain.choices[0].message.content.trimStart().startsWith("{"));
+});
+
+// A schema whose values are all bounded: the answer closes and is an
+// instance, properties in the schema's order.
+const PET = {
+  type: "object",
+  properties: {
+    pet: { enum: ["cat", "dog"] },
+    name: { type: "string", maxLength: 6 },
+    happy: { type: "boolean" },
+  },
+  required: ["pet", "name", "happy"],
+};
+
+await check("response_format json_schema (structured output)", async () => {
+  const r = await client.chat.completions.create({
+    model, messages: [{ role: "user", content: "Tell me a story." }],
+    max_tokens: 200, temperature: 0,
+    response_format: {
+      type: "json_schema", json_schema: { name: "pet", strict: true, schema: PET },
+    },
+  });
+  assert.equal(r.choices[0].finish_reason, "stop");
+  const v = JSON.parse(r.choices[0].message.content);
+  assert.deepEqual(Object.keys(v), ["pet", "name", "happy"]);
+  assert.ok(["cat", "dog"].includes(v.pet));
+  assert.equal(typeof v.happy, "boolean");
   await assert.rejects(
       client.chat.completions.create({
         model, messages: [{ role: "user", content: "x" }],
         response_format: {
           type: "json_schema",
-          json_schema: { name: "s", schema: { type: "object" } },
+          json_schema: {
+            name: "s",
+            schema: { type: "object", properties: { a: { type: "string", pattern: "^a" } } },
+          },
         },
       }),
       (e) => e instanceof OpenAI.BadRequestError &&
-             e.param === "response_format");
+             e.param === "response_format" && /pattern/.test(e.message));
+});
+
+await check("tool_choice naming a function (unary and stream)", async () => {
+  const req = {
+    model, messages: [{ role: "user", content: "Pick a pet." }],
+    max_tokens: 200, temperature: 0,
+    tools: [{ type: "function", function: { name: "pick_pet", parameters: PET } }],
+    tool_choice: { type: "function", function: { name: "pick_pet" } },
+  };
+  const r = await client.chat.completions.create(req);
+  const call = r.choices[0].message.tool_calls[0];
+  assert.equal(call.type, "function");
+  assert.equal(call.function.name, "pick_pet");
+  const args = JSON.parse(call.function.arguments);
+  assert.ok(["cat", "dog"].includes(args.pet));
+  let streamed = "";
+  for await (const chunk of await client.chat.completions.create({ ...req, stream: true })) {
+    for (const ch of chunk.choices) {
+      for (const t of ch.delta.tool_calls ?? []) streamed += t.function.arguments ?? "";
+    }
+  }
+  assert.equal(streamed, call.function.arguments);
+  await assert.rejects(
+      client.chat.completions.create({ ...req, tool_choice: "auto" }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === "tool_choice");
+});
+
+await check("echo with logprobs (a continuation's loglikelihood)", async () => {
+  const r = await client.completions.create({
+    model, prompt: STORY, max_tokens: 1, temperature: 0, echo: true, logprobs: 1,
+  });
+  const c = r.choices[0];
+  assert.ok(c.text.startsWith(STORY));
+  assert.equal(c.logprobs.tokens.length, r.usage.prompt_tokens + 1);
+  assert.equal(c.logprobs.token_logprobs[0], null);
+  for (const lp of c.logprobs.token_logprobs.slice(1)) assert.ok(lp <= 0);
 });
 
 await check("a batch of prompts", async () => {
