@@ -2273,6 +2273,26 @@ void CheckGraphReplay(const std::string& model, bool sampled,
   ASSERT_OK(e.gpu->Forward(edited, graph[0].get(), &o));
   ASSERT_EQ(o.argmax.size(), 1u);
   EXPECT_EQ(o.argmax[0], bias.edits[0].id);
+  // A token mask (JSON mode's) that allows one id: that id wins, with
+  // graphs on too (the step goes eager).
+  e.gpu->set_cuda_graphs(true);
+  const int only = uniform_id();
+  std::vector<int> all_but;
+  for (int id = 0; id < vocab; ++id) {
+    if (id != only) all_but.push_back(id);
+  }
+  LogitEdits masked;
+  AppendRowEdits(SamplingParams(), nullptr, {}, {}, vocab, &masked);
+  MaskLastRow(all_but, vocab, &masked);
+  const std::vector<int> later = {len[0] + 3};
+  ForwardInput masked_in = AllRows(one, later);
+  masked_in.argmax_only = true;
+  masked_in.logit_edits = &masked;
+  const int64_t before_masked = e.gpu->graph_replays();
+  ASSERT_OK(e.gpu->Forward(masked_in, graph[0].get(), &o));
+  EXPECT_EQ(e.gpu->graph_replays(), before_masked);
+  ASSERT_EQ(o.argmax.size(), 1u);
+  EXPECT_EQ(o.argmax[0], only);
 }
 
 TEST_P(ModelTest, GraphReplayEqualsEager) {

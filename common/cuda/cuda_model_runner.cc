@@ -681,6 +681,10 @@ struct StepRegions {
   // offsets over the logit rows, then the edits.
   int* edit_offsets;
   LogitEdit* edits;
+  // Token masks (LogitEdits' masks, eager steps only): [R] mask per logit
+  // row (-1 none), then the masks' words.
+  int* mask_of_row;
+  uint32_t* allowed;
 };
 
 // Element counts of a step's regions.
@@ -693,6 +697,7 @@ struct StepSizes {
   size_t tree_rows = 0;
   size_t samp_rows = 0, samp_ints = 0, samp_floats = 0;
   size_t edit_rows = 0, edits = 0;  // edit_rows 0: no edit regions
+  size_t mask_rows = 0, mask_words = 0;  // all masks' words in all
 };
 
 // Lays the regions out from `base` (null: a dry run that only sizes them)
@@ -732,6 +737,9 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   reg->edit_offsets = static_cast<int*>(
       cv.Take(sizeof(int) * (z.edit_rows > 0 ? z.edit_rows + 1 : 0)));
   reg->edits = static_cast<LogitEdit*>(cv.Take(sizeof(LogitEdit) * z.edits));
+  reg->mask_of_row = static_cast<int*>(cv.Take(sizeof(int) * z.mask_rows));
+  reg->allowed =
+      static_cast<uint32_t*>(cv.Take(sizeof(uint32_t) * z.mask_words));
   return cv.size();
 }
 
@@ -806,6 +814,14 @@ absl::Status UploadEdits(const LogitEdits& e, const StepRegions& reg,
         reg.edits, e.edits.data(), sizeof(LogitEdit) * e.edits.size(),
         cudaMemcpyHostToDevice, stream));
   }
+  if (e.has_masks()) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.mask_of_row, e.mask_of_row.data(),
+        sizeof(int) * e.mask_of_row.size(), cudaMemcpyHostToDevice, stream));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.allowed, e.allowed.data(), sizeof(uint32_t) * e.allowed.size(),
+        cudaMemcpyHostToDevice, stream));
+  }
   return absl::OkStatus();
 }
 
@@ -847,6 +863,7 @@ struct CudaModelRunner::StepLaunch {
   std::function<absl::Status(int layer)> after_rope;
   bool argmax = false;  // reduce the logit rows to reg->argmax
   bool edits = false;   // ApplyLogitEdits over the logit rows first
+  int mask_words = 0;   // > 0: then ApplyTokenMasks (eager steps)
 };
 
 // A CUDA graph step's fixed device layout: the regions for kMaxGraphRows
@@ -972,6 +989,11 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ApplyLogitEdits(
         reg.logits, vocab, R, reg.edit_offsets, reg.edits, stream_));
   }
+  if (s.mask_words > 0) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ApplyTokenMasks(
+        reg.logits, vocab, R, reg.mask_of_row, reg.allowed, s.mask_words,
+        stream_));
+  }
   if (s.argmax) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ArgmaxRows(
         reg.logits, R, vocab, reg.argmax, stream_));
@@ -1096,6 +1118,8 @@ absl::Status CudaModelRunner::Run(
   sizes.samp_floats = samp.floats.size();
   sizes.edit_rows = edits.offsets.empty() ? 0 : R;
   sizes.edits = edits.edits.size();
+  sizes.mask_rows = edits.mask_of_row.size();
+  sizes.mask_words = edits.allowed.size();
   StepRegions reg;
   SPECSERVE_RETURN_IF_ERROR(
       workspace_.Reserve(CarveStep(nullptr, c, tb, sizes, &reg)));
@@ -1159,6 +1183,7 @@ absl::Status CudaModelRunner::Run(
   if (!edits.offsets.empty()) {
     SPECSERVE_RETURN_IF_ERROR(UploadEdits(edits, reg, stream_));
     step.edits = true;
+    if (edits.has_masks()) step.mask_words = edits.mask_words;
   }
   if (tree_rows > 0) {
     static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
@@ -1453,6 +1478,9 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
   // The graph reads offsets [0, b]: this step's edits, or (once, after a
   // step with edits) zeros for every row a later bucket may read.
   LogitEdits edits = cuda_step::PackLogitEdits(batch, lr0, b);
+  if (edits.has_masks()) {  // GraphEligible sends those steps eager
+    return absl::InternalError("a graph step with token masks");
+  }
   if (!edits.offsets.empty() || graph_edits_live_) {
     graph_edits_live_ = !edits.offsets.empty();
     if (!graph_edits_live_) edits.offsets.assign(Nm + 1, 0);

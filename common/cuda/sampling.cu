@@ -441,7 +441,43 @@ __global__ void ApplyLogitEditsKernel(float* logits, int vocab,
   }
 }
 
+// Grid (word blocks, rows): one thread per mask word, its cleared bits'
+// logits set to -inf.
+__global__ void ApplyTokenMasksKernel(float* logits, int vocab,
+                                      const int* mask_of_row,
+                                      const uint32_t* allowed, int words) {
+  const int r = blockIdx.y;
+  const int w = blockIdx.x * blockDim.x + threadIdx.x;
+  const int mask = mask_of_row[r];
+  if (mask < 0 || w >= words) return;
+  const uint32_t bits = allowed[static_cast<size_t>(mask) * words + w];
+  if (bits == ~0u) return;  // a word of allowed ids (inside strings: most)
+  float* row = logits + static_cast<size_t>(r) * vocab;
+  for (int b = 0; b < 32; ++b) {
+    const int id = w * 32 + b;
+    if (!((bits >> b) & 1u) && id < vocab) row[id] = -__builtin_huge_valf();
+  }
+}
+
 }  // namespace
+
+cudaError_t ApplyTokenMasks(float* logits, int vocab, int num_rows,
+                            const int* mask_of_row, const uint32_t* allowed,
+                            int words, cudaStream_t stream) {
+  if (vocab <= 0 || num_rows < 0 || words != (vocab + 31) / 32) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_rows == 0) return cudaSuccess;
+  if (logits == nullptr || mask_of_row == nullptr || allowed == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  constexpr int kThreads = 128;
+  SPECSERVE_LAUNCH(dim3((words + kThreads - 1) / kThreads, num_rows), kThreads,
+                   0, stream, ApplyTokenMasksKernel)(logits, vocab,
+                                                     mask_of_row, allowed,
+                                                     words);
+  return cudaGetLastError();
+}
 
 cudaError_t ApplyLogitEdits(float* logits, int vocab, int num_rows,
                             const int* offsets, const LogitEdit* edits,

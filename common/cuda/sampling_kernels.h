@@ -100,6 +100,21 @@ cudaError_t ApplyLogitEdits(float* logits, int vocab, int num_rows,
                             const int* offsets, const LogitEdit* edits,
                             cudaStream_t stream);
 
+/// The token masks of LogitEdits (logits_processors.h; JSON mode's
+/// grammar) on the device: every id of row r whose bit in mask
+/// mask_of_row[r] is clear becomes -inf, as the host's ApplyLogitEdits
+/// does; rows with mask -1 are left alone. A mask is `words` =
+/// ceil(vocab / 32) uint32 (bit id % 32 of word id / 32 = allowed), so a
+/// step uploads vocab / 8 bytes a masked row instead of an edit per
+/// masked id. logits: fp32 [num_rows, vocab]; mask_of_row: int
+/// [num_rows]; allowed: uint32 [masks, words]. One thread per word.
+/// cudaErrorInvalidValue, before any launch, for vocab < 1, num_rows < 0,
+/// words != ceil(vocab / 32) or a null pointer; num_rows == 0 launches
+/// nothing.
+cudaError_t ApplyTokenMasks(float* logits, int vocab, int num_rows,
+                            const int* mask_of_row, const uint32_t* allowed,
+                            int words, cudaStream_t stream);
+
 /// specserve::ComputeTokenLogprobs (common/decoding/logprobs.h) on the
 /// device for `num_rows` jobs, one block each (logprobs.cu): job j's
 /// log-softmax of logits row rows[j] at token tokens[j], and the row's top

@@ -894,6 +894,76 @@ TEST(ApplyLogitEditsArgsTest, RejectsBadArgumentsBeforeAnyCudaCall) {
             cudaSuccess);  // no rows: nothing launched
 }
 
+TEST(ApplyTokenMasksArgsTest, RejectsBadArgumentsBeforeAnyCudaCall) {
+  float* logits = reinterpret_cast<float*>(uintptr_t{0x10000});
+  const int* rows = reinterpret_cast<const int*>(uintptr_t{0x20000});
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(uintptr_t{0x30000});
+  EXPECT_EQ(ck::ApplyTokenMasks(logits, 0, 1, rows, bits, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyTokenMasks(logits, 40, -1, rows, bits, 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyTokenMasks(logits, 40, 1, rows, bits, 1, nullptr),
+            cudaErrorInvalidValue);  // 40 ids need 2 words
+  EXPECT_EQ(ck::ApplyTokenMasks(nullptr, 40, 1, rows, bits, 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyTokenMasks(logits, 40, 1, nullptr, bits, 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyTokenMasks(logits, 40, 1, rows, nullptr, 2, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ck::ApplyTokenMasks(nullptr, 40, 0, nullptr, nullptr, 2, nullptr),
+            cudaSuccess);  // no rows: nothing launched
+}
+
+// Token masks (JSON mode) on the device equal the host's ApplyLogitEdits
+// of the same LogitEdits bit for bit: random masks, rows without one, a
+// vocabulary that is not a multiple of 32.
+TEST_F(SampleRowsTest, ApplyTokenMasksMatchesHost) {
+  for (int vocab : {37, 128256}) {
+    SCOPED_TRACE(vocab);
+    std::mt19937 rng(vocab + 7);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    constexpr int kRows = 5;
+    std::vector<float> logits(static_cast<size_t>(kRows) * vocab);
+    for (float& x : logits) x = normal(rng);
+    LogitEdits edits;
+    for (int r = 0; r < kRows; ++r) {
+      AppendRowEdits(SamplingParams(), nullptr, {}, {}, vocab, &edits);
+      if (r == 1 || r == 3) continue;  // rows without a mask
+      std::vector<int> disallowed;
+      for (int id = 0; id < vocab; ++id) {
+        if (rng() % 4 != 0 || id == vocab - 1) disallowed.push_back(id);
+      }
+      MaskLastRow(disallowed, vocab, &edits);
+    }
+    std::vector<int> mask_of_row = edits.mask_of_row;
+    mask_of_row.resize(kRows, -1);
+    std::vector<float> want = logits;
+    for (int r = 0; r < kRows; ++r) {
+      ApplyLogitEdits(edits, r,
+                      absl::MakeSpan(want.data() + static_cast<size_t>(r) * vocab,
+                                     vocab));
+    }
+    DeviceArray d_logits(logits.size() * sizeof(float)),
+        d_rows(mask_of_row.size() * sizeof(int)),
+        d_bits(edits.allowed.size() * sizeof(uint32_t));
+    ASSERT_CUDA_OK(d_logits.Upload(logits));
+    ASSERT_CUDA_OK(d_rows.Upload(mask_of_row));
+    ASSERT_CUDA_OK(d_bits.Upload(edits.allowed));
+    ASSERT_CUDA_OK(ck::ApplyTokenMasks(d_logits.as<float>(), vocab, kRows,
+                                       d_rows.as<int>(), d_bits.as<uint32_t>(),
+                                       edits.mask_words, nullptr));
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> got(logits.size());
+    ASSERT_CUDA_OK(d_logits.Download(&got));
+    int masked = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "row " << i / vocab << " id " << i % vocab;
+      masked += std::isinf(got[i]);
+    }
+    EXPECT_GT(masked, 0);
+  }
+}
+
 // Rows edited by AppendRowEdits' output for random biases, penalties and
 // masks (rows without edits among them, more edits than a block has
 // threads) equal the host's ApplyLogitEdits bit for bit, and untouched ids

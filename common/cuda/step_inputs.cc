@@ -99,7 +99,10 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
         if (in.sampling->draft_ids[j] >= 0) q += in.sampling->draft_q[j]->size();
       }
     }
-    if (in.logit_edits != nullptr) edits += in.logit_edits->edits.size();
+    if (in.logit_edits != nullptr) {
+      if (in.logit_edits->has_masks()) return false;
+      edits += in.logit_edits->edits.size();
+    }
     rows += n;
   }
   return !batch.empty() && rows <= max_rows &&
@@ -115,18 +118,33 @@ LogitEdits PackLogitEdits(absl::Span<const SequenceForward> batch,
   if (!any) return p;
   p.offsets.reserve(rows + 1);
   p.offsets.push_back(0);
+  bool masks = false;
+  for (const SequenceForward& e : batch) {
+    masks |= e.input.logit_edits != nullptr && e.input.logit_edits->has_masks();
+  }
   for (size_t i = 0; i < batch.size(); ++i) {
     const LogitEdits* e = batch[i].input.logit_edits;
+    // Where this sequence's masks start in p.allowed.
+    const int first_mask = p.num_masks();
+    if (e != nullptr && e->has_masks()) {
+      p.mask_words = e->mask_words;
+      p.allowed.insert(p.allowed.end(), e->allowed.begin(), e->allowed.end());
+    }
     for (int j = logit_row_start[i]; j < logit_row_start[i + 1]; ++j) {
+      const int r = j - logit_row_start[i];
       if (e != nullptr) {
-        const int r = j - logit_row_start[i];
         p.edits.insert(p.edits.end(), e->edits.begin() + e->offsets[r],
                        e->edits.begin() + e->offsets[r + 1]);
       }
       p.offsets.push_back(static_cast<int>(p.edits.size()));
+      if (masks) {
+        const int m = e != nullptr ? e->mask_of(r) : -1;
+        p.mask_of_row.push_back(m < 0 ? -1 : first_mask + m);
+      }
     }
   }
   p.offsets.resize(rows + 1, static_cast<int>(p.edits.size()));
+  if (masks) p.mask_of_row.resize(rows, -1);
   return p;
 }
 

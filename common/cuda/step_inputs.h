@@ -57,8 +57,11 @@ PackedRowSampling PackRowSampling(absl::Span<const SequenceForward> batch,
 /// reads them: offsets [rows + 1] over the step's concatenated logit rows
 /// (logit_row_start as for PackRowSampling), each sequence's rows edited
 /// as its LogitEdits says, every other row (no edits, or past the batch up
-/// to `rows`) an empty range. Empty (no offsets) when no sequence has
-/// edits. rows >= the batch's logit rows; inputs valid (ValidateBatch).
+/// to `rows`) an empty range, and the sequences' token masks (JSON mode)
+/// concatenated, mask_of_row over all `rows` (-1 where a row has none;
+/// empty when no sequence has masks). Empty (no offsets) when no sequence
+/// has edits. rows >= the batch's logit rows; inputs valid
+/// (ValidateBatch).
 LogitEdits PackLogitEdits(absl::Span<const SequenceForward> batch,
                           absl::Span<const int> logit_row_start, int rows);
 
@@ -74,7 +77,8 @@ int GraphBucket(int rows);
 /// no sequence with >= flash_min_rows rows when `flash_min_rows` > 0 (those
 /// go to FlashAttention, launched per sequence); at most max_rows rows in
 /// all, at most max_q draft-distribution entries over the sampled rows and
-/// at most max_edits logit edits (ForwardInput::logit_edits) in all.
+/// at most max_edits logit edits (ForwardInput::logit_edits) in all, and
+/// no token masks (those steps run eagerly: ApplyTokenMasks).
 /// logit_rows: each entry's resolved rows (ValidateBatch).
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,

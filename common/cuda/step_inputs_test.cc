@@ -145,6 +145,11 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   auto edited = [&](Step& s) { s.batch[1].input.logit_edits = &edits; };
   EXPECT_TRUE(with(edited, 100, 3));
   EXPECT_FALSE(with(edited, 100, 2));
+  // Token masks run eagerly.
+  LogitEdits masked = edits;
+  MaskLastRow({2}, 10, &masked);
+  EXPECT_FALSE(with([&](Step& s) { s.batch[1].input.logit_edits = &masked; },
+                    100, 3));
   // Both argmax_only and sampling is not a valid input; not graphed.
   EXPECT_FALSE(with([&](Step& s) { s.batch[1].input.sampling = &rs; }));
   EXPECT_FALSE(
@@ -184,6 +189,22 @@ TEST(PackLogitEditsTest, EditsFollowTheStepsLogitRows) {
   EXPECT_EQ(p.edits[1].id, 2);
   EXPECT_EQ(p.edits[2].id, 9);
   EXPECT_EQ(p.edits[2].subtract, INFINITY);
+  EXPECT_FALSE(p.has_masks());
+  // Token masks: each sequence's masks renumbered after the ones before,
+  // -1 for rows without one (and past the batch).
+  LogitEdits am = a, cm = c;
+  MaskLastRow({3}, 40, &am);  // a's row 1
+  MaskLastRow({0, 39}, 40, &cm);  // c's row 0
+  batch[0].input.logit_edits = &am;
+  batch[2].input.logit_edits = &cm;
+  const LogitEdits pm = PackLogitEdits(batch, lr0, 8);
+  EXPECT_EQ(pm.offsets, p.offsets);
+  EXPECT_EQ(pm.mask_words, 2);
+  EXPECT_EQ(pm.mask_of_row, (std::vector<int>{-1, 0, -1, -1, -1, 1, -1, -1}));
+  ASSERT_EQ(pm.allowed.size(), 4u);
+  EXPECT_EQ(pm.allowed[0], ~(uint32_t{1} << 3));
+  EXPECT_EQ(pm.allowed[2], ~uint32_t{1});
+  EXPECT_EQ(pm.allowed[3], (uint32_t{1} << 7) - 1);  // ids 32..38 of 40
   batch[0].input.logit_edits = nullptr;
   batch[2].input.logit_edits = nullptr;
   EXPECT_TRUE(PackLogitEdits(batch, lr0, 8).offsets.empty());

@@ -159,12 +159,38 @@ void AppendRowEdits(const SamplingParams& params,
   out->offsets.push_back(static_cast<int>(out->edits.size()));
 }
 
+void MaskLastRow(absl::Span<const int> disallowed, int vocab,
+                 LogitEdits* out) {
+  const int words = (vocab + 31) / 32;
+  out->mask_words = words;
+  out->mask_of_row.resize(std::max(out->rows(), 1) - 1, -1);
+  out->mask_of_row.push_back(out->num_masks());
+  const size_t at = out->allowed.size();
+  out->allowed.resize(at + words, ~uint32_t{0});
+  uint32_t* bits = out->allowed.data() + at;
+  if (vocab % 32 != 0) bits[words - 1] = (uint32_t{1} << (vocab % 32)) - 1;
+  for (const int id : disallowed) {
+    if (id >= 0 && id < vocab) bits[id / 32] &= ~(uint32_t{1} << (id % 32));
+  }
+}
+
 void ApplyLogitEdits(const LogitEdits& edits, int row,
                      absl::Span<float> logits) {
   const int vocab = static_cast<int>(logits.size());
   for (int i = edits.offsets[row]; i < edits.offsets[row + 1]; ++i) {
     const LogitEdit& e = edits.edits[i];
     if (e.id >= 0 && e.id < vocab) logits[e.id] = ApplyLogitEdit(logits[e.id], e);
+  }
+  const int mask = edits.mask_of(row);
+  if (mask < 0) return;
+  const uint32_t* bits =
+      edits.allowed.data() + static_cast<size_t>(mask) * edits.mask_words;
+  for (int w = 0; w < edits.mask_words; ++w) {
+    // Only the zero bits: a mask leaves most ids alone inside strings.
+    for (uint32_t off = ~bits[w]; off != 0; off &= off - 1) {
+      const int id = w * 32 + __builtin_ctz(off);
+      if (id < vocab) logits[id] = -std::numeric_limits<float>::infinity();
+    }
   }
 }
 

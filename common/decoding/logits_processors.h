@@ -74,16 +74,39 @@ float PenalizeLogit(float logit, int count, bool in_prompt,
 /// edits[offsets[r] .. offsets[r + 1]), at most one per id (ascending, as
 /// AppendRowEdits writes them; backends need only distinct ids). offsets
 /// has rows + 1 entries (empty = no rows).
+///
+/// Rows may also carry a token mask (JSON mode's grammar, json_grammar.h:
+/// most of the vocabulary is masked outside strings, so a bitmask of
+/// vocab / 8 bytes instead of an edit per id): mask_of_row has an entry
+/// for each of the first rows (none: no masks; rows past its end have
+/// none), the index of the row's mask in `allowed` or -1; mask m is allowed[m * mask_words ..) with bit (id % 32) of word
+/// (id / 32) set for every id left as it is, and the others become -inf
+/// after the edits. mask_words = ceil(vocab / 32).
 struct LogitEdits {
   std::vector<int> offsets;
   std::vector<LogitEdit> edits;
+  int mask_words = 0;
+  std::vector<int> mask_of_row;
+  std::vector<uint32_t> allowed;
 
   int rows() const {
     return offsets.empty() ? 0 : static_cast<int>(offsets.size()) - 1;
   }
+  bool has_masks() const { return !mask_of_row.empty(); }
+  /// Row r's mask index, or -1.
+  int mask_of(int r) const {
+    return r < static_cast<int>(mask_of_row.size()) ? mask_of_row[r] : -1;
+  }
+  int num_masks() const {
+    return mask_words == 0 ? 0
+                           : static_cast<int>(allowed.size()) / mask_words;
+  }
   void Clear() {
     offsets.clear();
     edits.clear();
+    mask_words = 0;
+    mask_of_row.clear();
+    allowed.clear();
   }
 };
 
@@ -96,8 +119,14 @@ void AppendRowEdits(const SamplingParams& params,
                     absl::Span<const int> pending, absl::Span<const int> masked,
                     int vocab, LogitEdits* out);
 
-/// Applies row `row` of `edits` to a logit row ([vocab], in place); edits
-/// with ids outside [0, vocab) are skipped.
+/// Gives the row AppendRowEdits appended last a token mask that leaves
+/// every id but those of `disallowed` (any order; ids outside [0, vocab)
+/// skipped) as they are; the rows before it without a mask get -1.
+void MaskLastRow(absl::Span<const int> disallowed, int vocab,
+                 LogitEdits* out);
+
+/// Applies row `row` of `edits` to a logit row ([vocab], in place): its
+/// edits (ids outside [0, vocab) skipped), then its token mask.
 void ApplyLogitEdits(const LogitEdits& edits, int row,
                      absl::Span<float> logits);
 

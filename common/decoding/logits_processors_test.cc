@@ -1,6 +1,7 @@
 #include "common/decoding/logits_processors.h"
 
 #include <limits>
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -174,6 +175,45 @@ TEST(LogitEditsTest, NothingToDoIsNoEdits) {
   AppendRowEdits(SamplingParams(), &t, {4}, {}, 10, &edits);
   ASSERT_EQ(edits.rows(), 1);
   EXPECT_TRUE(edits.edits.empty());
+  EXPECT_FALSE(edits.has_masks());
+}
+
+// Token masks: a masked row is the edited row with every disallowed id at
+// -inf (the same as masking them with edits), rows without a mask (before
+// it: -1; after the entries: none) are only edited; vocabularies that are
+// not a multiple of 32 keep their last word's tail bits clear.
+TEST(LogitEditsTest, TokenMasksEqualMaskingEdits) {
+  std::mt19937 g(4);
+  for (const int vocab : {1, 31, 32, 33, 100, 1000}) {
+    SamplingParams sp;
+    sp.logit_bias = {{0, 1.5f}};
+    std::vector<int> disallowed;
+    for (int id = 0; id < vocab; ++id) {
+      if (g() % 3 != 0) disallowed.push_back(id);
+    }
+    std::shuffle(disallowed.begin(), disallowed.end(), g);
+    LogitEdits masked, as_edits;
+    AppendRowEdits(sp, nullptr, {}, {}, vocab, &masked);      // row 0
+    AppendRowEdits(sp, nullptr, {}, {}, vocab, &masked);      // row 1
+    MaskLastRow(disallowed, vocab, &masked);
+    AppendRowEdits(sp, nullptr, {}, {}, vocab, &masked);      // row 2
+    AppendRowEdits(sp, nullptr, {}, {}, vocab, &as_edits);
+    AppendRowEdits(sp, nullptr, {}, disallowed, vocab, &as_edits);
+    ASSERT_EQ(masked.rows(), 3);
+    EXPECT_EQ(masked.mask_of_row, (std::vector<int>{-1, 0}));
+    EXPECT_EQ(masked.mask_words, (vocab + 31) / 32);
+    if (vocab % 32 != 0) {
+      EXPECT_EQ(masked.allowed.back() >> (vocab % 32), 0u) << vocab;
+    }
+    std::vector<float> row(vocab);
+    for (float& x : row) x = static_cast<float>(g() % 1000) / 100.f - 5.f;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<float> got = row, want = row;
+      ApplyLogitEdits(masked, r, absl::MakeSpan(got));
+      ApplyLogitEdits(as_edits, r == 1 ? 1 : 0, absl::MakeSpan(want));
+      EXPECT_EQ(got, want) << "vocab " << vocab << " row " << r;
+    }
+  }
 }
 
 }  // namespace

@@ -593,7 +593,15 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
                 ok.logit_edits = &edits_good;
                 return ok;
               }(), 0).ok());
-  std::vector<std::pair<std::string, LogitEdits>> bad_edits(6,
+  // With a token mask on its second row (vocabulary 512: 16 words).
+  LogitEdits masked_good = edits_good;
+  MaskLastRow({5, 7}, model.config().vocab_size, &masked_good);
+  ASSERT_TRUE(ValidateForwardInput(model.config(), [&] {
+                ForwardInput ok = in;
+                ok.logit_edits = &masked_good;
+                return ok;
+              }(), 0).ok());
+  std::vector<std::pair<std::string, LogitEdits>> bad_edits(9,
                                                             {"", edits_good});
   bad_edits[0].first = "2 offsets (want 3";
   bad_edits[0].second.offsets = {0, 2};
@@ -607,6 +615,12 @@ TEST(CpuModelRunnerTest, BadInputIsRejectedAndCacheUntouched) {
   bad_edits[4].second.edits[0].scale = 0.f;
   bad_edits[5].first = "subtract -inf";
   bad_edits[5].second.edits[0].subtract = -INFINITY;
+  bad_edits[6] = {"want 16 words a mask", masked_good};
+  bad_edits[6].second.mask_words = 15;
+  bad_edits[7] = {"mask_of_row[1] = 1 outside [-1, 1)", masked_good};
+  bad_edits[7].second.mask_of_row[1] = 1;
+  bad_edits[8] = {"at most 2 rows", masked_good};
+  bad_edits[8].second.mask_of_row.push_back(0);
   for (const auto& [message, edits] : bad_edits) {
     in.logit_edits = &edits;
     const absl::Status st = model.Forward(in, cache.get(), &out);

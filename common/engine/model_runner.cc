@@ -135,6 +135,24 @@ absl::Status ValidateLogitEdits(const ForwardInput& in, size_t rows,
           absl::StrCat("logit_edits offsets decrease at row ", r));
     }
   }
+  if (e.has_masks()) {
+    const int words = (vocab + 31) / 32;
+    if (e.mask_words != words || e.allowed.size() % words != 0 ||
+        e.mask_of_row.size() > rows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_edits masks: ", e.mask_of_row.size(), " rows of masks of ",
+          e.mask_words, " words, ", e.allowed.size(), " words in all (want ",
+          words, " words a mask, at most ", rows, " rows)"));
+    }
+    for (size_t r = 0; r < e.mask_of_row.size(); ++r) {
+      if (e.mask_of_row[r] < -1 || e.mask_of_row[r] >= e.num_masks()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("logit_edits mask_of_row[", r, "] = ",
+                         e.mask_of_row[r], " outside [-1, ", e.num_masks(),
+                         ")"));
+      }
+    }
+  }
   // A row listing an id twice: two device threads would edit one logit.
   RowIdStamps& stamps = RowIdStamps::ForThread();
   for (size_t r = 0; r < rows; ++r) {

@@ -578,9 +578,12 @@ absl::Status DraftSession::PlanForward(int max_rows, SequenceForward* entry) {
   if (op_ == Op::kDraft && sampling_.greedy() && Adjusts()) {
     const std::vector<int> pending = DraftIds();
     draft_edits_.Clear();
+    const int vocab = model_->config().vocab_size;
     AppendRowEdits(sampling_, penalties_ ? &*penalties_ : nullptr, pending,
-                   JsonDisallowed(pending), model_->config().vocab_size,
-                   &draft_edits_);
+                   {}, vocab, &draft_edits_);
+    // JSON mode's mask as a bitmask (most of the vocabulary, outside
+    // strings).
+    if (json_) MaskLastRow(JsonDisallowed(pending), vocab, &draft_edits_);
     entry->input.logit_edits = &draft_edits_;
   }
   entry->capture = nullptr;

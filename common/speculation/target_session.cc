@@ -569,7 +569,7 @@ LogitEdits TargetSession::RoundEdits() const {
     masked.insert(masked.end(), ids->begin(), ids->end());
   }
   LogitEdits edits;
-  std::vector<int> before, row_masked;
+  std::vector<int> before, json_masked;
   for (int r = 0; r <= k; ++r) {
     before.clear();
     if (parents_.empty()) {
@@ -580,23 +580,26 @@ LogitEdits TargetSession::RoundEdits() const {
       }
       std::reverse(before.begin(), before.end());  // root first
     }
-    row_masked.clear();
+    json_masked.clear();
     bool json_complete = false;
     if (json_) {  // the object continued past the drafts on the path
       json_complete = request_.json_mask->DisallowedAfter(*json_, before,
-                                                          vocab, &row_masked);
+                                                          vocab, &json_masked);
     }
     // The token this row decides is output token output_.size() + (drafts
     // before it): before min_new_tokens it may not end the request. A
     // closed JSON object overrides that (EOS is all it allows).
-    if (static_cast<int>(output_.size() + before.size()) <
+    const bool before_min =
+        static_cast<int>(output_.size() + before.size()) <
             stop.min_new_tokens &&
-        !json_complete) {
-      row_masked.insert(row_masked.end(), masked.begin(), masked.end());
-    }
+        !json_complete;
     AppendRowEdits(request_.sampling,
-                   penalties_ ? &*penalties_ : nullptr, before, row_masked,
+                   penalties_ ? &*penalties_ : nullptr, before,
+                   before_min ? absl::MakeConstSpan(masked)
+                              : absl::Span<const int>(),
                    vocab, &edits);
+    // JSON mode's mask, most of the vocabulary outside strings: a bitmask.
+    if (json_) MaskLastRow(json_masked, vocab, &edits);
   }
   return edits;
 }
