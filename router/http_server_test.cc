@@ -958,6 +958,30 @@ TEST_F(HttpServerTest, NamedToolCallsThroughTheStack) {
   autochoice["tool_choice"] = "auto";
   ExpectError(Post("/v1/chat/completions", autochoice.dump()), 400,
               "tool_choice");
+  // "required" with two tools: the answer names one, and its arguments
+  // follow that tool's parameters.
+  nlohmann::ordered_json two = nlohmann::ordered_json::parse(body);
+  two["tools"].push_back(
+      {{"type", "function"},
+       {"function",
+        {{"name", "count"},
+         {"parameters",
+          {{"type", "object"},
+           {"properties", {{"n", {{"enum", {1, 2, 3}}}}}},
+           {"required", {"n"}}}}}}});
+  two["tool_choice"] = "required";
+  auto req2 = Post("/v1/chat/completions", two.dump());
+  ASSERT_TRUE(req2 && req2->status == 200) << (req2 ? req2->body : "");
+  const json r2 = json::parse(req2->body);
+  const json& call2 = r2["choices"][0]["message"]["tool_calls"][0];
+  const std::string name2 = call2["function"]["name"];
+  const json args2 = json::parse(call2["function"]["arguments"].get<std::string>());
+  if (name2 == "count") {
+    EXPECT_TRUE(args2["n"] == 1 || args2["n"] == 2 || args2["n"] == 3);
+  } else {
+    EXPECT_EQ(name2, "pick_pet") << req2->body;
+    EXPECT_TRUE(args2["happy"].is_boolean()) << req2->body;
+  }
 }
 
 // n choices: independent runs, choice i with seed + i, so a seeded sampled

@@ -315,10 +315,12 @@ absl::StatusOr<json> NormalizeMessages(const json& body) {
 // none). A call the answer must be (tool_choice naming a function, or
 // "required" with one tool) sets *call to its name and the request's JSON
 // schema to the function's parameters (`ordered`: the body with its key
-// order, for the schema). "auto" needs a parser of the model's free-form
-// tool calls, which this server does not have: refused.
+// order, for the schema); "required" with several tools sets *by_name and
+// a schema of {"name": tool, "parameters": its parameters} answers.
+// "auto" needs a parser of the model's free-form tool calls, which this
+// server does not have: refused.
 absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
-                        json* tools, std::string* call,
+                        json* tools, std::string* call, bool* by_name,
                         v1::GenerationSampling* s) {
   *tools = json::array();
   std::vector<std::string> names;
@@ -396,24 +398,39 @@ absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
         "\"function\": {\"name\": ...}}), or use \"required\" with one "
         "tool");
   }
-  if (choice == "required") {
-    if (names.size() != 1) {
-      return ParamError("tool_choice",
-                        "'tool_choice' \"required\" is supported with one "
-                        "tool; with several, name the function");
-    }
-    named = names[0];
+  if (s->has_json_schema() || s->json_object()) {
+    return ParamError("tool_choice",
+                      "a forced tool call cannot be combined with "
+                      "'response_format'");
   }
+  if (choice == "required" && names.size() > 1) {
+    // The answer is {"name": one of the tools, "parameters": its
+    // arguments}: a union the name tells apart (JsonSchema's tagged
+    // unions). The call is read out of it once complete.
+    nlohmann::ordered_json branches = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < names.size(); ++i) {
+      const nlohmann::ordered_json& fn = ordered.at("tools").at(i).at("function");
+      nlohmann::ordered_json branch = {
+          {"type", "object"},
+          {"properties",
+           {{"name", {{"const", names[i]}}},
+            {"parameters", fn.contains("parameters")
+                               ? fn["parameters"]
+                               : nlohmann::ordered_json{{"type", "object"}}}}},
+          {"required", {"name", "parameters"}}};
+      branches.push_back(std::move(branch));
+    }
+    s->set_json_schema(nlohmann::ordered_json{{"anyOf", branches}}.dump());
+    *call = "";
+    *by_name = true;
+    return absl::OkStatus();
+  }
+  if (choice == "required") named = names[0];
   const auto it = std::find(names.begin(), names.end(), named);
   if (it == names.end()) {
     return ParamError("tool_choice",
                       absl::StrCat("'tool_choice' names '", named,
                                    "', which is not in 'tools'"));
-  }
-  if (s->has_json_schema() || s->json_object()) {
-    return ParamError("tool_choice",
-                      "a forced tool call cannot be combined with "
-                      "'response_format'");
   }
   // The call's arguments are an instance of the function's parameters.
   const size_t index = static_cast<size_t>(it - names.begin());
@@ -797,7 +814,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   json tools;
   if (auto s = ParseTools(body, ordered, &tools, &out.tool_call,
-                          r.mutable_sampling());
+                          &out.tool_call_by_name, r.mutable_sampling());
       !s.ok()) {
     return s;
   }
@@ -961,6 +978,23 @@ void ResponseBuilder::EnableEcho(std::vector<std::string> prompt_texts) {
   echo_ = std::move(prompt_texts);
 }
 
+void ResponseBuilder::EnableToolCallByName() {
+  EnableToolCall("");
+  by_name_ = true;
+  call_text_.assign(n_, "");
+}
+
+std::optional<std::pair<std::string, std::string>> ResponseBuilder::NamedCall(
+    const std::string& text) {
+  const nlohmann::ordered_json v =
+      nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!v.is_object() || !v.contains("name") || !v["name"].is_string() ||
+      !v.contains("parameters")) {
+    return std::nullopt;
+  }
+  return std::make_pair(v["name"].get<std::string>(), v["parameters"].dump());
+}
+
 void ResponseBuilder::EnableToolCall(std::string name) {
   tool_call_ = std::move(name);
   call_ids_.clear();
@@ -1112,7 +1146,21 @@ json ResponseBuilder::Response(
     json choice = {{"index", i},
                    {"logprobs", Logprobs(r, &offset)},
                    {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
-    if (chat && !tool_call_.empty()) {
+    const auto named_call = chat && by_name_
+                                ? NamedCall(r.text())
+                                : std::optional<std::pair<std::string,
+                                                          std::string>>();
+    if (named_call) {
+      choice["message"] = {
+          {"role", "assistant"},
+          {"content", nullptr},
+          {"tool_calls",
+           json::array({{{"id", call_ids_[i]},
+                         {"type", "function"},
+                         {"function",
+                          {{"name", named_call->first},
+                           {"arguments", named_call->second}}}}})}};
+    } else if (chat && !tool_call_.empty()) {
       choice["message"] = {
           {"role", "assistant"},
           {"content", nullptr},
@@ -1180,11 +1228,29 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
     echo_sent_[index] = true;
     delta = EchoText(index) + delta;
   }
+  // A call that names its function is sent whole at the end.
+  std::optional<std::pair<std::string, std::string>> named_call;
+  if (chat && by_name_) {
+    call_text_[index] += delta;
+    delta.clear();
+    if (last) {
+      named_call = NamedCall(call_text_[index]);
+      if (!named_call) delta = call_text_[index];  // cut short: text
+    }
+  }
   auto choice = [&](const std::string& text, const json& finish) {
     json c = {{"index", index},
               {"logprobs", Logprobs(chunk, &text_offset_[index])},
               {"finish_reason", finish}};
-    if (chat && !tool_call_.empty() && !text.empty()) {
+    if (named_call) {
+      c["delta"] = {{"tool_calls",
+                     json::array({{{"index", 0},
+                                   {"id", call_ids_[index]},
+                                   {"type", "function"},
+                                   {"function",
+                                    {{"name", named_call->first},
+                                     {"arguments", named_call->second}}}}})}};
+    } else if (chat && !tool_call_.empty() && !text.empty()) {
       json call = {{"index", 0}, {"function", {{"arguments", text}}}};
       if (!call_opened_[index]) {  // the call's first delta names it
         call_opened_[index] = true;

@@ -53,6 +53,9 @@ struct ParsedRequest {
   /// naming it, or "required" with one tool); its text is the call's
   /// arguments. Empty = a plain answer.
   std::string tool_call;
+  /// Chat, tool_choice "required" with several tools: every answer is
+  /// {"name": a tool, "parameters": its arguments}, turned into that call.
+  bool tool_call_by_name = false;
 
   int num_prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
 };
@@ -196,6 +199,12 @@ class ResponseBuilder {
   /// the call (index 0, id, type, name) and the others carry
   /// `function.arguments` deltas, as OpenAI streams tool calls.
   void EnableToolCall(std::string name);
+  /// Answers that name their function ({"name": F, "parameters": {...}},
+  /// ParsedRequest::tool_call_by_name): each becomes a call of F with the
+  /// parameters as its arguments; streamed, the call is sent whole with
+  /// the choice's final chunk (the name is known once the answer is). An
+  /// answer cut short (max_tokens) stays text.
+  void EnableToolCallByName();
 
   /// The non-streaming response: choice i from responses[i] (one per
   /// choice), usage (each prompt once, the completions of every choice
@@ -241,6 +250,9 @@ class ResponseBuilder {
   // Choice `index`'s echoed prompt text ("" without echo).
   const std::string& EchoText(int index) const;
   std::string TokenText(int id) const;
+  // {"name": F, "parameters": P} -> (F, P's JSON text); nullopt otherwise.
+  static std::optional<std::pair<std::string, std::string>> NamedCall(
+      const std::string& text);
   std::string TokenBytes(int id, const std::string& text) const;
 
   const Endpoint endpoint_;
@@ -258,6 +270,8 @@ class ResponseBuilder {
   std::vector<bool> role_sent_;
   std::vector<bool> echo_sent_;  // streamed: the prompt went out
   std::string tool_call_;        // the function called; "" = none
+  bool by_name_ = false;         // EnableToolCallByName
+  std::vector<std::string> call_text_;  // streamed: the answers so far
   std::vector<std::string> call_ids_;  // per choice, with tool_call_
   std::vector<bool> call_opened_;      // streamed: the call's first delta
   std::vector<int64_t> text_offset_;

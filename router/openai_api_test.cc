@@ -516,6 +516,23 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   p = ParseRequest(Endpoint::kChat, one.dump(), f, tok->get());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->tool_call, "get_weather");
+  EXPECT_FALSE(p->tool_call_by_name);
+  // "required" with several tools: the answer names its function, a
+  // union of {"name", "parameters"} objects told apart by the name.
+  nlohmann::ordered_json several = nlohmann::ordered_json::parse(tools_body);
+  several["tool_choice"] = "required";
+  p = ParseRequest(Endpoint::kChat, several.dump(), f, tok->get());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->tool_call.empty());
+  EXPECT_TRUE(p->tool_call_by_name);
+  EXPECT_EQ(p->request.sampling().json_schema(),
+            R"({"anyOf":[{"type":"object","properties":{"name":{"const":)"
+            R"("get_weather"},"parameters":{"type":"object","properties":{)"
+            R"("where":{"type":"string"},"unit":{"enum":["c","f"]}},)"
+            R"("required":["where"]}},"required":["name","parameters"]},)"
+            R"({"type":"object","properties":{"name":{"const":"now"},)"
+            R"("parameters":{"type":"object"}},"required":["name",)"
+            R"("parameters"]}]})");
   struct ToolCase {
     std::function<void(json*)> edit;
     std::string param;
@@ -523,7 +540,6 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   for (const ToolCase& c : std::vector<ToolCase>{
            {[](json* b) { b->erase("tool_choice"); }, "tool_choice"},
            {[](json* b) { (*b)["tool_choice"] = "auto"; }, "tool_choice"},
-           {[](json* b) { (*b)["tool_choice"] = "required"; }, "tool_choice"},
            {[](json* b) { (*b)["tool_choice"] = "any"; }, "tool_choice"},
            {[](json* b) {
               (*b)["tool_choice"]["function"]["name"] = "missing";
@@ -972,6 +988,41 @@ TEST(ResponseBuilderTest, ToolCalls) {
   EXPECT_FALSE(more.contains("id"));
   EXPECT_FALSE(more["function"].contains("name"));
   EXPECT_EQ(ev[0]["choices"][0]["finish_reason"], "stop");
+}
+
+// "required" with several tools: the answer {"name", "parameters"}
+// becomes a call of that function; streamed, the call goes whole with the
+// final chunk; an answer cut short stays text.
+TEST(ResponseBuilderTest, ToolCallsByName) {
+  ResponseBuilder b(Endpoint::kChat, "chatcmpl-1", "m", 100, false, 2);
+  b.EnableToolCallByName();
+  std::vector<v1::GenerateTextResponse> r(2);
+  r[0].set_text(R"({"name": "now", "parameters": {"tz": "UTC"}})");
+  r[0].set_finish_reason("eos");
+  r[1].set_text(R"({"name": "now", "param)");
+  r[1].set_finish_reason("length");
+  const json out = b.Response(r);
+  const json& call = out["choices"][0]["message"]["tool_calls"][0];
+  EXPECT_EQ(call["function"]["name"], "now");
+  EXPECT_EQ(call["function"]["arguments"], R"({"tz":"UTC"})");
+  EXPECT_TRUE(out["choices"][0]["message"]["content"].is_null());
+  EXPECT_EQ(out["choices"][1]["message"]["content"], r[1].text());
+  EXPECT_FALSE(out["choices"][1]["message"].contains("tool_calls"));
+
+  ResponseBuilder s(Endpoint::kChat, "chatcmpl-2", "m", 100, false);
+  s.EnableToolCallByName();
+  v1::GenerateTextChunk c;
+  c.set_text(R"({"name": "now", )");
+  std::vector<json> ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);  // the role only
+  c.set_text(R"("parameters": {}})");
+  c.set_finish_reason("eos");
+  ev = Events(s.StreamEvents(c));
+  ASSERT_EQ(ev.size(), 1u);
+  const json& d = ev[0]["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(d["function"]["name"], "now");
+  EXPECT_EQ(d["function"]["arguments"], "{}");
+  EXPECT_TRUE(absl::StartsWith(d["id"].get<std::string>(), "call_"));
 }
 
 TEST(ResponseBuilderTest, ChatLogprobs) {

@@ -108,7 +108,25 @@ bool JsonMatcher::LiteralEnds() const {
 }
 
 bool JsonMatcher::FinishLiteral() {
-  if (!set_keys_) return EndValue();
+  if (!set_keys_) {
+    // A tagged union's tag: the complete literal picks the branch, which
+    // goes on with its first property read.
+    if (depth_ > 0 && node(stack_[depth_ - 1].node).kind ==
+                          JsonSchema::Kind::kUnionObject) {
+      Frame& f = stack_[depth_ - 1];
+      const JsonSchema::Node& u = node(f.node);
+      const std::vector<std::string>& tags = Literals();
+      for (uint64_t a = alive_; a != 0; a &= a - 1) {
+        const int i = __builtin_ctzll(a);
+        if (tags[i].size() == literal_pos_) {
+          f.node = static_cast<uint16_t>(u.branch[i]);
+          f.count = 1;
+          break;
+        }
+      }
+    }
+    return EndValue();
+  }
   // Keys end with their quote, so exactly one is complete.
   const std::vector<std::string>& keys = Literals();
   for (uint64_t a = alive_; a != 0; a &= a - 1) {
@@ -146,6 +164,7 @@ bool JsonMatcher::StartValue(unsigned char c, bool array_first) {
   const JsonSchema::Node& n = node(typed);
   switch (n.kind) {
     case JsonSchema::Kind::kObject:
+    case JsonSchema::Kind::kUnionObject:
     case JsonSchema::Kind::kMap:
     case JsonSchema::Kind::kArray:
       if (depth_ >= kMaxDepth) return false;

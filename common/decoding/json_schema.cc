@@ -1,5 +1,7 @@
 #include "common/decoding/json_schema.h"
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <utility>
 
@@ -334,7 +336,8 @@ class JsonSchema::Compiler {
     if (!branches.is_array() || branches.empty()) {
       return Bad(absl::StrCat("'", kw, "' must be a non-empty list"));
     }
-    Node dispatch;
+    // The typed nodes each first-byte class may lead to, over the branches.
+    std::array<std::vector<int>, kNumClasses> typed;
     for (const Json& b : branches) {
       absl::StatusOr<int> d = Value(b, depth + 1);
       if (!d.ok()) return d.status();
@@ -344,17 +347,83 @@ class JsonSchema::Compiler {
       }
       const Node& n = out_->nodes_[*d];
       for (int k = 0; k < kNumClasses; ++k) {
-        if (n.by_class[k] < 0) continue;
-        if (dispatch.by_class[k] >= 0 && dispatch.by_class[k] != n.by_class[k]) {
-          return Bad(absl::StrCat(
-              "'", kw,
-              "' branches that start alike (two objects, two strings, ...) "
-              "are not supported"));
+        const int t = n.by_class[k];
+        std::vector<int>& list = typed[k];
+        if (t >= 0 && std::find(list.begin(), list.end(), t) == list.end()) {
+          list.push_back(t);
         }
-        dispatch.by_class[k] = n.by_class[k];
       }
     }
+    Node dispatch;
+    for (int k = 0; k < kNumClasses; ++k) {
+      if (typed[k].empty()) continue;
+      if (typed[k].size() == 1) {
+        dispatch.by_class[k] = static_cast<int16_t>(typed[k][0]);
+        continue;
+      }
+      absl::StatusOr<int> tagged =
+          k == 0 ? TaggedUnion(typed[k])
+                 : absl::StatusOr<int>(Bad("two of them"));
+      if (!tagged.ok()) {
+        return Bad(absl::StrCat(
+            "'", kw,
+            "' branches that start alike (two strings, two numbers, or "
+            "objects not told apart by a first required property with "
+            "distinct enum / const values) are not supported"));
+      }
+      dispatch.by_class[k] = static_cast<int16_t>(*tagged);
+    }
     return Add(std::move(dispatch));
+  }
+
+  // Objects told apart by their first property: the same required key in
+  // each, whose value is a literal set (enum / const) of its own.
+  absl::StatusOr<int> TaggedUnion(const std::vector<int>& objects) {
+    Node u;
+    u.kind = Kind::kUnionObject;
+    Node tags;
+    tags.kind = Kind::kLiterals;
+    for (const int o : objects) {
+      const Node& n = out_->nodes_[o];
+      if (n.kind != Kind::kObject || n.keys.empty() || !n.required[0] ||
+          n.keys[0] != out_->nodes_[objects[0]].keys[0]) {
+        return Bad("not a tagged union");
+      }
+      int lit = -1;
+      for (const int16_t t : out_->nodes_[n.values[0]].by_class) {
+        if (t >= 0 && (lit >= 0 && t != lit)) return Bad("mixed tag");
+        if (t >= 0) lit = t;
+      }
+      if (lit < 0 || out_->nodes_[lit].kind != Kind::kLiterals) {
+        return Bad("the tag is not an enum / const");
+      }
+      for (const std::string& v : out_->nodes_[lit].literals) {
+        if (std::find(tags.literals.begin(), tags.literals.end(), v) !=
+            tags.literals.end()) {
+          return Bad("two branches share a tag value");
+        }
+        tags.literals.push_back(v);
+        u.branch.push_back(o);
+      }
+    }
+    if (tags.literals.size() > static_cast<size_t>(kMaxAlternatives)) {
+      return Bad("too many tag values");
+    }
+    u.keys = {out_->nodes_[objects[0]].keys[0]};
+    u.required = {1};
+    // The tag's dispatch: each literal's first byte leads to the set.
+    Node tag_dispatch;
+    const std::vector<std::string> literals = tags.literals;
+    absl::StatusOr<int> l = Add(std::move(tags));
+    if (!l.ok()) return l.status();
+    for (const std::string& text : literals) {
+      tag_dispatch.by_class[ClassOf(static_cast<unsigned char>(text[0]))] =
+          static_cast<int16_t>(*l);
+    }
+    absl::StatusOr<int> d = Add(std::move(tag_dispatch));
+    if (!d.ok()) return d.status();
+    u.values = {*d};
+    return Add(std::move(u));
   }
 
   absl::StatusOr<int> Ref(const Json& ref, int depth) {

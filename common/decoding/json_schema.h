@@ -31,7 +31,9 @@ namespace specserve {
 /// different bytes (an object, an array, a string, a number, true, false,
 /// null: e.g. Pydantic's Optional[X]), a one-branch `allOf`, and local
 /// `$ref`s ("#/$defs/Name", "#/definitions/Name", "#"), recursive ones
-/// included. Annotations (title, description, default, examples, ...) and
+/// included, and anyOf / oneOf of objects whose first property is a
+/// required tag with disjoint enum / const values (a tagged union: the tag
+/// picks the branch). Annotations (title, description, default, examples, ...) and
 /// unknown keywords are ignored. The root must be an object. Refused
 /// (INVALID_ARGUMENT naming the keyword): keywords that constrain values
 /// in ways not implemented (pattern, format, minimum, maximum,
@@ -75,6 +77,12 @@ class JsonSchema {
     kString,
     kNumber,
     kLiterals,  // one of a few serialized values (enum, const, booleans)
+    // An anyOf of objects told apart by their first property (a tagged
+    // union: Pydantic's discriminated unions, tool calls by name): keys[0]
+    // is that property, values[0] its value's dispatch (all the branches'
+    // tags, one literal set), branch[i] the object node literal i of that
+    // set selects; the branch then goes on past its first property.
+    kUnionObject,
   };
   struct Node {
     Kind kind = Kind::kDispatch;
@@ -87,6 +95,7 @@ class JsonSchema {
     int min_length = 0, max_length = -1;  ///< kString; code points.
     bool integer = false;                 ///< kNumber: no fraction/exponent.
     std::vector<std::string> literals;    ///< kLiterals: serialized values.
+    std::vector<int> branch;  ///< kUnionObject: object node per tag literal.
   };
   const Node& node(int i) const { return nodes_[i]; }
   /// The dispatch node of the top-level value.

@@ -187,6 +187,14 @@ const char* const kSchemas[] = {
        "$ref": "#/$defs/node"})",
     // No constraints at all: any object.
     R"({})",
+    // A tagged union (the tag "kind" first and required in each branch),
+    // as a tool call's {"name", "parameters"} per tool is.
+    R"({"type": "object", "properties": {"pet": {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "cat"},
+           "lives": {"enum": [1, 9]}}, "required": ["kind", "lives"]},
+        {"type": "object", "properties": {"kind": {"enum": ["dog", "wolf"]},
+           "good": {"type": "boolean"}}, "required": ["kind"]}]}},
+      "required": ["pet"]})",
 };
 
 // Every walk the matcher allows ends in an instance of the schema, and
@@ -256,6 +264,35 @@ TEST(JsonSchemaTest, AcceptsAndRejectsByHand) {
   EXPECT_FALSE(AcceptsComplete(n, R"({"b": [1, "x"], "c": [{"k": 1}, {"k": 1}]})"));  // const is written compactly
   EXPECT_FALSE(AcceptsComplete(n, R"({"c": [{"k": 1}, {"k": 1}], "d": "x"})"));  // minLength
   EXPECT_FALSE(AcceptsComplete(n, R"({"a": 1.0, "c": [{"k": 1}, {"k": 1}]})"));
+}
+
+TEST(JsonSchemaTest, TaggedUnionsPickTheirBranchByTheTag) {
+  auto s = MustCompile(Json::parse(kSchemas[5]));
+  ASSERT_NE(s, nullptr);
+  const JsonMatcher m(s.get());
+  EXPECT_TRUE(AcceptsComplete(m, R"({"pet": {"kind": "cat", "lives": 9}})"));
+  EXPECT_TRUE(AcceptsComplete(m, R"({"pet": {"kind": "wolf", "good": true}})"));
+  EXPECT_TRUE(AcceptsComplete(m, R"({"pet": {"kind": "dog"}})"));
+  EXPECT_FALSE(AcceptsComplete(m, R"({"pet": {"kind": "cat", "good": true}})"));
+  EXPECT_FALSE(AcceptsComplete(m, R"({"pet": {"kind": "cat"}})"));  // lives
+  EXPECT_FALSE(AcceptsComplete(m, R"({"pet": {"lives": 9, "kind": "cat"}})"));
+  EXPECT_FALSE(AcceptsComplete(m, R"({"pet": {"kind": "fox"}})"));
+  // Tags that are not told apart, or not first and required: refused.
+  for (const char* bad : {
+           R"({"anyOf": [{"type": "object", "properties": {"k": {"const": 1}},
+               "required": ["k"]}, {"type": "object", "properties":
+               {"k": {"enum": [1, 2]}}, "required": ["k"]}]})",
+           R"({"anyOf": [{"type": "object", "properties": {"k": {"const": 1}}},
+               {"type": "object", "properties": {"k": {"const": 2}}}]})",
+           R"({"anyOf": [{"type": "object", "properties": {"k": {"const": 1}},
+               "required": ["k"]}, {"type": "object", "properties":
+               {"j": {"const": 2}}, "required": ["j"]}]})",
+       }) {
+    auto r = JsonSchema::Compile(bad);
+    EXPECT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("start alike"), std::string::npos)
+        << r.status().message();
+  }
 }
 
 // Keys of the mask cache: equal futures share an entry (strings of any
