@@ -954,10 +954,15 @@ TEST_F(HttpServerTest, NamedToolCallsThroughTheStack) {
   }
   EXPECT_EQ(opened, 1);
   EXPECT_EQ(joined, args);
+  // "auto": the model may answer in text (this story model always does).
   json autochoice = json::parse(body);
   autochoice["tool_choice"] = "auto";
-  ExpectError(Post("/v1/chat/completions", autochoice.dump()), 400,
-              "tool_choice");
+  autochoice["max_tokens"] = 12;
+  auto free = Post("/v1/chat/completions", autochoice.dump());
+  ASSERT_TRUE(free && free->status == 200) << (free ? free->body : "");
+  const json fr = json::parse(free->body);
+  EXPECT_TRUE(fr["choices"][0]["message"]["content"].is_string()) << free->body;
+  EXPECT_NE(fr["choices"][0]["finish_reason"], "tool_calls");
   // "required" with two tools: the answer names one, and its arguments
   // follow that tool's parameters.
   nlohmann::ordered_json two = nlohmann::ordered_json::parse(body);

@@ -317,10 +317,11 @@ absl::StatusOr<json> NormalizeMessages(const json& body) {
 // schema to the function's parameters (`ordered`: the body with its key
 // order, for the schema); "required" with several tools sets *by_name and
 // a schema of {"name": tool, "parameters": its parameters} answers.
-// "auto" needs a parser of the model's free-form tool calls, which this
-// server does not have: refused.
+// "auto" (the default with tools) sets *auto_tools to the tools' names:
+// the answers are read for calls in the model's own format (tool_calls.h).
 absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
                         json* tools, std::string* call, bool* by_name,
+                        std::vector<std::string>* auto_tools,
                         v1::GenerationSampling* s) {
   *tools = json::array();
   std::vector<std::string> names;
@@ -389,14 +390,9 @@ absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
   if (names.empty()) {
     return ParamError("tool_choice", "'tool_choice' needs 'tools'");
   }
-  if (choice == "auto") {
-    return ParamError(
-        "tool_choice",
-        "'tool_choice' \"auto\" (the default with 'tools') needs a parser "
-        "of the model's own tool-call format, which this server does not "
-        "have: name the function ({\"type\": \"function\", "
-        "\"function\": {\"name\": ...}}), or use \"required\" with one "
-        "tool");
+  if (choice == "auto") {  // the model decides; its answer is read after
+    *auto_tools = names;
+    return absl::OkStatus();
   }
   if (s->has_json_schema() || s->json_object()) {
     return ParamError("tool_choice",
@@ -814,7 +810,8 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   json tools;
   if (auto s = ParseTools(body, ordered, &tools, &out.tool_call,
-                          &out.tool_call_by_name, r.mutable_sampling());
+                          &out.tool_call_by_name, &out.auto_tools,
+                          r.mutable_sampling());
       !s.ok()) {
     return s;
   }
@@ -976,6 +973,26 @@ ResponseBuilder::ResponseBuilder(Endpoint endpoint, std::string id,
 
 void ResponseBuilder::EnableEcho(std::vector<std::string> prompt_texts) {
   echo_ = std::move(prompt_texts);
+}
+
+void ResponseBuilder::EnableToolCallParsing(std::vector<std::string> tools) {
+  auto_tools_ = std::move(tools);
+  call_text_.assign(n_, "");
+  auto_mode_.assign(n_, kUndecided);
+}
+
+json ResponseBuilder::CallsJson(const std::vector<ParsedToolCall>& calls,
+                                bool streamed) {
+  json out = json::array();
+  for (size_t k = 0; k < calls.size(); ++k) {
+    json call = {{"id", NewId("call_")},
+                 {"type", "function"},
+                 {"function",
+                  {{"name", calls[k].name}, {"arguments", calls[k].arguments}}}};
+    if (streamed) call["index"] = static_cast<int>(k);
+    out.push_back(std::move(call));
+  }
+  return out;
 }
 
 void ResponseBuilder::EnableToolCallByName() {
@@ -1150,7 +1167,18 @@ json ResponseBuilder::Response(
                                 ? NamedCall(r.text())
                                 : std::optional<std::pair<std::string,
                                                           std::string>>();
-    if (named_call) {
+    const ParsedAnswer parsed =
+        chat && !auto_tools_.empty()
+            ? ParseToolCalls(r.text(), auto_tools_)
+            : ParsedAnswer();
+    if (!parsed.calls.empty()) {
+      choice["message"] = {
+          {"role", "assistant"},
+          {"content", parsed.content.empty() ? json(nullptr)
+                                             : json(parsed.content)},
+          {"tool_calls", CallsJson(parsed.calls, false)}};
+      choice["finish_reason"] = "tool_calls";
+    } else if (named_call) {
       choice["message"] = {
           {"role", "assistant"},
           {"content", nullptr},
@@ -1228,6 +1256,45 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
     echo_sent_[index] = true;
     delta = EchoText(index) + delta;
   }
+  // tool_choice "auto": text goes out as it comes until it may be a call
+  // (an answer opening with '{' or '[', Llama 3's; a <tool_call> tag,
+  // Hermes / Qwen's); from there it is held and read at the end.
+  ParsedAnswer auto_calls;
+  if (chat && !auto_tools_.empty()) {
+    std::string& held = call_text_[index];
+    held += delta;
+    delta.clear();
+    uint8_t& mode = auto_mode_[index];
+    if (mode == kUndecided) {
+      const size_t p = held.find_first_not_of(" \t\r\n");
+      if (p != std::string::npos) {
+        mode = held[p] == '{' || held[p] == '[' ? kHoldAll : kText;
+      }
+    }
+    if (mode == kText) {
+      constexpr absl::string_view kTag = "<tool_call>";
+      const size_t tag = held.find(std::string(kTag));
+      size_t keep = 0;  // a tail that may start the tag
+      if (tag != std::string::npos) {
+        keep = held.size() - tag;
+        mode = kHoldTag;
+      } else {
+        for (size_t n = std::min(held.size(), kTag.size() - 1); n > 0; --n) {
+          if (absl::EndsWith(held, kTag.substr(0, n))) {
+            keep = n;
+            break;
+          }
+        }
+      }
+      delta = held.substr(0, held.size() - keep);
+      held.erase(0, held.size() - keep);
+    }
+    if (last) {
+      auto_calls = ParseToolCalls(held, auto_tools_);
+      delta += auto_calls.calls.empty() ? held : auto_calls.content;
+      held.clear();
+    }
+  }
   // A call that names its function is sent whole at the end.
   std::optional<std::pair<std::string, std::string>> named_call;
   if (chat && by_name_) {
@@ -1242,7 +1309,11 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
     json c = {{"index", index},
               {"logprobs", Logprobs(chunk, &text_offset_[index])},
               {"finish_reason", finish}};
-    if (named_call) {
+    if (!auto_calls.calls.empty()) {
+      c["delta"] = {{"tool_calls", CallsJson(auto_calls.calls, true)}};
+      if (!text.empty()) c["delta"]["content"] = text;
+      c["finish_reason"] = "tool_calls";
+    } else if (named_call) {
       c["delta"] = {{"tool_calls",
                      json::array({{{"index", 0},
                                    {"id", call_ids_[index]},

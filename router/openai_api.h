@@ -24,6 +24,7 @@
 #include "absl/types/span.h"
 #include "nlohmann/json.hpp"
 #include "protos/router.pb.h"
+#include "router/tool_calls.h"
 
 namespace specserve {
 
@@ -56,6 +57,10 @@ struct ParsedRequest {
   /// Chat, tool_choice "required" with several tools: every answer is
   /// {"name": a tool, "parameters": its arguments}, turned into that call.
   bool tool_call_by_name = false;
+  /// Chat, tool_choice "auto" with tools (the default): the tools' names;
+  /// each answer is read for calls in the model's own format
+  /// (tool_calls.h). Empty otherwise.
+  std::vector<std::string> auto_tools;
 
   int num_prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
 };
@@ -205,6 +210,14 @@ class ResponseBuilder {
   /// the choice's final chunk (the name is known once the answer is). An
   /// answer cut short (max_tokens) stays text.
   void EnableToolCallByName();
+  /// tool_choice "auto": answers are read for calls of `tools` in the
+  /// model's own format (ParseToolCalls). Calls found become `tool_calls`
+  /// (the text around them the content, null when empty) with finish
+  /// reason "tool_calls"; other answers are plain. Streamed, text goes out
+  /// as it comes until it may be a call (an answer opening with '{' or
+  /// '[', or from a <tool_call> tag on), which is held and sent, as calls
+  /// or as text, with the final chunk.
+  void EnableToolCallParsing(std::vector<std::string> tools);
 
   /// The non-streaming response: choice i from responses[i] (one per
   /// choice), usage (each prompt once, the completions of every choice
@@ -250,6 +263,10 @@ class ResponseBuilder {
   // Choice `index`'s echoed prompt text ("" without echo).
   const std::string& EchoText(int index) const;
   std::string TokenText(int id) const;
+  // Calls as OpenAI's tool_calls (each with a fresh id; `streamed` adds
+  // each call's index, as stream deltas carry it).
+  static nlohmann::json CallsJson(const std::vector<ParsedToolCall>& calls,
+                                  bool streamed);
   // {"name": F, "parameters": P} -> (F, P's JSON text); nullopt otherwise.
   static std::optional<std::pair<std::string, std::string>> NamedCall(
       const std::string& text);
@@ -271,7 +288,11 @@ class ResponseBuilder {
   std::vector<bool> echo_sent_;  // streamed: the prompt went out
   std::string tool_call_;        // the function called; "" = none
   bool by_name_ = false;         // EnableToolCallByName
-  std::vector<std::string> call_text_;  // streamed: the answers so far
+  std::vector<std::string> call_text_;  // streamed: the text held back
+  std::vector<std::string> auto_tools_;  // EnableToolCallParsing
+  // Per choice, streamed with auto_tools_: what the text so far may be.
+  enum : uint8_t { kUndecided, kText, kHoldAll, kHoldTag };
+  std::vector<uint8_t> auto_mode_;
   std::vector<std::string> call_ids_;  // per choice, with tool_call_
   std::vector<bool> call_opened_;      // streamed: the call's first delta
   std::vector<int64_t> text_offset_;

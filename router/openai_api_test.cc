@@ -509,7 +509,16 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   p = ParseRequest(Endpoint::kChat, tb.dump(), f, tok->get());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(p->tool_call.empty());
+  EXPECT_TRUE(p->auto_tools.empty());
   EXPECT_FALSE(p->request.sampling().has_json_schema());
+  // "auto", also the default with tools: the answer is free, read after.
+  for (const json& c : {json("auto"), json(nullptr)}) {
+    tb["tool_choice"] = c;
+    p = ParseRequest(Endpoint::kChat, tb.dump(), f, tok->get());
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->auto_tools, (std::vector<std::string>{"get_weather", "now"}));
+    EXPECT_FALSE(p->request.sampling().has_json_schema());
+  }
   json one = json::parse(tools_body);
   one["tools"].erase(1);
   one["tool_choice"] = "required";
@@ -538,8 +547,6 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
     std::string param;
   };
   for (const ToolCase& c : std::vector<ToolCase>{
-           {[](json* b) { b->erase("tool_choice"); }, "tool_choice"},
-           {[](json* b) { (*b)["tool_choice"] = "auto"; }, "tool_choice"},
            {[](json* b) { (*b)["tool_choice"] = "any"; }, "tool_choice"},
            {[](json* b) {
               (*b)["tool_choice"]["function"]["name"] = "missing";
@@ -1023,6 +1030,74 @@ TEST(ResponseBuilderTest, ToolCallsByName) {
   EXPECT_EQ(d["function"]["name"], "now");
   EXPECT_EQ(d["function"]["arguments"], "{}");
   EXPECT_TRUE(absl::StartsWith(d["id"].get<std::string>(), "call_"));
+}
+
+// tool_choice "auto": calls in the model's own format become tool_calls
+// (finish "tool_calls"); other answers are plain. Streamed, plain text
+// goes out as it comes, and text from a <tool_call> tag on (a tag split
+// across chunks included) or an answer opening with '{' is held and sent
+// with the final chunk.
+TEST(ResponseBuilderTest, AutoToolCalls) {
+  const std::vector<std::string> tools = {"get_weather", "now"};
+  ResponseBuilder b(Endpoint::kChat, "chatcmpl-1", "m", 100, false, 2);
+  b.EnableToolCallParsing(tools);
+  std::vector<v1::GenerateTextResponse> r(2);
+  r[0].set_text(
+      "Checking.<tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call>");
+  r[0].set_finish_reason("eos");
+  r[1].set_text("It is sunny.");
+  r[1].set_finish_reason("eos");
+  const json out = b.Response(r);
+  const json& m0 = out["choices"][0]["message"];
+  EXPECT_EQ(m0["content"], "Checking.");
+  ASSERT_EQ(m0["tool_calls"].size(), 1u);
+  EXPECT_EQ(m0["tool_calls"][0]["function"]["name"], "now");
+  EXPECT_EQ(out["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_EQ(out["choices"][1]["message"]["content"], "It is sunny.");
+  EXPECT_FALSE(out["choices"][1]["message"].contains("tool_calls"));
+  EXPECT_EQ(out["choices"][1]["finish_reason"], "stop");
+
+  const auto stream = [&](const std::vector<std::string>& pieces) {
+    ResponseBuilder s(Endpoint::kChat, "chatcmpl-2", "m", 100, false);
+    s.EnableToolCallParsing(tools);
+    std::vector<json> deltas;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      v1::GenerateTextChunk c;
+      c.set_text(pieces[i]);
+      if (i + 1 == pieces.size()) c.set_finish_reason("eos");
+      for (const json& e : Events(s.StreamEvents(c))) {
+        deltas.push_back(e["choices"][0]);
+      }
+    }
+    return deltas;
+  };
+  // Plain text: each piece as it comes.
+  std::vector<json> d = stream({"It is ", "sunny", "."});
+  ASSERT_EQ(d.size(), 4u);  // role, 2 pieces, the last with finish
+  EXPECT_EQ(d[1]["delta"]["content"], "It is ");
+  EXPECT_EQ(d[3]["finish_reason"], "stop");
+  // Text, then a call whose tag is split across chunks.
+  d = stream({"Let me check. <tool", "_call>{\"name\": \"get_weather\", ",
+              "\"arguments\": {\"where\": \"Oslo\"}}</tool_call>"});
+  std::string text;
+  json calls;
+  for (const json& c : d) {
+    if (c["delta"].contains("content")) text += c["delta"]["content"].get<std::string>();
+    if (c["delta"].contains("tool_calls")) calls = c["delta"]["tool_calls"];
+  }
+  EXPECT_EQ(text, "Let me check. ");
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0]["index"], 0);
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"where":"Oslo"})");
+  EXPECT_EQ(d.back()["finish_reason"], "tool_calls");
+  // Llama 3's JSON answer: held whole; not a call after all: text.
+  d = stream({" {\"name\": \"now\",", " \"parameters\": {}}"});
+  ASSERT_EQ(d.size(), 2u);  // role, then the call with the finish
+  EXPECT_EQ(d[1]["delta"]["tool_calls"][0]["function"]["name"], "now");
+  d = stream({"{\"a\":", " 1}"});
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(d[1]["delta"]["content"], "{\"a\": 1}");
+  EXPECT_EQ(d[1]["finish_reason"], "stop");
 }
 
 TEST(ResponseBuilderTest, ChatLogprobs) {
