@@ -532,6 +532,58 @@ absl::Status ParseSampling(const json& body,
                                      t, "\""));
     }
   }
+  // vLLM's structured-output extensions: guided_json and
+  // structured_outputs.json (a schema, or its JSON text) as json_schema,
+  // structured_outputs.json_object as JSON mode; the other kinds (a
+  // choice, a regex, a grammar) are refused rather than ignored.
+  for (const char* key : {"guided_choice", "guided_regex", "guided_grammar"}) {
+    if (const json* v = Member(body, key); v != nullptr && !v->is_null()) {
+      return ParamError(key, absl::StrCat("'", key,
+                                          "' is not supported; a JSON schema "
+                                          "is (guided_json)"));
+    }
+  }
+  const json* so = Member(body, "structured_outputs");
+  if (so != nullptr && !so->is_null() && !so->is_object()) {
+    return WrongType("structured_outputs", "an object", *so);
+  }
+  std::vector<std::pair<std::string, const json*>> schemas;
+  if (const json* g = Member(body, "guided_json"); g != nullptr && !g->is_null()) {
+    schemas.push_back({"guided_json", g});
+  }
+  if (so != nullptr && so->is_object()) {
+    for (auto it = so->begin(); it != so->end(); ++it) {
+      const std::string param = absl::StrCat("structured_outputs.", it.key());
+      if (it.value().is_null()) continue;
+      if (it.key() == "json") {
+        schemas.push_back({param, &it.value()});
+      } else if (it.key() == "json_object") {
+        if (!it.value().is_boolean()) {
+          return WrongType(param, "a boolean", it.value());
+        }
+        if (it.value().get<bool>()) s->set_json_object(true);
+      } else if (it.key() == "choice" || it.key() == "regex" ||
+                 it.key() == "grammar" || it.key() == "structural_tag") {
+        return ParamError(param, absl::StrCat("'", param,
+                                              "' is not supported; a JSON "
+                                              "schema is (structured_outputs"
+                                              ".json)"));
+      }
+    }
+  }
+  for (const auto& [param, v] : schemas) {
+    if (s->has_json_schema() || s->json_object()) {
+      return ParamError(param, "give one structured output: response_format, "
+                               "guided_json or structured_outputs");
+    }
+    if (v->is_string()) {
+      s->set_json_schema(v->get<std::string>());
+    } else if (v->is_object() || v->is_boolean()) {
+      s->set_json_schema(v->dump());  // in the body's order: ParseRequest
+    } else {
+      return WrongType(param, "a JSON schema (an object, or its text)", *v);
+    }
+  }
   // OpenAI's penalties, and vLLM's repetition_penalty extension.
   using S = v1::GenerationSampling;
   for (const auto& [key, set] :
@@ -790,8 +842,17 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
                                                   /*allow_exceptions=*/false)
                   : nlohmann::ordered_json();
   if (r.sampling().has_json_schema() && !ordered.is_discarded()) {
-    r.mutable_sampling()->set_json_schema(
-        ordered.at("response_format").at("json_schema").at("schema").dump());
+    // Where the schema object came from (a schema sent as text is kept as
+    // sent).
+    for (const char* at : {"/response_format/json_schema/schema",
+                           "/guided_json", "/structured_outputs/json"}) {
+      const nlohmann::ordered_json::json_pointer ptr(at);
+      if (ordered.contains(ptr) && (ordered.at(ptr).is_object() ||
+                                    ordered.at(ptr).is_boolean())) {
+        r.mutable_sampling()->set_json_schema(ordered.at(ptr).dump());
+        break;
+      }
+    }
   }
   if (auto s = ParseLogprobs(endpoint, body, r.mutable_sampling()); !s.ok()) {
     return s;

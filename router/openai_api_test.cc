@@ -358,6 +358,45 @@ TEST(ParseRequestTest, JsonSchemaKeepsThePropertyOrder) {
   EXPECT_FALSE(p->request.sampling().has_json_object());
 }
 
+// vLLM's structured-output extensions: guided_json / structured_outputs
+// .json as json_schema (object or text; an object keeps the body's key
+// order), structured_outputs.json_object as JSON mode; choice, regex and
+// grammar refused; two structured outputs at once refused.
+TEST(ParseRequestTest, VllmStructuredOutputExtensions) {
+  auto parse = [](const std::string& body) {
+    return ParseRequest(Endpoint::kCompletions, body, {}, nullptr);
+  };
+  auto p = parse(R"({"prompt": "a", "guided_json": {"type": "object",
+      "properties": {"z": {}, "a": {}}}})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().json_schema(),
+            R"({"type":"object","properties":{"z":{},"a":{}}})");
+  p = parse(R"({"prompt": "a", "guided_json": "{\"type\": \"object\"}"})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().json_schema(), R"({"type": "object"})");
+  p = parse(R"({"prompt": "a", "structured_outputs": {"json":
+      {"properties": {"b": {}, "a": {}}}}})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->request.sampling().json_schema(),
+            R"({"properties":{"b":{},"a":{}}})");
+  p = parse(R"({"prompt": "a", "structured_outputs": {"json_object": true}})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->request.sampling().json_object());
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "a", "guided_choice": ["x", "y"]})", "guided_choice"},
+           {R"({"prompt": "a", "guided_regex": "a+"})", "guided_regex"},
+           {R"({"prompt": "a", "structured_outputs": {"choice": ["x"]}})",
+            "structured_outputs.choice"},
+           {R"({"prompt": "a", "structured_outputs": 3})", "structured_outputs"},
+           {R"({"prompt": "a", "guided_json": 3})", "guided_json"},
+           {R"({"prompt": "a", "guided_json": {}, "response_format":
+               {"type": "json_object"}})", "guided_json"},
+       }) {
+    auto bad = parse(body);
+    EXPECT_EQ(ParamOf(bad.status()).value_or("(none)"), param) << body;
+  }
+}
+
 TEST(ParseRequestTest, CompletionLogprobs) {
   for (int n : {0, 5, 20}) {
     auto p = Completion({{"prompt", "a"}, {"logprobs", n}});
