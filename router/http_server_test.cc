@@ -845,6 +845,29 @@ TEST_F(HttpServerTest, JsonModeAnswersAreJsonObjects) {
   }
 }
 
+// vLLM's guided_choice through the stack: the answer is exactly one of the
+// choices, ended by EOS, with speculative decoding on and off alike.
+TEST_F(HttpServerTest, GuidedChoiceAnswersOneChoice) {
+  Start();
+  const std::vector<std::string> choices = {"happy", "sad", "a dog"};
+  std::string first;
+  for (bool spec : {true, false}) {
+    json req = {{"prompt", "Once upon a time"},
+                {"max_tokens", 20},
+                {"guided_choice", choices},
+                {"speculative_decoding", {{"enabled", spec}}}};
+    auto res = Post("/v1/completions", req.dump());
+    ASSERT_TRUE(res && res->status == 200) << (res ? res->body : "");
+    const json c = json::parse(res->body);
+    const std::string text = c["choices"][0]["text"];
+    EXPECT_NE(std::find(choices.begin(), choices.end(), text), choices.end())
+        << text;
+    EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+    if (first.empty()) first = text;
+    EXPECT_EQ(text, first);
+  }
+}
+
 // response_format json_schema through the stack (router, speculator
 // drafts, target verification): every value of this schema is bounded,
 // so the answer closes, ends at EOS ("stop") and is an instance of the

@@ -534,14 +534,40 @@ absl::Status ParseSampling(const json& body,
   }
   // vLLM's structured-output extensions: guided_json and
   // structured_outputs.json (a schema, or its JSON text) as json_schema,
-  // structured_outputs.json_object as JSON mode; the other kinds (a
-  // choice, a regex, a grammar) are refused rather than ignored.
-  for (const char* key : {"guided_choice", "guided_regex", "guided_grammar"}) {
+  // structured_outputs.json_object as JSON mode, guided_choice and
+  // structured_outputs.choice as a choice; the other kinds (a regex, a
+  // grammar) are refused rather than ignored.
+  for (const char* key : {"guided_regex", "guided_grammar"}) {
     if (const json* v = Member(body, key); v != nullptr && !v->is_null()) {
       return ParamError(key, absl::StrCat("'", key,
                                           "' is not supported; a JSON schema "
-                                          "is (guided_json)"));
+                                          "(guided_json) or a choice "
+                                          "(guided_choice) is"));
     }
+  }
+  // A choice: the output is one of these strings as they are.
+  const auto set_choice = [&](const json& v,
+                              const std::string& param) -> absl::Status {
+    if (!v.is_array() || v.empty()) {
+      return WrongType(param, "a non-empty list of strings", v);
+    }
+    if (s->choice_size() > 0 || s->has_json_schema() || s->json_object()) {
+      return ParamError(param, "give one structured output: response_format, "
+                               "guided_json, guided_choice or "
+                               "structured_outputs");
+    }
+    for (const json& c : v) {
+      if (!c.is_string() || c.get_ref<const std::string&>().empty()) {
+        return ParamError(param, absl::StrCat("'", param,
+                                              "' must list non-empty "
+                                              "strings"));
+      }
+      s->add_choice(c.get<std::string>());
+    }
+    return absl::OkStatus();
+  };
+  if (const json* v = Member(body, "guided_choice"); v != nullptr && !v->is_null()) {
+    if (absl::Status st = set_choice(*v, "guided_choice"); !st.ok()) return st;
   }
   const json* so = Member(body, "structured_outputs");
   if (so != nullptr && !so->is_null() && !so->is_object()) {
@@ -562,8 +588,12 @@ absl::Status ParseSampling(const json& body,
           return WrongType(param, "a boolean", it.value());
         }
         if (it.value().get<bool>()) s->set_json_object(true);
-      } else if (it.key() == "choice" || it.key() == "regex" ||
-                 it.key() == "grammar" || it.key() == "structural_tag") {
+      } else if (it.key() == "choice") {
+        if (absl::Status st = set_choice(it.value(), param); !st.ok()) {
+          return st;
+        }
+      } else if (it.key() == "regex" || it.key() == "grammar" ||
+                 it.key() == "structural_tag") {
         return ParamError(param, absl::StrCat("'", param,
                                               "' is not supported; a JSON "
                                               "schema is (structured_outputs"
@@ -572,7 +602,7 @@ absl::Status ParseSampling(const json& body,
     }
   }
   for (const auto& [param, v] : schemas) {
-    if (s->has_json_schema() || s->json_object()) {
+    if (s->has_json_schema() || s->json_object() || s->choice_size() > 0) {
       return ParamError(param, "give one structured output: response_format, "
                                "guided_json or structured_outputs");
     }
@@ -919,7 +949,7 @@ absl::Status NameParam(absl::Status status, Endpoint endpoint) {
   } else if (field == "sampling.max_new_tokens") {
     param = "max_tokens";
   } else if (field == "sampling.json_object" ||
-             field == "sampling.json_schema") {
+             field == "sampling.json_schema" || field == "sampling.choice") {
     param = "response_format";
   } else if (absl::ConsumePrefix(&field, "sampling.")) {
     param = std::string(field);

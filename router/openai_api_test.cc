@@ -382,11 +382,23 @@ TEST(ParseRequestTest, VllmStructuredOutputExtensions) {
   p = parse(R"({"prompt": "a", "structured_outputs": {"json_object": true}})");
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(p->request.sampling().json_object());
+  for (const char* body :
+       {R"({"prompt": "a", "guided_choice": ["yes", "no"]})",
+        R"({"prompt": "a", "structured_outputs": {"choice": ["yes", "no"]}})"}) {
+    p = parse(body);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(std::vector<std::string>(p->request.sampling().choice().begin(),
+                                       p->request.sampling().choice().end()),
+              (std::vector<std::string>{"yes", "no"}));
+  }
   for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
-           {R"({"prompt": "a", "guided_choice": ["x", "y"]})", "guided_choice"},
+           {R"({"prompt": "a", "guided_choice": []})", "guided_choice"},
+           {R"({"prompt": "a", "guided_choice": ["x", ""]})", "guided_choice"},
+           {R"({"prompt": "a", "guided_choice": ["x"], "guided_json": {}})",
+            "guided_json"},
            {R"({"prompt": "a", "guided_regex": "a+"})", "guided_regex"},
-           {R"({"prompt": "a", "structured_outputs": {"choice": ["x"]}})",
-            "structured_outputs.choice"},
+           {R"({"prompt": "a", "structured_outputs": {"regex": "x+"}})",
+            "structured_outputs.regex"},
            {R"({"prompt": "a", "structured_outputs": 3})", "structured_outputs"},
            {R"({"prompt": "a", "guided_json": 3})", "guided_json"},
            {R"({"prompt": "a", "guided_json": {}, "response_format":

@@ -155,6 +155,14 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
     }
     o.sampling.set_json_schema(s.json_schema());
   }
+  if (s.choice_size() > 0) {
+    if (s.json_object() || s.has_json_schema()) {
+      return absl::InvalidArgumentError(
+          "sampling.choice is exclusive with sampling.json_object and "
+          "sampling.json_schema");
+    }
+    *o.sampling.mutable_choice() = s.choice();
+  }
   // Compiles the schema too (its errors name sampling.json_schema).
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {

@@ -202,8 +202,35 @@ bool JsonMatcher::StartValue(unsigned char c, bool array_first) {
   return false;
 }
 
+bool JsonMatcher::can_end() const {
+  if (complete()) return true;
+  if (state_ != State::kLiteral || depth_ != 0) return false;
+  const std::vector<std::string>& lits = Literals();
+  for (uint64_t a = alive_; a != 0; a &= a - 1) {
+    if (lits[__builtin_ctzll(a)].size() == literal_pos_) return true;
+  }
+  return false;
+}
+
 bool JsonMatcher::Advance(unsigned char c) {
   const JsonMatcher before = *this;
+  if (state_ == State::kStart && schema_->raw_choice()) {
+    // The choice's first byte: no whitespace, no quoting.
+    set_node_ = static_cast<uint16_t>(schema_->root());
+    set_keys_ = false;
+    alive_ = 0;
+    const std::vector<std::string>& lits = Literals();
+    for (size_t i = 0; i < lits.size(); ++i) {
+      if (static_cast<unsigned char>(lits[i][0]) == c) {
+        alive_ |= uint64_t{1} << i;
+      }
+    }
+    if (alive_ == 0) return false;
+    literal_pos_ = 1;
+    state_ = State::kLiteral;
+    if (LiteralEnds()) FinishLiteral();
+    return true;
+  }
   // Number states and literal sets: a byte that cannot continue the value
   // ends it (where it may end) and is then read in the container's state.
   switch (state_) {
@@ -584,7 +611,7 @@ void JsonTokenMask::Disallowed(const JsonMatcher& m,
   if (!m.complete()) Search(0, m, &allowed);
   bool any = false;
   for (const uint8_t a : allowed) any |= a != 0;
-  if (m.complete() || !any) {
+  if (m.can_end() || !any) {
     for (const int id : eos_ids_) {
       if (id >= 0 && id < vocab) allowed[id] = 1;
     }

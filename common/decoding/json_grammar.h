@@ -24,7 +24,8 @@
 
 namespace specserve {
 
-/// The state of a JSON object being written, one byte at a time. Accepts
+/// The state of a JSON object being written, one byte at a time (or, with
+/// a JsonSchema::Choice, of one of the choices as raw text). Accepts
 /// exactly the prefixes of `ws* object`, where object is RFC 8259's and,
 /// with a schema, an instance of it written as JsonSchema describes
 /// (properties in schema order), with two limits that keep a model from
@@ -54,6 +55,9 @@ class JsonMatcher {
   bool Advance(absl::string_view bytes);
   /// Whether the top-level object is closed (only EOS may follow).
   bool complete() const { return state_ == State::kDone; }
+  /// Whether the output may end here: complete, or (a Choice schema) one
+  /// choice written in full while a longer one could still go on.
+  bool can_end() const;
   /// A key equal for equal states of one schema (for mask caches).
   std::string Key() const;
 

@@ -246,6 +246,29 @@ TEST(JsonTokenMaskTest, EqualsBruteForceOnASyntheticVocabulary) {
   CheckMask(SyntheticTable(), /*eos=*/0, kPath, schema->get());
 }
 
+// A choice's mask: the tokens that keep the output a prefix of a choice;
+// EOS once one is written in full, also while a longer one may go on.
+TEST(JsonTokenMaskTest, ChoiceMasks) {
+  TokenByteTable t;
+  t.bytes = {"", "y", "yes", "es", "!", "no", " ", "n"};
+  t.special = {true, false, false, false, false, false, false, false};
+  JsonTokenMask mask(t, {0});
+  auto choice = JsonSchema::Choice({"yes", "yes!", "no"});
+  ASSERT_TRUE(choice.ok());
+  JsonMatcher m(choice->get());
+  std::vector<int> out;
+  mask.Disallowed(m, &out);
+  EXPECT_EQ(out, (std::vector<int>{0, 3, 4, 6}));  // y, yes, no, n allowed
+  ASSERT_TRUE(mask.Advance(&m, 2));  // "yes"
+  out.clear();
+  mask.Disallowed(m, &out);
+  EXPECT_EQ(out, (std::vector<int>{1, 2, 3, 5, 6, 7}));  // EOS or "!"
+  ASSERT_TRUE(mask.Advance(&m, 4));
+  out.clear();
+  mask.Disallowed(m, &out);
+  EXPECT_EQ(out, (std::vector<int>{1, 2, 3, 4, 5, 6, 7}));  // EOS only
+}
+
 TEST(JsonTokenMaskTest, NothingLeftMeansEosOnly) {
   TokenByteTable t;
   t.bytes = {"", "x"};

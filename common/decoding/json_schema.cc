@@ -501,6 +501,44 @@ absl::StatusOr<std::shared_ptr<const JsonSchema>> JsonSchema::Compile(
   return out;
 }
 
+absl::StatusOr<std::shared_ptr<const JsonSchema>> JsonSchema::Choice(
+    const std::vector<std::string>& choices) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* cache ABSL_GUARDED_BY(mu) =
+      new absl::flat_hash_map<std::vector<std::string>,
+                              std::shared_ptr<const JsonSchema>>();
+  {
+    absl::MutexLock lock(&mu);
+    if (auto it = cache->find(choices); it != cache->end()) return it->second;
+  }
+  if (choices.empty()) return Bad("no choices");
+  if (choices.size() > static_cast<size_t>(kMaxAlternatives)) {
+    return Bad(absl::StrCat("more than ", kMaxAlternatives, " choices"));
+  }
+  Node lit;
+  lit.kind = Kind::kLiterals;
+  for (const std::string& c : choices) {
+    if (c.empty()) return Bad("an empty choice");
+    if (c.size() > static_cast<size_t>(kMaxCount)) {
+      return Bad("a choice longer than 65535 bytes");
+    }
+    if (std::find(lit.literals.begin(), lit.literals.end(), c) ==
+        lit.literals.end()) {
+      lit.literals.push_back(c);
+    }
+  }
+  std::shared_ptr<JsonSchema> schema(new JsonSchema());
+  schema->nodes_.push_back(std::move(lit));
+  schema->root_ = 0;
+  schema->raw_choice_ = true;
+  schema->id_ = next_id.fetch_add(1);
+  std::shared_ptr<const JsonSchema> out = std::move(schema);
+  absl::MutexLock lock(&mu);
+  if (cache->size() >= 256) cache->clear();
+  cache->emplace(choices, out);
+  return out;
+}
+
 const JsonSchema& JsonSchema::AnyObject() {
   static const JsonSchema* any = [] {
     auto* s = new JsonSchema();

@@ -59,6 +59,15 @@ class JsonSchema {
   /// The schema of JSON mode (response_format json_object): any object.
   static const JsonSchema& AnyObject();
 
+  /// vLLM's guided_choice: the output is exactly one of `choices` as raw
+  /// text (no JSON quoting, nothing before or after it). Shared by the
+  /// list, as Compile shares by text. INVALID_ARGUMENT for no choices, more
+  /// than kMaxAlternatives, an empty one, or one longer than 65535 bytes.
+  static absl::StatusOr<std::shared_ptr<const JsonSchema>> Choice(
+      const std::vector<std::string>& choices);
+  /// Whether this is a Choice schema (its root node is the literal set).
+  bool raw_choice() const { return raw_choice_; }
+
   /// Unique per compiled schema (JsonMatcher::Key).
   uint64_t id() const { return id_; }
 
@@ -108,6 +117,7 @@ class JsonSchema {
   std::vector<Node> nodes_;
   int root_ = 0;
   uint64_t id_ = 0;
+  bool raw_choice_ = false;
 };
 
 }  // namespace specserve

@@ -361,6 +361,33 @@ TEST(JsonSchemaTest, RefusesWhatItCannotEnforce) {
   EXPECT_FALSE(JsonSchema::Compile(many.dump()).ok());
 }
 
+// vLLM's guided_choice: one of the strings as raw text, nothing around
+// it; a choice that is a prefix of another may end or go on.
+TEST(JsonSchemaTest, ChoicesAreWrittenAsTheyAre) {
+  auto s = JsonSchema::Choice({"yes", "yes!", "no", "{\"x\"}"});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE((*s)->raw_choice());
+  const JsonMatcher m(s->get());
+  for (const char* ok : {"yes!", "no", "{\"x\"}"}) {
+    EXPECT_TRUE(AcceptsComplete(m, ok)) << ok;
+  }
+  JsonMatcher yes = m;
+  ASSERT_TRUE(yes.Advance("yes"));
+  EXPECT_FALSE(yes.complete());
+  EXPECT_TRUE(yes.can_end());
+  JsonMatcher y = m;
+  ASSERT_TRUE(y.Advance("y"));
+  EXPECT_FALSE(y.can_end());
+  for (const char* bad : {" yes", "\"yes\"", "nope", "yes!!", "maybe"}) {
+    EXPECT_FALSE(AcceptsComplete(m, bad) || JsonMatcher(m).Advance(bad))
+        << bad;
+  }
+  EXPECT_FALSE(JsonSchema::Choice({}).ok());
+  EXPECT_FALSE(JsonSchema::Choice({"a", ""}).ok());
+  EXPECT_EQ(JsonSchema::Choice({"a", "b"})->get(),
+            JsonSchema::Choice({"a", "b"})->get());
+}
+
 TEST(JsonSchemaTest, CompiledSchemasAreSharedByText) {
   const std::string text = kSchemas[1];
   auto a = JsonSchema::Compile(text);

@@ -114,7 +114,8 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p) {
   out.repetition_penalty =
       p.repetition_penalty() == 0.f ? 1.f : p.repetition_penalty();
   out.min_p = p.min_p();
-  out.json_object = p.json_object() || !p.json_schema().empty();
+  out.json_object =
+      p.json_object() || !p.json_schema().empty() || p.choice_size() > 0;
   out.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
   std::sort(out.logit_bias.begin(), out.logit_bias.end());
   return out;
@@ -133,6 +134,20 @@ absl::StatusOr<SamplingParams> ResolveSampling(const v1::SamplingParams& p) {
 
 absl::Status AttachJsonSchema(const v1::SamplingParams& p,
                               absl::string_view prefix, SamplingParams* out) {
+  if (p.choice_size() > 0) {
+    if (!p.json_schema().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefix, "choice and ", prefix, "json_schema are exclusive"));
+    }
+    absl::StatusOr<std::shared_ptr<const JsonSchema>> choice =
+        JsonSchema::Choice({p.choice().begin(), p.choice().end()});
+    if (!choice.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "choice: ", choice.status().message()));
+    }
+    out->json_schema = *std::move(choice);
+    return absl::OkStatus();
+  }
   if (p.json_schema().empty()) return absl::OkStatus();
   absl::StatusOr<std::shared_ptr<const JsonSchema>> schema =
       JsonSchema::Compile(p.json_schema());

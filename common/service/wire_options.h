@@ -57,9 +57,10 @@ absl::Status ValidatePrompt(absl::Span<const int> token_ids, int look_ahead,
 /// top_p 0 and repetition_penalty 0, i.e. unset, are read as 1).
 SamplingParams ToSamplingParams(const v1::SamplingParams& p);
 
-/// Compiles `p.json_schema` (if set) into out->json_schema
-/// (JsonSchema::Compile; json_object is already set by ToSamplingParams).
-/// INVALID_ARGUMENT "<prefix>json_schema: <why>" for a schema it refuses.
+/// Compiles `p.json_schema` (JsonSchema::Compile) or `p.choice`
+/// (JsonSchema::Choice), if set, into out->json_schema (json_object is
+/// already set by ToSamplingParams). INVALID_ARGUMENT "<prefix>json_schema:
+/// <why>" / "<prefix>choice: <why>" for one it refuses, or both set.
 absl::Status AttachJsonSchema(const v1::SamplingParams& p,
                               absl::string_view prefix, SamplingParams* out);
 

@@ -81,7 +81,10 @@ absl::StatusOr<std::unique_ptr<DraftSession>> DraftSession::Create(
   if (!cache.ok()) return cache.status();
   std::unique_ptr<DraftSession> session(
       new DraftSession(model, *std::move(cache), sampling));
-  if (sampling.json_object && json_mask != nullptr && json_mask->can_open()) {
+  const bool choice =
+      sampling.json_schema != nullptr && sampling.json_schema->raw_choice();
+  if (sampling.json_object && json_mask != nullptr &&
+      (choice || json_mask->can_open())) {
     session->json_mask_ = json_mask;
     session->json_.emplace(sampling.json_schema.get());
   }

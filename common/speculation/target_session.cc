@@ -129,7 +129,9 @@ absl::StatusOr<std::unique_ptr<TargetSession>> TargetSession::Create(
         "sampling.json_object: JSON mode needs the target's tokenizer; this "
         "checkpoint has none");
   }
-  if (r.sampling.json_object && !r.json_mask->can_open()) {
+  const bool choice =
+      r.sampling.json_schema != nullptr && r.sampling.json_schema->raw_choice();
+  if (r.sampling.json_object && !choice && !r.json_mask->can_open()) {
     return absl::InvalidArgumentError(
         "sampling.json_object: JSON mode is not available: no token of this "
         "vocabulary can write '{'");
