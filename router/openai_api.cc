@@ -246,6 +246,18 @@ absl::Status ParsePrompt(const json& body, ParsedRequest* out) {
   return absl::OkStatus();
 }
 
+// `v`'s member `key` when v is an object whose "type" is `type` (a chat
+// content part, a tool); else null.
+const json* TypedMember(const json& v, absl::string_view type,
+                        const char* key) {
+  if (!v.is_object()) return nullptr;
+  const json* t = Member(v, "type");
+  if (t == nullptr || !t->is_string() || t->get_ref<const std::string&>() != type) {
+    return nullptr;
+  }
+  return Member(v, key);
+}
+
 // messages -> [{"role", "content"}] with content parts joined.
 absl::StatusOr<json> NormalizeMessages(const json& body) {
   const json* m = Member(body, "messages");
@@ -268,12 +280,9 @@ absl::StatusOr<json> NormalizeMessages(const json& body) {
         content = c->get<std::string>();
       } else if (c->is_array()) {
         for (size_t j = 0; j < c->size(); ++j) {
-          const json& part = (*c)[j];
           const std::string pp = absl::StrCat(param, ".content[", j, "]");
-          const json* type = part.is_object() ? Member(part, "type") : nullptr;
-          const json* text = part.is_object() ? Member(part, "text") : nullptr;
-          if (type == nullptr || *type != "text" || text == nullptr ||
-              !text->is_string()) {
+          const json* text = TypedMember((*c)[j], "text", "text");
+          if (text == nullptr || !text->is_string()) {
             return ParamError(pp, absl::StrCat("'", pp,
                                                "' must be a text part "
                                                "{\"type\": \"text\", "
@@ -330,10 +339,8 @@ absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
     for (size_t i = 0; i < t->size(); ++i) {
       const std::string param = absl::StrCat("tools[", i, "]");
       const json& tool = (*t)[i];
-      const json* type = tool.is_object() ? Member(tool, "type") : nullptr;
-      const json* fn = tool.is_object() ? Member(tool, "function") : nullptr;
-      if (type == nullptr || *type != "function" || fn == nullptr ||
-          !fn->is_object()) {
+      const json* fn = TypedMember(tool, "function", "function");
+      if (fn == nullptr || !fn->is_object()) {
         return ParamError(param, absl::StrCat("'", param,
                                               "' must be {\"type\": "
                                               "\"function\", \"function\": "

@@ -38,6 +38,18 @@ inline std::unique_ptr<CpuModelRunner> MakeCpuRunner(
   return r.ok() ? *std::move(r) : nullptr;
 }
 
+/// A CPU runner with automatic prefix caching in blocks of `block_size`
+/// tokens and a pool of 2048 tokens; null if it cannot be made.
+inline std::unique_ptr<CpuModelRunner> MakePrefixCachingRunner(
+    std::shared_ptr<const ModelWeights> weights, int block_size) {
+  KvCacheOptions o;
+  o.block_size = block_size;
+  o.prefix_caching = true;
+  o.pool_bytes = CpuModelRunner::BytesPerToken(weights->config) * 512 * 4;
+  auto r = CpuModelRunner::Create(std::move(weights), o);
+  return r.ok() ? *std::move(r) : nullptr;
+}
+
 inline nlohmann::json ReadJson(const std::string& path) {
   std::ifstream f(path);
   std::stringstream ss;

@@ -417,12 +417,8 @@ TEST_F(DraftSessionTest, ScoreWithBf16KvCacheKeepsTheF32Selection) {
 // A prompt that starts with blocks another Score computed attaches them:
 // same look-ahead, importance and selection as without the cache.
 TEST_F(DraftSessionTest, PrefixCachedScoreEqualsUncached) {
-  KvCacheOptions o;
-  o.block_size = 16;
-  o.prefix_caching = true;
-  o.pool_bytes = CpuModelRunner::BytesPerToken(weights_->config) * 512 * 4;
-  auto cached_runner = CpuModelRunner::Create(weights_, o);
-  ASSERT_TRUE(cached_runner.ok());
+  auto cached_runner = testing_util::MakePrefixCachingRunner(weights_, 16);
+  ASSERT_NE(cached_runner, nullptr);
   std::mt19937 rng(6);
   std::vector<int> prompt = {1};
   for (int i = 1; i < 90; ++i) prompt.push_back(3 + rng() % 500);
@@ -432,10 +428,10 @@ TEST_F(DraftSessionTest, PrefixCachedScoreEqualsUncached) {
   so.look_ahead = 4;
   so.selection.chunk_size = 8;
   for (const auto& p : {prompt, other}) {
-    auto warm = DraftSession::Create(cached_runner->get(), 512, {});
+    auto warm = DraftSession::Create(cached_runner.get(), 512, {});
     ASSERT_TRUE(warm.ok());
     ASSERT_TRUE((*warm)->Score(prompt, so).ok());  // fills the cache
-    auto hit = DraftSession::Create(cached_runner->get(), 512, {});
+    auto hit = DraftSession::Create(cached_runner.get(), 512, {});
     ASSERT_TRUE(hit.ok());
     auto got = (*hit)->Score(p, so);
     ASSERT_TRUE(got.ok()) << got.status();

@@ -308,12 +308,8 @@ TEST_F(TargetSessionTest, ChunkedBatchedRoundsEqualStep) {
 // those blocks' prefill and emits exactly the same tokens; the same tokens
 // at other positions do not match.
 TEST_F(TargetSessionTest, PrefixCachingSkipsSharedPrefixAndKeepsOutputs) {
-  KvCacheOptions o;
-  o.block_size = 8;
-  o.prefix_caching = true;
-  o.pool_bytes = CpuModelRunner::BytesPerToken(target_w_->config) * 512 * 4;
-  auto runner = CpuModelRunner::Create(target_w_, o);
-  ASSERT_TRUE(runner.ok());
+  auto runner = testing_util::MakePrefixCachingRunner(target_w_, 8);
+  ASSERT_NE(runner, nullptr);
   std::mt19937 rng(12);
   TargetRequest base;
   for (int i = 0; i < 60; ++i) {
@@ -338,20 +334,20 @@ TEST_F(TargetSessionTest, PrefixCachingSkipsSharedPrefixAndKeepsOutputs) {
     return (*s)->output();
   };
   int cached = -1;
-  const auto first = run(runner->get(), base, &cached);
+  const auto first = run(runner.get(), base, &cached);
   EXPECT_EQ(cached, 0);
-  const auto again = run(runner->get(), base, &cached);
+  const auto again = run(runner.get(), base, &cached);
   EXPECT_EQ(cached, 56);  // 7 whole blocks of 8; the last token always runs
   EXPECT_EQ(again, first);
-  const auto tail = run(runner->get(), longer, &cached);
+  const auto tail = run(runner.get(), longer, &cached);
   EXPECT_EQ(cached, 56);
   int unused;
   EXPECT_EQ(tail, run(target_.get(), longer, &unused));  // no caching
   TargetRequest moved = base;
   for (int& p : moved.position_ids) p += 1;
-  run(runner->get(), moved, &cached);
+  run(runner.get(), moved, &cached);
   EXPECT_EQ(cached, 0);
-  EXPECT_EQ((*runner)->kv_cache().prefix_cache_hits(), 56 + 56);
+  EXPECT_EQ(runner->kv_cache().prefix_cache_hits(), 56 + 56);
 }
 
 TEST_F(TargetSessionTest, RoundStepsRejectMisuseAndAbortRollsBack) {
@@ -845,13 +841,9 @@ TEST_F(TargetSessionTest, BadLogprobsAreRejected) {
 // cached rows have no logits). The tokens are those of the same request
 // without them; only the first round carries them.
 TEST_F(TargetSessionTest, PromptLogprobsAreTeacherForcedPrefillRows) {
-  KvCacheOptions o;
-  o.block_size = 8;
-  o.prefix_caching = true;
-  o.pool_bytes = CpuModelRunner::BytesPerToken(target_w_->config) * 512 * 4;
-  auto runner = CpuModelRunner::Create(target_w_, o);
-  ASSERT_TRUE(runner.ok());
-  ModelRunner& m = **runner;
+  auto runner = testing_util::MakePrefixCachingRunner(target_w_, 8);
+  ASSERT_NE(runner, nullptr);
+  ModelRunner& m = *runner;
   const int vocab = m.config().vocab_size, kTop = 3, kNew = 10;
   std::mt19937 rng(21);
   std::vector<int> prompt = {1};
