@@ -1261,40 +1261,25 @@ json ResponseBuilder::Response(
     json choice = {{"index", i},
                    {"logprobs", Logprobs(r, &offset)},
                    {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
-    const auto named_call = chat && by_name_
-                                ? NamedCall(r.text())
-                                : std::optional<std::pair<std::string,
-                                                          std::string>>();
-    const ParsedAnswer parsed =
-        chat && !auto_tools_.empty()
-            ? ParseToolCalls(r.text(), auto_tools_)
-            : ParsedAnswer();
-    if (!parsed.calls.empty()) {
-      choice["message"] = {
-          {"role", "assistant"},
-          {"content", parsed.content.empty() ? json(nullptr)
-                                             : json(parsed.content)},
-          {"tool_calls", CallsJson(parsed.calls, false)}};
-      choice["finish_reason"] = "tool_calls";
-    } else if (named_call) {
-      choice["message"] = {
-          {"role", "assistant"},
-          {"content", nullptr},
-          {"tool_calls",
-           json::array({{{"id", call_ids_[i]},
-                         {"type", "function"},
-                         {"function",
-                          {{"name", named_call->first},
-                           {"arguments", named_call->second}}}}})}};
+    // The answer as tool calls: read in the model's format (auto), named
+    // by the answer (required, several tools) or forced (a named tool).
+    ParsedAnswer calls;
+    if (chat && !auto_tools_.empty()) {
+      calls = ParseToolCalls(r.text(), auto_tools_);
+      if (!calls.calls.empty()) choice["finish_reason"] = "tool_calls";
+    } else if (chat && by_name_) {
+      if (const auto named = NamedCall(r.text())) {
+        calls.calls.push_back({named->first, named->second});
+      }
     } else if (chat && !tool_call_.empty()) {
+      calls.calls.push_back({tool_call_, r.text()});
+    }
+    if (!calls.calls.empty()) {
       choice["message"] = {
           {"role", "assistant"},
-          {"content", nullptr},
-          {"tool_calls",
-           json::array({{{"id", call_ids_[i]},
-                         {"type", "function"},
-                         {"function",
-                          {{"name", tool_call_}, {"arguments", r.text()}}}}})}};
+          {"content", calls.content.empty() ? json(nullptr)
+                                            : json(calls.content)},
+          {"tool_calls", CallsJson(calls.calls, false)}};
     } else if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", r.text()}};
     } else {
