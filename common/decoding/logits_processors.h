@@ -92,11 +92,13 @@ struct LogitEdits {
   int rows() const {
     return offsets.empty() ? 0 : static_cast<int>(offsets.size()) - 1;
   }
+  /// Whether any row has a token mask.
   bool has_masks() const { return !mask_of_row.empty(); }
   /// Row r's mask index, or -1.
   int mask_of(int r) const {
     return r < static_cast<int>(mask_of_row.size()) ? mask_of_row[r] : -1;
   }
+  /// Masks held in `allowed`.
   int num_masks() const {
     return mask_words == 0 ? 0
                            : static_cast<int>(allowed.size()) / mask_words;
