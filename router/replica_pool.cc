@@ -219,6 +219,7 @@ void ReplicaPool::Resolve() {
 
 ReplicaPool::State ReplicaPool::Check(State s) const {
   s.checked = true;
+  s.last_check = absl::Now();
   v1::ModelInfo info;
   const grpc::Status st =
       info_fn_(s.channel, absl::Now() + options_.info_timeout, &info);
@@ -249,7 +250,10 @@ void ReplicaPool::Refresh(bool resolve) {
   }
   for (auto& [ptr, snap] : todo) {
     const grpc_connectivity_state conn = snap.channel->GetState(false);
-    if (snap.verified && conn == GRPC_CHANNEL_READY) continue;
+    if (snap.verified && conn == GRPC_CHANNEL_READY &&
+        absl::Now() - snap.last_check < options_.recheck_period) {
+      continue;
+    }
     const State next = Check(snap);
     // Compared with the state as it is now, not the snapshot: a request's
     // ReportFailure may have logged the same transition meanwhile.

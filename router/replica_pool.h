@@ -47,6 +47,12 @@ struct ReplicaPoolOptions {
   absl::Duration health_period = absl::Seconds(1);    ///< background checks.
   absl::Duration resolve_period = absl::Seconds(30);  ///< DNS re-resolution.
   absl::Duration info_timeout = absl::Seconds(2);     ///< per Info call.
+  /// A healthy replica whose channel stays READY is asked for its Info
+  /// again this often: a peer that stopped answering without closing the
+  /// connection (a frozen process, a node gone without a TCP reset; gRPC
+  /// keeps such a channel READY) leaves the pool within recheck_period +
+  /// info_timeout instead of taking new requests until they time out.
+  absl::Duration recheck_period = absl::Seconds(10);
   /// Credentials of every replica channel (common/service/tls.h's
   /// MakeChannelSecurity); null = plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
@@ -70,7 +76,8 @@ struct Replica {
 /// succeeded, its ModelInfo passed the compatibility check, and its channel
 /// has stayed READY since; any other channel state (a dropped connection, a
 /// reconnect) triggers a fresh Info before it is used again, so a replica
-/// restarted with another model is caught. Checks run on a background
+/// restarted with another model is caught, and a READY one is asked again
+/// every recheck_period. Checks run on a background
 /// thread every health_period; DNS entries are re-resolved every
 /// resolve_period (new addresses join unverified, vanished ones leave).
 /// Thread-safe.
@@ -133,6 +140,7 @@ class ReplicaPool {
     absl::Status mismatch;  // the check's verdict
     std::string last_error;  // why the last Info failed ("" = it did not)
     std::optional<v1::ModelInfo> info;
+    absl::Time last_check = absl::InfinitePast();  // of the last Check
   };
 
   ReplicaPool(std::vector<std::string> entries, ReplicaPoolOptions options,

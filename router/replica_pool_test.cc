@@ -108,6 +108,40 @@ TEST_F(ReplicaPoolTest, LogsEachHealthTransitionOnce) {
   }
 }
 
+// A replica that stops answering while its connection stays up (gRPC keeps
+// the channel READY: a frozen process, a node gone without a reset) is
+// asked again every recheck_period and leaves the pool; it comes back when
+// it answers again. Simulated by an Info call that times out while the
+// channel to the live server stays READY.
+TEST_F(ReplicaPoolTest, SilentReplicaOnAReadyChannelLeavesThePool) {
+  auto t = StartTarget();
+  ASSERT_NE(t, nullptr);
+  std::atomic<bool> silent{false};
+  const ReplicaPool::InfoFn real = TargetInfoFn();
+  ReplicaPoolOptions o;
+  o.service = "target";
+  o.health_period = absl::Milliseconds(20);
+  o.recheck_period = absl::Milliseconds(200);
+  o.log = [](const std::string&) {};
+  auto pool = ReplicaPool::Create(
+      Addr(t->port()), "--target", o,
+      [&](const std::shared_ptr<grpc::Channel>& channel, absl::Time deadline,
+          v1::ModelInfo* info) {
+        if (silent) {
+          return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "silent");
+        }
+        return real(channel, deadline, info);
+      },
+      nullptr);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  (*pool)->Start();
+  ASSERT_EQ((*pool)->num_healthy(), 1);
+  silent = true;
+  ASSERT_TRUE(Eventually([&] { return (*pool)->num_healthy() == 0; }));
+  silent = false;
+  ASSERT_TRUE(Eventually([&] { return (*pool)->num_healthy() == 1; }));
+}
+
 TEST_F(ReplicaPoolTest, RoundRobinsOverHealthyReplicasAndSkipsDeadOnes) {
   auto a = StartTarget(), b = StartTarget();
   const std::string dead = Addr(DeadPort());
