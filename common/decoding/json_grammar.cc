@@ -182,24 +182,26 @@ bool JsonMatcher::StartValue(unsigned char c, bool array_first) {
       integer_ = n.integer;
       state_ = c == '-' ? State::kMinus : c == '0' ? State::kZero : State::kInt;
       return true;
-    case JsonSchema::Kind::kLiterals: {
-      set_node_ = static_cast<uint16_t>(typed);
-      set_keys_ = false;
-      alive_ = 0;
-      for (size_t i = 0; i < n.literals.size(); ++i) {
-        if (static_cast<unsigned char>(n.literals[i][0]) == c) {
-          alive_ |= uint64_t{1} << i;
-        }
-      }
-      if (alive_ == 0) return false;
-      literal_pos_ = 1;
-      state_ = State::kLiteral;
-      return LiteralEnds() ? FinishLiteral() : true;
-    }
+    case JsonSchema::Kind::kLiterals:
+      return StartLiterals(typed, c);
     case JsonSchema::Kind::kDispatch:
       break;
   }
   return false;
+}
+
+bool JsonMatcher::StartLiterals(int literals_node, unsigned char c) {
+  set_node_ = static_cast<uint16_t>(literals_node);
+  set_keys_ = false;
+  alive_ = 0;
+  const std::vector<std::string>& lits = Literals();
+  for (size_t i = 0; i < lits.size(); ++i) {
+    if (static_cast<unsigned char>(lits[i][0]) == c) alive_ |= uint64_t{1} << i;
+  }
+  if (alive_ == 0) return false;
+  literal_pos_ = 1;
+  state_ = State::kLiteral;
+  return LiteralEnds() ? FinishLiteral() : true;
 }
 
 bool JsonMatcher::can_end() const {
@@ -216,19 +218,10 @@ bool JsonMatcher::Advance(unsigned char c) {
   const JsonMatcher before = *this;
   if (state_ == State::kStart && schema_->raw_choice()) {
     // The choice's first byte: no whitespace, no quoting.
-    set_node_ = static_cast<uint16_t>(schema_->root());
-    set_keys_ = false;
-    alive_ = 0;
-    const std::vector<std::string>& lits = Literals();
-    for (size_t i = 0; i < lits.size(); ++i) {
-      if (static_cast<unsigned char>(lits[i][0]) == c) {
-        alive_ |= uint64_t{1} << i;
-      }
+    if (!StartLiterals(schema_->root(), c)) {
+      *this = before;
+      return false;
     }
-    if (alive_ == 0) return false;
-    literal_pos_ = 1;
-    state_ = State::kLiteral;
-    if (LiteralEnds()) FinishLiteral();
     return true;
   }
   // Number states and literal sets: a byte that cannot continue the value

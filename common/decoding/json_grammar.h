@@ -4,9 +4,9 @@
 // Structured output, JSON mode (OpenAI's response_format
 // {"type": "json_object"}, or "json_schema" with a JsonSchema; vLLM's
 // guided decoding): a byte-level pushdown recognizer of one JSON object
-// (RFC 8259), and the token mask it implies for a vocabulary. A constrained request masks, at every decoded row, the
-// ids whose bytes the recognizer would reject; once the object is closed
-// only EOS is left. In a speculative round row j's recognizer has consumed
+// (RFC 8259), and the token mask it implies for a vocabulary. A
+// constrained request masks, at every decoded row, the ids whose bytes the
+// recognizer would reject; once the object is closed only EOS is left. In a speculative round row j's recognizer has consumed
 // the drafts before it, like its penalties (logits_processors.h).
 
 #include <array>
@@ -104,6 +104,9 @@ class JsonMatcher {
   const std::vector<std::string>& Literals() const;
   bool LiteralEnds() const;
   bool FinishLiteral();
+  // Starts the literal set of node `literals_node` (an enum, a choice)
+  // with its first byte `c`; false if no candidate starts with it.
+  bool StartLiterals(int literals_node, unsigned char c);
   // A string character starts (code point counting for min/maxLength).
   bool StringChar();
   // The byte after a complete number, or the end of any value: ends the

@@ -65,6 +65,27 @@ int NestingDepth(absl::string_view text) {
 
 std::atomic<uint64_t> next_id{1};
 
+// Compiled schemas shared by what they were compiled from (the last 256).
+template <typename Key>
+class SharedSchemas {
+ public:
+  std::shared_ptr<const JsonSchema> Find(const Key& key) {
+    absl::MutexLock lock(&mu_);
+    auto it = map_.find(key);
+    return it == map_.end() ? nullptr : it->second;
+  }
+  void Add(Key key, std::shared_ptr<const JsonSchema> schema) {
+    absl::MutexLock lock(&mu_);
+    if (map_.size() >= 256) map_.clear();
+    map_.emplace(std::move(key), std::move(schema));
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<Key, std::shared_ptr<const JsonSchema>> map_
+      ABSL_GUARDED_BY(mu_);
+};
+
 }  // namespace
 
 int JsonSchema::ClassOf(unsigned char c) {
@@ -322,13 +343,19 @@ class JsonSchema::Compiler {
       }
       lit.literals.push_back(std::move(text));
     }
+    return LiteralDispatch(std::move(lit));
+  }
+
+  // Adds literal node `lit` and the dispatch node every first byte of its
+  // literals leads to it from; returns the dispatch node.
+  absl::StatusOr<int> LiteralDispatch(Node lit) {
     Node dispatch;
+    for (const std::string& text : lit.literals) {
+      dispatch.by_class[ClassOf(static_cast<unsigned char>(text[0]))] =
+          static_cast<int16_t>(out_->nodes_.size());
+    }
     absl::StatusOr<int> l = Add(std::move(lit));
     if (!l.ok()) return l.status();
-    for (const std::string& text : out_->nodes_[*l].literals) {
-      dispatch.by_class[ClassOf(static_cast<unsigned char>(text[0]))] =
-          static_cast<int16_t>(*l);
-    }
     return Add(std::move(dispatch));
   }
 
@@ -361,9 +388,9 @@ class JsonSchema::Compiler {
         dispatch.by_class[k] = static_cast<int16_t>(typed[k][0]);
         continue;
       }
-      absl::StatusOr<int> tagged =
-          k == 0 ? TaggedUnion(typed[k])
-                 : absl::StatusOr<int>(Bad("two of them"));
+      // Only objects can be told apart past their first byte.
+      absl::StatusOr<int> tagged = Bad("alike");
+      if (k == 0) tagged = TaggedUnion(typed[k]);
       if (!tagged.ok()) {
         return Bad(absl::StrCat(
             "'", kw,
@@ -411,16 +438,7 @@ class JsonSchema::Compiler {
     }
     u.keys = {out_->nodes_[objects[0]].keys[0]};
     u.required = {1};
-    // The tag's dispatch: each literal's first byte leads to the set.
-    Node tag_dispatch;
-    const std::vector<std::string> literals = tags.literals;
-    absl::StatusOr<int> l = Add(std::move(tags));
-    if (!l.ok()) return l.status();
-    for (const std::string& text : literals) {
-      tag_dispatch.by_class[ClassOf(static_cast<unsigned char>(text[0]))] =
-          static_cast<int16_t>(*l);
-    }
-    absl::StatusOr<int> d = Add(std::move(tag_dispatch));
+    absl::StatusOr<int> d = LiteralDispatch(std::move(tags));
     if (!d.ok()) return d.status();
     u.values = {*d};
     return Add(std::move(u));
@@ -465,14 +483,8 @@ class JsonSchema::Compiler {
 
 absl::StatusOr<std::shared_ptr<const JsonSchema>> JsonSchema::Compile(
     absl::string_view text) {
-  static absl::Mutex mu(absl::kConstInit);
-  static auto* cache ABSL_GUARDED_BY(mu) =
-      new absl::flat_hash_map<std::string,
-                              std::shared_ptr<const JsonSchema>>();
-  {
-    absl::MutexLock lock(&mu);
-    if (auto it = cache->find(text); it != cache->end()) return it->second;
-  }
+  static auto* shared = new SharedSchemas<std::string>();
+  if (auto found = shared->Find(std::string(text))) return found;
   if (text.size() > kMaxSchemaBytes) {
     return Bad(absl::StrCat("the schema has ", text.size(),
                             " bytes; at most ", kMaxSchemaBytes));
@@ -494,23 +506,14 @@ absl::StatusOr<std::shared_ptr<const JsonSchema>> JsonSchema::Compile(
   schema->nodes_.push_back(top);
   schema->root_ = static_cast<int>(schema->nodes_.size()) - 1;
   schema->id_ = next_id.fetch_add(1);
-  std::shared_ptr<const JsonSchema> out = std::move(schema);
-  absl::MutexLock lock(&mu);
-  if (cache->size() >= 256) cache->clear();
-  cache->emplace(std::string(text), out);
-  return out;
+  shared->Add(std::string(text), schema);
+  return schema;
 }
 
 absl::StatusOr<std::shared_ptr<const JsonSchema>> JsonSchema::Choice(
     const std::vector<std::string>& choices) {
-  static absl::Mutex mu(absl::kConstInit);
-  static auto* cache ABSL_GUARDED_BY(mu) =
-      new absl::flat_hash_map<std::vector<std::string>,
-                              std::shared_ptr<const JsonSchema>>();
-  {
-    absl::MutexLock lock(&mu);
-    if (auto it = cache->find(choices); it != cache->end()) return it->second;
-  }
+  static auto* shared = new SharedSchemas<std::vector<std::string>>();
+  if (auto found = shared->Find(choices)) return found;
   if (choices.empty()) return Bad("no choices");
   if (choices.size() > static_cast<size_t>(kMaxAlternatives)) {
     return Bad(absl::StrCat("more than ", kMaxAlternatives, " choices"));
@@ -532,11 +535,8 @@ absl::StatusOr<std::shared_ptr<const JsonSchema>> JsonSchema::Choice(
   schema->root_ = 0;
   schema->raw_choice_ = true;
   schema->id_ = next_id.fetch_add(1);
-  std::shared_ptr<const JsonSchema> out = std::move(schema);
-  absl::MutexLock lock(&mu);
-  if (cache->size() >= 256) cache->clear();
-  cache->emplace(choices, out);
-  return out;
+  shared->Add(choices, schema);
+  return schema;
 }
 
 const JsonSchema& JsonSchema::AnyObject() {
