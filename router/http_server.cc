@@ -310,9 +310,8 @@ class HttpHandlers {
     }
     if (parsed->echo) builder.EnableEcho(EchoTexts(*parsed, *s->router_));
     if (!parsed->tool_call.empty()) builder.EnableToolCall(parsed->tool_call);
-    if (parsed->tool_call_by_name) builder.EnableToolCallByName();
-    if (!parsed->auto_tools.empty()) {
-      builder.EnableToolCallParsing(parsed->auto_tools);
+    if (!parsed->read_tools.empty()) {
+      builder.EnableToolCallParsing(parsed->read_tools);
     }
     if (!s->router_->Admit(n)) {
       return SendError(

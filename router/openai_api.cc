@@ -324,13 +324,14 @@ absl::StatusOr<json> NormalizeMessages(const json& body) {
 // none). A call the answer must be (tool_choice naming a function, or
 // "required" with one tool) sets *call to its name and the request's JSON
 // schema to the function's parameters (`ordered`: the body with its key
-// order, for the schema); "required" with several tools sets *by_name and
-// a schema of {"name": tool, "parameters": its parameters} answers.
-// "auto" (the default with tools) sets *auto_tools to the tools' names:
-// the answers are read for calls in the model's own format (tool_calls.h).
+// order, for the schema). "auto" (the default with tools) sets
+// *read_tools to the tools' names: the answers are read for calls in the
+// model's own format (tool_calls.h); so does "required" with several
+// tools, whose schema makes the answer such a call ({"name": a tool,
+// "parameters": its arguments}, Llama 3.1's form).
 absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
-                        json* tools, std::string* call, bool* by_name,
-                        std::vector<std::string>* auto_tools,
+                        json* tools, std::string* call,
+                        std::vector<std::string>* read_tools,
                         v1::GenerationSampling* s) {
   *tools = json::array();
   std::vector<std::string> names;
@@ -398,7 +399,7 @@ absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
     return ParamError("tool_choice", "'tool_choice' needs 'tools'");
   }
   if (choice == "auto") {  // the model decides; its answer is read after
-    *auto_tools = names;
+    *read_tools = names;
     return absl::OkStatus();
   }
   if (s->has_json_schema() || s->json_object()) {
@@ -424,8 +425,7 @@ absl::Status ParseTools(const json& body, const nlohmann::ordered_json& ordered,
       branches.push_back(std::move(branch));
     }
     s->set_json_schema(nlohmann::ordered_json{{"anyOf", branches}}.dump());
-    *call = "";
-    *by_name = true;
+    *read_tools = names;
     return absl::OkStatus();
   }
   if (choice == "required") named = names[0];
@@ -908,7 +908,7 @@ absl::StatusOr<ParsedRequest> ParseRequest(Endpoint endpoint,
   }
   json tools;
   if (auto s = ParseTools(body, ordered, &tools, &out.tool_call,
-                          &out.tool_call_by_name, &out.auto_tools,
+                          &out.read_tools,
                           r.mutable_sampling());
       !s.ok()) {
     return s;
@@ -1074,7 +1074,7 @@ void ResponseBuilder::EnableEcho(std::vector<std::string> prompt_texts) {
 }
 
 void ResponseBuilder::EnableToolCallParsing(std::vector<std::string> tools) {
-  auto_tools_ = std::move(tools);
+  read_tools_ = std::move(tools);
   call_text_.assign(n_, "");
   auto_mode_.assign(n_, kUndecided);
 }
@@ -1091,23 +1091,6 @@ json ResponseBuilder::CallsJson(const std::vector<ParsedToolCall>& calls,
     out.push_back(std::move(call));
   }
   return out;
-}
-
-void ResponseBuilder::EnableToolCallByName() {
-  EnableToolCall("");
-  by_name_ = true;
-  call_text_.assign(n_, "");
-}
-
-std::optional<std::pair<std::string, std::string>> ResponseBuilder::NamedCall(
-    const std::string& text) {
-  const nlohmann::ordered_json v =
-      nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!v.is_object() || !v.contains("name") || !v["name"].is_string() ||
-      !v.contains("parameters")) {
-    return std::nullopt;
-  }
-  return std::make_pair(v["name"].get<std::string>(), v["parameters"].dump());
 }
 
 void ResponseBuilder::EnableToolCall(std::string name) {
@@ -1261,16 +1244,12 @@ json ResponseBuilder::Response(
     json choice = {{"index", i},
                    {"logprobs", Logprobs(r, &offset)},
                    {"finish_reason", OpenAiFinishReason(r.finish_reason())}};
-    // The answer as tool calls: read in the model's format (auto), named
-    // by the answer (required, several tools) or forced (a named tool).
+    // The answer as tool calls: read from the answer (auto; required with
+    // several tools) or forced (a named tool).
     ParsedAnswer calls;
-    if (chat && !auto_tools_.empty()) {
-      calls = ParseToolCalls(r.text(), auto_tools_);
+    if (chat && !read_tools_.empty()) {
+      calls = ParseToolCalls(r.text(), read_tools_);
       if (!calls.calls.empty()) choice["finish_reason"] = "tool_calls";
-    } else if (chat && by_name_) {
-      if (const auto named = NamedCall(r.text())) {
-        calls.calls.push_back({named->first, named->second});
-      }
     } else if (chat && !tool_call_.empty()) {
       calls.calls.push_back({tool_call_, r.text()});
     }
@@ -1343,7 +1322,7 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
   // (an answer opening with '{' or '[', Llama 3's; a <tool_call> tag,
   // Hermes / Qwen's); from there it is held and read at the end.
   ParsedAnswer auto_calls;
-  if (chat && !auto_tools_.empty()) {
+  if (chat && !read_tools_.empty()) {
     std::string& held = call_text_[index];
     held += delta;
     delta.clear();
@@ -1373,19 +1352,9 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
       held.erase(0, held.size() - keep);
     }
     if (last) {
-      auto_calls = ParseToolCalls(held, auto_tools_);
+      auto_calls = ParseToolCalls(held, read_tools_);
       delta += auto_calls.calls.empty() ? held : auto_calls.content;
       held.clear();
-    }
-  }
-  // A call that names its function is sent whole at the end.
-  std::optional<std::pair<std::string, std::string>> named_call;
-  if (chat && by_name_) {
-    call_text_[index] += delta;
-    delta.clear();
-    if (last) {
-      named_call = NamedCall(call_text_[index]);
-      if (!named_call) delta = call_text_[index];  // cut short: text
     }
   }
   auto choice = [&](const std::string& text, const json& finish) {
@@ -1396,14 +1365,6 @@ std::string ResponseBuilder::StreamEvents(const v1::GenerateTextChunk& chunk,
       c["delta"] = {{"tool_calls", CallsJson(auto_calls.calls, true)}};
       if (!text.empty()) c["delta"]["content"] = text;
       c["finish_reason"] = "tool_calls";
-    } else if (named_call) {
-      c["delta"] = {{"tool_calls",
-                     json::array({{{"index", 0},
-                                   {"id", call_ids_[index]},
-                                   {"type", "function"},
-                                   {"function",
-                                    {{"name", named_call->first},
-                                     {"arguments", named_call->second}}}}})}};
     } else if (chat && !tool_call_.empty() && !text.empty()) {
       json call = {{"index", 0}, {"function", {{"arguments", text}}}};
       if (!call_opened_[index]) {  // the call's first delta names it

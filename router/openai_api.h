@@ -54,13 +54,11 @@ struct ParsedRequest {
   /// naming it, or "required" with one tool); its text is the call's
   /// arguments. Empty = a plain answer.
   std::string tool_call;
-  /// Chat, tool_choice "required" with several tools: every answer is
-  /// {"name": a tool, "parameters": its arguments}, turned into that call.
-  bool tool_call_by_name = false;
-  /// Chat, tool_choice "auto" with tools (the default): the tools' names;
-  /// each answer is read for calls in the model's own format
-  /// (tool_calls.h). Empty otherwise.
-  std::vector<std::string> auto_tools;
+  /// Chat, tool_choice "auto" with tools (the default), or "required" with
+  /// several tools (whose schema makes each answer {"name": a tool,
+  /// "parameters": its arguments}): the tools' names; each answer is read
+  /// for calls (tool_calls.h). Empty otherwise.
+  std::vector<std::string> read_tools;
 
   int num_prompts() const { return 1 + static_cast<int>(more_prompts.size()); }
 };
@@ -204,14 +202,9 @@ class ResponseBuilder {
   /// the call (index 0, id, type, name) and the others carry
   /// `function.arguments` deltas, as OpenAI streams tool calls.
   void EnableToolCall(std::string name);
-  /// Answers that name their function ({"name": F, "parameters": {...}},
-  /// ParsedRequest::tool_call_by_name): each becomes a call of F with the
-  /// parameters as its arguments; streamed, the call is sent whole with
-  /// the choice's final chunk (the name is known once the answer is). An
-  /// answer cut short (max_tokens) stays text.
-  void EnableToolCallByName();
-  /// tool_choice "auto": answers are read for calls of `tools` in the
-  /// model's own format (ParseToolCalls). Calls found become `tool_calls`
+  /// tool_choice "auto" (and "required" with several tools,
+  /// ParsedRequest::read_tools): answers are read for calls of `tools` in
+  /// the model's own format (ParseToolCalls). Calls found become `tool_calls`
   /// (the text around them the content, null when empty) with finish
   /// reason "tool_calls"; other answers are plain. Streamed, text goes out
   /// as it comes until it may be a call (an answer opening with '{' or
@@ -267,9 +260,6 @@ class ResponseBuilder {
   // each call's index, as stream deltas carry it).
   static nlohmann::json CallsJson(const std::vector<ParsedToolCall>& calls,
                                   bool streamed);
-  // {"name": F, "parameters": P} -> (F, P's JSON text); nullopt otherwise.
-  static std::optional<std::pair<std::string, std::string>> NamedCall(
-      const std::string& text);
   std::string TokenBytes(int id, const std::string& text) const;
 
   const Endpoint endpoint_;
@@ -287,10 +277,9 @@ class ResponseBuilder {
   std::vector<bool> role_sent_;
   std::vector<bool> echo_sent_;  // streamed: the prompt went out
   std::string tool_call_;        // the function called; "" = none
-  bool by_name_ = false;         // EnableToolCallByName
   std::vector<std::string> call_text_;  // streamed: the text held back
-  std::vector<std::string> auto_tools_;  // EnableToolCallParsing
-  // Per choice, streamed with auto_tools_: what the text so far may be.
+  std::vector<std::string> read_tools_;  // EnableToolCallParsing
+  // Per choice, streamed with read_tools_: what the text so far may be.
   enum : uint8_t { kUndecided, kText, kHoldAll, kHoldTag };
   std::vector<uint8_t> auto_mode_;
   std::vector<std::string> call_ids_;  // per choice, with tool_call_

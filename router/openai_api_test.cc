@@ -560,14 +560,14 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   p = ParseRequest(Endpoint::kChat, tb.dump(), f, tok->get());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(p->tool_call.empty());
-  EXPECT_TRUE(p->auto_tools.empty());
+  EXPECT_TRUE(p->read_tools.empty());
   EXPECT_FALSE(p->request.sampling().has_json_schema());
   // "auto", also the default with tools: the answer is free, read after.
   for (const json& c : {json("auto"), json(nullptr)}) {
     tb["tool_choice"] = c;
     p = ParseRequest(Endpoint::kChat, tb.dump(), f, tok->get());
     ASSERT_TRUE(p.ok()) << p.status();
-    EXPECT_EQ(p->auto_tools, (std::vector<std::string>{"get_weather", "now"}));
+    EXPECT_EQ(p->read_tools, (std::vector<std::string>{"get_weather", "now"}));
     EXPECT_FALSE(p->request.sampling().has_json_schema());
   }
   json one = json::parse(tools_body);
@@ -576,7 +576,7 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   p = ParseRequest(Endpoint::kChat, one.dump(), f, tok->get());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(p->tool_call, "get_weather");
-  EXPECT_FALSE(p->tool_call_by_name);
+  EXPECT_TRUE(p->read_tools.empty());
   // "required" with several tools: the answer names its function, a
   // union of {"name", "parameters"} objects told apart by the name.
   nlohmann::ordered_json several = nlohmann::ordered_json::parse(tools_body);
@@ -584,7 +584,7 @@ TEST(ParseRequestTest, ChatRendersAndTokenizes) {
   p = ParseRequest(Endpoint::kChat, several.dump(), f, tok->get());
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_TRUE(p->tool_call.empty());
-  EXPECT_TRUE(p->tool_call_by_name);
+  EXPECT_EQ(p->read_tools, (std::vector<std::string>{"get_weather", "now"}));
   EXPECT_EQ(p->request.sampling().json_schema(),
             R"({"anyOf":[{"type":"object","properties":{"name":{"const":)"
             R"("get_weather"},"parameters":{"type":"object","properties":{)"
@@ -1053,7 +1053,7 @@ TEST(ResponseBuilderTest, ToolCalls) {
 // final chunk; an answer cut short stays text.
 TEST(ResponseBuilderTest, ToolCallsByName) {
   ResponseBuilder b(Endpoint::kChat, "chatcmpl-1", "m", 100, false, 2);
-  b.EnableToolCallByName();
+  b.EnableToolCallParsing({"now", "get_weather"});
   std::vector<v1::GenerateTextResponse> r(2);
   r[0].set_text(R"({"name": "now", "parameters": {"tz": "UTC"}})");
   r[0].set_finish_reason("eos");
@@ -1068,7 +1068,7 @@ TEST(ResponseBuilderTest, ToolCallsByName) {
   EXPECT_FALSE(out["choices"][1]["message"].contains("tool_calls"));
 
   ResponseBuilder s(Endpoint::kChat, "chatcmpl-2", "m", 100, false);
-  s.EnableToolCallByName();
+  s.EnableToolCallParsing({"now", "get_weather"});
   v1::GenerateTextChunk c;
   c.set_text(R"({"name": "now", )");
   std::vector<json> ev = Events(s.StreamEvents(c));
