@@ -552,17 +552,22 @@ absl::Status ParseSampling(const json& body,
                                           "(guided_choice) is"));
     }
   }
+  // At most one structured output, whichever parameter asks for it.
+  const auto one_output = [&](const std::string& param) -> absl::Status {
+    if (s->choice_size() > 0 || s->has_json_schema() || s->json_object()) {
+      return ParamError(param, "give one structured output: response_format, "
+                               "guided_json, guided_choice or "
+                               "structured_outputs");
+    }
+    return absl::OkStatus();
+  };
   // A choice: the output is one of these strings as they are.
   const auto set_choice = [&](const json& v,
                               const std::string& param) -> absl::Status {
     if (!v.is_array() || v.empty()) {
       return WrongType(param, "a non-empty list of strings", v);
     }
-    if (s->choice_size() > 0 || s->has_json_schema() || s->json_object()) {
-      return ParamError(param, "give one structured output: response_format, "
-                               "guided_json, guided_choice or "
-                               "structured_outputs");
-    }
+    if (absl::Status st = one_output(param); !st.ok()) return st;
     for (const json& c : v) {
       if (!c.is_string() || c.get_ref<const std::string&>().empty()) {
         return ParamError(param, absl::StrCat("'", param,
@@ -594,7 +599,10 @@ absl::Status ParseSampling(const json& body,
         if (!it.value().is_boolean()) {
           return WrongType(param, "a boolean", it.value());
         }
-        if (it.value().get<bool>()) s->set_json_object(true);
+        if (it.value().get<bool>()) {
+          if (absl::Status st = one_output(param); !st.ok()) return st;
+          s->set_json_object(true);
+        }
       } else if (it.key() == "choice") {
         if (absl::Status st = set_choice(it.value(), param); !st.ok()) {
           return st;
@@ -609,10 +617,7 @@ absl::Status ParseSampling(const json& body,
     }
   }
   for (const auto& [param, v] : schemas) {
-    if (s->has_json_schema() || s->json_object() || s->choice_size() > 0) {
-      return ParamError(param, "give one structured output: response_format, "
-                               "guided_json or structured_outputs");
-    }
+    if (absl::Status st = one_output(param); !st.ok()) return st;
     if (v->is_string()) {
       s->set_json_schema(v->get<std::string>());
     } else if (v->is_object() || v->is_boolean()) {

@@ -144,26 +144,13 @@ absl::StatusOr<ResolvedOptions> ResolveOptions(
   *o.sampling.mutable_logit_bias() = s.logit_bias();
   o.sampling.set_min_p(s.min_p());
   o.sampling.set_json_object(s.json_object());
-  if (s.has_json_schema()) {
-    if (s.json_object()) {
-      return absl::InvalidArgumentError(
-          "sampling.json_schema and sampling.json_object are exclusive (a "
-          "schema's output is a JSON object already)");
-    }
-    if (s.json_schema().empty()) {
-      return absl::InvalidArgumentError("sampling.json_schema is empty");
-    }
-    o.sampling.set_json_schema(s.json_schema());
+  if (s.has_json_schema() && s.json_schema().empty()) {
+    return absl::InvalidArgumentError("sampling.json_schema is empty");
   }
-  if (s.choice_size() > 0) {
-    if (s.json_object() || s.has_json_schema()) {
-      return absl::InvalidArgumentError(
-          "sampling.choice is exclusive with sampling.json_object and "
-          "sampling.json_schema");
-    }
-    *o.sampling.mutable_choice() = s.choice();
-  }
-  // Compiles the schema too (its errors name sampling.json_schema).
+  o.sampling.set_json_schema(s.json_schema());
+  *o.sampling.mutable_choice() = s.choice();
+  // Compiles the schema or the choice, one structured output at most (its
+  // errors name sampling.json_schema / sampling.choice).
   if (auto r = ResolveSampling(o.sampling); !r.ok()) return r.status();
   if (s.stop_size() > kMaxStopStrings) {
     return absl::InvalidArgumentError(

@@ -134,11 +134,15 @@ absl::StatusOr<SamplingParams> ResolveSampling(const v1::SamplingParams& p) {
 
 absl::Status AttachJsonSchema(const v1::SamplingParams& p,
                               absl::string_view prefix, SamplingParams* out) {
+  // One structured output at a time (a schema's output is an object
+  // already).
+  if ((p.json_object() + !p.json_schema().empty() + (p.choice_size() > 0)) >
+      1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "json_schema, ", prefix, "json_object and ", prefix,
+        "choice are exclusive"));
+  }
   if (p.choice_size() > 0) {
-    if (!p.json_schema().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          prefix, "choice and ", prefix, "json_schema are exclusive"));
-    }
     absl::StatusOr<std::shared_ptr<const JsonSchema>> choice =
         JsonSchema::Choice({p.choice().begin(), p.choice().end()});
     if (!choice.ok()) {

@@ -60,7 +60,8 @@ SamplingParams ToSamplingParams(const v1::SamplingParams& p);
 /// Compiles `p.json_schema` (JsonSchema::Compile) or `p.choice`
 /// (JsonSchema::Choice), if set, into out->json_schema (json_object is
 /// already set by ToSamplingParams). INVALID_ARGUMENT "<prefix>json_schema:
-/// <why>" / "<prefix>choice: <why>" for one it refuses, or both set.
+/// <why>" / "<prefix>choice: <why>" for one it refuses, or for more than
+/// one of json_object, json_schema and choice set.
 absl::Status AttachJsonSchema(const v1::SamplingParams& p,
                               absl::string_view prefix, SamplingParams* out);
 
