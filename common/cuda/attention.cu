@@ -299,11 +299,18 @@ __global__ void SplitKCombineKernel(int n, int num_heads, int head_dim,
 // ---------------------------------------------------------------------------
 static_assert(kBatchedAttentionQueryTile == kSkQueries,
               "the plan's query tile is the kernel's");
+// 16-byte K and V loads each thread of BatchedAttentionKernel keeps in
+// flight per round of a tile's load: a 32-key tile at head_dim 128 is 4
+// rounds of 128 threads, so 4 covers it in one.
+constexpr int kBaLoadsInFlight = 4;
 
-// 5 blocks an SM: as many as its shared memory holds at head_dim 128
-// (TileSmemBytes, 43.8 KB), so registers (96 at most) do not lower occupancy.
+// 4 blocks an SM (128 registers at most; ptxas uses them all for bf16 /
+// fp16 at 4 loads in flight, no spills): the split plan's one wave
+// (kBatchedAttentionSplitBlocksPerSm). It was 5, what the shared memory
+// holds at head_dim 128 (TileSmemBytes, 43.8 KB), with 96 registers: 4
+// loads in flight then spilled, and 2 spilled for fp16.
 template <typename T>
-__global__ void __launch_bounds__(kSkThreads, 5)
+__global__ void __launch_bounds__(kSkThreads, 4)
     BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
   SPECSERVE_DYNAMIC_SHARED(float, ba_smem);
   // A graph's launch is sized to the capacity; the step's work is shorter.
@@ -375,33 +382,50 @@ __global__ void __launch_bounds__(kSkThreads, 5)
     __syncthreads();  // previous tile fully consumed (and Q stored)
     if (vec_rows) {
       const int chunks = D / kVec;
-      for (int idx = threadIdx.x; idx < KT * chunks; idx += blockDim.x) {
-        const int j = idx / chunks, d0 = (idx % chunks) * kVec;
-        uint4 kraw = make_uint4(0, 0, 0, 0), vraw = make_uint4(0, 0, 0, 0);
-        if (j < nk) {
-          const int t = k0 + j;
-          const size_t phys =
-              static_cast<size_t>(table[t / bs]) * bs + t % bs;
-          const size_t src = (phys * KV + g) * D + d0;
-          kraw = *reinterpret_cast<const uint4*>(kc + src);
-          vraw = *reinterpret_cast<const uint4*>(vc + src);
-        }
-        // memcpy, not a pointer cast: the defined way to view the loaded
-        // bits as T (registers after optimisation).
-        T kvals[kVec], vvals[kVec];
-        memcpy(kvals, &kraw, sizeof(kraw));
-        memcpy(vvals, &vraw, sizeof(vraw));
-        // Zero bits are 0.0 in every dtype: padding keys stay zero. Two
-        // float4 stores a row each (rows and d0 are multiples of 4 floats):
-        // a quarter of the scalar stores' instructions.
+      const int total = KT * chunks;
+      // kBaLoadsInFlight loads of K and of V issued before any is used: a
+      // block walks its keys tile by tile, so the tile's load latency is
+      // paid once per round of this loop, not once per 16 bytes.
+      for (int idx0 = threadIdx.x; idx0 < total;
+           idx0 += kBaLoadsInFlight * blockDim.x) {
+        uint4 kraw[kBaLoadsInFlight], vraw[kBaLoadsInFlight];
 #pragma unroll
-        for (int e = 0; e < kVec; e += 4) {
-          *reinterpret_cast<float4*>(Ks + j * LD + d0 + e) = make_float4(
-              ToF32<T>(kvals[e]), ToF32<T>(kvals[e + 1]),
-              ToF32<T>(kvals[e + 2]), ToF32<T>(kvals[e + 3]));
-          *reinterpret_cast<float4*>(Vs + j * D + d0 + e) = make_float4(
-              ToF32<T>(vvals[e]), ToF32<T>(vvals[e + 1]),
-              ToF32<T>(vvals[e + 2]), ToF32<T>(vvals[e + 3]));
+        for (int u = 0; u < kBaLoadsInFlight; ++u) {
+          const int idx = idx0 + u * static_cast<int>(blockDim.x);
+          const int j = idx / chunks, d0 = (idx % chunks) * kVec;
+          kraw[u] = make_uint4(0, 0, 0, 0);
+          vraw[u] = make_uint4(0, 0, 0, 0);
+          if (idx < total && j < nk) {
+            const int t = k0 + j;
+            const size_t phys =
+                static_cast<size_t>(table[t / bs]) * bs + t % bs;
+            const size_t src = (phys * KV + g) * D + d0;
+            kraw[u] = *reinterpret_cast<const uint4*>(kc + src);
+            vraw[u] = *reinterpret_cast<const uint4*>(vc + src);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBaLoadsInFlight; ++u) {
+          const int idx = idx0 + u * static_cast<int>(blockDim.x);
+          if (idx >= total) break;
+          const int j = idx / chunks, d0 = (idx % chunks) * kVec;
+          // memcpy, not a pointer cast: the defined way to view the loaded
+          // bits as T (registers after optimisation).
+          T kvals[kVec], vvals[kVec];
+          memcpy(kvals, &kraw[u], sizeof(kraw[u]));
+          memcpy(vvals, &vraw[u], sizeof(vraw[u]));
+          // Zero bits are 0.0 in every dtype: padding keys stay zero. Two
+          // float4 stores a row each (rows and d0 are multiples of 4
+          // floats): a quarter of the scalar stores' instructions.
+#pragma unroll
+          for (int e = 0; e < kVec; e += 4) {
+            *reinterpret_cast<float4*>(Ks + j * LD + d0 + e) = make_float4(
+                ToF32<T>(kvals[e]), ToF32<T>(kvals[e + 1]),
+                ToF32<T>(kvals[e + 2]), ToF32<T>(kvals[e + 3]));
+            *reinterpret_cast<float4*>(Vs + j * D + d0 + e) = make_float4(
+                ToF32<T>(vvals[e]), ToF32<T>(vvals[e + 1]),
+                ToF32<T>(vvals[e + 2]), ToF32<T>(vvals[e + 3]));
+          }
         }
       }
     } else {

@@ -13,6 +13,18 @@ namespace cuda_kernels {
 inline constexpr int kBatchedAttentionQueryTile = 16;
 /// At most this many key splits per sequence.
 inline constexpr int kBatchedAttentionMaxSplits = 64;
+/// Sequences are split (flash-decoding) only while the step's unsplit
+/// blocks are fewer than this many per multiprocessor: below it the GPU
+/// would idle.
+inline constexpr int kBatchedAttentionSplitBelowBlocksPerSm = 2;
+/// Once splitting, the keys are cut for about this many blocks per
+/// multiprocessor: one wave at the kernel's occupancy (its launch bounds,
+/// 4 blocks an SM). A decode block walks its keys tile by tile, load then
+/// compute, so it is bound by memory latency, not bandwidth: more blocks
+/// in flight, each with fewer tiles, is what speeds up a long context.
+/// (2 until 2026-11-29: on an H200 one decode row at 32K tokens then took
+/// ~0.75 ms a layer, ~180 GB/s.)
+inline constexpr int kBatchedAttentionSplitBlocksPerSm = 4;
 /// A split covers at least this many keys: fewer do not pay for the merge.
 inline constexpr int kBatchedAttentionMinSplitKeys = 64;
 

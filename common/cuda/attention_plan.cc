@@ -39,10 +39,12 @@ absl::StatusOr<BatchedAttentionPlan> PlanBatchedAttention(
   if (rows > INT32_MAX / std::max(num_heads, 1)) {
     return absl::InvalidArgumentError("batched attention: too many rows");
   }
-  const int64_t want = 2 * int64_t{std::max(num_sms, 1)};
+  const int64_t sms = std::max(num_sms, 1);
+  const int64_t want = kBatchedAttentionSplitBlocksPerSm * sms;
   // Keys per split: the whole context unless the GPU would idle.
   int64_t chunk = INT64_MAX;
-  if (base_blocks > 0 && base_blocks < want) {
+  if (base_blocks > 0 &&
+      base_blocks < kBatchedAttentionSplitBelowBlocksPerSm * sms) {
     chunk = std::max<int64_t>((key_work + want - 1) / want,
                               kBatchedAttentionMinSplitKeys);
     chunk = (chunk + 31) / 32 * 32;
@@ -116,8 +118,15 @@ BatchedAttentionCapacity BatchedAttentionCapacityFor(int max_rows,
   const int64_t tiles =
       (int64_t{max_rows} * group + (kBatchedAttentionQueryTile - 1) * seqs) /
       kBatchedAttentionQueryTile;
+  // Split blocks: sum tiles x ceil(keys / chunk) x kv heads <= key work /
+  // chunk + unsplit blocks < want + the split threshold (PlanBatched-
+  // Attention's chunk is at least key work / want).
   const int64_t split_work =
-      (4 * int64_t{std::max(num_sms, 1)} + num_kv_heads - 1) / num_kv_heads;
+      ((kBatchedAttentionSplitBlocksPerSm +
+        kBatchedAttentionSplitBelowBlocksPerSm) *
+           int64_t{std::max(num_sms, 1)} +
+       num_kv_heads - 1) /
+      num_kv_heads;
   cap.num_work = static_cast<int>(std::max(tiles, split_work));
   cap.num_combine = max_rows;
   cap.partial_triples =

@@ -55,10 +55,11 @@ struct BatchedAttentionPlan {
 /// Plans one launch over `seqs` (rows concatenated in order) for grouped-
 /// query attention with `num_heads` query and `num_kv_heads` kv heads on a
 /// GPU with `num_sms` multiprocessors. Splits: none while the blocks
-/// without splits (query tiles x kv heads) already fill about two per SM;
-/// otherwise the total key work (tiles x keys) is cut into chunks of equal
-/// size (>= kBatchedAttentionMinSplitKeys keys, a multiple of 32) so that
-/// about 2 * num_sms blocks run, and each sequence gets ceil(keys / chunk)
+/// without splits (query tiles x kv heads) already number
+/// kBatchedAttentionSplitBelowBlocksPerSm per SM; otherwise the total key
+/// work (tiles x keys) is cut into chunks of equal size (>=
+/// kBatchedAttentionMinSplitKeys keys, a multiple of 32) so that about
+/// kBatchedAttentionSplitBlocksPerSm * num_sms blocks run, and each sequence gets ceil(keys / chunk)
 /// splits (at most kBatchedAttentionMaxSplits): long contexts get more,
 /// short ones stay whole. Sequences with 0 rows get no blocks.
 /// total_rows: the end of the last rows (max of row_start + rows).
@@ -80,8 +81,9 @@ size_t BatchedAttentionWorkspaceBytes(const BatchedAttentionPlan& plan,
 /// past the step's real counts return at once. Without splits the work is
 /// the query tiles, sum ceil(rows * group / 16) <= (rows * group + 15 *
 /// seqs) / 16; with splits the chunk rule keeps tiles x splits x kv heads
-/// below twice 2 * num_sms, and a split sequence's rows are at most 16 /
-/// group per tile.
+/// below (kBatchedAttentionSplitBlocksPerSm +
+/// kBatchedAttentionSplitBelowBlocksPerSm) * num_sms, and a split
+/// sequence's rows are at most 16 / group per tile.
 struct BatchedAttentionCapacity {
   int num_work = 0;
   int num_combine = 0;

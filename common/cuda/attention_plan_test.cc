@@ -86,12 +86,14 @@ TEST(AttentionPlanTest, OneDecodeRowOverALongContextSplits) {
       PlanBatchedAttention(seqs, 32, 8, 132);
   ASSERT_TRUE(p.ok()) << p.status();
   CheckPlan(seqs, 32, 8, *p);
-  // 1 tile x 8 kv heads = 8 blocks < 264: the 8 x 32768 keys of work cut
-  // for ~264 blocks gives chunks of 993 -> 1024 keys: 32 splits.
-  EXPECT_EQ(Info(*p, 0)[kSeqSplits], 32);
-  EXPECT_EQ(Info(*p, 0)[kSeqKeysPerSplit], 1024);
+  // 1 tile x 8 kv heads = 8 blocks < 2 x 132: the 8 x 32768 keys of work
+  // cut for ~4 x 132 = 528 blocks gives chunks of 497 -> 512 keys: 64
+  // splits.
+  EXPECT_EQ(Info(*p, 0)[kSeqSplits], 64);
+  EXPECT_EQ(Info(*p, 0)[kSeqKeysPerSplit], 512);
+  EXPECT_EQ(p->num_work(), 64);
   EXPECT_EQ(p->num_combine(), 1);
-  EXPECT_EQ(p->partial_triples, 32 * 32);
+  EXPECT_EQ(p->partial_triples, 64 * 32);
 }
 
 TEST(AttentionPlanTest, LongerContextsGetMoreSplits) {
