@@ -103,6 +103,20 @@ struct TargetServer::Metrics {
                 .Help("Sessions per batched forward of the scheduler")
                 .Register(r)
                 .Add({}, ExponentialBuckets(1, 2, 10))),
+        forward_seconds(
+            prometheus::BuildHistogram()
+                .Name("specserve_target_forward_seconds")
+                .Help("Time of each batched forward of the scheduler")
+                .Register(r)
+                .Add({}, ExponentialBuckets(1e-5, 2, 20))),
+        step_gap_seconds(
+            prometheus::BuildHistogram()
+                .Name("specserve_target_step_gap_seconds")
+                .Help("Host time between two back-to-back batched forwards "
+                      "(finishing rounds, waiting for streams' next "
+                      "rounds, planning): the device idles for it")
+                .Register(r)
+                .Add({}, ExponentialBuckets(1e-6, 2, 24))),
         batch_tokens(prometheus::BuildHistogram()
                          .Name("specserve_target_batch_tokens")
                          .Help("Rows (tokens) per batched forward, at most "
@@ -154,6 +168,8 @@ struct TargetServer::Metrics {
   prometheus::Counter& preemptions;
   prometheus::Family<prometheus::Counter>& requests;
   prometheus::Histogram& batch_sequences;
+  prometheus::Histogram& forward_seconds;
+  prometheus::Histogram& step_gap_seconds;
   prometheus::Histogram& batch_tokens;
   prometheus::Gauge& kv_cache_usage;
   prometheus::Gauge& waiting;
@@ -720,6 +736,8 @@ absl::StatusOr<std::unique_ptr<TargetServer>> TargetServer::Create(
         if (st.sequences > 0) {
           m->batch_sequences.Observe(st.sequences);
           m->batch_tokens.Observe(st.rows);
+          m->forward_seconds.Observe(st.forward_ns * 1e-9);
+          if (st.gap_ns > 0) m->step_gap_seconds.Observe(st.gap_ns * 1e-9);
         }
         m->preemptions.Increment(st.preempted);
         m->waiting_for_kv.store(st.waiting_for_kv);

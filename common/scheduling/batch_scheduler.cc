@@ -75,7 +75,13 @@ void BatchScheduler::Loop() {
           },
           this);
       if (works.empty()) {
+        // Idle time is not host time between forwards (StepStats::gap_ns):
+        // the reference moves past the sleep.
+        const int64_t idle_from = MonotonicNowNs();
         mu_.Await(arrived);
+        if (last_forward_end_ns_ > 0) {
+          last_forward_end_ns_ += MonotonicNowNs() - idle_from;
+        }
       } else if (last_sequences == 0) {
         mu_.AwaitWithTimeout(arrived, absl::Milliseconds(1));
       }
@@ -224,8 +230,10 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
   } else {
     std::vector<ForwardOutput> outs;
     const int64_t t0 = MonotonicNowNs();
+    if (last_forward_end_ns_ > 0) stats.gap_ns = t0 - last_forward_end_ns_;
     const absl::Status fs = model_->Forward(batch, &outs);
-    stats.forward_ns = MonotonicNowNs() - t0;
+    last_forward_end_ns_ = MonotonicNowNs();
+    stats.forward_ns = last_forward_end_ns_ - t0;
     stats.sequences = static_cast<int>(batch.size());
     for (size_t b = 0; b < planned.size(); ++b) {
       const size_t i = planned[b];
@@ -242,6 +250,7 @@ int BatchScheduler::Step(std::vector<Entry>* works, Ended* ended) {
       }
     }
   }
+  if (stats.sequences == 0) last_forward_end_ns_ = 0;
   std::vector<Entry> keep;
   for (size_t i = 0; i < works->size(); ++i) {
     if (!gone[i]) keep.push_back(std::move((*works)[i]));

@@ -126,6 +126,12 @@ class BatchScheduler {
     /// recompute later: vLLM's num_preemptions).
     int preempted = 0;
     int64_t forward_ns = 0;  ///< the batched forward's time
+    /// Host time between the previous step's forward and this one's, when
+    /// both steps forwarded (else 0): finishing and completing works,
+    /// waiting for streams to send their next round, planning, claiming
+    /// blocks; not the time the loop slept with no work at all. The GPU
+    /// idles for it (nothing overlaps a forward).
+    int64_t gap_ns = 0;
   };
   /// Called on the loop thread after every step that forwarded,
   /// preempted or left a work waiting, and once after the first step that
@@ -174,6 +180,9 @@ class BatchScheduler {
   SessionRegistry registry_;  // the sessions works were submitted for
   const StepObserver on_step_;
   bool reported_busy_ = false;  // the last report was not all zeros (loop)
+  // When the last step's forward ended; 0 if that step did not forward
+  // (loop thread only).
+  int64_t last_forward_end_ns_ = 0;
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<BatchedWork>> incoming_ ABSL_GUARDED_BY(mu_);
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;

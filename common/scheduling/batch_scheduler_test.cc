@@ -5,7 +5,10 @@
 #include <random>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/speculation/draft_session.h"
 #include "common/scheduling/session_work.h"
 #include "common/engine/test_util.h"
@@ -452,6 +455,66 @@ TEST_F(BatchSchedulerTest, WorkInFlightDoesNotWaitForEndedOnes) {
                   .ok());
   again_n.WaitForNotification();
   EXPECT_LT(again_done - again, absl::Seconds(1.5));
+}
+
+// StepsWork whose every CompleteForward takes `host` of host time, as a
+// round's bookkeeping on the loop thread would.
+class SlowStepsWork : public StepsWork {
+ public:
+  SlowStepsWork(ModelRunner* model, int steps, absl::Duration host,
+                absl::Time* done, absl::Notification* n)
+      : StepsWork(model, steps, done, n), host_(host) {}
+  absl::Status CompleteForward(const ForwardOutput& out) override {
+    absl::SleepFor(host_);
+    return StepsWork::CompleteForward(out);
+  }
+
+ private:
+  absl::Duration host_;
+};
+
+// StepStats::gap_ns is the host time between two back-to-back forwards
+// (what the target's step_gap_seconds reports): at least the works' host
+// time between busy steps, never the forward itself, and not the time the
+// loop slept with nothing to do (0 before the first forward ever).
+TEST_F(BatchSchedulerTest, StepGapIsTheHostTimeBetweenForwards) {
+  absl::Mutex mu;
+  std::vector<BatchScheduler::StepStats> steps;
+  auto sched = BatchScheduler::Create(
+      model_.get(), BatchScheduler::Options{},
+      [&](const BatchScheduler::StepStats& st) {
+        absl::MutexLock lock(&mu);
+        if (st.sequences > 0) steps.push_back(st);
+      });
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  constexpr absl::Duration kHost = absl::Milliseconds(30);
+  for (int round = 0; round < 2; ++round) {  // two busy periods, idle between
+    absl::Time done;
+    absl::Notification n;
+    ASSERT_TRUE((*sched)
+                    ->Submit(std::make_unique<SlowStepsWork>(
+                        model_.get(), 4, kHost, &done, &n))
+                    .ok());
+    n.WaitForNotification();
+    absl::SleepFor(absl::Milliseconds(50));  // the loop goes idle
+  }
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(steps.size(), 8u);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_GT(steps[i].forward_ns, 0);
+    if (i == 0) {
+      EXPECT_EQ(steps[i].gap_ns, 0);
+    } else if (i % 4 == 0) {  // after the last work's host time and 50 ms idle
+      EXPECT_GE(steps[i].gap_ns, absl::ToInt64Nanoseconds(kHost));
+      EXPECT_LT(steps[i].gap_ns, absl::ToInt64Nanoseconds(kHost) +
+                                     absl::ToInt64Nanoseconds(
+                                         absl::Milliseconds(40)));
+    } else {
+      EXPECT_GE(steps[i].gap_ns, absl::ToInt64Nanoseconds(kHost));
+      EXPECT_LT(steps[i].gap_ns, absl::ToInt64Nanoseconds(10 * kHost));
+    }
+  }
 }
 
 // max_works (the speculator's --max_queue) refuses work past the limit of

@@ -8,7 +8,16 @@ streams), its ratio to the first level, requests, and failures.
 
   tools/gpu/http_load.py --url http://127.0.0.1:8000 --vocab 128256 \
       [--streams 1,16,64,128] [--prompt_tokens 256] [--new_tokens 128] \
-      [--requests_per_stream 2] [--spec]
+      [--requests_per_stream 2] [--spec] \
+      [--target_metrics http://127.0.0.1:9092/metrics]
+
+With --target_metrics (the target service's Prometheus endpoint), each
+level also reports what the target's scheduler did meanwhile: forwards,
+sequences and rows per forward, the mean forward time, the mean host gap
+between back-to-back forwards (specserve_target_step_gap_seconds) and the
+share of the level's wall time spent in forwards. Output tokens/s well
+below the engine's batched decode with a busy share near 100% means the
+forwards are slow; a low share means host time between them.
 
 Exit status 1 if any request failed.
 """
@@ -30,6 +39,49 @@ def completion(url, body, timeout):
         headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)["usage"]["completion_tokens"]
+
+
+TARGET_SERIES = (
+    "specserve_target_forward_seconds_sum",
+    "specserve_target_forward_seconds_count",
+    "specserve_target_step_gap_seconds_sum",
+    "specserve_target_step_gap_seconds_count",
+    "specserve_target_batch_sequences_sum",
+    "specserve_target_batch_tokens_sum",
+)
+
+
+def scrape(url):
+    """The TARGET_SERIES values at a Prometheus text endpoint ({} on error)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        print("  metrics: %s" % e, file=sys.stderr)
+        return {}
+    values = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in TARGET_SERIES:
+            values[parts[0]] = float(parts[1])
+    return values
+
+
+def step_columns(before, after, secs):
+    """The scheduler's columns for one level from two scrapes."""
+    if not before or not after:
+        return " | | | | | |"
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in TARGET_SERIES}
+    forwards = d["specserve_target_forward_seconds_count"]
+    gaps = d["specserve_target_step_gap_seconds_count"]
+    per = lambda k, n: d[k] / n if n else 0.0
+    return " %d | %.1f | %.0f | %.2f | %.2f | %.0f%% |" % (
+        forwards,
+        per("specserve_target_batch_sequences_sum", forwards),
+        per("specserve_target_batch_tokens_sum", forwards),
+        1e3 * per("specserve_target_forward_seconds_sum", forwards),
+        1e3 * per("specserve_target_step_gap_seconds_sum", gaps),
+        100.0 * d["specserve_target_forward_seconds_sum"] / max(secs, 1e-9))
 
 
 def run_level(a, streams):
@@ -84,20 +136,34 @@ def main():
                     help="leave Speculative Prefill and decoding to the "
                          "router's defaults")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--target_metrics", default="",
+                    help="the target's /metrics URL: adds its scheduler's "
+                         "forwards, batch sizes, forward and gap times")
     a = ap.parse_args()
-    print("| concurrent streams | output tok/s | x first level | requests "
-          "| failed |")
-    print("|---|---|---|---|---|")
+    head = "| concurrent streams | output tok/s | x first level | requests " \
+           "| failed |"
+    rule = "|---|---|---|---|---|"
+    if a.target_metrics:
+        head += " forwards | seqs/forward | rows/forward | forward ms " \
+                "| gap ms | in forwards |"
+        rule += "---|---|---|---|---|---|"
+    print(head)
+    print(rule)
     first = None
     failed = 0
     for n in [int(x) for x in a.streams.split(",") if x]:
+        before = scrape(a.target_metrics) if a.target_metrics else None
         r = run_level(a, n)
+        after = scrape(a.target_metrics) if a.target_metrics else None
         rate = r["tokens"] / max(r["secs"], 1e-9)
         first = first or rate
         failed += r["failed"]
-        print("| %d | %.1f | %.1fx | %d | %d |" % (
+        row = "| %d | %.1f | %.1fx | %d | %d |" % (
             n, rate, rate / first if first else 0.0, r["requests"],
-            r["failed"]), flush=True)
+            r["failed"])
+        if a.target_metrics:
+            row += step_columns(before, after, r["secs"])
+        print(row, flush=True)
         if r["failed"]:
             print("  last error: %s" % r["error"], file=sys.stderr)
     return 1 if failed else 0

@@ -125,6 +125,7 @@ launch target_service --model "$TARGET" --port 0 --metrics_port 0 \
   --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}" \
   ${EXTRA[@]+"${EXTRA[@]}"}
 TPORT=$(port target_service)
+TMPORT=$(sed -n 's/.*metrics on \([0-9]*\).*/\1/p' "$LOGS/target_service.log" | head -1)
 HPORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); \
 print(s.getsockname()[1]); s.close()")
 RPORT=$(start router --port 0 --metrics_port 0 --http_port "$HPORT" \
@@ -213,7 +214,8 @@ if [ -n "$STREAMS" ]; then
     --vocab "$VOCAB" --streams "${STREAMS// /,}" \
     --prompt_tokens "${STREAM_PROMPT_TOKENS:-256}" \
     --new_tokens "${STREAM_NEW_TOKENS:-128}" \
-    --requests_per_stream "${STREAM_REQUESTS:-2}"
+    --requests_per_stream "${STREAM_REQUESTS:-2}" \
+    ${TMPORT:+--target_metrics "http://127.0.0.1:$TMPORT/metrics"}
 fi
 
 if [ "${ANCHOR:-auto}" != off ] && [ -n "$STREAMS" ] &&
