@@ -36,7 +36,8 @@
 # counts passed, else 0), SPECULATOR /
 # TARGET (the stack's models: no checkpoints are written), SESSION (the carried folder,
 # default .device/session), RESULTS (default $OUT, else
-# bench/results/session), DEVICE_SESSION_DRY=1 (check the bundle and print
+# bench/results/session; under the device tool, a folder in /tmp that is
+# packed into $OUT after every phase, see PACK), DEVICE_SESSION_DRY=1 (check the bundle and print
 # the plan; run nothing: the CI check). Exit status: 0 when every phase
 # that ran passed, 1 otherwise, 3 if the bundle is missing or incomplete.
 set -uo pipefail
@@ -45,12 +46,29 @@ T0=$SECONDS
 BUDGET_S=${BUDGET_S:-560}
 PHASES=${PHASES:-"tests engine stack suite torch"}
 SESSION=${SESSION:-.device/session}
-RESULTS=${RESULTS:-${OUT:-bench/results/session}}
+# The device tool returns at most 8 files from $OUT, and the phases write
+# more (logs, JSON, the services' logs): under the tool the results are
+# written in /tmp and packed after every phase into $OUT/results.tar.gz,
+# with summary.md beside it, so a call stopped at its limit still returns
+# what the finished phases wrote.
+if [ -z "${RESULTS:-}" ] && [ -n "${OUT:-}" ]; then
+  RESULTS=/tmp/device_session_results
+  PACK=${PACK:-$OUT}
+fi
+RESULTS=${RESULTS:-bench/results/session}
+PACK=${PACK:-}
 GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:ModelTest*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:CudaTest.Cudnn*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
 STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
 export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 DRY=${DEVICE_SESSION_DRY:-0}
 mkdir -p "$RESULTS"
+pack() {
+  [ -n "$PACK" ] && [ "$DRY" != 1 ] || return 0
+  tar -czf "$PACK/results.tar.gz.part" -C "$RESULTS" . 2>/dev/null &&
+    mv -f "$PACK/results.tar.gz.part" "$PACK/results.tar.gz"
+  [ -s "$SUMMARY" ] && cp -f "$SUMMARY" "$PACK/summary.md"
+  return 0
+}
 SUMMARY="$RESULTS/summary.md"
 
 # The bundle: bundle_device.sh packs the test / bench bundle and the stack
@@ -138,6 +156,7 @@ phase() {
   [ "$rc" = 0 ] || FAILED=1
   ROWS+=("| $name | $([ "$rc" = 0 ] && echo passed || echo "failed ($rc)") | $((SECONDS - start)) |")
   echo "device_session: $name: exit $rc after $((SECONDS - start)) s" >&2
+  pack
 }
 # A stop of the whole call (the device tool's limit) stops every phase.
 RUNNING=
@@ -267,5 +286,6 @@ has torch && phase torch 60 240 \
   fi
   [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }
 } > "$SUMMARY"
+pack
 cat "$SUMMARY"
 exit "$FAILED"
