@@ -1293,6 +1293,95 @@ TEST_F(BatchedAttentionTest, SequenceWithoutRows) {
         1e-5);
 }
 
+// Prints the batched kernel's time and K / V read rate for one sequence's
+// decode row (and a k = 4 verify round) over a long context, Llama 3's
+// shapes (32 query heads over 8 kv heads, head_dim 128 and 64), blocks of
+// 16 shuffled in the pool as a server's are, planned for the device's
+// multiprocessors and for 2x and 4x as many (more, smaller splits). The
+// decode step of a 32K context is bound by these reads: 134 MB a layer at
+// head_dim 128. Values are not checked here (the tests above do).
+TEST_F(CudaTest, ReportsTimeOfBatchedAttentionOverLongContexts) {
+  int sms = 0;
+  ASSERT_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  constexpr int kH = 32, kKV = 8, kBs = 16;
+  const CudaDType dt = CudaDType::kBF16;
+  for (const int D : {128, 64}) {
+    for (const int ctx : {4096, 32768}) {
+      for (const int rows : {1, 5}) {
+        if (rows > 1 && (ctx != 32768 || D != 128)) continue;
+        const int blocks = (ctx + rows + kBs - 1) / kBs;
+        std::vector<int> table(blocks);
+        std::iota(table.begin(), table.end(), 0);
+        std::shuffle(table.begin(), table.end(), rng_);
+        const size_t pool = static_cast<size_t>(blocks) * kBs * kKV * D;
+        DeviceBuffer d_k = UploadAs(Normal(pool), dt);
+        DeviceBuffer d_v = UploadAs(Normal(pool), dt);
+        DeviceBuffer d_q =
+            UploadAs(Normal(static_cast<size_t>(rows) * kH * D), dt);
+        DeviceBuffer d_out = Poisoned(static_cast<size_t>(rows) * kH * D * 2);
+        DeviceBuffer d_table = Upload(table);
+        for (const int scale : {1, 2, 4}) {
+          absl::StatusOr<ck::BatchedAttentionPlan> plan =
+              ck::PlanBatchedAttention({{rows, ctx, 0}}, kH, kKV, scale * sms);
+          ASSERT_TRUE(plan.ok()) << plan.status();
+          DeviceBuffer d_info = Upload(plan->seq_info);
+          DeviceBuffer d_work = Upload(plan->work);
+          DeviceBuffer d_combine =
+              plan->combine.empty() ? DeviceBuffer() : Upload(plan->combine);
+          const size_t ws = ck::BatchedAttentionWorkspaceBytes(*plan, D);
+          DeviceBuffer d_ws = ws > 0 ? Poisoned(ws) : DeviceBuffer();
+          ck::BatchedAttentionArgs a;
+          a.q = d_q.get();
+          a.k_cache = d_k.get();
+          a.v_cache = d_v.get();
+          a.out = d_out.get();
+          a.dtype = dt;
+          a.num_heads = kH;
+          a.num_kv_heads = kKV;
+          a.head_dim = D;
+          a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+          a.block_tables = d_table.as<int>();
+          a.block_size = kBs;
+          a.seq_info = d_info.as<int>();
+          a.work = d_work.as<int>();
+          a.num_work = plan->num_work();
+          a.combine = d_combine.as<int>();
+          a.num_combine = plan->num_combine();
+          a.workspace = d_ws.get();
+          a.partial_triples = plan->partial_triples;
+          for (int w = 0; w < 3; ++w) {
+            EXPECT_LAUNCH_OK(ck::BatchedAttention(a, nullptr));
+          }
+          cudaEvent_t start, stop;
+          ASSERT_CUDA_OK(cudaEventCreate(&start));
+          ASSERT_CUDA_OK(cudaEventCreate(&stop));
+          constexpr int kReps = 20;
+          ASSERT_CUDA_OK(cudaEventRecord(start));
+          for (int r = 0; r < kReps; ++r) {
+            EXPECT_LAUNCH_OK(ck::BatchedAttention(a, nullptr));
+          }
+          ASSERT_CUDA_OK(cudaEventRecord(stop));
+          ASSERT_CUDA_OK(cudaEventSynchronize(stop));
+          float ms = 0.0f;
+          ASSERT_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+          cudaEventDestroy(start);
+          cudaEventDestroy(stop);
+          const double us = 1e3 * ms / kReps;
+          const double bytes = 2.0 * (ctx + rows) * kKV * D * 2;
+          const int* info = plan->seq_info.data();
+          std::printf(
+              "batched attention D=%d context %d rows %d, planned for %d "
+              "SMs: %d blocks (%d splits of %d keys): %.1f us, %.0f GB/s of "
+              "K / V\n",
+              D, ctx, rows, scale * sms, plan->num_work() * kKV,
+              info[ck::kSeqSplits], info[ck::kSeqKeysPerSplit], us,
+              bytes / us * 1e-3);
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Speculative Prefill scoring kernels vs ImportanceAccumulator
 // ---------------------------------------------------------------------------
