@@ -343,18 +343,33 @@ __global__ void __launch_bounds__(kSkThreads, 4)
   const T* kc = static_cast<const T*>(a.k_cache);
   const T* vc = static_cast<const T*>(a.v_cache);
 
-  const int qi = threadIdx.x >> 3, sub = threadIdx.x & 7;
+  // Key groups: a tile with few queries (a decode row at GQA 4 fills 4 of
+  // the 16 slots) would leave 3 of the 4 warps idle at every barrier while
+  // one warp scores and sums the whole key tile; instead the 16 slots are
+  // `kgroups` groups of the tile's queries, each group taking its own
+  // share of the tile's keys with an online softmax of its own, merged
+  // once at the end. ncu on an H200 (2026-11-29, one decode row, 32K
+  // keys): 64% of the issue stalls were warps waiting at a barrier. Each
+  // lane keeps at least one key of a group: KT / kgroups >= 8.
+  const int tile_queries = min(kSkQueries, nq - q0);
+  int kgroups = tile_queries <= 4 ? 4 : tile_queries <= 8 ? 2 : 1;
+  kgroups = min(kgroups, KT / 8);
+  const int qpg = kSkQueries / kgroups;  // query slots of a group
+  const int kpg = KT / kgroups;          // keys of a tile a group takes
+  const int slot = threadIdx.x >> 3, sub = threadIdx.x & 7;
+  const int qi = slot % qpg, kg = slot / qpg;
+  const int kbase = kg * kpg;
   const int flat = q0 + qi;
   const bool valid = flat < nq;
   const int r = valid ? flat / group : 0;
   const int h = g * group + (valid ? flat % group : 0);
   const int qslot = first + r;
-  // Warp w holds query slots 4w..4w+3. A warp whose slots all lie past the
-  // tile's queries (at GQA 4 a decode row fills 4 of the 16) skips the
-  // P V loop: its sums are never written, and that loop is most of the
+  // Warp w holds slots 4w..4w+3, queries 4w % qpg and the next 3 of one
+  // group. A warp whose queries all lie past the tile's skips the P V
+  // loop: its sums are never written, and that loop is most of the
   // block's shared-memory reads.
   const bool warp_has_query =
-      q0 + 4 * static_cast<int>(threadIdx.x >> 5) < nq;
+      q0 + (4 * static_cast<int>(threadIdx.x >> 5)) % qpg < nq;
 
   const int last_flat = min(nq, q0 + kSkQueries) - 1;
   const int kmax = first + last_flat / group + 1;
@@ -450,9 +465,11 @@ __global__ void __launch_bounds__(kSkThreads, 4)
     float tmax = -INFINITY;
 #pragma unroll
     for (int t = 0; t < kSkMaxKeysPerThread; ++t) {
-      const int j = sub + 8 * t;
+      // This lane's t-th key of its group: local index sub + 8t (its P
+      // entry), tile key kbase + sub + 8t.
+      const int j = kbase + sub + 8 * t;
       float x = -INFINITY;
-      if (j < KT && valid && j < nk && k0 + j <= qslot &&
+      if (sub + 8 * t < kpg && valid && j < nk && k0 + j <= qslot &&
           TreeVisible(a.tree_start, a.tree_mask, row0 + r, k0 + j)) {
         const float* qr = Qs + qi * LD;
         const float* kr = Ks + j * LD;
@@ -479,8 +496,50 @@ __global__ void __launch_bounds__(kSkThreads, 4)
       sc[t] = x;
       tmax = fmaxf(tmax, x);
     }
-    OnlineSoftmaxStep(sc, tmax, sub, KT, Ps + qi * KT, m, l, acc);
-    if (warp_has_query) AccumulateValues(Ps + qi * KT, Vs, nk, D, sub, acc);
+    OnlineSoftmaxStep(sc, tmax, sub, kpg, Ps + slot * KT, m, l, acc);
+    if (warp_has_query) {
+      AccumulateValues(Ps + slot * KT, Vs + kbase * D,
+                       max(0, min(kpg, nk - kbase)), D, sub, acc);
+    }
+  }
+
+  if (kgroups > 1) {
+    // Merge the groups' (max, sum, output) of each query into group 0's
+    // lanes, through the K tile's shared memory (KT * LD >= 2 * 16 + 16 *
+    // D floats at KT = 32).
+    __syncthreads();  // every warp is done with the tiles
+    float* Mx = Ks;                 // [16] group maxima, base 2
+    float* Lx = Mx + kSkQueries;    // [16] sums
+    float* Ax = Lx + kSkQueries;    // [16][D] unnormalised outputs
+    if (sub == 0) {
+      Mx[slot] = m;
+      Lx[slot] = l;
+    }
+#pragma unroll
+    for (int jj = 0; jj < kSkMaxDims; ++jj) {
+      const int d = sub + 8 * jj;
+      if (d < D) Ax[slot * D + d] = acc[jj];
+    }
+    __syncthreads();
+    if (kg != 0) return;
+    float mm = -INFINITY;
+    for (int k2 = 0; k2 < kgroups; ++k2) mm = fmaxf(mm, Mx[qi + k2 * qpg]);
+    float ll = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] = 0.0f;
+    for (int k2 = 0; k2 < kgroups; ++k2) {
+      const int sl = qi + k2 * qpg;
+      // A group that saw no visible key has max -inf and adds nothing.
+      const float w = Mx[sl] == -INFINITY ? 0.0f : exp2f(Mx[sl] - mm);
+      ll += Lx[sl] * w;
+#pragma unroll
+      for (int jj = 0; jj < kSkMaxDims; ++jj) {
+        const int d = sub + 8 * jj;
+        if (d < D) acc[jj] = fmaf(Ax[sl * D + d], w, acc[jj]);
+      }
+    }
+    m = mm;
+    l = ll;
   }
 
   if (!valid) return;
