@@ -349,10 +349,8 @@ bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
       return false;
     }
     cudnn_ = *std::move(created);
-    cudnn_->set_kv_buckets(cudnn_kv_buckets_);
-    std::fprintf(stderr, "prefill attention: cuDNN %zu%s\n",
-                 CudnnAttention::LibraryVersion(),
-                 cudnn_kv_buckets_ ? ", key counts bucketed" : "");
+    std::fprintf(stderr, "prefill attention: cuDNN %zu\n",
+                 CudnnAttention::LibraryVersion());
   }
   const int built = cudnn_->plans_built();
   const absl::Status prepared = cudnn_->Prepare(shape);
@@ -378,12 +376,6 @@ bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
     }
   }
   return prepared.ok();
-}
-
-void CudaModelRunner::set_cudnn_kv_buckets(bool enabled) {
-  absl::MutexLock lock(&mu_);
-  cudnn_kv_buckets_ = enabled;
-  if (cudnn_ != nullptr) cudnn_->set_kv_buckets(enabled);
 }
 
 void CudaModelRunner::set_cuda_graphs(bool enabled) {
@@ -1068,8 +1060,8 @@ absl::Status CudaModelRunner::Run(
       const CudnnSdpaShape shape{a.n, a.first + a.n, H, KV, D, dt};
       use_cudnn[i] = ValidateCudnnSdpaShape(shape).ok() && CudnnSupports(shape);
       if (use_cudnn[i]) {  // cuDNN reads the padded shape's keys
-        const int rows = PaddedCudnnSdpaShape(shape, cudnn_kv_buckets_).s_kv;
-        cudnn_kv_bytes = std::max(cudnn_kv_bytes, tb * rows * KV * D);
+        cudnn_kv_bytes = std::max(
+            cudnn_kv_bytes, tb * PaddedCudnnSdpaShape(shape).s_kv * KV * D);
       }
     }
     use_flash[i] = flash && !use_mma[i] && !use_cudnn[i];

@@ -132,12 +132,6 @@ class CudaModelRunner : public ModelRunner {
   /// TunePrefillAttention kept.
   AttentionPath attention_path();
 
-  /// kCudnn: bucket the key count of each chunk too (CudnnAttention::
-  /// set_kv_buckets; the services' --cudnn_kv_buckets, off by default), so
-  /// prompts of nearby lengths share a plan instead of each length
-  /// planning its last chunk inside its request.
-  void set_cudnn_kv_buckets(bool enabled);
-
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
   /// verify step of greedy (argmax_only) or device-sampled
   /// (ForwardInput::sampling) sequences with at most kMaxGraphRows rows in
@@ -280,7 +274,6 @@ class CudaModelRunner : public ModelRunner {
   // creation, which is logged once), and the dense K / V rows it reads.
   std::unique_ptr<CudnnAttention> cudnn_ ABSL_GUARDED_BY(mu_);
   bool cudnn_unavailable_ ABSL_GUARDED_BY(mu_) = false;
-  bool cudnn_kv_buckets_ ABSL_GUARDED_BY(mu_) = false;
   DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer logprobs_ws_ ABSL_GUARDED_BY(mu_);  // RowLogprobsOnDevice
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);

@@ -739,28 +739,16 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
 
 absl::Status CudnnAttention::Prepare(const CudnnSdpaShape& shape) {
   SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
-  return GetPlan(PaddedCudnnSdpaShape(shape, kv_buckets_)).status();
+  return GetPlan(PaddedCudnnSdpaShape(shape)).status();
 }
 
-int CudnnKvBucket(int rows) {
-  int step = 256;
-  // The largest power of two <= rows, over 4 (int64: rows may be INT_MAX).
-  int64_t top = 1;
-  while (top * 2 <= rows) top *= 2;
-  if (top / 4 > step) step = static_cast<int>(top / 4);
-  const int64_t up = (static_cast<int64_t>(rows) + step - 1) / step * step;
-  return up > std::numeric_limits<int>::max() ? rows : static_cast<int>(up);
-}
-
-CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape,
-                                    bool kv_buckets) {
+CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape) {
   CudnnSdpaShape padded = shape;
   int bucket = 1;
   while (bucket < shape.s_q && bucket < 256) bucket *= 2;
   if (shape.s_q > 256) bucket = (shape.s_q + 255) / 256 * 256;
   padded.s_q = bucket;
   padded.s_kv = shape.s_kv + (bucket - shape.s_q);
-  if (kv_buckets) padded.s_kv = CudnnKvBucket(padded.s_kv);
   return padded;
 }
 
@@ -775,7 +763,7 @@ absl::Status CudnnAttention::Run(const CudnnSdpaShape& shape, const void* q,
           "cuDNN SDPA: q, k, v and out must be non-null and 16-byte aligned");
     }
   }
-  const CudnnSdpaShape padded = PaddedCudnnSdpaShape(shape, kv_buckets_);
+  const CudnnSdpaShape padded = PaddedCudnnSdpaShape(shape);
   absl::StatusOr<const Plan*> plan = GetPlan(padded);
   if (!plan.ok()) return plan.status();
   SPECSERVE_RETURN_IF_ERROR(
@@ -787,17 +775,14 @@ absl::Status CudnnAttention::Run(const CudnnSdpaShape& shape, const void* q,
   const size_t kv_row = elem * shape.num_kv_heads * shape.head_dim;
   const size_t q_row = elem * shape.num_heads * shape.head_dim;
   const size_t extra = static_cast<size_t>(padded.s_q - shape.s_q);
-  const size_t extra_kv = static_cast<size_t>(padded.s_kv - shape.s_kv);
   const void* run_q = q;
   void* run_out = out;
-  if (extra_kv > 0) {
+  if (extra > 0) {
     for (void* plane : {k, v}) {
       SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-          static_cast<char*>(plane) + kv_row * shape.s_kv, 0,
-          kv_row * extra_kv, stream_));
+          static_cast<char*>(plane) + kv_row * shape.s_kv, 0, kv_row * extra,
+          stream_));
     }
-  }
-  if (extra > 0) {
     SPECSERVE_RETURN_IF_ERROR(padded_q_.Reserve(q_row * padded.s_q));
     SPECSERVE_RETURN_IF_ERROR(padded_out_.Reserve(q_row * padded.s_q));
     SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
@@ -809,12 +794,10 @@ absl::Status CudnnAttention::Run(const CudnnSdpaShape& shape, const void* q,
     run_out = padded_out_.get();
   }
 
-  // By-value scalars are read from the host during the call. The mask's
-  // pair keeps the real diagonal offset s_kv - s_q: padded.s_kv itself
-  // without kv buckets, less when s_kv was rounded up to its bucket.
+  // By-value scalars are read from the host during the call.
   float scale_value = scale;
   float neg_inf = -std::numeric_limits<float>::infinity();
-  int32_t skv = padded.s_q + (shape.s_kv - shape.s_q), sq = padded.s_q;
+  int32_t skv = padded.s_kv, sq = padded.s_q;
   std::vector<int64_t> uids = {kUidQ, kUidK, kUidV, kUidO, kUidScale,
                                kUidNegInf};
   std::vector<void*> ptrs = {const_cast<void*>(run_q), k, v, run_out,

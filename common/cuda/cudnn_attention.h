@@ -63,22 +63,11 @@ absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& shape);
 /// padded shape, so prompts of nearby lengths share one (cuDNN plans are
 /// built per fixed size, which costs time at the first call).
 ///
-/// With `kv_buckets`, s_kv is then rounded up to CudnnKvBucket's size, so
-/// one plan serves every prompt length of a bucket instead of one plan per
-/// length: the padding keys are zero, and CudnnAttention::Run passes the
-/// real diagonal offset (s_kv - s_q) in the mask's by-value scalars, so
-/// real rows still see keys [0, s_kv - s_q + i] only. That relies on cuDNN
-/// reading those scalars at run time rather than deriving the offset from
-/// the plan's dimensions; CudnnGpuTest.KvBucketsKeepTheRealDiagonal checks
-/// it on a GPU.
-CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape,
-                                    bool kv_buckets = false);
-
-/// `rows` (>= 1) rounded up to its s_kv bucket: a multiple of
-/// max(256, 2^(floor(log2 rows) - 2)), i.e. four buckets per doubling from
-/// 1,024 rows on, so padding adds under 25% (32,769 -> 40,960; 4,097 ->
-/// 5,120; 300 -> 512); `rows` itself where that would pass INT_MAX.
-int CudnnKvBucket(int rows);
+/// s_kv is not rounded up any further: cuDNN 9.14 takes the causal
+/// diagonal from the plan's dimensions, not from the mask's by-value
+/// scalars, so real rows would attend to any further padding keys (seen
+/// on an H200, 2026-11-29).
+CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape);
 
 /// Whether libcudnn (major version 9, what the build's headers declare)
 /// loads on this host. No CUDA call.
@@ -115,16 +104,9 @@ class CudnnAttention {
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;
 
-  /// Whether Run and Prepare bucket s_kv too (PaddedCudnnSdpaShape's
-  /// kv_buckets; the services' --cudnn_kv_buckets). Off by default until a
-  /// GPU has shown the real diagonal kept (see PaddedCudnnSdpaShape).
-  void set_kv_buckets(bool enabled) { kv_buckets_ = enabled; }
-  bool kv_buckets() const { return kv_buckets_; }
-
   /// Enqueues the attention on the handle's stream.
   /// q: T [s_q, H, D]; k, v: T [s_kv, KV, D] (dense, row t = slot t) with
-  /// room for PaddedCudnnSdpaShape(shape, kv_buckets()).s_kv rows: Run
-  /// zeroes the rows
+  /// room for PaddedCudnnSdpaShape(shape).s_kv rows: Run zeroes the rows
   /// past s_kv (they are read, and must be finite); out: T [s_q, H * D];
   /// T = shape.dtype; all 16-byte aligned. When s_q is not its own bucket,
   /// q and out go through padded copies held here.
@@ -203,7 +185,6 @@ class CudnnAttention {
       kernel_caches_;
   DeviceBuffer workspace_;
   DeviceBuffer padded_q_, padded_out_;  // when s_q is not its own bucket
-  bool kv_buckets_ = false;
   int plans_built_ = 0;
   double plan_build_seconds_ = 0;
   std::string last_plan_form_;

@@ -101,7 +101,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
       CudaModelRunner::Create(*std::move(gw), kv);
   if (!r.ok()) return r.status();
   (*r)->set_cuda_graphs(options.cuda_graphs);
-  (*r)->set_cudnn_kv_buckets(options.cudnn_kv_buckets);
   if (options.prefill_attention == "mma") {
     (*r)->set_attention_path(CudaModelRunner::AttentionPath::kFlashMma);
   } else if (options.prefill_attention == "cudnn") {

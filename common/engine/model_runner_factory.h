@@ -53,9 +53,6 @@ struct RunnerOptions {
   /// "cudnn" (cuDNN's fused SDPA, AttentionPath::kCudnn). Anything else is
   /// INVALID_ARGUMENT; ignored on CPU.
   std::string prefill_attention = "auto";
-  /// CUDA: CudaModelRunner::set_cudnn_kv_buckets (one cuDNN plan per key
-  /// count bucket, not per key count). Ignored on CPU.
-  bool cudnn_kv_buckets = false;
   /// CUDA: CudaModelRunner::WarmUp at creation (a kWorkspaceReserveRows-row
   /// prefill chunk, then every graph bucket captured), so the first
   /// requests do not pay for lazy loading and captures; with

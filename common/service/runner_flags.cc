@@ -31,11 +31,6 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "128 rows from CUDA graphs captured per batch-size bucket (1, 2, "
           "4, 8, then multiples of 8); --nocuda_graphs runs every step "
           "eagerly (to debug)");
-ABSL_FLAG(bool, cudnn_kv_buckets, false,
-          "CUDA, cudnn prefill attention: round each chunk's key count up "
-          "to a bucket (four per doubling), so prompts of nearby lengths "
-          "share one cuDNN plan instead of each new length planning inside "
-          "its request; the real causal diagonal is passed at run time");
 ABSL_FLAG(bool, warm_up, true,
           "CUDA: at start-up, before listening, run one 2048-row prefill "
           "chunk and capture every CUDA graph bucket (vLLM's start-up "
@@ -61,7 +56,6 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.kv_cache_dtype = absl::GetFlag(FLAGS_kv_cache_dtype);
   o.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
   o.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
-  o.cudnn_kv_buckets = absl::GetFlag(FLAGS_cudnn_kv_buckets);
   o.warm_up = absl::GetFlag(FLAGS_warm_up);
   o.prefill_attention = absl::GetFlag(FLAGS_prefill_attention);
   return o;

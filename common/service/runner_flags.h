@@ -18,9 +18,6 @@ namespace specserve {
 ///                            default on; CudaModelRunner::set_cuda_graphs)
 ///   --prefill_attention auto|mma|cudnn  (CUDA attention of long prefill
 ///                            chunks)
-///   --cudnn_kv_buckets      (cuDNN plans shared across key counts of a
-///                            bucket, default off; CudaModelRunner::
-///                            set_cudnn_kv_buckets)
 ///   --warm_up               (CUDA: prefill chunk and graph captures at
 ///                            start-up, default on; CudaModelRunner::WarmUp)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the

@@ -12,7 +12,6 @@ ABSL_DECLARE_FLAG(std::string, kv_cache_dtype);
 ABSL_DECLARE_FLAG(std::string, weight_dtype);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(bool, cuda_graphs);
-ABSL_DECLARE_FLAG(bool, cudnn_kv_buckets);
 ABSL_DECLARE_FLAG(bool, warm_up);
 ABSL_DECLARE_FLAG(std::string, prefill_attention);
 
@@ -31,7 +30,6 @@ TEST_F(RunnerFlagsTest, DefaultsKeepTodaysCpuCache) {
   // CUDA graphs on, the WMMA prefill kernel until FlashMma is measured.
   EXPECT_TRUE(o.cuda_graphs);
   EXPECT_EQ(o.prefill_attention, "auto");
-  EXPECT_FALSE(o.cudnn_kv_buckets);
   EXPECT_TRUE(o.warm_up);
 }
 
@@ -41,9 +39,7 @@ TEST_F(RunnerFlagsTest, CudaGraphsAndPrefillAttentionReachTheOptions) {
   absl::SetFlag(&FLAGS_cuda_graphs, false);
   absl::SetFlag(&FLAGS_warm_up, false);
   absl::SetFlag(&FLAGS_prefill_attention, "mma");
-  absl::SetFlag(&FLAGS_cudnn_kv_buckets, true);
   RunnerOptions o = RunnerOptionsFromFlags();
-  EXPECT_TRUE(o.cudnn_kv_buckets);
   EXPECT_FALSE(o.cuda_graphs);
   EXPECT_FALSE(o.warm_up);
   EXPECT_EQ(o.prefill_attention, "mma");

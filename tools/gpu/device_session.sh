@@ -31,9 +31,7 @@
 # ENGINE_ARGS (more gpu_bench flags), STACK_LENGTHS (default "4096
 # 32768"), STACK_ATTENTION (the stack's
 # --prefill_attention; default: auto once the tuning test passed, else the
-# engine benchmark's pick), KV_BUCKETS (1: the stack's services get
-# --cudnn_kv_buckets; default: 1 once both GPU tests of bucketed key
-# counts passed, else 0), SPECULATOR /
+# engine benchmark's pick), SPECULATOR /
 # TARGET (the stack's models: no checkpoints are written), SESSION (the carried folder,
 # default .device/session), RESULTS (default $OUT, else
 # bench/results/session; under the device tool, a folder in /tmp that is
@@ -222,20 +220,7 @@ if [ -z "$path" ]; then
   why="no tuning test passed and no engine pick"
 fi
 echo "device_session: the stack's prefill attention: $path ($why)" >&2
-# cuDNN plans shared across key counts of a bucket, once both GPU tests of
-# bucketed key counts have passed (KV_BUCKETS=0 or 1 decides instead).
-kv_buckets=${KV_BUCKETS:-}
-if [ -z "$kv_buckets" ]; then
-  kv_buckets=0
-  if grep -q '^\[       OK \] CudnnGpuTest.KvBucketsKeepTheRealDiagonal' \
-       "$RESULTS/tests.log" 2>/dev/null &&
-     grep -q '^\[       OK \] CudaTest.CudnnChunksMatchCpu' \
-       "$RESULTS/tests.log" 2>/dev/null; then
-    kv_buckets=1
-  fi
-fi
 stack_args="--prefill_attention=$path"
-[ "$kv_buckets" = 1 ] && stack_args="$stack_args --cudnn_kv_buckets"
 has stack && phase stack 120 330 \
   "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='$stack_args' tools/gpu/run_stack_bench.sh"
 has suite && phase suite 60 300 \
@@ -258,10 +243,6 @@ has torch && phase torch 60 240 \
     last=$(grep '^cudnn plan ' "$f" | tail -1)
     if [ -n "$last" ]; then echo "    $(basename "$f" .log): $last"; fi
   done
-  # Whether cuDNN keeps the real diagonal with key counts bucketed, and
-  # what new prompt lengths cost in plans either way (--cudnn_kv_buckets).
-  grep -hE '^cudnn kv buckets|KvBucketsKeepTheRealDiagonal|CudnnChunksMatchCpu' \
-    "$RESULTS/tests.log" 2>/dev/null | grep -vE '^\[ RUN' | sed 's/^/    /' || true
   echo
   echo "| phase | status | s |"
   echo "|---|---|---|"

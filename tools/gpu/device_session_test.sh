@@ -85,8 +85,7 @@ for B in 1 2; do
 done
 grep -q "^Stack prefill attention: $picked " "$S" ||
   { echo "the stack did not run on $picked" >&2; exit 1; }
-# Without the GPU tests of bucketed key counts passing (they skip here),
-# the services keep exact cuDNN key counts.
+# The services get the picked --prefill_attention and nothing more.
 grep -q "; service flags: --prefill_attention=$picked$" "$S" ||
   { echo "the stack's service flags are not the defaults" >&2; exit 1; }
 # The stack's tables made it into the summary: two TTFT rows, a decode row.
