@@ -2512,13 +2512,20 @@ TEST_F(CudaTest, CudnnChunksMatchCpu) {
   if (!CudnnAttention::Create(nullptr).ok()) {
     std::printf("no cuDNN handle here: the chunks run on FlashAttention\n");
   }
+  // Every chunk through cuDNN (a plan per shape), then the serving default:
+  // these small unplanned shapes do not pay for a plan (CudnnPlanPaysOff)
+  // and run on FlashMma, building none.
+  for (const bool every_chunk : {true, false}) {
   for (const char* preset : {"llama-3.2-1b-tiny", "llama-3.1-8b-tiny"}) {
-    SCOPED_TRACE(preset);
+    SCOPED_TRACE(absl::StrCat(preset, every_chunk ? ", every chunk planned"
+                                                  : ", plans that pay off"));
     const std::string dir = ::testing::TempDir() + "/cudnn_" + preset;
     ASSERT_OK(WriteSyntheticCheckpoint(preset, dir, seed_, "BF16"));
     Engines e = LoadEnginesFromDir(dir, CudaDType::kBF16, 1024);
     ASSERT_NE(e.gpu, nullptr);
+    e.gpu->set_cudnn_plan_every_chunk(every_chunk);
     e.gpu->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
+    const int plans_at_start = e.gpu->cudnn_plans_built();
     const int vocab = e.cpu->config().vocab_size;
     std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, 600);
     std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, 600);
@@ -2540,6 +2547,15 @@ TEST_F(CudaTest, CudnnChunksMatchCpu) {
     }
     ExpectDecodeRowMatches(*e.cpu, ckv.get(), *e.gpu, gkv.get(),
                            Uniform(0, vocab - 1), next_pos);
+    if (every_chunk) {
+      // One plan per chunk shape, where cuDNN loads at all.
+      if (plans_at_start > 0) {
+        EXPECT_EQ(e.gpu->cudnn_plans_built(), plans_at_start + 3);
+      }
+    } else {
+      EXPECT_EQ(e.gpu->cudnn_plans_built(), plans_at_start);
+    }
+  }
   }
 }
 

@@ -259,6 +259,16 @@ void CudaModelRunner::set_attention_path(AttentionPath path) {
   }
 }
 
+void CudaModelRunner::set_cudnn_plan_every_chunk(bool enabled) {
+  absl::MutexLock lock(&mu_);
+  cudnn_plan_every_chunk_ = enabled;
+}
+
+int CudaModelRunner::cudnn_plans_built() {
+  absl::MutexLock lock(&mu_);
+  return cudnn_ == nullptr ? 0 : cudnn_->plans_built();
+}
+
 CudaModelRunner::AttentionPath CudaModelRunner::attention_path() {
   absl::MutexLock lock(&mu_);
   return attention_path_;
@@ -1058,7 +1068,17 @@ absl::Status CudaModelRunner::Run(
     if (attention_path_ == AttentionPath::kCudnn && long_rows &&
         batch[i].input.tree_parents.empty()) {
       const CudnnSdpaShape shape{a.n, a.first + a.n, H, KV, D, dt};
-      use_cudnn[i] = ValidateCudnnSdpaShape(shape).ok() && CudnnSupports(shape);
+      bool want = ValidateCudnnSdpaShape(shape).ok();
+      // A shape with no plan yet whose plan would cost more than it saves
+      // in this chunk runs on FlashMma (see CudnnPlanPaysOff).
+      if (want && !cudnn_plan_every_chunk_ &&
+          cuda_kernels::FlashMmaSupported(D, dt) &&
+          !(cudnn_ != nullptr && cudnn_->HasPlan(shape)) &&
+          !CudnnPlanPaysOff(shape, config().num_hidden_layers)) {
+        want = false;
+        use_mma[i] = true;
+      }
+      use_cudnn[i] = want && CudnnSupports(shape);
       if (use_cudnn[i]) {  // cuDNN reads the padded shape's keys
         cudnn_kv_bytes = std::max(
             cudnn_kv_bytes, tb * PaddedCudnnSdpaShape(shape).s_kv * KV * D);

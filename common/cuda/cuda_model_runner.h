@@ -128,6 +128,15 @@ class CudaModelRunner : public ModelRunner {
   static size_t BytesPerToken(const ModelConfig& config, CudaDType dtype);
 
   void set_attention_path(AttentionPath path);
+  /// kCudnn: plan every chunk shape cuDNN is asked for (true), instead of
+  /// the default, which runs a chunk whose shape has no plan yet on
+  /// FlashMmaAttention unless the plan pays off (CudnnPlanPaysOff): a plan
+  /// is built inside the step that first needs it, ~0.04 s on an H200.
+  /// Tests set it to put small chunks through cuDNN.
+  void set_cudnn_plan_every_chunk(bool enabled);
+  /// cuDNN plans built so far (CudnnAttention::plans_built; 0 before the
+  /// kCudnn path first needs cuDNN, or where it does not load).
+  int cudnn_plans_built();
   /// The path Forward uses now: set_attention_path's, or the one
   /// TunePrefillAttention kept.
   AttentionPath attention_path();
@@ -274,6 +283,7 @@ class CudaModelRunner : public ModelRunner {
   // creation, which is logged once), and the dense K / V rows it reads.
   std::unique_ptr<CudnnAttention> cudnn_ ABSL_GUARDED_BY(mu_);
   bool cudnn_unavailable_ ABSL_GUARDED_BY(mu_) = false;
+  bool cudnn_plan_every_chunk_ ABSL_GUARDED_BY(mu_) = false;
   DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer logprobs_ws_ ABSL_GUARDED_BY(mu_);  // RowLogprobsOnDevice
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);

@@ -2,6 +2,7 @@
 
 #include <cudnn_graph.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -740,6 +741,17 @@ absl::StatusOr<const CudnnAttention::Plan*> CudnnAttention::GetPlan(
 absl::Status CudnnAttention::Prepare(const CudnnSdpaShape& shape) {
   SPECSERVE_RETURN_IF_ERROR(ValidateCudnnSdpaShape(shape));
   return GetPlan(PaddedCudnnSdpaShape(shape)).status();
+}
+
+bool CudnnAttention::HasPlan(const CudnnSdpaShape& shape) const {
+  return plans_.contains(PaddedCudnnSdpaShape(shape));
+}
+
+bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers) {
+  if (shape.s_q >= 2048) return true;
+  const double flops = 4.0 * shape.num_heads * shape.head_dim * shape.s_q *
+                       (shape.s_kv - 0.5 * shape.s_q) * std::max(num_layers, 0);
+  return flops >= kCudnnPlanPaysOffFlops;
 }
 
 CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape) {

@@ -69,6 +69,21 @@ absl::Status ValidateCudnnSdpaShape(const CudnnSdpaShape& shape);
 /// on an H200, 2026-11-29).
 CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape);
 
+/// Whether planning `shape` (not planned yet) for a model of `num_layers`
+/// layers pays off: true for chunks of 2048 rows or more (a long prompt's
+/// full chunks, whose shapes recur from prompt to prompt: at most one per
+/// 2048 tokens of context), else when the chunk's causal attention work,
+/// 4 * H * D * s_q * (s_kv - s_q / 2) FLOPs a layer, is at least
+/// kCudnnPlanPaysOffFlops over all layers. Below that FlashMmaAttention
+/// runs the chunk sooner than cuDNN plans it: on an H200 (cuDNN 9.14,
+/// 2026-11-29) a fixed-shape plan took 0.037-0.041 s to build and cuDNN
+/// ran causal SDPA at 500-650 TFLOP/s against FlashMma's ~175, so a plan
+/// saves ~3.9e-15 s a FLOP and pays for itself from ~1e13 FLOPs. Odd chunk
+/// shapes are common in serving: a prompt's tail, a prompt split between
+/// two steps by the token budget, a pruned prompt's kept rows.
+inline constexpr double kCudnnPlanPaysOffFlops = 1e13;
+bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers);
+
 /// Whether libcudnn (major version 9, what the build's headers declare)
 /// loads on this host. No CUDA call.
 bool CudnnLibraryLoads();
@@ -122,6 +137,11 @@ class CudnnAttention {
   /// enqueued).
   /// Errors as Run's: INVALID_ARGUMENT, UNIMPLEMENTED (cached).
   absl::Status Prepare(const CudnnSdpaShape& shape);
+
+  /// Whether `shape`'s padded shape was planned already (a plan, or the
+  /// remembered UNIMPLEMENTED of a shape no engine supports): Prepare then
+  /// costs no planning.
+  bool HasPlan(const CudnnSdpaShape& shape) const;
 
   /// Plans built so far, and the seconds spent building them (heuristics
   /// and finalization), for the benchmarks' logs.

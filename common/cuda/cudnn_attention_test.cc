@@ -106,6 +106,33 @@ TEST(CudnnHostTest, PaddedShapesKeepTheDiagonal) {
 // mask aligned top-left (s_q == s_kv), 16 with the bottom-right shift (two
 // more integer pointwise ops). Finalizing each descriptor checks attribute
 // types, dimensions and strides against the library itself.
+// Llama 3.1 8B (32 heads of 128, 32 layers) and 3.2 1B (32 of 64, 16
+// layers): full 2048-row chunks always plan; other chunks plan only with
+// ~1e13 FLOPs of attention over the model's layers.
+TEST(CudnnHostTest, PlansPayOffForFullChunksAndLongTails) {
+  const auto big = [](int s_q, int s_kv) {
+    return CudnnSdpaShape{s_q, s_kv, 32, 8, 128, CudaDType::kBF16};
+  };
+  const auto small = [](int s_q, int s_kv) {
+    return CudnnSdpaShape{s_q, s_kv, 32, 8, 64, CudaDType::kBF16};
+  };
+  EXPECT_TRUE(CudnnPlanPaysOff(big(2048, 2048), 32));
+  EXPECT_TRUE(CudnnPlanPaysOff(small(2048, 2048), 16));
+  EXPECT_TRUE(CudnnPlanPaysOff(small(2048, 32768), 16));
+  // A 1500-row tail after 28.5K keys: 4 * 4096 * 1500 * 29250 * 32 = 2.3e13.
+  EXPECT_TRUE(CudnnPlanPaysOff(big(1500, 30000), 32));
+  // After 1.5K keys: 1.8e12, under a plan's build time on FlashMma.
+  EXPECT_FALSE(CudnnPlanPaysOff(big(1500, 3000), 32));
+  // A 256-token prompt split by the step's token budget; a pruned 32K
+  // prompt's kept tail (keep 0.1) on the speculator's shape.
+  EXPECT_FALSE(CudnnPlanPaysOff(big(213, 213), 32));
+  EXPECT_FALSE(CudnnPlanPaysOff(big(43, 256), 32));
+  EXPECT_FALSE(CudnnPlanPaysOff(small(1249, 3297), 16));
+  // The work grows with the layers.
+  EXPECT_FALSE(CudnnPlanPaysOff(big(1024, 24576), 1));
+  EXPECT_TRUE(CudnnPlanPaysOff(big(1024, 24576), 32));
+}
+
 TEST(CudnnHostTest, OperationsFinalizeAgainstTheLibrary) {
   if (!CudnnLibraryLoads()) {
     GTEST_SKIP() << "libcudnn.so.9 does not load here";
