@@ -46,8 +46,13 @@ assert len(checks) == 7 and checks[-1].endswith("OK"), checks
 for cells in rows[:3]:
     assert all(float(c) > 0 for c in cells), cells
 assert [r[0] for r in rows[3:]] == ["1", "3"], rows
-for streams, rate, ratio, requests, failed in rows[3:]:
+for streams, rate, ratio, requests, failed, *sched in rows[3:]:
     assert float(rate) > 0 and ratio.endswith("x"), rows
     assert int(requests) == 2 * int(streams) and int(failed) == 0, rows
+    # The target scheduler's columns (http_load.py --target_metrics).
+    forwards, seqs, rows_per, fwd_ms, gap_ms, busy = sched
+    assert int(forwards) > 0 and float(seqs) >= 1.0, rows
+    assert float(rows_per) >= 1 and float(fwd_ms) > 0, rows
+    assert float(gap_ms) >= 0 and busy.endswith("%"), rows
 print("ok")
 PY
