@@ -1076,6 +1076,47 @@ struct BatchSeq {
   int n, first;
 };
 
+// Device copies of a BatchedAttentionPlan's arrays and split workspace
+// (poisoned), kept alive for the launches PlanArgs describes.
+struct DevicePlan {
+  DeviceBuffer info, work, combine, workspace;
+};
+
+// The arguments of one BatchedAttention launch of `plan` over q [rows, H,
+// D], the paged K / V pools and the concatenated block tables, uploading
+// the plan into *dev; scale 1 / sqrt(D).
+ck::BatchedAttentionArgs PlanArgs(const ck::BatchedAttentionPlan& plan, int H,
+                                  int KV, int D, CudaDType dt, int block_size,
+                                  const void* q, const void* k, const void* v,
+                                  void* out, const int* tables,
+                                  DevicePlan* dev) {
+  dev->info = Upload(plan.seq_info);
+  dev->work = Upload(plan.work);
+  dev->combine = plan.combine.empty() ? DeviceBuffer() : Upload(plan.combine);
+  const size_t ws = ck::BatchedAttentionWorkspaceBytes(plan, D);
+  dev->workspace = ws > 0 ? Poisoned(ws) : DeviceBuffer();
+  ck::BatchedAttentionArgs a;
+  a.q = q;
+  a.k_cache = k;
+  a.v_cache = v;
+  a.out = out;
+  a.dtype = dt;
+  a.num_heads = H;
+  a.num_kv_heads = KV;
+  a.head_dim = D;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  a.block_tables = tables;
+  a.block_size = block_size;
+  a.seq_info = dev->info.as<int>();
+  a.work = dev->work.as<int>();
+  a.num_work = plan.num_work();
+  a.combine = dev->combine.as<int>();
+  a.num_combine = plan.num_combine();
+  a.workspace = dev->workspace.get();
+  a.partial_triples = plan.partial_triples;
+  return a;
+}
+
 class BatchedAttentionTest : public CudaTest {
  protected:
   // Runs `seqs` through one BatchedAttention launch planned for `num_sms`
@@ -1147,33 +1188,12 @@ class BatchedAttentionTest : public CudaTest {
     DeviceBuffer d_q = UploadAs(q_all, dt), d_k = UploadAs(k_pool, dt),
                  d_v = UploadAs(v_pool, dt);
     DeviceBuffer d_tables = Upload(all_tables);
-    DeviceBuffer d_info = Upload(plan->seq_info);
-    DeviceBuffer d_work = Upload(plan->work);
-    DeviceBuffer d_combine =
-        plan->combine.empty() ? DeviceBuffer() : Upload(plan->combine);
-    const size_t ws_bytes = ck::BatchedAttentionWorkspaceBytes(*plan, D);
-    DeviceBuffer d_ws = ws_bytes > 0 ? Poisoned(ws_bytes) : DeviceBuffer();
     DeviceBuffer d_out =
         Poisoned(static_cast<size_t>(rows) * qw * CudaDTypeBytes(dt));
-    ck::BatchedAttentionArgs a;
-    a.q = d_q.get();
-    a.k_cache = d_k.get();
-    a.v_cache = d_v.get();
-    a.out = d_out.get();
-    a.dtype = dt;
-    a.num_heads = H;
-    a.num_kv_heads = KV;
-    a.head_dim = D;
-    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
-    a.block_tables = d_tables.as<int>();
-    a.block_size = block_size;
-    a.seq_info = d_info.as<int>();
-    a.work = d_work.as<int>();
-    a.num_work = plan->num_work();
-    a.combine = d_combine.as<int>();
-    a.num_combine = plan->num_combine();
-    a.workspace = d_ws.get();
-    a.partial_triples = plan->partial_triples;
+    DevicePlan dev;
+    const ck::BatchedAttentionArgs a =
+        PlanArgs(*plan, H, KV, D, dt, block_size, d_q.get(), d_k.get(),
+                 d_v.get(), d_out.get(), d_tables.as<int>(), &dev);
     EXPECT_LAUNCH_OK(ck::BatchedAttention(a, nullptr));
     const std::vector<float> got = Download(d_out.get(), dt, rows * qw);
 
@@ -1324,31 +1344,10 @@ TEST_F(CudaTest, ReportsTimeOfBatchedAttentionOverLongContexts) {
           absl::StatusOr<ck::BatchedAttentionPlan> plan =
               ck::PlanBatchedAttention({{rows, ctx, 0}}, kH, kKV, scale * sms);
           ASSERT_TRUE(plan.ok()) << plan.status();
-          DeviceBuffer d_info = Upload(plan->seq_info);
-          DeviceBuffer d_work = Upload(plan->work);
-          DeviceBuffer d_combine =
-              plan->combine.empty() ? DeviceBuffer() : Upload(plan->combine);
-          const size_t ws = ck::BatchedAttentionWorkspaceBytes(*plan, D);
-          DeviceBuffer d_ws = ws > 0 ? Poisoned(ws) : DeviceBuffer();
-          ck::BatchedAttentionArgs a;
-          a.q = d_q.get();
-          a.k_cache = d_k.get();
-          a.v_cache = d_v.get();
-          a.out = d_out.get();
-          a.dtype = dt;
-          a.num_heads = kH;
-          a.num_kv_heads = kKV;
-          a.head_dim = D;
-          a.scale = 1.0f / std::sqrt(static_cast<float>(D));
-          a.block_tables = d_table.as<int>();
-          a.block_size = kBs;
-          a.seq_info = d_info.as<int>();
-          a.work = d_work.as<int>();
-          a.num_work = plan->num_work();
-          a.combine = d_combine.as<int>();
-          a.num_combine = plan->num_combine();
-          a.workspace = d_ws.get();
-          a.partial_triples = plan->partial_triples;
+          DevicePlan dev;
+          const ck::BatchedAttentionArgs a =
+              PlanArgs(*plan, kH, kKV, D, dt, kBs, d_q.get(), d_k.get(),
+                       d_v.get(), d_out.get(), d_table.as<int>(), &dev);
           for (int w = 0; w < 3; ++w) {
             EXPECT_LAUNCH_OK(ck::BatchedAttention(a, nullptr));
           }
