@@ -104,9 +104,10 @@ __device__ __forceinline__ void LoadQueryTile(const T* q, float* Qs, int ld,
 // masked), and tmax, their max. Takes the max over the 8 lanes, turns sc
 // into exp2(sc - m_new), stores it at p_row[sub + 8t] (for sub + 8t < KT),
 // updates the running max m and sum l, and rescales acc by exp2(m - m_new).
+template <int kDims>
 __device__ __forceinline__ void OnlineSoftmaxStep(
     float (&sc)[kSkMaxKeysPerThread], float tmax, int sub, int KT,
-    float* p_row, float& m, float& l, float (&acc)[kSkMaxDims]) {
+    float* p_row, float& m, float& l, float (&acc)[kDims]) {
   // The 8 lanes of a query are 8 consecutive lanes of one warp.
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
   tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
@@ -135,21 +136,22 @@ __device__ __forceinline__ void OnlineSoftmaxStep(
     if (j < KT) p_row[j] = sc[t];
   }
 #pragma unroll
-  for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] *= alpha;
+  for (int jj = 0; jj < kDims; ++jj) acc[jj] *= alpha;
 }
 
 // acc[jj] += sum over the tile's nk keys j of p_row[j] * V[j][sub + 8 jj]
 // (Vs is [KT][D]); p_row was written by the query's other lanes.
+template <int kDims>
 __device__ __forceinline__ void AccumulateValues(const float* p_row,
                                                  const float* Vs, int nk,
                                                  int D, int sub,
-                                                 float (&acc)[kSkMaxDims]) {
+                                                 float (&acc)[kDims]) {
   __syncwarp();
   for (int j = 0; j < nk; ++j) {
     const float p = p_row[j];
     const float* vr = Vs + j * D;
 #pragma unroll
-    for (int jj = 0; jj < kSkMaxDims; ++jj) {
+    for (int jj = 0; jj < kDims; ++jj) {
       const int d = sub + 8 * jj;
       if (d < D) acc[jj] = fmaf(p, vr[d], acc[jj]);
     }
@@ -158,8 +160,9 @@ __device__ __forceinline__ void AccumulateValues(const float* p_row,
 
 // One split's partial result of a (row, head) at entry idx: its running
 // max and sum (lane 0) and its unnormalised output.
+template <int kDims>
 __device__ __forceinline__ void StorePartial(size_t idx, float m, float l,
-                                             const float (&acc)[kSkMaxDims],
+                                             const float (&acc)[kDims],
                                              int sub, int D, float* part_o,
                                              float* part_m, float* part_l) {
   if (sub == 0) {
@@ -167,7 +170,7 @@ __device__ __forceinline__ void StorePartial(size_t idx, float m, float l,
     part_l[idx] = l;
   }
 #pragma unroll
-  for (int jj = 0; jj < kSkMaxDims; ++jj) {
+  for (int jj = 0; jj < kDims; ++jj) {
     const int d = sub + 8 * jj;
     if (d < D) part_o[idx * D + d] = acc[jj];
   }
@@ -309,7 +312,7 @@ constexpr int kBaLoadsInFlight = 4;
 // (kBatchedAttentionSplitBlocksPerSm). It was 5, what the shared memory
 // holds at head_dim 128 (TileSmemBytes, 43.8 KB), with 96 registers: 4
 // loads in flight then spilled, and 2 spilled for fp16.
-template <typename T>
+template <typename T, int kDims>
 __global__ void __launch_bounds__(kSkThreads, 4)
     BatchedAttentionKernel(BatchedAttentionArgs a, int key_tile) {
   SPECSERVE_DYNAMIC_SHARED(float, ba_smem);
@@ -378,9 +381,9 @@ __global__ void __launch_bounds__(kSkThreads, 4)
 
   LoadQueryTile(q, Qs, LD, q0, nq, group, g, H, D, a.scale);
 
-  float acc[kSkMaxDims];
+  float acc[kDims];
 #pragma unroll
-  for (int j = 0; j < kSkMaxDims; ++j) acc[j] = 0.0f;
+  for (int j = 0; j < kDims; ++j) acc[j] = 0.0f;
   float m = -INFINITY, l = 0.0f;
 
   // bf16 / fp16 K / V rows in 16-byte loads where every row starts 16-byte
@@ -516,7 +519,7 @@ __global__ void __launch_bounds__(kSkThreads, 4)
       Lx[slot] = l;
     }
 #pragma unroll
-    for (int jj = 0; jj < kSkMaxDims; ++jj) {
+    for (int jj = 0; jj < kDims; ++jj) {
       const int d = sub + 8 * jj;
       if (d < D) Ax[slot * D + d] = acc[jj];
     }
@@ -526,14 +529,14 @@ __global__ void __launch_bounds__(kSkThreads, 4)
     for (int k2 = 0; k2 < kgroups; ++k2) mm = fmaxf(mm, Mx[qi + k2 * qpg]);
     float ll = 0.0f;
 #pragma unroll
-    for (int jj = 0; jj < kSkMaxDims; ++jj) acc[jj] = 0.0f;
+    for (int jj = 0; jj < kDims; ++jj) acc[jj] = 0.0f;
     for (int k2 = 0; k2 < kgroups; ++k2) {
       const int sl = qi + k2 * qpg;
       // A group that saw no visible key has max -inf and adds nothing.
       const float w = Mx[sl] == -INFINITY ? 0.0f : exp2f(Mx[sl] - mm);
       ll += Lx[sl] * w;
 #pragma unroll
-      for (int jj = 0; jj < kSkMaxDims; ++jj) {
+      for (int jj = 0; jj < kDims; ++jj) {
         const int d = sub + 8 * jj;
         if (d < D) acc[jj] = fmaf(Ax[sl * D + d], w, acc[jj]);
       }
@@ -548,7 +551,7 @@ __global__ void __launch_bounds__(kSkThreads, 4)
     T* out = static_cast<T*>(a.out) +
              (static_cast<size_t>(row0 + r) * H + h) * D;
 #pragma unroll
-    for (int jj = 0; jj < kSkMaxDims; ++jj) {
+    for (int jj = 0; jj < kDims; ++jj) {
       const int d = sub + 8 * jj;
       if (d < D) out[d] = FromF32<T>(acc[jj] * inv);
     }
@@ -923,10 +926,21 @@ cudaError_t BatchedAttention(const BatchedAttentionArgs& args,
   const int key_tile = SkKeyTile(a.head_dim);
   const dim3 grid(a.num_work, a.num_kv_heads);
   const size_t smem = TileSmemBytes(a.head_dim, kBaRowPad);
+  // Each lane holds head_dim / 8 output dims (rounded up): a kernel per
+  // size, so the P V loop and the rescale issue no predicated-off work
+  // (at head_dim 64 a 32-dim lane wasted 3 instructions in 4).
   SPECSERVE_DISPATCH_DTYPE(
       a.dtype, T,
-      SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
-                       BatchedAttentionKernel<T>)(a, key_tile);
+      if (a.head_dim <= 64) {
+        SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
+                         BatchedAttentionKernel<T, 8>)(a, key_tile);
+      } else if (a.head_dim <= 128) {
+        SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
+                         BatchedAttentionKernel<T, 16>)(a, key_tile);
+      } else {
+        SPECSERVE_LAUNCH(grid, kSkThreads, smem, stream,
+                         BatchedAttentionKernel<T, kSkMaxDims>)(a, key_tile);
+      }
       if (a.num_combine > 0) {
         SPECSERVE_LAUNCH(dim3(a.num_combine, a.num_heads),
                          a.head_dim >= 128 ? 128 : 32, 0, stream,
