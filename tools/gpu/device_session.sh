@@ -55,7 +55,7 @@ if [ -z "${RESULTS:-}" ] && [ -n "${OUT:-}" ]; then
 fi
 RESULTS=${RESULTS:-bench/results/session}
 PACK=${PACK:-}
-GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:*/ModelTest.*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:CudaTest.Cudnn*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
+GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:*/ModelTest.*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:CudaTest.Cudnn*:CudaTest.ReportsTimeOfBatchedAttention*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
 STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
 export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 DRY=${DEVICE_SESSION_DRY:-0}
@@ -243,6 +243,9 @@ has torch && phase torch 60 240 \
     last=$(grep '^cudnn plan ' "$f" | tail -1)
     if [ -n "$last" ]; then echo "    $(basename "$f" .log): $last"; fi
   done
+  # The batched (decode / verify) attention kernel over long contexts.
+  grep -h '^batched attention D=' "$RESULTS/tests.log" 2>/dev/null |
+    sed 's/^/    /' || true
   echo
   echo "| phase | status | s |"
   echo "|---|---|---|"
