@@ -19,11 +19,13 @@ inline constexpr int kBatchedAttentionMaxSplits = 64;
 inline constexpr int kBatchedAttentionSplitBelowBlocksPerSm = 2;
 /// Once splitting, the keys are cut for about this many blocks per
 /// multiprocessor: one wave at the kernel's occupancy (its launch bounds,
-/// 4 blocks an SM). A decode block walks its keys tile by tile, load then
-/// compute, so it is bound by memory latency, not bandwidth: more blocks
-/// in flight, each with fewer tiles, is what speeds up a long context.
-/// (2 until 2026-11-29: on an H200 one decode row at 32K tokens then took
-/// ~0.75 ms a layer, ~180 GB/s.)
+/// 4 blocks an SM). It was 2 until 2026-11-29, when on an H200 one decode
+/// row at 32K tokens took ~0.75 ms a layer (~180 GB/s). This change came
+/// with 4 loads in flight a thread (attention.cu), and the two together
+/// took that row to 358 us; their shares were not measured apart. At 32K
+/// one row reaches kBatchedAttentionMaxSplits either way (planning for 2x
+/// or 4x the SMs then changed nothing); shorter contexts and small batches
+/// get twice the splits.
 inline constexpr int kBatchedAttentionSplitBlocksPerSm = 4;
 /// A split covers at least this many keys: fewer do not pay for the merge.
 inline constexpr int kBatchedAttentionMinSplitKeys = 64;

@@ -2515,46 +2515,46 @@ TEST_F(CudaTest, CudnnChunksMatchCpu) {
   // these small unplanned shapes do not pay for a plan (CudnnPlanPaysOff)
   // and run on FlashMma, building none.
   for (const bool every_chunk : {true, false}) {
-  for (const char* preset : {"llama-3.2-1b-tiny", "llama-3.1-8b-tiny"}) {
-    SCOPED_TRACE(absl::StrCat(preset, every_chunk ? ", every chunk planned"
-                                                  : ", plans that pay off"));
-    const std::string dir = ::testing::TempDir() + "/cudnn_" + preset;
-    ASSERT_OK(WriteSyntheticCheckpoint(preset, dir, seed_, "BF16"));
-    Engines e = LoadEnginesFromDir(dir, CudaDType::kBF16, 1024);
-    ASSERT_NE(e.gpu, nullptr);
-    e.gpu->set_cudnn_plan_every_chunk(every_chunk);
-    e.gpu->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
-    const int plans_at_start = e.gpu->cudnn_plans_built();
-    const int vocab = e.cpu->config().vocab_size;
-    std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, 600);
-    std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, 600);
-    ASSERT_NE(ckv, nullptr);
-    ASSERT_NE(gkv, nullptr);
-    // 150 rows at 0..149; 77 at 150, 152, ... (kept tokens); 40 after.
-    int next_pos = 0;
-    for (const auto& [rows, stride] :
-         {std::pair<int, int>{150, 1}, {77, 2}, {40, 1}}) {
-      std::vector<int> ids(rows), pos(rows);
-      for (int& id : ids) id = Uniform(0, vocab - 1);
-      for (int j = 0; j < rows; ++j) pos[j] = next_pos + j * stride;
-      next_pos = pos.back() + 1;
-      ForwardOutput co, go;
-      ASSERT_OK(e.cpu->Forward(AllRows(ids, pos), ckv.get(), &co));
-      ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), gkv.get(), &go));
-      SCOPED_TRACE(absl::StrCat(rows, " rows"));
-      ExpectLogitsMatch(co, go, vocab, kBatchTolBf16);
-    }
-    ExpectDecodeRowMatches(*e.cpu, ckv.get(), *e.gpu, gkv.get(),
-                           Uniform(0, vocab - 1), next_pos);
-    if (every_chunk) {
-      // One plan per chunk shape, where cuDNN loads at all.
-      if (plans_at_start > 0) {
-        EXPECT_EQ(e.gpu->cudnn_plans_built(), plans_at_start + 3);
+    for (const char* preset : {"llama-3.2-1b-tiny", "llama-3.1-8b-tiny"}) {
+      SCOPED_TRACE(absl::StrCat(preset, every_chunk ? ", every chunk planned"
+                                                    : ", plans that pay off"));
+      const std::string dir = ::testing::TempDir() + "/cudnn_" + preset;
+      ASSERT_OK(WriteSyntheticCheckpoint(preset, dir, seed_, "BF16"));
+      Engines e = LoadEnginesFromDir(dir, CudaDType::kBF16, 1024);
+      ASSERT_NE(e.gpu, nullptr);
+      e.gpu->set_cudnn_plan_every_chunk(every_chunk);
+      e.gpu->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
+      const int plans_at_start = e.gpu->cudnn_plans_built();
+      const int vocab = e.cpu->config().vocab_size;
+      std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, 600);
+      std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, 600);
+      ASSERT_NE(ckv, nullptr);
+      ASSERT_NE(gkv, nullptr);
+      // 150 rows at 0..149; 77 at 150, 152, ... (kept tokens); 40 after.
+      int next_pos = 0;
+      for (const auto& [rows, stride] :
+           {std::pair<int, int>{150, 1}, {77, 2}, {40, 1}}) {
+        std::vector<int> ids(rows), pos(rows);
+        for (int& id : ids) id = Uniform(0, vocab - 1);
+        for (int j = 0; j < rows; ++j) pos[j] = next_pos + j * stride;
+        next_pos = pos.back() + 1;
+        ForwardOutput co, go;
+        ASSERT_OK(e.cpu->Forward(AllRows(ids, pos), ckv.get(), &co));
+        ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), gkv.get(), &go));
+        SCOPED_TRACE(absl::StrCat(rows, " rows"));
+        ExpectLogitsMatch(co, go, vocab, kBatchTolBf16);
       }
-    } else {
-      EXPECT_EQ(e.gpu->cudnn_plans_built(), plans_at_start);
+      ExpectDecodeRowMatches(*e.cpu, ckv.get(), *e.gpu, gkv.get(),
+                             Uniform(0, vocab - 1), next_pos);
+      if (every_chunk) {
+        // One plan per chunk shape, where cuDNN loads at all.
+        if (plans_at_start > 0) {
+          EXPECT_EQ(e.gpu->cudnn_plans_built(), plans_at_start + 3);
+        }
+      } else {
+        EXPECT_EQ(e.gpu->cudnn_plans_built(), plans_at_start);
+      }
     }
-  }
   }
 }
 

@@ -748,7 +748,7 @@ bool CudnnAttention::HasPlan(const CudnnSdpaShape& shape) const {
 }
 
 bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers) {
-  if (shape.s_q >= 2048) return true;
+  if (shape.s_q >= kCudnnRecurringChunkRows) return true;
   const double flops = 4.0 * shape.num_heads * shape.head_dim * shape.s_q *
                        (shape.s_kv - 0.5 * shape.s_q) * std::max(num_layers, 0);
   return flops >= kCudnnPlanPaysOffFlops;

@@ -82,6 +82,10 @@ CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape);
 /// shapes are common in serving: a prompt's tail, a prompt split between
 /// two steps by the token budget, a pruned prompt's kept rows.
 inline constexpr double kCudnnPlanPaysOffFlops = 1e13;
+/// Chunks of this many rows or more always plan: the CUDA services' default
+/// max_num_batched_tokens (DefaultMaxNumBatchedTokens), a long prompt's
+/// full chunk.
+inline constexpr int kCudnnRecurringChunkRows = 2048;
 bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers);
 
 /// Whether libcudnn (major version 9, what the build's headers declare)

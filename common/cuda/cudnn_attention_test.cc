@@ -102,10 +102,6 @@ TEST(CudnnHostTest, PaddedShapesKeepTheDiagonal) {
   }
 }
 
-// The graph as cuDNN's frontend lowers it: 14 operations with the causal
-// mask aligned top-left (s_q == s_kv), 16 with the bottom-right shift (two
-// more integer pointwise ops). Finalizing each descriptor checks attribute
-// types, dimensions and strides against the library itself.
 // Llama 3.1 8B (32 heads of 128, 32 layers) and 3.2 1B (32 of 64, 16
 // layers): full 2048-row chunks always plan; other chunks plan only with
 // ~1e13 FLOPs of attention over the model's layers.
@@ -133,6 +129,10 @@ TEST(CudnnHostTest, PlansPayOffForFullChunksAndLongTails) {
   EXPECT_TRUE(CudnnPlanPaysOff(big(1024, 24576), 32));
 }
 
+// The graph as cuDNN's frontend lowers it: 14 operations with the causal
+// mask aligned top-left (s_q == s_kv), 16 with the bottom-right shift (two
+// more integer pointwise ops). Finalizing each descriptor checks attribute
+// types, dimensions and strides against the library itself.
 TEST(CudnnHostTest, OperationsFinalizeAgainstTheLibrary) {
   if (!CudnnLibraryLoads()) {
     GTEST_SKIP() << "libcudnn.so.9 does not load here";
@@ -342,12 +342,10 @@ class CudnnGpuTest : public ::testing::Test {
 
   // One chunk of each (n, first, head_dim) on this one instance, in turn,
   // as a runner plans them: each against the host reference (32 heads over
-  // 8 kv heads), printing the plans it built. Returns how many plans each
-  // chunk built.
-  std::vector<int> RunChunksOnOneInstance(
+  // 8 kv heads), printing the plans it built.
+  void RunChunksOnOneInstance(
       const std::vector<std::tuple<int, int, int>>& chunks, int seed,
       const char* what) {
-    std::vector<int> built;
     for (const auto& [n, first, d] : chunks) {
       Case c;
       c.head_dim = d;
@@ -363,14 +361,13 @@ class CudnnGpuTest : public ::testing::Test {
       EXPECT_TRUE(s.ok()) << CaseName(c) << ": " << s;
       if (!s.ok()) break;
       const CudnnSdpaShape padded = PaddedCudnnSdpaShape(ShapeOf(c));
-      built.push_back(attn_->plans_built() - before);
       std::printf("%s -> s_q=%d s_kv=%d: %d plan(s) in %.3f s (%s)\n",
-                  CaseName(c).c_str(), padded.s_q, padded.s_kv, built.back(),
+                  CaseName(c).c_str(), padded.s_q, padded.s_kv,
+                  attn_->plans_built() - before,
                   attn_->plan_build_seconds() - seconds,
                   attn_->last_plan_form().c_str());
       ExpectClose(c, out, Reference(p), 1e-2, what);
     }
-    return built;
   }
 
   std::unique_ptr<CudnnAttention> attn_;

@@ -198,17 +198,24 @@ has engine && phase engine 90 240 \
   "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh engine ${ENGINE_ARGS:-}"
 # The stack's prefill attention, unless STACK_ATTENTION names one: the
 # services' default (auto: each times the kernels at start-up and keeps the
-# fastest that agrees) once TunePrefillAttention has passed its GPU test;
-# otherwise the path the engine benchmark found fastest among those whose
-# logits agree with the default's (gpu_bench: "prefill attention for the
-# rest of the N row: PATH", the longest prompt's line); else flash.
+# fastest that agrees) once TunePrefillAttention has passed its GPU test,
+# or when no tests phase ran it (a narrower GPU_FILTER: nothing speaks
+# against the default); where it ran and did not pass (failed, or skipped
+# without a GPU), the path the engine benchmark found fastest among those
+# whose logits agree with the default's (gpu_bench: "prefill attention for
+# the rest of the N row: PATH", the longest prompt's line); else flash.
 path=${STACK_ATTENTION:-}
 why="STACK_ATTENTION"
-if [ -z "$path" ] &&
-   grep -q '^\[       OK \] CudaTest.TunePrefillAttention' \
-     "$RESULTS/tests.log" 2>/dev/null; then
-  path=auto
-  why="tuned by each service at start-up (its GPU test passed)"
+if [ -z "$path" ]; then
+  if grep -q '^\[       OK \] CudaTest.TunePrefillAttention' \
+       "$RESULTS/tests.log" 2>/dev/null; then
+    path=auto
+    why="tuned by each service at start-up (its GPU test passed)"
+  elif ! grep -q '^\[ RUN      \] CudaTest.TunePrefillAttention' \
+         "$RESULTS/tests.log" 2>/dev/null; then
+    path=auto
+    why="the services' default (its GPU test did not run)"
+  fi
 fi
 if [ -z "$path" ] && [ -s "$RESULTS/engine.log" ]; then
   path=$(sed -n 's/^prefill attention for the rest of the [0-9]* row: \([a-z]*\)$/\1/p' \
@@ -217,7 +224,7 @@ if [ -z "$path" ] && [ -s "$RESULTS/engine.log" ]; then
 fi
 if [ -z "$path" ]; then
   path=flash
-  why="no tuning test passed and no engine pick"
+  why="the tuning test did not pass and no engine pick"
 fi
 echo "device_session: the stack's prefill attention: $path ($why)" >&2
 stack_args="--prefill_attention=$path"
