@@ -13,7 +13,7 @@
 #       timeout_s=600)
 #
 # Phases (each one starts only if the time it needs is left):
-#   tests        the GPU tests of bench/results/GPU_PENDING.md's table
+#   tests        the GPU tests of the newest work (GPU_FILTER)
 #                (GPU_FILTER), while the synthetic 1B / 8B checkpoints are
 #                written on the CPU side
 #   engine       bench/gpu/gpu_bench (run_gpu_bench.sh engine): prefill
