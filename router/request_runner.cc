@@ -83,6 +83,7 @@ struct RequestRunner::Plan {
   std::string session_id;  // "" = no session to draft from or release
   std::string fallback;
   double speculate_s = 0;
+  v1::ScoreTimings timings;  // the speculator's own, when it answered
 };
 
 absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
@@ -134,6 +135,7 @@ absl::Status RequestRunner::Speculate(const ResolvedOptions& opts,
     return absl::OkStatus();
   }
   const v1::ScoreResponse& resp = *answer;
+  plan->timings = resp.timings();
   plan->speculator = *picked;
   plan->session_id = resp.session_id();  // released even if unusable
   // Trust but verify: the kept indices must be a sorted subset.
@@ -226,7 +228,14 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
   OutputProcessor output(b.tokenizer, opts.stop, start, b.metrics,
                          opts.min_tokens, opts.include_stop_str);
   v1::GenerationStats& stats = *output.mutable_stats();
-  stats.set_speculate_s(plan.speculate_s);
+  const auto set_score_stats = [&stats](const Plan& p) {
+    stats.set_speculate_s(p.speculate_s);
+    stats.set_score_prefill_s(p.timings.prefill_ns() * 1e-9);
+    stats.set_score_look_ahead_s(p.timings.look_ahead_ns() * 1e-9);
+    stats.set_score_select_s(p.timings.score_ns() * 1e-9);
+    stats.set_score_total_s(p.timings.total_ns() * 1e-9);
+  };
+  set_score_stats(plan);
   v1::Prefill& prefill = plan.prefill;
   const std::string& session_id = plan.session_id;
   // Cleanup of the speculator session on every path out of here.
@@ -356,7 +365,7 @@ absl::Status RequestRunner::Run(const v1::GenerateTextRequest& request,
       return s;
     }
     fallback = plan.fallback;
-    stats.set_speculate_s(plan.speculate_s);
+    set_score_stats(plan);
     draft_alive = ModelDrafts(opts) && !session_id.empty() && fallback.empty();
     set_method();
   }

@@ -5,6 +5,7 @@
 
 #include "router/request_runner.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -170,6 +171,15 @@ TEST_F(RequestRunnerTest, GreedyWithSpeculationIsTokenIdenticalToTarget) {
     EXPECT_GE(s.total_s(), s.ttft_s());
     EXPECT_GT(s.speculate_s(), 0);
     EXPECT_GT(s.target_prefill_s(), 0);
+    // The speculator's own phases: inside its whole time, which is inside
+    // the router's round trip.
+    EXPECT_GT(s.score_prefill_s(), 0);
+    EXPECT_GT(s.score_look_ahead_s(), 0);
+    EXPECT_GT(s.score_select_s(), 0);
+    EXPECT_LE(s.score_prefill_s() + s.score_look_ahead_s() +
+                  s.score_select_s(),
+              s.score_total_s() + 1e-6);
+    EXPECT_LE(s.score_total_s(), s.speculate_s());
     if (!spec_decode) {
       EXPECT_EQ(s.num_drafts(), 0);
       EXPECT_EQ(s.accepted_per_position_size(), 0);
@@ -468,18 +478,38 @@ TEST_F(RequestRunnerTest, SpeculatorDownBeforeTheRequestFallsBack) {
             2);
 }
 
-// A Speculator whose Score never answers (until cancelled).
-class HangingSpeculator final : public v1::Speculator::Service {
+// The fake speculators below use the callback API, as the services do: in
+// CI (ASan), a sync-API fake shut down with a deadline once left a gRPC
+// 1.51 worker thread that freed a completion queue twice, in the next test.
+
+// A unary reactor that answers only when the caller gives up (deadline,
+// cancel or server shutdown).
+class UntilCancelled final : public grpc::ServerUnaryReactor {
  public:
-  grpc::Status Info(grpc::ServerContext*, const v1::InfoRequest*,
-                    v1::ModelInfo* out) override {
+  void OnCancel() override { Finish(grpc::Status::CANCELLED); }
+  void OnDone() override { delete this; }
+};
+
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx,
+                                 const grpc::Status& status) {
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(status);
+  return r;
+}
+
+// A Speculator whose Score never answers (until cancelled).
+class HangingSpeculator final : public v1::Speculator::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx,
+                                 const v1::InfoRequest*,
+                                 v1::ModelInfo* out) override {
     out->set_vocab_size(512);
-    return grpc::Status::OK;
+    return Answer(ctx, grpc::Status::OK);
   }
-  grpc::Status Score(grpc::ServerContext* ctx, const v1::ScoreRequest*,
-                     v1::ScoreResponse*) override {
-    while (!ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(2));
-    return grpc::Status::CANCELLED;
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext*,
+                                  const v1::ScoreRequest*,
+                                  v1::ScoreResponse*) override {
+    return new UntilCancelled();
   }
 };
 
@@ -541,36 +571,60 @@ TEST_F(RequestRunnerTest, TargetPrefillsWhileTheSpeculatorScores) {
 // and takes `release_delay` to get to a ReleaseSession, which it applies
 // only if the caller is still waiting (a frozen process drops cancelled
 // calls). Before, both leaked sessions until their TTL.
-class SlowSpeculator final : public v1::Speculator::Service {
+class SlowSpeculator final : public v1::Speculator::CallbackService {
  public:
   SlowSpeculator(absl::Duration score_delay, absl::Duration release_delay)
       : score_delay_(score_delay), release_delay_(release_delay) {}
-
-  grpc::Status Info(grpc::ServerContext*, const v1::InfoRequest*,
-                    v1::ModelInfo* out) override {
-    out->set_vocab_size(512);
-    return grpc::Status::OK;
-  }
-  grpc::Status Score(grpc::ServerContext*, const v1::ScoreRequest* req,
-                     v1::ScoreResponse* resp) override {
-    absl::SleepFor(score_delay_);
-    for (int i = 0; i < req->token_ids_size(); ++i) {
-      resp->add_kept_indices(i);
-      resp->add_position_ids(i);
+  // After the server's shutdown, which waits for every answer.
+  ~SlowSpeculator() override {
+    std::vector<std::thread> later;
+    {
+      absl::MutexLock lock(&mu_);
+      later.swap(later_);
     }
-    resp->set_next_position(req->token_ids_size());
-    absl::MutexLock lock(&mu_);
-    resp->set_session_id(absl::StrCat("s", ++opened_));
-    return grpc::Status::OK;
+    for (std::thread& t : later) t.join();
   }
-  grpc::Status ReleaseSession(grpc::ServerContext* ctx,
-                              const v1::ReleaseSessionRequest*,
-                              v1::ReleaseSessionResponse*) override {
-    absl::SleepFor(release_delay_);
-    if (ctx->IsCancelled()) return grpc::Status::CANCELLED;
-    absl::MutexLock lock(&mu_);
-    ++released_;
-    return grpc::Status::OK;
+
+  grpc::ServerUnaryReactor* Info(grpc::CallbackServerContext* ctx,
+                                 const v1::InfoRequest*,
+                                 v1::ModelInfo* out) override {
+    out->set_vocab_size(512);
+    return Answer(ctx, grpc::Status::OK);
+  }
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx,
+                                  const v1::ScoreRequest* req,
+                                  v1::ScoreResponse* resp) override {
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    Later(score_delay_, [this, r, req, resp] {
+      for (int i = 0; i < req->token_ids_size(); ++i) {
+        resp->add_kept_indices(i);
+        resp->add_position_ids(i);
+      }
+      resp->set_next_position(req->token_ids_size());
+      {
+        absl::MutexLock lock(&mu_);
+        resp->set_session_id(absl::StrCat("s", ++opened_));
+      }
+      r->Finish(grpc::Status::OK);
+    });
+    return r;
+  }
+  grpc::ServerUnaryReactor* ReleaseSession(
+      grpc::CallbackServerContext* ctx, const v1::ReleaseSessionRequest*,
+      v1::ReleaseSessionResponse*) override {
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    Later(release_delay_, [this, r, ctx] {
+      if (ctx->IsCancelled()) {
+        r->Finish(grpc::Status::CANCELLED);
+        return;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        ++released_;
+      }
+      r->Finish(grpc::Status::OK);
+    });
+    return r;
   }
   int open_sessions() {
     absl::MutexLock lock(&mu_);
@@ -582,10 +636,21 @@ class SlowSpeculator final : public v1::Speculator::Service {
   }
 
  private:
+  // Runs `f` after `delay` on a thread of its own: a callback handler must
+  // not block gRPC's threads.
+  void Later(absl::Duration delay, std::function<void()> f) {
+    absl::MutexLock lock(&mu_);
+    later_.emplace_back([delay, f = std::move(f)] {
+      absl::SleepFor(delay);
+      f();
+    });
+  }
+
   const absl::Duration score_delay_, release_delay_;
   absl::Mutex mu_;
   int opened_ ABSL_GUARDED_BY(mu_) = 0;
   int released_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> later_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST_F(RequestRunnerTest, LateScoreAnswerAfterFallbackIsReleased) {

@@ -31,22 +31,33 @@ OUT=$(env -i PATH=/usr/bin:/bin HOME="$STACK" STACK="$STACK" DEVICE=cpu \
   STREAM_NEW_TOKENS=8 STREAM_REQUESTS=2 ANCHOR=off \
   bash tools/gpu/run_stack_bench.sh)
 echo "$OUT"
-# Two TTFT rows and one decode row, every cell a positive number; the
-# lossless checks; then one row per stream count: positive tokens/s, every
-# request served.
+# Two TTFT rows, four rows of TTFT parts (two lengths x keep 0.1 / 0.3),
+# one decode row, every measured cell a positive number; the lossless
+# checks; then one row per stream count: positive tokens/s, every request
+# served.
 python3 - "$OUT" <<'PY'
 import sys
 rows = [[c.strip() for c in l.strip().strip("|").split("|")]
         for l in sys.argv[1].splitlines()
         if l.startswith("| ") and l[2].isdigit()]
-assert len(rows) == 5, rows
+assert len(rows) == 9, rows
 # stack_checks.sh ran: three drafting methods x two prefills, then sampling.
 checks = [l for l in sys.argv[1].splitlines() if l.startswith("stack_checks:")]
 assert len(checks) == 7 and checks[-1].endswith("OK"), checks
-for cells in rows[:3]:
+for cells in rows[:2] + rows[6:7]:
     assert all(float(c) > 0 for c in cells), cells
-assert [r[0] for r in rows[3:]] == ["1", "3"], rows
-for streams, rate, ratio, requests, failed, *sched in rows[3:]:
+assert [(r[0], r[1]) for r in rows[2:6]] == [
+    ("96", "0.1"), ("96", "0.3"), ("300", "0.1"), ("300", "0.3")], rows
+for cells in rows[2:6]:
+    # TTFT, the Score round trip and the speculator's three phases, the
+    # untimed part of the round trip, the target's prefill, the rest.
+    ttft, trip, pre, look, sel, rpc, tgt, rest = map(float, cells[2:])
+    # (4 decimals: the tiny model's look-ahead and selection may print 0.)
+    assert min(ttft, trip, pre, tgt) > 0 and min(look, sel) >= 0, cells
+    assert min(rpc, rest) >= -1e-3 and trip < ttft, cells
+    assert pre + look + sel <= trip, cells
+assert [r[0] for r in rows[7:]] == ["1", "3"], rows
+for streams, rate, ratio, requests, failed, *sched in rows[7:]:
     assert float(rate) > 0 and ratio.endswith("x"), rows
     assert int(requests) == 2 * int(streams) and int(failed) == 0, rows
     # The target scheduler's columns (http_load.py --target_metrics).

@@ -68,6 +68,8 @@ for L in 100 300; do
 done
 grep -Eq "^\| 100 \| [0-9.]+ \| [0-9.]+ \|$" "$WORK/out.md" ||
   fail "no decode row"
+grep -Eq "^\| 300 \| 0\.1 \|( -?[0-9.]+ \|){8}$" "$WORK/out.md" ||
+  fail "no TTFT parts row"
 grep -q "Concurrent streams" "$WORK/out.md" || fail "no streams table"
 # 40 streams decoded together from a graph of their bucket.
 grep -q "cuda graph captured: 40-row bucket, greedy" \

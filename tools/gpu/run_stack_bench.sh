@@ -29,6 +29,8 @@
 # default 2), ANCHOR (auto | off, default auto: the transformers anchor
 # runs when python3 imports torch with a CUDA device), SERVICE_ARGS (more
 # flags for both model services, e.g. --nocuda_graphs to time eager steps),
+# SPECULATOR_ARGS / TARGET_ARGS (more flags for one of them, e.g.
+# --max_num_batched_tokens 8192),
 # LOGS (folder for the services' logs and prompts; default a fresh temp
 # folder), CHECKS (1, the default: tools/gpu/stack_checks.sh's lossless
 # greedy checks of every drafting method after the decode table; 0 skips).
@@ -116,14 +118,16 @@ start() {
 # services timing on one GPU at once would measure each other. (On
 # Kubernetes they have a GPU each.)
 read -r -a EXTRA <<< "${SERVICE_ARGS:-}"
+read -r -a SPEC_EXTRA <<< "${SPECULATOR_ARGS:-}"
+read -r -a TARGET_EXTRA <<< "${TARGET_ARGS:-}"
 launch speculator_service --model "$SPECULATOR" --port 0 \
   --metrics_port 0 --device "$DEVICE" \
   --gpu_memory_utilization "${SPECULATOR_GPU_UTIL:-0.15}" \
-  ${EXTRA[@]+"${EXTRA[@]}"}
+  ${EXTRA[@]+"${EXTRA[@]}"} ${SPEC_EXTRA[@]+"${SPEC_EXTRA[@]}"}
 SPORT=$(port speculator_service)
 launch target_service --model "$TARGET" --port 0 --metrics_port 0 \
   --device "$DEVICE" --gpu_memory_utilization "${TARGET_GPU_UTIL:-0.75}" \
-  ${EXTRA[@]+"${EXTRA[@]}"}
+  ${EXTRA[@]+"${EXTRA[@]}"} ${TARGET_EXTRA[@]+"${TARGET_EXTRA[@]}"}
 TPORT=$(port target_service)
 TMPORT=$(sed -n 's/.*metrics on \([0-9]*\).*/\1/p' "$LOGS/target_service.log" | head -1)
 HPORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); \
@@ -146,7 +150,8 @@ print(','.join(str(r.randrange(3, int(sys.argv[2]))) for _ in range(int(sys.argv
   echo "$f"
 }
 # ask LEN NEW TAG FLAGS...: the median over REPS of the client's JSON
-# field FIELD (env), printed with 4 decimals. Every request has a prompt
+# field FIELD (env), printed with 4 decimals; FIELD=parts prints one
+# request's (the last rep's) TTFT parts instead, a Markdown row's cells. Every request has a prompt
 # of its own (TAG and the rep seed it): the services' prefix caches must
 # not serve one request's prefill from another's.
 ask() {
@@ -160,8 +165,16 @@ ask() {
       --deadline_ms 600000 --json "$@" |
       python3 -c "import json,sys; j=json.load(sys.stdin); s=j['stats']; \
 u=j['usage']; d=max(1e-9, s['total_s']-s['ttft_s']); \
-print(s['ttft_s'] if sys.argv[1]=='ttft' else (u['completion_tokens']-1)/d)" "$FIELD")")
+parts=[s['ttft_s'], s['speculate_s'], s['score_prefill_s'], s['score_look_ahead_s'], \
+       s['score_select_s'], s['speculate_s']-s['score_total_s'], s['target_prefill_s'], \
+       s['ttft_s']-s['speculate_s']-s['target_prefill_s']]; \
+print(' | '.join('%.4f' % p for p in parts) if sys.argv[1]=='parts' else \
+      s['ttft_s'] if sys.argv[1]=='ttft' else (u['completion_tokens']-1)/d)" "$FIELD")")
   done
+  if [ "$FIELD" = parts ]; then
+    printf '%s' "${vals[-1]}"
+    return
+  fi
   printf '%s\n' "${vals[@]}" | sort -g | awk '{v[NR]=$1} END {printf "%.4f", v[int((NR+1)/2)]}'
 }
 
@@ -187,6 +200,23 @@ for L in $LENGTHS; do
   k3=$(ask "$L" 1 keep0.3 --keep_ratio 0.3 --no_spec_decode)
   k1=$(ask "$L" 1 keep0.1 --keep_ratio 0.1 --no_spec_decode)
   echo "| $L | $full | $k3 | $k1 |"
+done
+# Where a pruned request's TTFT goes (one request each, the router's and
+# the speculator's own timings): the router's Score round trip, of it the
+# speculator's prefill, look-ahead and scoring + selection, and what the
+# speculator did not time (the RPC, its queue); the target's kept prefill
+# from the router's send to the first token; the rest is the router's own.
+echo
+echo "| prompt tokens | keep | TTFT s | Score round trip s | score prefill s" \
+     "| look-ahead s | scoring + selection s | RPC + queue s" \
+     "| target prefill s | router rest s |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
+for L in $LENGTHS; do
+  FIELD=parts
+  for K in 0.1 0.3; do
+    echo "| $L | $K | $(REPS=1 ask "$L" 1 "parts$K" --keep_ratio "$K" \
+      --no_spec_decode) |"
+  done
 done
 echo
 echo "| prompt tokens | decode tok/s, plain | decode tok/s, speculative k=4 |"
