@@ -24,6 +24,14 @@
 //    (scoring + kept prefill);
 //  * decode tokens/s of both models after each prefill, with the fraction
 //    of the copy bandwidth that reading weights + KV implies;
+//  * the speculator's scoring prefill and the target's kept prefill in
+//    chunks of --service_chunk rows, as the services' schedulers run them
+//    (--max_num_batched_tokens), against one pass;
+//  * with --phase_times (the default), where each prefill's time goes:
+//    one more run of each with the runner's phase timer on
+//    (CudaModelRunner::set_phase_timing: projections, attention, the KV
+//    gather, element-wise kernels), printed as "phases of ..." lines and
+//    in the JSON;
 //  * verify-round time of the target vs the number of drafts k;
 //  * batched decode of the target: B sequences of --decode_context tokens
 //    each decoding one token per step together (greedy on the device, from
@@ -89,6 +97,15 @@ ABSL_FLAG(std::string, decode_batches, "1,16,64,128",
 ABSL_FLAG(int, decode_context, 256,
           "prompt tokens of each sequence of the batched decode stage");
 ABSL_FLAG(int, reps, 3, "timed repetitions of each prefill (median)");
+ABSL_FLAG(int, service_chunk, 2048,
+          "rows per chunk of the chunked prefills (the CUDA services' "
+          "default --max_num_batched_tokens)");
+ABSL_FLAG(int, alt_service_chunk, 8192,
+          "also time the speculator's chunked prefill at this chunk size "
+          "(a --max_num_batched_tokens to try; 0 skips)");
+ABSL_FLAG(bool, phase_times, true,
+          "time each prefill's phases once more with the runner's phase "
+          "timer (untimed otherwise)");
 ABSL_FLAG(std::string, dtype, "bf16", "weights / KV dtype: bf16 | fp16");
 ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
 ABSL_FLAG(uint64_t, seed, 0, "prompt token seed");
@@ -311,6 +328,68 @@ double TimePrefill(const Model& m, KvSequence* cache,
   return t;
 }
 
+// A prefill as the services' schedulers run a long prompt: chunks of
+// `chunk` rows, each a forward reducing its last row to its argmax on the
+// device; with `capture`, the last row's query captured (the speculator's
+// scoring prefill). Seconds.
+double TimeChunkedPrefill(const Model& m, KvSequence* cache,
+                          QueryCapture* capture, const std::vector<int>& ids,
+                          const std::vector<int>& pos, int chunk) {
+  cache->Clear();
+  if (capture != nullptr) capture->Clear();
+  const int n = static_cast<int>(ids.size());
+  std::vector<ForwardOutput> out;
+  const double t0 = Now();
+  for (int at = 0; at < n; at += chunk) {
+    const int rows = std::min(chunk, n - at);
+    SequenceForward f;
+    f.kv = cache;
+    f.input.token_ids = absl::MakeConstSpan(ids.data() + at, rows);
+    f.input.position_ids = absl::MakeConstSpan(pos.data() + at, rows);
+    f.input.argmax_only = true;
+    if (capture != nullptr && at + rows == n) {
+      f.capture = capture;
+      f.input.capture_query_rows = {rows - 1};
+    }
+    Die(m.engine->Forward(absl::MakeConstSpan(&f, 1), &out),
+        "chunked prefill");
+  }
+  return Now() - t0;
+}
+
+// Runs `run` once with `m`'s phase timer on and prints where its forwards'
+// time went ("phases of <what> at <P>: ..."); returns the same as a JSON
+// object (seconds per phase, forwards, wall and timed seconds).
+std::string PhaseTimes(const Model& m, const std::string& what, int P,
+                       const std::function<void()>& run) {
+  m.engine->TakePhaseTimes();  // nothing timed before counts
+  m.engine->set_phase_timing(true);
+  const double t0 = Now();
+  run();
+  const double wall = Now() - t0;
+  m.engine->set_phase_timing(false);
+  int forwards = 0;
+  const std::vector<std::pair<std::string, double>> times =
+      m.engine->TakePhaseTimes(&forwards);
+  double timed = 0.0;
+  for (const auto& t : times) timed += t.second;
+  std::string line =
+      absl::StrFormat("phases of %s at %d (%d forwards, %.4f s wall, %.4f s "
+                      "timed):",
+                      what, P, forwards, wall, timed);
+  Json j;
+  for (const auto& [name, s] : times) {
+    absl::StrAppendFormat(&line, " %s %.4f s (%.1f%%)", name, s,
+                          timed > 0 ? 100.0 * s / timed : 0.0);
+    j.Num(name, s);
+  }
+  j.Num("forwards", forwards);
+  j.Num("wall_s", wall);
+  j.Num("timed_s", timed);
+  std::printf("%s\n", line.c_str());
+  return j.Done();
+}
+
 // Greedy decode steps of `seqs` together, as the services run them (one
 // token each per step, argmax on the device), from CUDA graphs or eagerly:
 // one untimed step first (it captures the bucket's graph), then `steps`
@@ -432,6 +511,7 @@ int Main(int argc, char** argv) {
   const std::vector<int> ks = ParseInts(absl::GetFlag(FLAGS_verify_ks));
   const int lookahead = absl::GetFlag(FLAGS_lookahead);
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
+  const int service_chunk = std::max(1, absl::GetFlag(FLAGS_service_chunk));
   const int decode_steps = std::max(1, absl::GetFlag(FLAGS_decode_tokens));
   const std::vector<int> batches =
       ParseInts(absl::GetFlag(FLAGS_decode_batches));
@@ -646,6 +726,7 @@ int Main(int argc, char** argv) {
   }
 
   std::string rows_json = "[";
+  std::string phases_json = "[";  // --phase_times, one object per length
   std::printf("\n%-6s %9s %9s %9s %9s %9s %9s %8s %8s %9s %9s\n", "prompt",
               "full_s", "score_s", "keep", "kept_s", "ttft_s", "speedup",
               "tgt_MFU", "dec_t/s", "dec_bw%", "spec_t/s");
@@ -812,8 +893,33 @@ int Main(int argc, char** argv) {
     }
     const double spec_dec =
         TimeDecode(spec, scache.get(), ids[0], decode_steps, true);
+    // The scoring prefill as the speculator service runs it: chunks of
+    // --service_chunk rows.
+    std::vector<double> t_spec_chunks;
+    for (int r = 0; r < reps; ++r) {
+      t_spec_chunks.push_back(TimeChunkedPrefill(
+          spec, scache.get(), capture->get(), ids, pos, service_chunk));
+    }
+    const double t_spec_chunked = MedianSeconds(t_spec_chunks);
+    std::string alt;
+    const int alt_chunk = absl::GetFlag(FLAGS_alt_service_chunk);
+    if (alt_chunk > 0 && alt_chunk != service_chunk) {
+      std::vector<double> ts;
+      for (int r = 0; r < reps; ++r) {
+        ts.push_back(TimeChunkedPrefill(spec, scache.get(), capture->get(),
+                                        ids, pos, alt_chunk));
+      }
+      alt = absl::StrFormat(", %.4f s in %d-row chunks", MedianSeconds(ts),
+                            alt_chunk);
+    }
+    std::printf("speculator prefill at %d: %.4f s in one pass, %.4f s in "
+                "%d-row chunks (as its service runs it)%s\n",
+                P, MedianSeconds(t_prefill_s), t_spec_chunked, service_chunk,
+                alt.c_str());
 
     // Kept-token prefills.
+    std::string kept_for_phases;  // the first keep's, for --phase_times
+    std::vector<int> kept_ids_for_phases, kept_pos_for_phases;
     for (float keep : keeps) {
       SelectionOptions sel;
       sel.keep_ratio = keep;
@@ -830,6 +936,25 @@ int Main(int argc, char** argv) {
                                  s->position_ids));
       }
       const double t_kept = MedianSeconds(kt);
+      std::vector<double> kt_chunks;
+      for (int r = 0; r < reps; ++r) {
+        kt_chunks.push_back(TimeChunkedPrefill(target, tcache.get(), nullptr,
+                                               kept_ids, s->position_ids,
+                                               service_chunk));
+      }
+      const double t_kept_chunked = MedianSeconds(kt_chunks);
+      std::printf("target kept prefill at %d, keep %.2f (%zu tokens): %.4f s "
+                  "in one pass, %.4f s in %d-row chunks (as its service runs "
+                  "it)\n",
+                  P, keep, kept_ids.size(), t_kept, t_kept_chunked,
+                  service_chunk);
+      if (kept_ids_for_phases.empty()) {
+        kept_for_phases = absl::StrFormat("the target's kept prefill (keep "
+                                          "%.2f, %zu tokens)",
+                                          keep, kept_ids.size());
+        kept_ids_for_phases = kept_ids;
+        kept_pos_for_phases = s->position_ids;
+      }
       const double t_scoring = MedianSeconds(t_score) + t_select;
       const double ttft = t_scoring + t_kept;
       std::printf("%-6d %9.4f %9.4f %9.2f %9.4f %9.4f %8.2fx %7.1f%% %8.1f "
@@ -851,7 +976,10 @@ int Main(int argc, char** argv) {
       row.Num("target_best_full_prefill_s", t_best);
       row.Num("target_full_prefill_mfu", mfu);
       row.Num("target_kept_prefill_s", t_kept);
+      row.Num("target_kept_prefill_chunked_s", t_kept_chunked);
       row.Num("spec_prefill_s", MedianSeconds(t_prefill_s));
+      row.Num("spec_prefill_chunked_s", t_spec_chunked);
+      row.Num("service_chunk", service_chunk);
       row.Num("spec_lookahead_s", MedianSeconds(t_look));
       row.Num("spec_reduce_s", MedianSeconds(t_reduce));
       row.Num("select_s", t_select);
@@ -867,11 +995,49 @@ int Main(int argc, char** argv) {
       if (rows_json.size() > 1) rows_json += ", ";
       rows_json += row.Done();
     }
+    if (absl::GetFlag(FLAGS_phase_times)) {
+      // Where each prefill's time goes, on the paths that ran above.
+      Json ph;
+      ph.Num("prompt_len", P);
+      ph.Raw("target_full_prefill",
+             PhaseTimes(target, "the target's full prefill", P,
+                        [&] { TimePrefill(target, tcache.get(), ids, pos); }));
+      ph.Raw("spec_prefill",
+             PhaseTimes(spec, "the speculator's prefill in one pass", P, [&] {
+               TimeChunkedPrefill(spec, scache.get(), capture->get(), ids,
+                                  pos, P);
+             }));
+      ph.Raw("spec_prefill_chunked",
+             PhaseTimes(spec,
+                        absl::StrCat("the speculator's prefill in ",
+                                     service_chunk, "-row chunks"),
+                        P, [&] {
+                          TimeChunkedPrefill(spec, scache.get(),
+                                             capture->get(), ids, pos,
+                                             service_chunk);
+                        }));
+      if (!kept_ids_for_phases.empty()) {
+        ph.Raw("target_kept_prefill_chunked",
+               PhaseTimes(target,
+                          absl::StrCat(kept_for_phases, " in ",
+                                       service_chunk, "-row chunks"),
+                          P, [&] {
+                            TimeChunkedPrefill(target, tcache.get(), nullptr,
+                                               kept_ids_for_phases,
+                                               kept_pos_for_phases,
+                                               service_chunk);
+                          }));
+      }
+      if (phases_json.size() > 1) phases_json += ", ";
+      phases_json += ph.Done();
+    }
     target.engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
     spec.engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
   }
   rows_json += "]";
   top.Raw("rows", rows_json);
+  phases_json += "]";
+  top.Raw("phases", phases_json);
   cublasDestroy(handle);
 
   const std::string json_out = absl::GetFlag(FLAGS_json_out);

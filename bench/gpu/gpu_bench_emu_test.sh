@@ -14,9 +14,15 @@ done
 "$BENCH" --speculator "$TMP/llama-3.2-1b-tiny" \
   --target "$TMP/llama-3.1-8b-tiny" --prompt_lens 96,200 --keep 0.1,0.3 \
   --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1,3 --reps 1 \
-  --decode_batches 1,3 --decode_context 24 \
+  --decode_batches 1,3 --decode_context 24 --service_chunk 64 \
+  --alt_service_chunk 128 \
   --peak_gemm_size 64 --copy_bytes 1048576 --json_out "$TMP/gpu_bench.json" |
   tee "$TMP/gpu_bench.log"
+# The chunked scoring prefill at both chunk sizes, per length.
+for P in 96 200; do
+  grep -Eq "^speculator prefill at $P: [0-9.]+ s in one pass, [0-9.]+ s in 64-row chunks \(as its service runs it\), [0-9.]+ s in 128-row chunks$" \
+    "$TMP/gpu_bench.log" || { echo "no chunked prefill line for $P" >&2; exit 1; }
+done
 
 python3 - "$TMP/gpu_bench.json" <<'PY'
 import json, math, sys
@@ -52,7 +58,8 @@ positive = ("target_full_prefill_s", "target_full_prefill_mma_s",
             "target_best_full_prefill_s",
             "target_kept_prefill_s", "spec_prefill_s", "spec_lookahead_s",
             "scoring_s", "ttft_s", "target_decode_tok_s",
-            "target_decode_eager_tok_s", "spec_decode_tok_s")
+            "target_decode_eager_tok_s", "spec_decode_tok_s",
+            "target_kept_prefill_chunked_s", "spec_prefill_chunked_s")
 for r in rows:
     for k in positive:
         assert math.isfinite(r[k]) and r[k] > 0, (k, r)
@@ -71,5 +78,30 @@ for r in rows:
     # 0.127888).
     t, s, k = r["ttft_s"], r["scoring_s"], r["target_kept_prefill_s"]
     assert abs(t - s - k) <= 1e-5 * (t + s + k) + 1e-9, r
-print("gpu_bench_emu_test: %d rows OK" % len(rows))
+    assert r["service_chunk"] == 64, r
+# --phase_times: per length, each prefill's phases, one forward per chunk
+# of 64 rows, timed within the wall time; every prefill projects, attends
+# and makes logits.
+ph = j["phases"]
+assert [p["prompt_len"] for p in ph] == [96, 200], ph
+names = ("embed", "norm", "qkv_proj", "rope_kv_store", "kv_gather",
+         "attention", "row_gather", "o_proj", "gate_up_proj", "silu_mul",
+         "down_proj", "logits")
+for p in ph:
+    P = p["prompt_len"]
+    want = {"target_full_prefill": 1, "spec_prefill": 1,
+            "spec_prefill_chunked": math.ceil(P / 64),
+            "target_kept_prefill_chunked": None}
+    assert set(want) <= set(p), p
+    for what, forwards in want.items():
+        t = p[what]
+        assert set(names) <= set(t), (what, t)
+        if forwards is not None:
+            assert t["forwards"] == forwards, (what, t)
+        assert t["forwards"] >= 1, (what, t)
+        assert 0 < t["timed_s"] <= t["wall_s"] * (1 + 1e-5), (what, t)
+        for n in ("qkv_proj", "attention", "gate_up_proj", "logits"):
+            assert t[n] > 0, (what, n, t)
+        assert abs(sum(t[n] for n in names) - t["timed_s"]) <= 1e-5 * t["timed_s"] + 1e-9, t
+print("gpu_bench_emu_test: %d rows, %d phase sets OK" % (len(rows), len(ph)))
 PY

@@ -51,6 +51,7 @@
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
+#include "common/cuda/phase_timer.h"
 #include "common/cuda/prefill_tuning.h"
 #include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
@@ -252,6 +253,19 @@ TEST(CudaHostTest, DTypeHelpers) {
   EXPECT_STREQ(CudaDTypeName(CudaDType::kBF16), "bf16");
 }
 
+TEST(CudaHostTest, PhaseTimerChecksItsUseBeforeAnyCudaCall) {
+  PhaseTimer timer({"a", "b"});
+  EXPECT_EQ(timer.Mark(0, nullptr).code(),
+            absl::StatusCode::kFailedPrecondition);
+  int steps = -1;
+  const std::vector<std::pair<std::string, double>> times = timer.Take(&steps);
+  ASSERT_EQ(times.size(), 2u);
+  EXPECT_EQ(times[0], std::make_pair(std::string("a"), 0.0));
+  EXPECT_EQ(times[1], std::make_pair(std::string("b"), 0.0));
+  EXPECT_EQ(steps, 0);
+  EXPECT_TRUE(timer.Collect().ok());  // nothing recorded: nothing to add
+}
+
 TEST(CudaHostTest, LaunchersRejectBadShapesBeforeTouchingTheDevice) {
   EXPECT_FALSE(ck::FlashAttentionSupported(8, CudaDType::kBF16));
   EXPECT_FALSE(ck::FlashAttentionSupported(64, CudaDType::kF32));
@@ -281,6 +295,24 @@ TEST(CudaHostTest, LaunchersRejectBadShapesBeforeTouchingTheDevice) {
   }
   EXPECT_EQ(ck::SplitKAttention(a, 1, nullptr, nullptr),
             cudaErrorInvalidValue);
+  {
+    // A valid shape, but more splits than the merge has threads for.
+    ck::AttentionArgs k;
+    k.n = 1;
+    k.first = 8191;
+    k.num_heads = 4;
+    k.num_kv_heads = 2;
+    k.head_dim = 64;
+    k.block_size = 16;
+    k.dtype = CudaDType::kBF16;
+    k.q = k.k_cache = k.v_cache =
+        reinterpret_cast<const void*>(uintptr_t{0x10000});
+    k.block_table = reinterpret_cast<const int*>(uintptr_t{0x20000});
+    k.out = reinterpret_cast<void*>(uintptr_t{0x40000});
+    void* ws = reinterpret_cast<void*>(uintptr_t{0x50000});
+    EXPECT_EQ(ck::SplitKAttention(k, 65, ws, nullptr), cudaErrorInvalidValue);
+    EXPECT_EQ(ck::SplitKAttention(k, 0, ws, nullptr), cudaErrorInvalidValue);
+  }
   ck::RopeArgs r;
   r.n = 2;
   r.head_dim = 7;  // odd
@@ -2002,6 +2034,62 @@ TEST_P(ModelTest, ArgmaxOnlyEqualsArgmaxOfLogits) {
   EXPECT_GT(clear, n / 2);
 }
 
+// set_phase_timing: an eager prefill's phases come back in a layer's
+// order, every phase a prefill runs has time, and together they fit in the
+// forward's wall time; once timing is off, forwards add nothing.
+TEST_P(ModelTest, PhaseTimesCoverAnEagerForward) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size, n = 48;
+  std::vector<int> ids(n);
+  for (int& id : ids) id = Uniform(0, vocab - 1);
+  const std::vector<int> pos = Iota(0, n);
+  std::unique_ptr<KvSequence> kv = NewSeq(*e.gpu, c.max_position_embeddings);
+  ASSERT_NE(kv, nullptr);
+  // A step this short whose rows all want logits would replay a graph,
+  // which is not timed.
+  e.gpu->set_cuda_graphs(false);
+  e.gpu->set_phase_timing(true);
+  ForwardOutput out;
+  const absl::Time t0 = absl::Now();
+  ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), kv.get(), &out));
+  const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
+  int forwards = -1;
+  const std::vector<std::pair<std::string, double>> times =
+      e.gpu->TakePhaseTimes(&forwards);
+  EXPECT_EQ(forwards, 1);
+  std::vector<std::string> names;
+  double sum = 0.0;
+  for (const auto& [name, seconds] : times) {
+    names.push_back(name);
+    EXPECT_GE(seconds, 0.0) << name;
+    sum += seconds;
+    // Only the cuDNN path gathers K / V rows, and only a pruned last layer
+    // its live rows.
+    if (name != "kv_gather" && name != "row_gather") {
+      EXPECT_GT(seconds, 0.0) << name;
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "embed", "norm", "qkv_proj", "rope_kv_store",
+                       "kv_gather", "attention", "row_gather", "o_proj",
+                       "gate_up_proj", "silu_mul", "down_proj", "logits"}));
+  EXPECT_LE(sum, wall);
+
+  e.gpu->set_phase_timing(false);
+  const int tok = ids[0], p = n;
+  ForwardInput d;
+  d.token_ids = absl::MakeConstSpan(&tok, 1);
+  d.position_ids = absl::MakeConstSpan(&p, 1);
+  ASSERT_OK(e.gpu->Forward(d, kv.get(), &out));
+  for (const auto& [name, seconds] : e.gpu->TakePhaseTimes(&forwards)) {
+    EXPECT_EQ(seconds, 0.0) << name;
+  }
+  EXPECT_EQ(forwards, 0);
+  e.gpu->set_cuda_graphs(true);
+}
+
 // ForwardInput::sampling: the runner samples on the device and returns each
 // row's accept flag and token, SampleRow's outcome on the logits it hands
 // out for the same rows otherwise (up to rounding at a boundary); two
@@ -2593,6 +2681,23 @@ TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {
 // prefilled in alternating chunks, so their blocks interleave in the pool.
 // Every sequence's logits and captured queries match the CPU runner's for
 // the same batch, on every attention path.
+// One step of three sequences on a test's CPU and GPU runner: sequence s
+// is inputs[s] on kv[r][s] of runner r, whose outputs go to out[r].
+void StepOnBoth(ModelRunner* const (&runners)[2],
+                std::unique_ptr<KvSequence> (&kv)[2][3],
+                const ForwardInput* const (&inputs)[3],
+                std::vector<ForwardOutput> (&out)[2]) {
+  for (int r = 0; r < 2; ++r) {
+    std::vector<SequenceForward> batch(3);
+    for (int s = 0; s < 3; ++s) {
+      batch[s].kv = kv[r][s].get();
+      batch[s].input = *inputs[s];
+    }
+    ASSERT_OK(runners[r]->Forward(batch, &out[r]));
+    ASSERT_EQ(out[r].size(), 3u);
+  }
+}
+
 TEST_P(ModelTest, MixedBatchMatchesCpu) {
   Engines e = LoadEngines(GetParam(), CudaDType::kBF16, /*pool_tokens=*/256,
                           /*block_size=*/4);
@@ -2664,16 +2769,7 @@ TEST_P(ModelTest, MixedBatchMatchesCpu) {
 
     // The mixed step, in one Forward on each runner.
     std::vector<ForwardOutput> out[2];
-    for (int r = 0; r < 2; ++r) {
-      std::vector<SequenceForward> batch(3);
-      const ForwardInput* inputs[3] = {&ia, &ib, &ic};
-      for (int s = 0; s < 3; ++s) {
-        batch[s].kv = kv[r][s].get();
-        batch[s].input = *inputs[s];
-      }
-      ASSERT_OK(runners[r]->Forward(batch, &out[r]));
-      ASSERT_EQ(out[r].size(), 3u);
-    }
+    ASSERT_NO_FATAL_FAILURE(StepOnBoth(runners, kv, {&ia, &ib, &ic}, out));
     {
       SCOPED_TRACE("A: prefill chunk");
       ExpectLogitsMatch(out[0][0], out[1][0], vocab, kBatchTolBf16);
@@ -2694,6 +2790,90 @@ TEST_P(ModelTest, MixedBatchMatchesCpu) {
       EXPECT_EQ(kv[1][s]->size(), sizes[s]) << "sequence " << s;
       EXPECT_EQ(kv[1][s]->positions(), kv[0][s]->positions())
           << "sequence " << s;
+    }
+  }
+}
+
+// The last layer computes only the rows somebody reads
+// (CudaModelRunner::kPrunedMaxRows): in one step, a long chunk asking for
+// its last row's logits, a chunk on a cached context asking for a 3-row
+// suffix (out of order) and a decode row give the CPU's logits; the next
+// step of each reads back every row's K / V, the pruned rows' last layer
+// included, and matches the CPU again. The phase timer tells whether the
+// step pruned (its row_gather phase): wherever long chunks run on a
+// per-sequence kernel, never on split-K alone.
+TEST_P(ModelTest, LastLayerComputesOnlyTheRowsRead) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16, /*pool_tokens=*/256,
+                          /*block_size=*/4);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size;
+  auto tokens = [&](int n) {
+    std::vector<int> t(n);
+    for (int& x : t) x = Uniform(0, vocab - 1);
+    return t;
+  };
+  const std::vector<int> hb = tokens(20), hc = tokens(30);
+  const std::vector<int> na = tokens(48), nb = tokens(40), nc = tokens(1);
+  const std::vector<int> pa = Iota(0, 48), pb = Iota(20, 40), pc = {30};
+  ForwardInput ia;  // logit_rows empty: the last row
+  ia.token_ids = na;
+  ia.position_ids = pa;
+  ForwardInput ib;
+  ib.token_ids = nb;
+  ib.position_ids = pb;
+  ib.logit_rows = {39, 37};
+  ForwardInput ic;
+  ic.token_ids = nc;
+  ic.position_ids = pc;
+  for (const CudaModelRunner::AttentionPath path : kAllPaths) {
+    SCOPED_TRACE(PathName(path));
+    e.gpu->set_attention_path(path);
+    ModelRunner* runners[2] = {e.cpu.get(), e.gpu.get()};
+    std::unique_ptr<KvSequence> kv[2][3];  // [cpu, gpu][A, B, C]
+    for (int r = 0; r < 2; ++r) {
+      for (int s = 0; s < 3; ++s) {
+        kv[r][s] = NewSeq(*runners[r], 128);
+        ASSERT_NE(kv[r][s], nullptr);
+      }
+      ForwardOutput unused;
+      ASSERT_OK(runners[r]->Forward(AllRows(hb, Iota(0, 20)), kv[r][1].get(),
+                                    &unused));
+      ASSERT_OK(runners[r]->Forward(AllRows(hc, Iota(0, 30)), kv[r][2].get(),
+                                    &unused));
+    }
+    e.gpu->TakePhaseTimes();
+    e.gpu->set_phase_timing(true);
+    std::vector<ForwardOutput> out[2];
+    ASSERT_NO_FATAL_FAILURE(StepOnBoth(runners, kv, {&ia, &ib, &ic}, out));
+    e.gpu->set_phase_timing(false);
+    double row_gather = -1.0;
+    for (const auto& [name, seconds] : e.gpu->TakePhaseTimes()) {
+      if (name == "row_gather") row_gather = seconds;
+    }
+    const bool prunes =
+        path != CudaModelRunner::AttentionPath::kSplitK &&
+        cuda_kernels::FlashAttentionSupported(c.head_dim, CudaDType::kBF16);
+    EXPECT_EQ(row_gather > 0.0, prunes) << row_gather;
+    for (int s = 0; s < 3; ++s) {
+      SCOPED_TRACE(absl::StrCat("sequence ", s));
+      ExpectLogitsMatch(out[0][s], out[1][s], vocab, kBatchTolBf16);
+    }
+    // The next token of each, reading every row's K / V.
+    std::vector<int> next(3), pos = {48, 60, 31};
+    ForwardInput decode[3];
+    for (int s = 0; s < 3; ++s) {
+      next[s] = Argmax(out[0][s].logits_row(0, vocab), vocab);
+      decode[s].token_ids = absl::MakeConstSpan(&next[s], 1);
+      decode[s].position_ids = absl::MakeConstSpan(&pos[s], 1);
+    }
+    std::vector<ForwardOutput> step[2];
+    ASSERT_NO_FATAL_FAILURE(
+        StepOnBoth(runners, kv, {&decode[0], &decode[1], &decode[2]}, step));
+    for (int s = 0; s < 3; ++s) {
+      SCOPED_TRACE(absl::StrCat("next step of sequence ", s));
+      ExpectLogitsMatch(step[0][s], step[1][s], vocab, kRowsTolBf16);
+      EXPECT_EQ(kv[1][s]->positions(), kv[0][s]->positions());
     }
   }
 }

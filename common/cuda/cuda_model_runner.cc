@@ -274,6 +274,53 @@ CudaModelRunner::AttentionPath CudaModelRunner::attention_path() {
   return attention_path_;
 }
 
+namespace {
+
+// The phases of a forward PhaseTimer times (EnqueueForward), in a layer's
+// order.
+enum ForwardPhase {
+  kPhaseEmbed,
+  kPhaseNorm,
+  kPhaseQkvProj,
+  kPhaseRopeKvStore,
+  kPhaseKvGather,
+  kPhaseAttention,
+  kPhaseRowGather,
+  kPhaseOProj,
+  kPhaseGateUpProj,
+  kPhaseSiluMul,
+  kPhaseDownProj,
+  kPhaseLogits,
+};
+
+std::vector<std::string> ForwardPhaseNames() {
+  return {"embed",      "norm",      "qkv_proj",     "rope_kv_store",
+          "kv_gather",  "attention", "row_gather",   "o_proj",
+          "gate_up_proj", "silu_mul", "down_proj",   "logits"};
+}
+
+}  // namespace
+
+void CudaModelRunner::set_phase_timing(bool enabled) {
+  absl::MutexLock lock(&mu_);
+  phase_timing_ = enabled;
+  if (enabled && phase_timer_ == nullptr) {
+    phase_timer_ = std::make_unique<PhaseTimer>(ForwardPhaseNames());
+  }
+}
+
+std::vector<std::pair<std::string, double>> CudaModelRunner::TakePhaseTimes(
+    int* forwards) {
+  absl::MutexLock lock(&mu_);
+  if (phase_timer_ == nullptr) {
+    std::vector<std::pair<std::string, double>> zeros;
+    for (std::string& name : ForwardPhaseNames()) zeros.emplace_back(name, 0.0);
+    if (forwards != nullptr) *forwards = 0;
+    return zeros;
+  }
+  return phase_timer_->Take(forwards);
+}
+
 absl::Status CudaModelRunner::RowLogprobsOnDevice(
     absl::Span<const SequenceForward> batch, const std::vector<int>& lr0,
     const std::vector<int>& argmax, const std::vector<int>& samp_out,
@@ -657,6 +704,11 @@ struct StepRegions {
   int* ints;  // [N] ids, [N] positions, [N] slots, [R] logit rows, tables,
               // the batched attention plan (a graph: fixed capacities)
   float* x;   // fp32 [N, hidden] residual stream
+  // The last layer's live rows when it prunes (StepLaunch::LastLayer):
+  // fp32 [NL, hidden] residual, T [NL, H * D] attention output.
+  float* x_live;
+  void* attn_live;
+  void* splitk_ws;  // the pruned suffixes' split-K partials
   void* xn;   // T [max(N, R), hidden] normed input of a projection
   float* qkv; // fp32 [N, qkv_dim]
   void* q;    // T [N, H * D]
@@ -696,6 +748,8 @@ struct StepSizes {
   size_t captured_rows = 0;  // NQ
   size_t ints = 0;
   size_t split_ws_bytes = 0;
+  size_t live_rows = 0;       // NL (0: the last layer computes every row)
+  size_t splitk_ws_bytes = 0;
   size_t tree_rows = 0;
   size_t samp_rows = 0, samp_ints = 0, samp_floats = 0;
   size_t edit_rows = 0, edits = 0;  // edit_rows 0: no edit regions
@@ -712,6 +766,10 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   Carver cv(base);
   reg->ints = static_cast<int*>(cv.Take(sizeof(int) * z.ints));
   reg->x = static_cast<float*>(cv.Take(sizeof(float) * NN * hidden));
+  reg->x_live =
+      static_cast<float*>(cv.Take(sizeof(float) * z.live_rows * hidden));
+  reg->attn_live = cv.Take(tb * z.live_rows * qrow);
+  reg->splitk_ws = cv.Take(z.splitk_ws_bytes);
   // Also holds the final norm of the logit rows (which may repeat).
   reg->xn = cv.Take(tb * std::max(NN, R) * hidden);
   reg->qkv = static_cast<float*>(cv.Take(sizeof(float) * NN * c.qkv_dim()));
@@ -866,6 +924,20 @@ struct CudaModelRunner::StepLaunch {
   bool argmax = false;  // reduce the logit rows to reg->argmax
   bool edits = false;   // ApplyLogitEdits over the logit rows first
   int mask_words = 0;   // > 0: then ApplyTokenMasks (eager steps)
+  PhaseTimer* timer = nullptr;  // times the phases (eager steps)
+  // The last layer when rows nobody reads are pruned (eager steps; null:
+  // it runs as every other): the per-sequence lists without the pruned
+  // sequences, whose logit-row suffixes run on the split-K kernel instead;
+  // then o_proj, the MLP and the final norm over the live rows only.
+  struct LastLayer {
+    std::vector<cuda_kernels::AttentionArgs> flash, flash_mma;
+    std::vector<CudnnSequence> cudnn;
+    std::vector<std::pair<cuda_kernels::AttentionArgs, int>> splitk;  // splits
+    const int* live = nullptr;        // [nl] step rows the last layer computes
+    int nl = 0;
+    const int* logit_rows = nullptr;  // [r] the logit rows among them
+  };
+  const LastLayer* last = nullptr;
 };
 
 // A CUDA graph step's fixed device layout: the regions for kMaxGraphRows
@@ -892,16 +964,26 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
   const StepRegions& reg = *s.reg;
   const int N = s.n, R = s.r;
   cuda_kernels::BatchedAttentionArgs ba = s.ba;
+  // The end of a phase's launches (PhaseTimer; nothing when untimed).
+  const auto mark = [&](ForwardPhase phase) {
+    return s.timer == nullptr ? absl::OkStatus()
+                              : s.timer->Mark(phase, stream_);
+  };
+  if (s.timer != nullptr) SPECSERVE_RETURN_IF_ERROR(s.timer->Start(stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::EmbeddingGather(
       weights_->embed(), dt, s.ids, N, hidden, reg.x, stream_));
+  SPECSERVE_RETURN_IF_ERROR(mark(kPhaseEmbed));
   for (int l = 0; l < L; ++l) {
     const CudaLayerWeights& w = weights_->layer(l);
+    const StepLaunch::LastLayer* last = l == L - 1 ? s.last : nullptr;
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
         reg.x, nullptr, N, hidden, w.attn_norm, c.rms_norm_eps, reg.xn, dt,
         stream_));
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseNorm));
     SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
                                            w.wqkv, qkv_dim, reg.qkv,
                                            CudaDType::kF32, 0.0f));
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseQkvProj));
     if (w.bqkv != nullptr) {  // Qwen2
       SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::AddBias(
           reg.qkv, qkv_dim, N, qkv_dim, w.bqkv, stream_));
@@ -927,24 +1009,39 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
     rope.dtype = dt;
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RopeQkvStore(rope, stream_));
     if (s.after_rope) SPECSERVE_RETURN_IF_ERROR(s.after_rope(l));
-    if (s.flash != nullptr) {
-      for (cuda_kernels::AttentionArgs& a : *s.flash) {
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseRopeKvStore));
+    const std::vector<cuda_kernels::AttentionArgs>* flash =
+        last != nullptr ? &last->flash : s.flash;
+    const std::vector<cuda_kernels::AttentionArgs>* flash_mma =
+        last != nullptr ? &last->flash_mma : s.flash_mma;
+    const std::vector<StepLaunch::CudnnSequence>* cudnn =
+        last != nullptr ? &last->cudnn : s.cudnn;
+    if (flash != nullptr) {
+      for (cuda_kernels::AttentionArgs a : *flash) {
         a.k_cache = keys(l);
         a.v_cache = values(l);
         SPECSERVE_CUDA_RETURN_IF_ERROR(
             cuda_kernels::FlashAttention(a, stream_));
       }
     }
-    if (s.flash_mma != nullptr) {
-      for (cuda_kernels::AttentionArgs& a : *s.flash_mma) {
+    if (flash_mma != nullptr) {
+      for (cuda_kernels::AttentionArgs a : *flash_mma) {
         a.k_cache = keys(l);
         a.v_cache = values(l);
         SPECSERVE_CUDA_RETURN_IF_ERROR(
             cuda_kernels::FlashMmaAttention(a, stream_));
       }
     }
-    if (s.cudnn != nullptr) {
-      for (const StepLaunch::CudnnSequence& cs : *s.cudnn) {
+    if (last != nullptr) {
+      for (auto [a, splits] : last->splitk) {
+        a.k_cache = keys(l);
+        a.v_cache = values(l);
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::SplitKAttention(
+            a, splits, reg.splitk_ws, stream_));
+      }
+    }
+    if (cudnn != nullptr) {
+      for (const StepLaunch::CudnnSequence& cs : *cudnn) {
         const cuda_kernels::AttentionArgs& a = cs.a;
         const int count = cs.shape.s_kv, width = KV * D;
         SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherKvRows(
@@ -953,37 +1050,62 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
         SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherKvRows(
             values(l), dt, a.block_table, a.block_size, count, width,
             s.dense_v, stream_));
+        SPECSERVE_RETURN_IF_ERROR(mark(kPhaseKvGather));
         SPECSERVE_RETURN_IF_ERROR(
             cudnn_->Run(cs.shape, a.q, s.dense_k, s.dense_v, a.out, a.scale));
+        SPECSERVE_RETURN_IF_ERROR(mark(kPhaseAttention));
       }
     }
     ba.k_cache = keys(l);
     ba.v_cache = values(l);
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::BatchedAttention(ba, stream_));
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseAttention));
+    // The rest of the layer over its rows: all of them, or the last layer's
+    // live rows, gathered.
+    float* x = reg.x;
+    void* attn_out = reg.attn;
+    int rows = N;
+    if (last != nullptr) {
+      SPECSERVE_CUDA_RETURN_IF_ERROR(
+          cuda_kernels::GatherRows(reg.x, CudaDType::kF32, last->live,
+                                   last->nl, hidden, reg.x_live, stream_));
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::GatherRows(
+          reg.attn, dt, last->live, last->nl, H * D, reg.attn_live, stream_));
+      SPECSERVE_RETURN_IF_ERROR(mark(kPhaseRowGather));
+      x = reg.x_live;
+      attn_out = reg.attn_live;
+      rows = last->nl;
+    }
     // o_proj with beta = 1: the residual add, into the fp32 stream.
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.attn, N, H * D,
-                                           w.wo, hidden, reg.x,
-                                           CudaDType::kF32, 1.0f));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, attn_out, rows, H * D,
+                                           w.wo, hidden, x, CudaDType::kF32,
+                                           1.0f));
     if (w.bo != nullptr) {
       SPECSERVE_CUDA_RETURN_IF_ERROR(
-          cuda_kernels::AddBias(reg.x, hidden, N, hidden, w.bo, stream_));
+          cuda_kernels::AddBias(x, hidden, rows, hidden, w.bo, stream_));
     }
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseOProj));
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
-        reg.x, nullptr, N, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
+        x, nullptr, rows, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
         stream_));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseNorm));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, rows, hidden,
                                            w.w_gate_up, 2 * ffn, reg.gu, dt,
                                            0.0f));
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseGateUpProj));
     SPECSERVE_CUDA_RETURN_IF_ERROR(
-        cuda_kernels::SiluMul(reg.gu, N, ffn, reg.act, dt, stream_));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.act, N, ffn,
-                                           w.w_down, hidden, reg.x,
+        cuda_kernels::SiluMul(reg.gu, rows, ffn, reg.act, dt, stream_));
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseSiluMul));
+    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.act, rows, ffn,
+                                           w.w_down, hidden, x,
                                            CudaDType::kF32, 1.0f));
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseDownProj));
   }
   // Final norm and vocabulary projection for the requested rows only.
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RmsNorm(
-      reg.x, s.logit_rows, R, hidden, weights_->final_norm(), c.rms_norm_eps,
-      reg.xn, dt, stream_));
+      s.last != nullptr ? reg.x_live : reg.x,
+      s.last != nullptr ? s.last->logit_rows : s.logit_rows, R, hidden,
+      weights_->final_norm(), c.rms_norm_eps, reg.xn, dt, stream_));
   SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
                                          weights_->lm_head(), vocab,
                                          reg.logits, CudaDType::kF32, 0.0f));
@@ -1000,7 +1122,7 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ArgmaxRows(
         reg.logits, R, vocab, reg.argmax, stream_));
   }
-  return absl::OkStatus();
+  return mark(kPhaseLogits);
 }
 
 absl::Status CudaModelRunner::Run(
@@ -1095,6 +1217,58 @@ absl::Status CudaModelRunner::Run(
   const size_t plan_ints =
       plan->seq_info.size() + plan->work.size() + plan->combine.size();
 
+  // The last layer's rows nobody reads. A long chunk (a per-sequence
+  // kernel's) whose logit rows are its last k <= kPrunedMaxRows rows needs
+  // the last layer's attention, o_proj and MLP for those k rows only:
+  // every row's K / V is stored before attention, capture rows are taken
+  // after RoPE, and the logits read the logit rows alone. For a long
+  // prefill that is one layer in num_hidden_layers of the forward.
+  // live_from[i]: sequence i's first row the last layer computes.
+  std::vector<int> live_from(S, 0);
+  bool prune = false;
+  for (int i = 0; i < S; ++i) {
+    if ((!use_flash[i] && !use_mma[i] && !use_cudnn[i]) ||
+        !batch[i].input.tree_parents.empty() || logit_rows[i].empty()) {
+      continue;
+    }
+    const int n = row0[i + 1] - row0[i];
+    const int m =
+        *std::min_element(logit_rows[i].begin(), logit_rows[i].end());
+    if (m > 0 && n - m <= kPrunedMaxRows) {
+      live_from[i] = m;
+      prune = true;
+    }
+  }
+  // The live rows (each sequence's from live_from[i] on) and each logit
+  // row's index among them.
+  std::vector<int> live, live_logit;
+  std::vector<int> suffix_splits(S, 0);  // split-K splits of a suffix
+  size_t splitk_ws_bytes = 0;
+  if (prune) {
+    live_logit.resize(R);
+    for (int i = 0; i < S; ++i) {
+      const int start = static_cast<int>(live.size());
+      for (int t = row0[i] + live_from[i]; t < row0[i + 1]; ++t) {
+        live.push_back(t);
+      }
+      for (size_t j = 0; j < logit_rows[i].size(); ++j) {
+        live_logit[lr0[i] + j] = start + logit_rows[i][j] - live_from[i];
+      }
+      if (live_from[i] == 0) continue;
+      // The suffix's attention (the shape only; its pointers come later):
+      // its rows, after the rows before them. The launches run one after
+      // another on the stream and share one workspace.
+      cuda_kernels::AttentionArgs a = attn[i];
+      a.n -= live_from[i];
+      a.first += live_from[i];
+      suffix_splits[i] = cuda_kernels::SplitKAttentionSplits(a, num_sms_);
+      splitk_ws_bytes = std::max(
+          splitk_ws_bytes,
+          cuda_kernels::SplitKAttentionWorkspaceBytes(a, suffix_splits[i]));
+    }
+  }
+  const int NL = static_cast<int>(live.size());
+
   // Tree attention (ForwardInput::tree_parents) in the kernels' bit form.
   std::vector<int> host_tree_start;
   std::vector<uint64_t> host_tree_mask;
@@ -1122,8 +1296,10 @@ absl::Status CudaModelRunner::Run(
   sizes.rows = NN;
   sizes.logit_rows = R;
   sizes.captured_rows = NQ;
-  sizes.ints = 3 * NN + R + bt0[S] + plan_ints;
+  sizes.ints = 3 * NN + R + bt0[S] + plan_ints + (prune ? NL + R : 0);
   sizes.split_ws_bytes = cuda_kernels::BatchedAttentionWorkspaceBytes(*plan, D);
+  sizes.live_rows = NL;
+  sizes.splitk_ws_bytes = splitk_ws_bytes;
   sizes.tree_rows = tree_rows;
   sizes.samp_rows = NS;
   sizes.samp_ints = samp.ints.size();
@@ -1170,7 +1346,10 @@ absl::Status CudaModelRunner::Run(
   host_plan =
       std::copy(plan->seq_info.begin(), plan->seq_info.end(), host_plan);
   host_plan = std::copy(plan->work.begin(), plan->work.end(), host_plan);
-  std::copy(plan->combine.begin(), plan->combine.end(), host_plan);
+  host_plan = std::copy(plan->combine.begin(), plan->combine.end(), host_plan);
+  int* d_live = d_plan + plan_ints;
+  host_plan = std::copy(live.begin(), live.end(), host_plan);
+  std::copy(live_logit.begin(), live_logit.end(), host_plan);
   StepLaunch step;
   step.reg = &reg;
   step.n = N;
@@ -1209,12 +1388,31 @@ absl::Status CudaModelRunner::Run(
         cudaMemcpyHostToDevice, stream_));
   }
   std::vector<cuda_kernels::AttentionArgs> flash, flash_mma;
+  StepLaunch::LastLayer last;
   for (int i = 0; i < S; ++i) {
     if (use_flash[i]) flash.push_back(attn[i]);
     if (use_mma[i]) flash_mma.push_back(attn[i]);
+    if (live_from[i] == 0) {
+      if (use_flash[i]) last.flash.push_back(attn[i]);
+      if (use_mma[i]) last.flash_mma.push_back(attn[i]);
+      continue;
+    }
+    cuda_kernels::AttentionArgs a = attn[i];
+    const size_t skip = tb * live_from[i] * qrow;
+    a.q = static_cast<const char*>(a.q) + skip;
+    a.out = static_cast<char*>(a.out) + skip;
+    a.n -= live_from[i];
+    a.first += live_from[i];
+    last.splitk.push_back({a, suffix_splits[i]});
   }
   step.flash = &flash;
   step.flash_mma = &flash_mma;
+  if (prune) {
+    last.live = d_live;
+    last.nl = NL;
+    last.logit_rows = d_live + NL;
+    step.last = &last;
+  }
   std::vector<StepLaunch::CudnnSequence> cudnn_seqs;
   if (cudnn_kv_bytes > 0) {
     // Two dense planes, K then V, 256-byte aligned.
@@ -1227,6 +1425,7 @@ absl::Status CudaModelRunner::Run(
       const cuda_kernels::AttentionArgs& a = attn[i];
       cudnn_seqs.push_back(
           {CudnnSdpaShape{a.n, a.first + a.n, H, KV, D, dt}, a});
+      if (live_from[i] == 0) last.cudnn.push_back(cudnn_seqs.back());
     }
     step.cudnn = &cudnn_seqs;
   }
@@ -1259,6 +1458,7 @@ absl::Status CudaModelRunner::Run(
         !batch[i].input.argmax_only && batch[i].input.sampling == nullptr;
   }
   step.argmax = any_argmax;
+  if (phase_timing_) step.timer = phase_timer_.get();
   SPECSERVE_RETURN_IF_ERROR(EnqueueForward(step));
 
   std::vector<int> samp_out(2 * NS);
@@ -1295,6 +1495,7 @@ absl::Status CudaModelRunner::Run(
   }
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (step.timer != nullptr) SPECSERVE_RETURN_IF_ERROR(step.timer->Collect());
 
   // Logprobs (ForwardInput::logprobs_top_n) of the tokens just decided, on
   // the device: [rows, 1 + 2 * top_n] values come back, not the logits.

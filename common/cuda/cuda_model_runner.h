@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -17,6 +18,7 @@
 #include "common/cuda/cudnn_attention.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
+#include "common/cuda/phase_timer.h"
 #include "common/cuda/prefill_tuning.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
@@ -104,6 +106,13 @@ class CudaModelRunner : public ModelRunner {
   enum class AttentionPath { kAuto, kFlash, kSplitK, kFlashMma, kCudnn };
   static constexpr int kWarmCudnnRows = 2048;
   static constexpr int kFlashMinRows = 32;
+  /// An eager step's last layer computes only the logit rows of a chunk of
+  /// kFlashMinRows rows or more whose logit rows are its last
+  /// kPrunedMaxRows rows or fewer (a prefill chunk's last row, a short
+  /// suffix): their attention on the split-K kernel, then o_proj and the
+  /// MLP over those rows. The other rows' K / V are stored all the same;
+  /// nothing reads their last-layer outputs.
+  static constexpr int kPrunedMaxRows = 16;
 
   /// Creates the stream, the cuBLAS handle and the KV pool.
   /// INVALID_ARGUMENT for null weights or bad cache options;
@@ -140,6 +149,19 @@ class CudaModelRunner : public ModelRunner {
   /// The path Forward uses now: set_attention_path's, or the one
   /// TunePrefillAttention kept.
   AttentionPath attention_path();
+
+  /// Times the phases of every eager forward (PhaseTimer: embedding, the
+  /// norms, each projection, RoPE + KV store, the cuDNN path's KV gather,
+  /// attention, SiLU, the logits) until turned off; graph replays are not
+  /// timed. For finding where a prefill's time goes (gpu_bench
+  /// --phase_times); off by default, as ~12 events a layer cost launch
+  /// time.
+  void set_phase_timing(bool enabled);
+  /// Seconds per phase of the forwards timed since the last call, in a
+  /// layer's order, and how many forwards that was (*forwards); resets
+  /// them. Every phase at 0 when none was timed.
+  std::vector<std::pair<std::string, double>> TakePhaseTimes(
+      int* forwards = nullptr);
 
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
   /// verify step of greedy (argmax_only) or device-sampled
@@ -284,6 +306,8 @@ class CudaModelRunner : public ModelRunner {
   std::unique_ptr<CudnnAttention> cudnn_ ABSL_GUARDED_BY(mu_);
   bool cudnn_unavailable_ ABSL_GUARDED_BY(mu_) = false;
   bool cudnn_plan_every_chunk_ ABSL_GUARDED_BY(mu_) = false;
+  bool phase_timing_ ABSL_GUARDED_BY(mu_) = false;
+  std::unique_ptr<PhaseTimer> phase_timer_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer logprobs_ws_ ABSL_GUARDED_BY(mu_);  // RowLogprobsOnDevice
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);

@@ -189,6 +189,8 @@ size_t SplitKAttentionWorkspaceBytes(const AttentionArgs& args,
 /// of one kv head against one range in fp32 (any head_dim <= 256, dtype any
 /// CudaDType), then a second kernel merges the ranges' partial softmaxes.
 /// `workspace`: SplitKAttentionWorkspaceBytes(args, num_splits) bytes.
+/// cudaErrorInvalidValue for a bad shape, a null workspace or num_splits
+/// outside [1, 64] (kBatchedAttentionMaxSplits: a merge thread per split).
 cudaError_t SplitKAttention(const AttentionArgs& args, int num_splits,
                             void* workspace, cudaStream_t stream);
 
@@ -250,9 +252,18 @@ cudaError_t BatchedAttention(const BatchedAttentionArgs& args,
 /// into dense rows: dst[t, :] = pool[block_table[t / block_size] *
 /// block_size + t % block_size, :] for t < count. pool / dst: T [*,
 /// row_width]; block_table: int device array.
+/// Rows of 16-byte multiples at 16-byte aligned addresses move in 16-byte
+/// words.
 cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
                          const int* block_table, int block_size, int count,
                          int row_width, void* dst, cudaStream_t stream);
+
+/// dst[j, :] = src[rows[j], :] for j < n: `row_width` elements of `dtype`
+/// a row (fp32 included), rows an int device array. Moves 16-byte words
+/// where rows and pointers allow, as GatherKvRows. cudaErrorInvalidValue
+/// for a null pointer or n, row_width < 1.
+cudaError_t GatherRows(const void* src, CudaDType dtype, const int* rows,
+                       int n, int row_width, void* dst, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Speculative Prefill token importance (arXiv 2502.02789 section 3.2; docs

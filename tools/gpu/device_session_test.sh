@@ -76,6 +76,12 @@ picked=$(sed -n 's/^prefill attention for the rest of the 200 row: //p' \
   { echo "gpu_bench picked '$picked'" >&2; exit 1; }
 # The engine's per-path prefill lines made it into the summary.
 grep -q "^target full prefill at 200: " "$S"
+# The chunked prefills, the phase times and the main table's rows too.
+grep -q "^speculator prefill at 200: .* in 2048-row chunks" "$S"
+grep -q "^target kept prefill at 200, keep 0.10 " "$S"
+grep -q "^phases of the target's full prefill at 200 (1 forwards," "$S"
+grep -Eq "^200 +[0-9.]+ +[0-9.]+ +0\.10 " "$S" ||
+  { echo "no engine table row for 200 in the summary" >&2; exit 1; }
 grep -q "^target start-up tuning: prefill attention: " "$S"
 # The batched decode table too: its title and a line per B.
 grep -q "^batched decode of the target at 16-token context" "$S"
@@ -94,4 +100,6 @@ for L in 96 200; do
     { echo "no TTFT row for $L in the summary" >&2; exit 1; }
 done
 grep -Eq "^\| 96 \| [0-9.]+ \| [0-9.]+ \|$" "$S"
+grep -Eq "^\| 200 \| 0\.1 \|( -?[0-9.]+ \|){8}$" "$S" ||
+  { echo "no TTFT parts row in the summary" >&2; exit 1; }
 echo ok
