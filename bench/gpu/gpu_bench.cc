@@ -437,12 +437,14 @@ struct BatchedDecode {
   double graph_step_s = 0;
   double eager_step_s = 0;
   int64_t graph_replays = 0;  // steps of the graph run that replayed
+  std::string phases_json;    // --phase_times: an eager run's phases
 };
 
 // Tokens one batched decode sequence holds: its prompt, then an untimed
-// and `steps` timed steps, eagerly and again from graphs.
+// and `steps` timed steps, eagerly and again from graphs, and `steps` more
+// eager ones with the phase timer.
 int BatchedDecodeTokens(int context, int steps) {
-  return context + 2 * (steps + 1);
+  return context + 3 * (steps + 1);
 }
 
 // Prefills `batch` fresh sequences of `context` random tokens (at most
@@ -484,6 +486,14 @@ BatchedDecode TimeBatchedDecode(const Model& m, int batch, int context,
   const int64_t replays0 = m.engine->graph_replays();
   r.graph_step_s = TimeDecodeSteps(m, ptrs, &next, steps, true);
   r.graph_replays = m.engine->graph_replays() - replays0;
+  if (absl::GetFlag(FLAGS_phase_times)) {
+    // Where an eager step's time goes (graph replays are not timed): the
+    // GEMMs at M = B, attention, the rest; launch gaps count in the phase
+    // whose launch the GPU waited for.
+    r.phases_json = PhaseTimes(
+        m, absl::StrCat("the target's eager decode steps of B=", batch), context,
+        [&] { TimeDecodeSteps(m, ptrs, &next, steps, false); });
+  }
   return r;
 }
 
@@ -699,6 +709,7 @@ int Main(int argc, char** argv) {
     row.Num("gbps", gbps);
     row.Num("bw_fraction", gbps / copy_bw);
     if (batch1_tok_s > 0) row.Num("x_batch1", tok_s / batch1_tok_s);
+    if (!d.phases_json.empty()) row.Raw("eager_phases", d.phases_json);
     if (batched_json.size() > 1) batched_json += ", ";
     batched_json += row.Done();
   }

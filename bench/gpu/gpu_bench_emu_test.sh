@@ -50,6 +50,10 @@ for d in bd:
     # The graph run replayed (the first step of a bucket captures): the
     # figures are of graphs, not of a silent fall-back to eager.
     assert d["graph_replays"] >= 2, d
+    # An eager run's phases: the untimed step and the 2 timed ones.
+    ph = d["eager_phases"]
+    assert ph["forwards"] == 3, ph
+    assert ph["qkv_proj"] > 0 and ph["attention"] > 0, ph
 assert bd[0]["x_batch1"] == 1, bd
 rows = j["rows"]
 assert [(r["prompt_len"], r["keep"]) for r in rows] == [

@@ -52,8 +52,9 @@ for cells in rows[2:6]:
     # TTFT, the Score round trip and the speculator's three phases, the
     # untimed part of the round trip, the target's prefill, the rest.
     ttft, trip, pre, look, sel, rpc, tgt, rest = map(float, cells[2:])
-    # (4 decimals: the tiny model's look-ahead and selection may print 0.)
-    assert min(ttft, trip, pre, tgt) > 0 and min(look, sel) >= 0, cells
+    # (4 decimals: the tiny models' phases may take under 50 us and print
+    # 0.)
+    assert min(ttft, trip) > 0 and min(pre, look, sel, tgt) >= 0, cells
     assert min(rpc, rest) >= -1e-3 and trip < ttft, cells
     assert pre + look + sel <= trip, cells
 assert [r[0] for r in rows[7:]] == ["1", "3"], rows

@@ -278,7 +278,7 @@ has torch && phase torch 60 240 \
       "$RESULTS/engine.log" || true
     # The batched decode table: its title, header and one line per B.
     sed -n '/^batched decode of the target/,/^$/p' "$RESULTS/engine.log" |
-      sed '/^$/d'
+      sed '/^$/d; /^phases of /d'
   fi
   [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }
 } > "$SUMMARY"
