@@ -1191,12 +1191,13 @@ absl::Status CudaModelRunner::Run(
         batch[i].input.tree_parents.empty()) {
       const CudnnSdpaShape shape{a.n, a.first + a.n, H, KV, D, dt};
       bool want = ValidateCudnnSdpaShape(shape).ok();
-      // A shape with no plan yet whose plan would cost more than it saves
-      // in this chunk runs on FlashMma (see CudnnPlanPaysOff).
+      // A shape with no plan yet runs on FlashMma until its plan pays off
+      // (CudnnPlanPolicy: at once for full chunks and long tails, else
+      // once the shape has recurred enough).
       if (want && !cudnn_plan_every_chunk_ &&
           cuda_kernels::FlashMmaSupported(D, dt) &&
           !(cudnn_ != nullptr && cudnn_->HasPlan(shape)) &&
-          !CudnnPlanPaysOff(shape, config().num_hidden_layers)) {
+          !cudnn_plan_policy_.ShouldPlan(shape, config().num_hidden_layers)) {
         want = false;
         use_mma[i] = true;
       }

@@ -139,8 +139,8 @@ class CudaModelRunner : public ModelRunner {
   void set_attention_path(AttentionPath path);
   /// kCudnn: plan every chunk shape cuDNN is asked for (true), instead of
   /// the default, which runs a chunk whose shape has no plan yet on
-  /// FlashMmaAttention unless the plan pays off (CudnnPlanPaysOff): a plan
-  /// is built inside the step that first needs it, ~0.04 s on an H200.
+  /// FlashMmaAttention until the plan pays off (CudnnPlanPolicy): a plan
+  /// is built inside the step that needs it, ~0.04 s on an H200.
   /// Tests set it to put small chunks through cuDNN.
   void set_cudnn_plan_every_chunk(bool enabled);
   /// cuDNN plans built so far (CudnnAttention::plans_built; 0 before the
@@ -306,6 +306,7 @@ class CudaModelRunner : public ModelRunner {
   std::unique_ptr<CudnnAttention> cudnn_ ABSL_GUARDED_BY(mu_);
   bool cudnn_unavailable_ ABSL_GUARDED_BY(mu_) = false;
   bool cudnn_plan_every_chunk_ ABSL_GUARDED_BY(mu_) = false;
+  CudnnPlanPolicy cudnn_plan_policy_ ABSL_GUARDED_BY(mu_);
   bool phase_timing_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<PhaseTimer> phase_timer_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);

@@ -747,11 +747,34 @@ bool CudnnAttention::HasPlan(const CudnnSdpaShape& shape) const {
   return plans_.contains(PaddedCudnnSdpaShape(shape));
 }
 
+double CudnnSdpaFlops(const CudnnSdpaShape& shape, int num_layers) {
+  return 4.0 * shape.num_heads * shape.head_dim * shape.s_q *
+         (shape.s_kv - 0.5 * shape.s_q) * std::max(num_layers, 0);
+}
+
 bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers) {
   if (shape.s_q >= kCudnnRecurringChunkRows) return true;
-  const double flops = 4.0 * shape.num_heads * shape.head_dim * shape.s_q *
-                       (shape.s_kv - 0.5 * shape.s_q) * std::max(num_layers, 0);
-  return flops >= kCudnnPlanPaysOffFlops;
+  return CudnnSdpaFlops(shape, num_layers) >= kCudnnPlanPaysOffFlops;
+}
+
+bool CudnnPlanPolicy::ShouldPlan(const CudnnSdpaShape& shape,
+                                 int num_layers) {
+  if (CudnnPlanPaysOff(shape, num_layers)) return true;
+  const CudnnSdpaShape key = PaddedCudnnSdpaShape(shape);
+  auto it = flops_.find(key);
+  const double total = (it == flops_.end() ? 0.0 : it->second) +
+                       CudnnSdpaFlops(shape, num_layers);
+  if (total >= kCudnnPlanPaysOffFlops) {
+    if (it != flops_.end()) flops_.erase(it);
+    return true;
+  }
+  if (it != flops_.end()) {
+    it->second = total;
+    return false;
+  }
+  if (flops_.size() >= kMaxShapes) flops_.clear();
+  flops_[key] = total;
+  return false;
 }
 
 CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape) {

@@ -88,6 +88,34 @@ inline constexpr double kCudnnPlanPaysOffFlops = 1e13;
 inline constexpr int kCudnnRecurringChunkRows = 2048;
 bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers);
 
+/// The causal attention work of `shape` over `num_layers` layers, in FLOPs:
+/// 4 * H * D * s_q * (s_kv - s_q / 2) a layer.
+double CudnnSdpaFlops(const CudnnSdpaShape& shape, int num_layers);
+
+/// Which chunk shapes without a plan get one, as in ski rental (the
+/// rent-or-buy problem; Karlin, Manasse, Rudolph and Sleator, "Competitive
+/// snoopy caching", 1988): a shape runs on FlashMmaAttention
+/// (renting) until the attention work its padded shape (what one plan
+/// covers) has run there reaches kCudnnPlanPaysOffFlops, the work whose
+/// time on FlashMma one plan's build costs; then it is planned (buying).
+/// A shape that recurs, such as the kept tail of a pruned prompt of a
+/// usual length, is planned after costing at most one build's worth of
+/// slower attention; one seen once never pays for a plan it would use
+/// once. CudnnPlanPaysOff's shapes plan at once. Not thread-safe.
+class CudnnPlanPolicy {
+ public:
+  /// Whether to plan `shape` (it has no plan) before running this chunk,
+  /// rather than run the chunk on FlashMmaAttention; when not, counts the
+  /// chunk's work towards the next answer.
+  bool ShouldPlan(const CudnnSdpaShape& shape, int num_layers);
+  /// Padded shapes counted at most; the counts restart when it is reached
+  /// (at ~50 bytes a shape).
+  static constexpr size_t kMaxShapes = 4096;
+
+ private:
+  absl::flat_hash_map<CudnnSdpaShape, double> flops_;  // by padded shape
+};
+
 /// Whether libcudnn (major version 9, what the build's headers declare)
 /// loads on this host. No CUDA call.
 bool CudnnLibraryLoads();

@@ -129,6 +129,36 @@ TEST(CudnnHostTest, PlansPayOffForFullChunksAndLongTails) {
   EXPECT_TRUE(CudnnPlanPaysOff(big(1024, 24576), 32));
 }
 
+// Ski rental: a recurring shape runs on FlashMma until the work it has run
+// there reaches a plan's worth, then plans; full chunks plan at once;
+// nearby lengths share a padded shape and its count; counts restart when
+// the table is full.
+TEST(CudnnHostTest, PlanPolicyPlansAShapeOnceItsUsesPaidForThePlan) {
+  const auto big = [](int s_q, int s_kv) {
+    return CudnnSdpaShape{s_q, s_kv, 32, 8, 128, CudaDType::kBF16};
+  };
+  CudnnPlanPolicy policy;
+  EXPECT_TRUE(policy.ShouldPlan(big(2048, 4096), 32));
+  // The 8B's kept tail of a 32K prompt at keep 0.3: 7.7e12 FLOPs a use.
+  EXPECT_FALSE(policy.ShouldPlan(big(1638, 9830), 32));
+  EXPECT_TRUE(policy.ShouldPlan(big(1638, 9830), 32));
+  // At keep 0.1: 1.7e12 a use, so the sixth use plans; 1229 and 1230 rows
+  // both pad to 1280 (s_kv 3328).
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_FALSE(policy.ShouldPlan(i % 2 ? big(1230, 3278) : big(1229, 3277),
+                                   32))
+        << i;
+  }
+  EXPECT_TRUE(policy.ShouldPlan(big(1230, 3278), 32));
+  // Five uses counted, then a full table forgets them.
+  for (int i = 0; i < 5; ++i) policy.ShouldPlan(big(1229, 3277), 32);
+  for (int s_kv = 1; s_kv <= static_cast<int>(CudnnPlanPolicy::kMaxShapes);
+       ++s_kv) {
+    EXPECT_FALSE(policy.ShouldPlan(big(1, s_kv), 32));
+  }
+  EXPECT_FALSE(policy.ShouldPlan(big(1229, 3277), 32));
+}
+
 // The graph as cuDNN's frontend lowers it: 14 operations with the causal
 // mask aligned top-left (s_q == s_kv), 16 with the bottom-right shift (two
 // more integer pointwise ops). Finalizing each descriptor checks attribute

@@ -178,18 +178,22 @@ print(' | '.join('%.4f' % p for p in parts) if sys.argv[1]=='parts' else \
   printf '%s\n' "${vals[@]}" | sort -g | awk '{v[NR]=$1} END {printf "%.4f", v[int((NR+1)/2)]}'
 }
 
-# One untimed request per configuration and length first: what a process
-# does once (lazy kernel loading, cuBLAS heuristics, a cuDNN plan per
-# chunk shape, the first pool blocks) is not a request's time to first
-# token. Their own prompts: nothing timed below reuses their prefixes.
-# (The services log each cuDNN plan built in a request: `cudnn plan N`.)
+# Two untimed requests per configuration and length first: what a warm
+# process has done (lazy kernel loading, cuBLAS heuristics, the first pool
+# blocks, a cuDNN plan per chunk shape: full chunks plan at first sight, a
+# kept tail once it has recurred enough to pay for its plan,
+# CudnnPlanPolicy) is not a request's time to first token. Their own
+# prompts: nothing timed below reuses their prefixes. (The services log
+# each cuDNN plan built in a request: `cudnn plan N`.)
 for WARM in $LENGTHS; do
-  FIELD=ttft REPS=1 ask "$WARM" 2 warm-full --no_spec_prefill \
-    --no_spec_decode > /dev/null
-  FIELD=ttft REPS=1 ask "$WARM" 2 warm-keep --keep_ratio 0.3 \
-    --num_draft_tokens 4 > /dev/null
-  FIELD=ttft REPS=1 ask "$WARM" 1 warm-keep1 --keep_ratio 0.1 \
-    --no_spec_decode > /dev/null
+  for W in 1 2; do
+    FIELD=ttft REPS=1 ask "$WARM" 2 "warm$W-full" --no_spec_prefill \
+      --no_spec_decode > /dev/null
+    FIELD=ttft REPS=1 ask "$WARM" 2 "warm$W-keep" --keep_ratio 0.3 \
+      --num_draft_tokens 4 > /dev/null
+    FIELD=ttft REPS=1 ask "$WARM" 1 "warm$W-keep1" --keep_ratio 0.1 \
+      --no_spec_decode > /dev/null
+  done
 done
 
 echo "| prompt tokens | TTFT full prefill s | TTFT keep 0.3 s | TTFT keep 0.1 s |"
