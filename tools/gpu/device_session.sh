@@ -22,12 +22,17 @@
 #   stack        run_stack_bench.sh, shortened (STACK_LENGTHS, REPS=1):
 #                TTFT through the router, decode, the lossless checks, 1 /
 #                16 / 64 / 128 HTTP streams and the transformers anchor
-#   suite        the rest of the CUDA tests (all but GPU_FILTER's)
 #   torch        bench/gpu/torch_bench.py, PyTorch's full prefill and decode
+#   stack_alt    the stack again with STACK_ALT_ARGS added to both
+#                services' flags (default --max_num_batched_tokens 8192,
+#                vLLM's budget on 70+ GiB GPUs), at STACK_ALT_LENGTHS
+#                (default 32768) and 64 streams: a default to decide
+#   suite        the rest of the CUDA tests (all but GPU_FILTER's)
 # Then summary.md: each phase's status and seconds, and the tables.
 #
 # Env: BUDGET_S (default 560: seconds for the whole call, start to end),
-# PHASES (default "tests engine stack suite torch"), GPU_FILTER,
+# PHASES (default "tests engine stack torch stack_alt suite"), GPU_FILTER,
+# STACK_ALT_ARGS, STACK_ALT_LENGTHS,
 # ENGINE_ARGS (more gpu_bench flags), STACK_LENGTHS (default "4096
 # 32768"), STACK_ATTENTION (the stack's
 # --prefill_attention; default: auto once the tuning test passed, else the
@@ -42,7 +47,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 3
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-560}
-PHASES=${PHASES:-"tests engine stack suite torch"}
+PHASES=${PHASES:-"tests engine stack torch stack_alt suite"}
+STACK_ALT_ARGS=${STACK_ALT_ARGS:-"--max_num_batched_tokens 8192"}
+STACK_ALT_LENGTHS=${STACK_ALT_LENGTHS:-32768}
 SESSION=${SESSION:-.device/session}
 # The device tool returns at most 8 files from $OUT, and the phases write
 # more (logs, JSON, the services' logs): under the tool the results are
@@ -170,7 +177,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm \
 # The checkpoints (CPU, disk) are written while the tests use the GPU,
 # unless the stack is given its models (SPECULATOR / TARGET).
 if [ "$DRY" != 1 ] && [ -z "${TARGET:-}" ] &&
-   { has engine || has stack || has torch; }; then
+   { has engine || has stack || has torch || has stack_alt; }; then
   $SETSID bash -c "tools/gpu/run_gpu_bench.sh checkpoints" \
     > "$RESULTS/checkpoints.log" 2>&1 < /dev/null &
   CK_PID=$!
@@ -230,10 +237,12 @@ echo "device_session: the stack's prefill attention: $path ($why)" >&2
 stack_args="--prefill_attention=$path"
 has stack && phase stack 120 330 \
   "LOGS='$RESULTS/stack_logs' LENGTHS='$STACK_LENGTHS' REPS=1 STREAM_REQUESTS=1 SERVICE_ARGS='$stack_args' tools/gpu/run_stack_bench.sh"
-has suite && phase suite 60 300 \
-  "tools/gpu/run_gpu_tests.sh --gtest_filter='-$GPU_FILTER'"
 has torch && phase torch 60 240 \
   "RESULTS_DIR='$RESULTS' tools/gpu/run_gpu_bench.sh torch"
+has stack_alt && phase stack_alt 60 200 \
+  "LOGS='$RESULTS/stack_alt_logs' LENGTHS='$STACK_ALT_LENGTHS' REPS=1 STREAMS=64 STREAM_REQUESTS=1 CHECKS=0 ANCHOR=off SERVICE_ARGS='$stack_args $STACK_ALT_ARGS' tools/gpu/run_stack_bench.sh"
+has suite && phase suite 60 300 \
+  "tools/gpu/run_gpu_tests.sh --gtest_filter='-$GPU_FILTER'"
 
 {
   echo "# Device session, $(date -u +%Y-%m-%dT%H:%MZ), $(($SECONDS - T0)) s"
@@ -281,6 +290,7 @@ has torch && phase torch 60 240 \
       sed '/^$/d; /^phases of /d'
   fi
   [ -s "$RESULTS/stack.log" ] && { echo; echo "## stack"; echo; grep -E '^\||^(Concurrent|Anchor|stack_checks)|^$' "$RESULTS/stack.log" | cat -s; }
+  [ -s "$RESULTS/stack_alt.log" ] && { echo; echo "## stack with $STACK_ALT_ARGS"; echo; grep -E '^\||^Concurrent|^$' "$RESULTS/stack_alt.log" | cat -s; }
 } > "$SUMMARY"
 pack
 cat "$SUMMARY"

@@ -49,7 +49,8 @@ CKPT="$TMP/ckpt"
 "$SESSION/all/bin/make_synthetic_checkpoint" --preset llama-3.1-8b-tiny \
   --out "$CKPT/llama-3.1-8b" --dtype BF16
 set +e
-"${run_env[@]}" RESULTS="$TMP/real" PHASES="tests engine stack" \
+"${run_env[@]}" RESULTS="$TMP/real" PHASES="tests engine stack stack_alt" \
+  STACK_ALT_LENGTHS=200 STACK_ALT_ARGS="--max_num_batched_tokens 256" \
   ALLOW_NO_GPU=1 CKPT_DIR="$CKPT" ENGINE_ARGS="--prompt_lens 96,200 \
   --keep 0.1 --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1 \
   --reps 1 --peak_gemm_size 64 --copy_bytes 1048576 --decode_batches 1,2 \
@@ -66,6 +67,14 @@ S="$TMP/real/summary.md"
 grep -q "^| tests | passed | [0-9]* |$" "$S"
 grep -q "^| stack | passed | [0-9]* |$" "$S"
 grep -q "^| engine | passed | [0-9]* |$" "$S"
+grep -q "^| stack_alt | passed | [0-9]* |$" "$S"
+# The second stack's tables, under their own heading: its TTFT row and its
+# one stream level.
+sed -n '/^## stack with --max_num_batched_tokens 256$/,$p' "$S" > "$TMP/alt.md"
+grep -Eq "^\| 200 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$" "$TMP/alt.md" ||
+  { echo "no TTFT row in the second stack's tables" >&2; exit 1; }
+grep -Eq "^\| 64 \| [0-9.]+ \| " "$TMP/alt.md" ||
+  { echo "no 64-stream row in the second stack's tables" >&2; exit 1; }
 grep -q "no CUDA device" "$TMP/real/tests.log"
 test -s "$TMP/real/gpu_bench.json"
 # The stack ran on the path gpu_bench picked at its longest prompt (the
