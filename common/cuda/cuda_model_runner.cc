@@ -1402,6 +1402,10 @@ absl::Status CudaModelRunner::Run(
     const size_t skip = tb * live_from[i] * qrow;
     a.q = static_cast<const char*>(a.q) + skip;
     a.out = static_cast<char*>(a.out) + skip;
+    if (a.tree_start != nullptr) {  // a tree elsewhere in the step
+      a.tree_start += live_from[i];
+      a.tree_mask += live_from[i];
+    }
     a.n -= live_from[i];
     a.first += live_from[i];
     last.splitk.push_back({a, suffix_splits[i]});
