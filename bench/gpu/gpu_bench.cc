@@ -328,6 +328,13 @@ double TimePrefill(const Model& m, KvSequence* cache,
   return t;
 }
 
+// The median of `reps` runs of `run`, each returning its seconds.
+double MedianOfRuns(int reps, const std::function<double()>& run) {
+  std::vector<double> ts;
+  for (int r = 0; r < reps; ++r) ts.push_back(run());
+  return MedianSeconds(ts);
+}
+
 // A prefill as the services' schedulers run a long prompt: chunks of
 // `chunk` rows, each a forward reducing its last row to its argmax on the
 // device; with `capture`, the last row's query captured (the speculator's
@@ -906,22 +913,18 @@ int Main(int argc, char** argv) {
         TimeDecode(spec, scache.get(), ids[0], decode_steps, true);
     // The scoring prefill as the speculator service runs it: chunks of
     // --service_chunk rows.
-    std::vector<double> t_spec_chunks;
-    for (int r = 0; r < reps; ++r) {
-      t_spec_chunks.push_back(TimeChunkedPrefill(
-          spec, scache.get(), capture->get(), ids, pos, service_chunk));
-    }
-    const double t_spec_chunked = MedianSeconds(t_spec_chunks);
+    const auto spec_chunked = [&](int chunk) {
+      return MedianOfRuns(reps, [&] {
+        return TimeChunkedPrefill(spec, scache.get(), capture->get(), ids,
+                                  pos, chunk);
+      });
+    };
+    const double t_spec_chunked = spec_chunked(service_chunk);
     std::string alt;
     const int alt_chunk = absl::GetFlag(FLAGS_alt_service_chunk);
     if (alt_chunk > 0 && alt_chunk != service_chunk) {
-      std::vector<double> ts;
-      for (int r = 0; r < reps; ++r) {
-        ts.push_back(TimeChunkedPrefill(spec, scache.get(), capture->get(),
-                                        ids, pos, alt_chunk));
-      }
-      alt = absl::StrFormat(", %.4f s in %d-row chunks", MedianSeconds(ts),
-                            alt_chunk);
+      alt = absl::StrFormat(", %.4f s in %d-row chunks",
+                            spec_chunked(alt_chunk), alt_chunk);
     }
     std::printf("speculator prefill at %d: %.4f s in one pass, %.4f s in "
                 "%d-row chunks (as its service runs it)%s\n",
@@ -947,13 +950,10 @@ int Main(int argc, char** argv) {
                                  s->position_ids));
       }
       const double t_kept = MedianSeconds(kt);
-      std::vector<double> kt_chunks;
-      for (int r = 0; r < reps; ++r) {
-        kt_chunks.push_back(TimeChunkedPrefill(target, tcache.get(), nullptr,
-                                               kept_ids, s->position_ids,
-                                               service_chunk));
-      }
-      const double t_kept_chunked = MedianSeconds(kt_chunks);
+      const double t_kept_chunked = MedianOfRuns(reps, [&] {
+        return TimeChunkedPrefill(target, tcache.get(), nullptr, kept_ids,
+                                  s->position_ids, service_chunk);
+      });
       std::printf("target kept prefill at %d, keep %.2f (%zu tokens): %.4f s "
                   "in one pass, %.4f s in %d-row chunks (as its service runs "
                   "it)\n",

@@ -289,7 +289,7 @@ __device__ void MergeSplitPartials(int splits, size_t base, size_t stride,
   const float ms = t < splits ? part_m[base + t * stride] : -INFINITY;
   const float mx = cuda_detail::BlockMax(ms, scratch);
   // A split that saw no visible key has max -inf and weighs nothing (its
-  // part_o is never read into a sum).
+  // part_o, loaded alongside, is never added).
   const float w = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
   weight[t] = w;
   const float denom = cuda_detail::BlockSum(

@@ -2681,6 +2681,17 @@ TEST_P(ModelTest, NonContiguousPositionsMatchCpu) {
 // prefilled in alternating chunks, so their blocks interleave in the pool.
 // Every sequence's logits and captured queries match the CPU runner's for
 // the same batch, on every attention path.
+// Three fresh 128-token sequences on each of a test's CPU and GPU runner.
+void NewSeqsOnBoth(ModelRunner* const (&runners)[2],
+                   std::unique_ptr<KvSequence> (&kv)[2][3]) {
+  for (int r = 0; r < 2; ++r) {
+    for (int s = 0; s < 3; ++s) {
+      kv[r][s] = NewSeq(*runners[r], 128);
+      ASSERT_NE(kv[r][s], nullptr);
+    }
+  }
+}
+
 // One step of three sequences on a test's CPU and GPU runner: sequence s
 // is inputs[s] on kv[r][s] of runner r, whose outputs go to out[r].
 void StepOnBoth(ModelRunner* const (&runners)[2],
@@ -2735,12 +2746,7 @@ TEST_P(ModelTest, MixedBatchMatchesCpu) {
     e.gpu->set_attention_path(path);
     ModelRunner* runners[2] = {e.cpu.get(), e.gpu.get()};
     std::unique_ptr<KvSequence> kv[2][3];  // [cpu, gpu][A, B, C]
-    for (int r = 0; r < 2; ++r) {
-      for (int s = 0; s < 3; ++s) {
-        kv[r][s] = NewSeq(*runners[r], 128);
-        ASSERT_NE(kv[r][s], nullptr);
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(NewSeqsOnBoth(runners, kv));
     // B's and C's histories, 8 tokens of each per batch.
     for (int from = 0; from < static_cast<int>(hb.size()); from += 8) {
       for (int r = 0; r < 2; ++r) {
@@ -2831,11 +2837,8 @@ TEST_P(ModelTest, LastLayerComputesOnlyTheRowsRead) {
     e.gpu->set_attention_path(path);
     ModelRunner* runners[2] = {e.cpu.get(), e.gpu.get()};
     std::unique_ptr<KvSequence> kv[2][3];  // [cpu, gpu][A, B, C]
+    ASSERT_NO_FATAL_FAILURE(NewSeqsOnBoth(runners, kv));
     for (int r = 0; r < 2; ++r) {
-      for (int s = 0; s < 3; ++s) {
-        kv[r][s] = NewSeq(*runners[r], 128);
-        ASSERT_NE(kv[r][s], nullptr);
-      }
       ForwardOutput unused;
       ASSERT_OK(runners[r]->Forward(AllRows(hb, Iota(0, 20)), kv[r][1].get(),
                                     &unused));
@@ -2855,9 +2858,12 @@ TEST_P(ModelTest, LastLayerComputesOnlyTheRowsRead) {
         path != CudaModelRunner::AttentionPath::kSplitK &&
         cuda_kernels::FlashAttentionSupported(c.head_dim, CudaDType::kBF16);
     EXPECT_EQ(row_gather > 0.0, prunes) << row_gather;
+    // One or two logit rows each: the small-batch bound (a seed gave a
+    // decode row 0.11 at the batch bound on stories260K-draft, which
+    // prunes nothing).
     for (int s = 0; s < 3; ++s) {
       SCOPED_TRACE(absl::StrCat("sequence ", s));
-      ExpectLogitsMatch(out[0][s], out[1][s], vocab, kBatchTolBf16);
+      ExpectLogitsMatch(out[0][s], out[1][s], vocab, kRowsTolBf16);
     }
     // The next token of each, reading every row's K / V.
     std::vector<int> next(3), pos = {48, 60, 31};

@@ -38,6 +38,30 @@ constexpr size_t kAlign = 256;
 
 size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+// The phases of a forward PhaseTimer times (EnqueueForward), in a layer's
+// order.
+enum ForwardPhase {
+  kPhaseEmbed,
+  kPhaseNorm,
+  kPhaseQkvProj,
+  kPhaseRopeKvStore,
+  kPhaseKvGather,
+  kPhaseAttention,
+  kPhaseRowGather,
+  kPhaseOProj,
+  kPhaseGateUpProj,
+  kPhaseSiluMul,
+  kPhaseDownProj,
+  kPhaseLogits,
+};
+
+std::vector<std::string> ForwardPhaseNames() {
+  return {"embed",      "norm",      "qkv_proj",     "rope_kv_store",
+          "kv_gather",  "attention", "row_gather",   "o_proj",
+          "gate_up_proj", "silu_mul", "down_proj",   "logits"};
+}
+
+
 // Carves aligned regions out of one allocation: first a dry run to size it,
 // then the same calls against the real base pointer.
 class Carver {
@@ -119,7 +143,8 @@ CudaModelRunner::CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
       cublas_(cublas),
       num_sms_(num_sms),
       row_width_(weights_->config().num_key_value_heads *
-                 weights_->config().head_dim) {}
+                 weights_->config().head_dim),
+      phase_timer_(ForwardPhaseNames()) {}
 
 CudaModelRunner::~CudaModelRunner() {
   // cuDNN's plans own kernels that may still be queued, and its handle is
@@ -274,51 +299,15 @@ CudaModelRunner::AttentionPath CudaModelRunner::attention_path() {
   return attention_path_;
 }
 
-namespace {
-
-// The phases of a forward PhaseTimer times (EnqueueForward), in a layer's
-// order.
-enum ForwardPhase {
-  kPhaseEmbed,
-  kPhaseNorm,
-  kPhaseQkvProj,
-  kPhaseRopeKvStore,
-  kPhaseKvGather,
-  kPhaseAttention,
-  kPhaseRowGather,
-  kPhaseOProj,
-  kPhaseGateUpProj,
-  kPhaseSiluMul,
-  kPhaseDownProj,
-  kPhaseLogits,
-};
-
-std::vector<std::string> ForwardPhaseNames() {
-  return {"embed",      "norm",      "qkv_proj",     "rope_kv_store",
-          "kv_gather",  "attention", "row_gather",   "o_proj",
-          "gate_up_proj", "silu_mul", "down_proj",   "logits"};
-}
-
-}  // namespace
-
 void CudaModelRunner::set_phase_timing(bool enabled) {
   absl::MutexLock lock(&mu_);
   phase_timing_ = enabled;
-  if (enabled && phase_timer_ == nullptr) {
-    phase_timer_ = std::make_unique<PhaseTimer>(ForwardPhaseNames());
-  }
 }
 
 std::vector<std::pair<std::string, double>> CudaModelRunner::TakePhaseTimes(
     int* forwards) {
   absl::MutexLock lock(&mu_);
-  if (phase_timer_ == nullptr) {
-    std::vector<std::pair<std::string, double>> zeros;
-    for (std::string& name : ForwardPhaseNames()) zeros.emplace_back(name, 0.0);
-    if (forwards != nullptr) *forwards = 0;
-    return zeros;
-  }
-  return phase_timer_->Take(forwards);
+  return phase_timer_.Take(forwards);
 }
 
 absl::Status CudaModelRunner::RowLogprobsOnDevice(
@@ -1040,6 +1029,7 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
             a, splits, reg.splitk_ws, stream_));
       }
     }
+    SPECSERVE_RETURN_IF_ERROR(mark(kPhaseAttention));  // not the gathers'
     if (cudnn != nullptr) {
       for (const StepLaunch::CudnnSequence& cs : *cudnn) {
         const cuda_kernels::AttentionArgs& a = cs.a;
@@ -1240,6 +1230,23 @@ absl::Status CudaModelRunner::Run(
       prune = true;
     }
   }
+  // Sequence i's suffix from live_from[i] on, as attention args: its rows,
+  // after the rows before them (q / out / tree pointers moved once set).
+  const auto suffix = [&](int i) {
+    cuda_kernels::AttentionArgs a = attn[i];
+    const int skip = live_from[i];
+    if (a.q != nullptr) {
+      a.q = static_cast<const char*>(a.q) + tb * skip * qrow;
+      a.out = static_cast<char*>(a.out) + tb * skip * qrow;
+    }
+    if (a.tree_start != nullptr) {  // a tree elsewhere in the step
+      a.tree_start += skip;
+      a.tree_mask += skip;
+    }
+    a.n -= skip;
+    a.first += skip;
+    return a;
+  };
   // The live rows (each sequence's from live_from[i] on) and each logit
   // row's index among them.
   std::vector<int> live, live_logit;
@@ -1256,12 +1263,9 @@ absl::Status CudaModelRunner::Run(
         live_logit[lr0[i] + j] = start + logit_rows[i][j] - live_from[i];
       }
       if (live_from[i] == 0) continue;
-      // The suffix's attention (the shape only; its pointers come later):
-      // its rows, after the rows before them. The launches run one after
-      // another on the stream and share one workspace.
-      cuda_kernels::AttentionArgs a = attn[i];
-      a.n -= live_from[i];
-      a.first += live_from[i];
+      // The suffixes' launches run one after another on the stream and
+      // share one workspace.
+      const cuda_kernels::AttentionArgs a = suffix(i);
       suffix_splits[i] = cuda_kernels::SplitKAttentionSplits(a, num_sms_);
       splitk_ws_bytes = std::max(
           splitk_ws_bytes,
@@ -1398,17 +1402,7 @@ absl::Status CudaModelRunner::Run(
       if (use_mma[i]) last.flash_mma.push_back(attn[i]);
       continue;
     }
-    cuda_kernels::AttentionArgs a = attn[i];
-    const size_t skip = tb * live_from[i] * qrow;
-    a.q = static_cast<const char*>(a.q) + skip;
-    a.out = static_cast<char*>(a.out) + skip;
-    if (a.tree_start != nullptr) {  // a tree elsewhere in the step
-      a.tree_start += live_from[i];
-      a.tree_mask += live_from[i];
-    }
-    a.n -= live_from[i];
-    a.first += live_from[i];
-    last.splitk.push_back({a, suffix_splits[i]});
+    last.splitk.push_back({suffix(i), suffix_splits[i]});
   }
   step.flash = &flash;
   step.flash_mma = &flash_mma;
@@ -1463,7 +1457,7 @@ absl::Status CudaModelRunner::Run(
         !batch[i].input.argmax_only && batch[i].input.sampling == nullptr;
   }
   step.argmax = any_argmax;
-  if (phase_timing_) step.timer = phase_timer_.get();
+  if (phase_timing_) step.timer = &phase_timer_;
   SPECSERVE_RETURN_IF_ERROR(EnqueueForward(step));
 
   std::vector<int> samp_out(2 * NS);

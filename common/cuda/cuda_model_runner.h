@@ -308,7 +308,7 @@ class CudaModelRunner : public ModelRunner {
   bool cudnn_plan_every_chunk_ ABSL_GUARDED_BY(mu_) = false;
   CudnnPlanPolicy cudnn_plan_policy_ ABSL_GUARDED_BY(mu_);
   bool phase_timing_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<PhaseTimer> phase_timer_ ABSL_GUARDED_BY(mu_);
+  PhaseTimer phase_timer_ ABSL_GUARDED_BY(mu_);  // events made on first use
   DeviceBuffer cudnn_kv_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer logprobs_ws_ ABSL_GUARDED_BY(mu_);  // RowLogprobsOnDevice
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);
