@@ -894,9 +894,12 @@ int Main(int argc, char** argv) {
         d.input.token_ids = absl::MakeConstSpan(&next, 1);
         d.input.position_ids = absl::MakeConstSpan(&p, 1);
         d.input.capture_query_rows = {0};
+        // Greedy on the device, as the speculator service's look-ahead
+        // (graphed: a capturing one-row step).
+        d.input.argmax_only = true;
         Die(spec.engine->Forward(absl::MakeConstSpan(&d, 1), &out),
             "look-ahead");
-        next = specserve::Argmax(out[0].logits);
+        next = out[0].argmax[0];
       }
       const double t2 = Now();
       absl::StatusOr<ImportanceResult> imp = spec.engine->ScoreImportance(

@@ -2479,8 +2479,157 @@ TEST_P(ModelTest, SampledGraphReplayEqualsEager) {
   CheckGraphReplay(GetParam(), /*sampled=*/true, &rng_);
 }
 
+// Speculative Prefill's look-ahead steps replay from graphs that capture
+// their queries: the captured rows equal the eager step's (within the bf16
+// bound of graph against eager logits: a graph's bucket may plan attention
+// and pick GEMMs differently), land at each capture's next rows even when
+// the capturing sequence is not the step's first or shares the step with
+// others, and the scores and kept tokens follow.
+TEST_P(ModelTest, GraphedLookAheadCapturesWhatEagerCaptures) {
+  Engines e = LoadEngines(GetParam(), CudaDType::kBF16, 64 * 128);
+  ASSERT_NE(e.gpu, nullptr);
+  const ModelConfig& c = e.cpu->config();
+  const int vocab = c.vocab_size, n = 200, lookahead = 4;
+  constexpr int kScored = 2;  // sequences scored side by side
+  const size_t qrow = static_cast<size_t>(c.num_attention_heads) * c.head_dim;
+  // Twins: index 0 runs with graphs on, 1 with graphs off.
+  std::unique_ptr<KvSequence> kv[2][kScored], other[2];
+  std::unique_ptr<QueryCapture> cap[2][kScored];
+  std::vector<int> prompt[kScored];
+  for (int s = 0; s < kScored; ++s) {
+    prompt[s].resize(n - 40 * s);
+    for (int& t : prompt[s]) t = Uniform(0, vocab - 1);
+  }
+  std::vector<int> other_ids(7);
+  for (int& t : other_ids) t = Uniform(0, vocab - 1);
+  for (int g = 0; g < 2; ++g) {
+    e.gpu->set_cuda_graphs(g == 0);
+    for (int s = 0; s < kScored; ++s) {
+      kv[g][s] = NewSeq(*e.gpu, c.max_position_embeddings);
+      ASSERT_NE(kv[g][s], nullptr);
+      absl::StatusOr<std::unique_ptr<QueryCapture>> qc =
+          e.gpu->NewQueryCapture(1 + lookahead);
+      ASSERT_TRUE(qc.ok()) << qc.status();
+      cap[g][s] = *std::move(qc);
+      // The prompt, capturing its last row (a long chunk: eager).
+      const std::vector<int> pos = Iota(0, prompt[s].size());
+      ForwardInput in;
+      in.token_ids = prompt[s];
+      in.position_ids = pos;
+      in.argmax_only = true;
+      in.capture_query_rows = {static_cast<int>(prompt[s].size()) - 1};
+      std::vector<SequenceForward> batch(1);
+      batch[0].kv = kv[g][s].get();
+      batch[0].capture = cap[g][s].get();
+      batch[0].input = in;
+      std::vector<ForwardOutput> out;
+      ASSERT_OK(e.gpu->Forward(batch, &out));
+    }
+    other[g] = NewSeq(*e.gpu, 128);
+    ASSERT_NE(other[g], nullptr);
+    const std::vector<int> pos = Iota(0, other_ids.size());
+    ForwardInput in = AllRows(other_ids, pos);
+    ForwardOutput o;
+    ASSERT_OK(e.gpu->Forward(in, other[g].get(), &o));
+  }
+  // Look-ahead steps: [other's 3-row verify, scored 0, scored 1], then
+  // [scored 1, other's decode row], then [scored 0] alone, and so on; each
+  // scored sequence feeds the eager twin's greedy token to both twins.
+  std::vector<int> next(kScored, 1), other_len(2, other_ids.size());
+  int64_t replays = e.gpu->graph_replays();
+  // Steps 0 and 1 hold both scored sequences, the others one each in turn:
+  // `lookahead` rows each.
+  for (int step = 0; step < 2 + 2 * (lookahead - 2); ++step) {
+    const bool both = step < 2;
+    std::vector<int> scored;
+    if (both) {
+      scored = {0, 1};
+    } else {
+      scored = {(step % 2)};
+    }
+    const int other_rows = step == 0 ? 3 : step % 3 == 1 ? 1 : 0;
+    std::vector<int> oid(other_rows), opos(other_rows);
+    for (int r = 0; r < other_rows; ++r) oid[r] = Uniform(0, vocab - 1);
+    std::vector<std::vector<int>> pos(kScored);
+    std::vector<int> eager_next(kScored, -1);
+    for (int g = 0; g < 2; ++g) {
+      e.gpu->set_cuda_graphs(g == 0);
+      std::vector<SequenceForward> batch;
+      std::vector<int> scored_at;
+      const auto add_other = [&] {
+        if (other_rows == 0) return;
+        opos = Iota(other_len[g], other_rows);
+        SequenceForward f;
+        f.kv = other[g].get();
+        f.input = AllRows(oid, opos);
+        f.input.argmax_only = true;
+        batch.push_back(std::move(f));
+      };
+      if (step == 0) add_other();
+      for (int s : scored) {
+        pos[s] = {kv[g][s]->size()};
+        SequenceForward f;
+        f.kv = kv[g][s].get();
+        f.capture = cap[g][s].get();
+        f.input.token_ids = absl::MakeConstSpan(&next[s], 1);
+        f.input.position_ids = pos[s];
+        f.input.argmax_only = true;
+        f.input.capture_query_rows = {0};
+        scored_at.push_back(static_cast<int>(batch.size()));
+        batch.push_back(std::move(f));
+      }
+      if (step != 0) add_other();
+      other_len[g] += other_rows;
+      std::vector<ForwardOutput> out;
+      ASSERT_OK(e.gpu->Forward(batch, &out));
+      for (size_t k = 0; k < scored.size(); ++k) {
+        ASSERT_EQ(out[scored_at[k]].argmax.size(), 1u);
+        if (g == 1) eager_next[scored[k]] = out[scored_at[k]].argmax[0];
+      }
+    }
+    EXPECT_EQ(e.gpu->graph_replays(), ++replays) << "step " << step;
+    for (int s : scored) next[s] = eager_next[s];
+  }
+  for (int s = 0; s < kScored; ++s) {
+    SCOPED_TRACE(absl::StrCat("scored sequence ", s));
+    const int rows = 1 + lookahead;
+    ASSERT_EQ(cap[0][s]->rows(), rows);
+    ASSERT_EQ(cap[1][s]->rows(), rows);
+    absl::StatusOr<std::vector<float>> gq = cap[0][s]->CopyToHost();
+    absl::StatusOr<std::vector<float>> eq = cap[1][s]->CopyToHost();
+    ASSERT_TRUE(gq.ok()) << gq.status();
+    ASSERT_TRUE(eq.ok()) << eq.status();
+    ASSERT_EQ(gq->size(), c.num_hidden_layers * rows * qrow);
+    // Row by row and layer by layer, so a row landing in the wrong place
+    // (or a stale row) shows where it is.
+    for (int l = 0; l < c.num_hidden_layers; ++l) {
+      for (int r = 0; r < rows; ++r) {
+        const size_t at = (static_cast<size_t>(l) * rows + r) * qrow;
+        const std::vector<float> got(gq->begin() + at,
+                                     gq->begin() + at + qrow);
+        const std::vector<float> want(eq->begin() + at,
+                                      eq->begin() + at + qrow);
+        EXPECT_LT(RelErr(got, want), 2e-2) << "layer " << l << " row " << r;
+      }
+    }
+    const int len = static_cast<int>(prompt[s].size());
+    const ScoringOptions opts;
+    absl::StatusOr<ImportanceResult> gs =
+        e.gpu->ScoreImportance(*kv[0][s], len, *cap[0][s], opts, 1);
+    absl::StatusOr<ImportanceResult> es =
+        e.gpu->ScoreImportance(*kv[1][s], len, *cap[1][s], opts, 1);
+    ASSERT_TRUE(gs.ok()) << gs.status();
+    ASSERT_TRUE(es.ok()) << es.status();
+    EXPECT_LT(RelErr(gs->importance, es->importance), 5e-2);
+    for (float keep : {0.1f, 0.3f}) {
+      ExpectSelectionsAgree(gs->importance, es->importance, keep, 16, 5e-2);
+    }
+  }
+}
+
 // WarmUp captures one greedy and one sampled graph per bucket up to its
-// max_batch, leaves the pool as it found it, and later steps of those
+// max_batch and a capturing one-row graph, leaves the pool as it found
+// it, and later steps of those
 // buckets replay without capturing again; with graphs off it captures
 // nothing, and its prefill still runs.
 TEST_P(ModelTest, WarmUpCapturesEveryBucketAndFreesItsSequences) {
@@ -2489,7 +2638,8 @@ TEST_P(ModelTest, WarmUpCapturesEveryBucketAndFreesItsSequences) {
   const int vocab = e.cpu->config().vocab_size;
   const int free_before = e.gpu->kv_cache().num_free_blocks();
   ASSERT_OK(e.gpu->WarmUp(/*prefill_rows=*/100, /*max_batch=*/8));
-  EXPECT_EQ(e.gpu->graphs_captured(), 2 * 4);  // buckets 1, 2, 4, 8
+  // Buckets 1, 2, 4, 8, and the look-ahead's.
+  EXPECT_EQ(e.gpu->graphs_captured(), 2 * 4 + 1);
   EXPECT_EQ(e.gpu->kv_cache().num_free_blocks(), free_before);
   // A greedy step of 3 sequences (bucket 4) replays what WarmUp captured.
   std::vector<std::unique_ptr<KvSequence>> seqs;
@@ -2511,7 +2661,7 @@ TEST_P(ModelTest, WarmUpCapturesEveryBucketAndFreesItsSequences) {
   std::vector<ForwardOutput> out;
   ASSERT_OK(e.gpu->Forward(batch, &out));
   EXPECT_EQ(e.gpu->graph_replays(), replays + 1);
-  EXPECT_EQ(e.gpu->graphs_captured(), 2 * 4);
+  EXPECT_EQ(e.gpu->graphs_captured(), 2 * 4 + 1);
 
   Engines off = LoadEngines(GetParam(), CudaDType::kBF16, 64 * 128);
   ASSERT_NE(off.gpu, nullptr);

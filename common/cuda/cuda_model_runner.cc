@@ -151,7 +151,7 @@ CudaModelRunner::~CudaModelRunner() {
   // bound to stream_: both go before the stream.
   cudaStreamSynchronize(stream_);
   cudnn_.reset();
-  for (const auto* execs : {&graphs_, &sampled_graphs_}) {
+  for (const auto* execs : {&graphs_, &sampled_graphs_, &capture_graphs_}) {
     for (cudaGraphExec_t exec : *execs) {
       if (exec != nullptr) cudaGraphExecDestroy(exec);
     }
@@ -444,6 +444,7 @@ int CudaModelRunner::graphs_captured() {
   int n = 0;
   for (cudaGraphExec_t g : graphs_) n += g != nullptr;
   for (cudaGraphExec_t g : sampled_graphs_) n += g != nullptr;
+  for (cudaGraphExec_t g : capture_graphs_) n += g != nullptr;
   return n;
 }
 
@@ -503,6 +504,24 @@ absl::Status CudaModelRunner::WarmUp(int prefill_rows, int max_batch) {
       std::vector<ForwardOutput> out;
       SPECSERVE_RETURN_IF_ERROR(Forward(batch, &out));
     }
+  }
+  // A one-row greedy step that captures its query: a scoring request's
+  // look-ahead step (Speculative Prefill), graphed from its first one.
+  if (top >= 1 && cuda_graphs() && cache_->num_free_blocks() >= 1) {
+    absl::StatusOr<std::unique_ptr<KvSequence>> seq = NewSequence(1);
+    if (!seq.ok()) return seq.status();
+    absl::StatusOr<std::unique_ptr<QueryCapture>> capture = NewQueryCapture(1);
+    if (!capture.ok()) return capture.status();
+    const int id = token(0), position = 0;
+    std::vector<SequenceForward> batch(1);
+    batch[0].kv = seq->get();
+    batch[0].capture = capture->get();
+    batch[0].input.token_ids = absl::MakeConstSpan(&id, 1);
+    batch[0].input.position_ids = absl::MakeConstSpan(&position, 1);
+    batch[0].input.argmax_only = true;
+    batch[0].input.capture_query_rows = {0};
+    std::vector<ForwardOutput> out;
+    SPECSERVE_RETURN_IF_ERROR(Forward(batch, &out));
   }
   return absl::OkStatus();
 }
@@ -707,6 +726,9 @@ struct StepRegions {
   float* logits;    // fp32 [R, vocab]
   int* argmax;      // [R] (argmax_only sequences' rows)
   float* captured;  // fp32 [L, NQ, H * D] (host capture only)
+  // A graph step's query capture: where each captured row goes
+  // (CaptureQueryRows), padded with unused slots.
+  cuda_kernels::CaptureSlot* capture_slots;
   void* split_ws;   // batched attention's split partials
   int* tree_start;  // [N] tree attention span starts (trees only)
   unsigned long long* tree_mask;  // [N] visibility bits (trees only)
@@ -735,6 +757,7 @@ struct StepSizes {
   size_t rows = 0;           // N
   size_t logit_rows = 0;     // R
   size_t captured_rows = 0;  // NQ
+  size_t capture_slots = 0;
   size_t ints = 0;
   size_t split_ws_bytes = 0;
   size_t live_rows = 0;       // NL (0: the last layer computes every row)
@@ -771,6 +794,8 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   reg->argmax = static_cast<int*>(cv.Take(sizeof(int) * R));
   reg->captured = static_cast<float*>(cv.Take(
       sizeof(float) * c.num_hidden_layers * z.captured_rows * qrow));
+  reg->capture_slots = static_cast<cuda_kernels::CaptureSlot*>(
+      cv.Take(sizeof(cuda_kernels::CaptureSlot) * z.capture_slots));
   reg->split_ws = cv.Take(z.split_ws_bytes);
   reg->tree_start = static_cast<int*>(cv.Take(sizeof(int) * z.tree_rows));
   reg->tree_mask = static_cast<unsigned long long*>(
@@ -1573,6 +1598,7 @@ StepSizes GraphStepSizes(const ModelConfig& c, int block_size, int num_sms,
   sizes.samp_floats = 3 * Nm + CudaModelRunner::kGraphMaxDraftQ;
   sizes.edit_rows = Nm;
   sizes.edits = CudaModelRunner::kGraphMaxLogitEdits;
+  sizes.capture_slots = CudaModelRunner::kGraphMaxCaptureRows;
   return sizes;
 }
 
@@ -1637,7 +1663,7 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
                                                              : 0;
   if (!cuda_step::GraphEligible(batch, logit_rows, kMaxGraphRows,
                                 flash_min_rows, kGraphMaxDraftQ,
-                                kGraphMaxLogitEdits)) {
+                                kGraphMaxLogitEdits, kGraphMaxCaptureRows)) {
     return false;
   }
   const bool sampled = cuda_step::AnySampling(batch);
@@ -1703,9 +1729,36 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
         cuda_step::PackRowSampling(batch, lr0, kMaxGraphRows), gl.reg,
         stream_));
   }
+  // Query capture (GraphEligible: device captures, no sampled rows): each
+  // captured row's slot says which step row goes where in its capture.
+  const size_t qrow = static_cast<size_t>(H) * c.head_dim;
+  std::vector<cuda_kernels::CaptureSlot> slots;
+  for (int i = 0, row = 0; i < S; ++i) {
+    const ForwardInput& fin = batch[i].input;
+    auto* qc = static_cast<CudaQueryCapture*>(batch[i].capture);
+    for (size_t j = 0; qc != nullptr && j < fin.capture_query_rows.size();
+         ++j) {
+      cuda_kernels::CaptureSlot slot;
+      slot.dst = qc->mutable_layer_queries(0) + (qc->rows() + j) * qrow;
+      slot.layer_stride = static_cast<long long>(qc->max_rows()) * qrow;
+      slot.row = row + fin.capture_query_rows[j];
+      slots.push_back(slot);
+    }
+    row += static_cast<int>(fin.token_ids.size());
+  }
+  const bool captures = !slots.empty();
+  if (captures) {
+    slots.resize(kGraphMaxCaptureRows);  // unused slots: row -1
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        gl.reg.capture_slots, slots.data(),
+        sizeof(cuda_kernels::CaptureSlot) * slots.size(),
+        cudaMemcpyHostToDevice, stream_));
+  }
 
-  // Greedy steps and steps with sampled rows have a graph each per bucket.
-  cudaGraphExec_t& exec = (sampled ? sampled_graphs_ : graphs_)[b];
+  // Greedy steps, steps with sampled rows and greedy steps that capture
+  // queries have a graph each per bucket.
+  cudaGraphExec_t& exec =
+      (sampled ? sampled_graphs_ : captures ? capture_graphs_ : graphs_)[b];
   if (exec == nullptr) {
     StepLaunch step;
     step.reg = &gl.reg;
@@ -1717,6 +1770,16 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     step.logit_rows = gl.ids + 3 * Nm;
     step.argmax = true;
     step.edits = true;
+    if (captures) {
+      // Every layer's post-RoPE queries of the slots' rows, as the eager
+      // step's copies (a launch a layer, whatever the rows).
+      step.after_rope = [&](int l) -> absl::Status {
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::CaptureQueryRows(
+            gl.reg.qkv, c.qkv_dim(), static_cast<int>(qrow),
+            gl.reg.capture_slots, kGraphMaxCaptureRows, l, stream_));
+        return absl::OkStatus();
+      };
+    }
     cuda_kernels::BatchedAttentionArgs& ba = step.ba;
     ba = BatchedArgs(gl.reg, c, dt, cache_->block_size());
     ba.block_tables = gl.tables;
@@ -1769,7 +1832,9 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     // its captures: shows in a service's log which buckets serve from
     // graphs.
     std::fprintf(stderr, "cuda graph captured: %d-row bucket, %s\n", b,
-                 sampled ? "sampled" : "greedy");
+                 sampled    ? "sampled"
+                 : captures ? "greedy with query capture"
+                            : "greedy");
   }
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec, stream_));
   std::vector<int> argmax(N), samp_out(sampled ? 2 * Nm : 0);
@@ -1811,6 +1876,10 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
                         samp_out.begin() + Nm + row + n);
     } else if (in.argmax_only) {
       o.argmax.assign(argmax.begin() + row, argmax.begin() + row + n);
+    }
+    if (batch[i].capture != nullptr) {
+      static_cast<CudaQueryCapture*>(batch[i].capture)->rows_ +=
+          static_cast<int>(in.capture_query_rows.size());
     }
     row += n;
   }

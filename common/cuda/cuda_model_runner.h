@@ -166,19 +166,24 @@ class CudaModelRunner : public ModelRunner {
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
   /// verify step of greedy (argmax_only) or device-sampled
   /// (ForwardInput::sampling) sequences with at most kMaxGraphRows rows in
-  /// all, every row a logit row, no tree, capture or FlashAttention
-  /// sequence, at most kGraphMaxDraftQ draft-distribution entries and
-  /// kGraphMaxLogitEdits logit edits (ForwardInput::logit_edits), is
+  /// all, every row a logit row, no tree or FlashAttention sequence, at
+  /// most kGraphMaxDraftQ draft-distribution entries and
+  /// kGraphMaxLogitEdits logit edits (ForwardInput::logit_edits), and
+  /// queries captured only into device captures (at most
+  /// kGraphMaxCaptureRows rows, in steps without sampled rows: Speculative
+  /// Prefill's look-ahead steps), is
   /// padded to its bucket (1, 2, 4, 8, then multiples of 8; padding rows
   /// store no KV) and replayed from a graph captured on the bucket's first
   /// such step (one graph per bucket for greedy steps, one for steps with
-  /// sampled rows), instead of ~15 launches per layer. Inputs go to a
+  /// sampled rows, one for greedy steps that capture queries), instead of
+  /// ~15 launches per layer. Inputs go to a
   /// fixed device workspace allocated on first use; if that or a capture
   /// fails, the runner logs why and stays eager. Other steps always run
   /// eagerly.
   static constexpr int kMaxGraphRows = 128;
   static constexpr int kGraphMaxDraftQ = 1 << 20;
   static constexpr int kGraphMaxLogitEdits = 1 << 16;
+  static constexpr int kGraphMaxCaptureRows = 32;
   void set_cuda_graphs(bool enabled);
   /// Bytes of the graphs' fixed workspace, allocated on the first graph
   /// step: kMaxGraphRows rows of every forward region, of fp32 logits and
@@ -195,7 +200,7 @@ class CudaModelRunner : public ModelRunner {
   bool cuda_graphs();
   /// Steps run from a graph so far.
   int64_t graph_replays();
-  /// Graphs captured so far (greedy and sampled, all buckets).
+  /// Graphs captured so far (greedy, sampled and capturing, all buckets).
   int graphs_captured();
 
   /// Does at start-up what a server's first requests would otherwise pay
@@ -205,7 +210,9 @@ class CudaModelRunner : public ModelRunner {
   /// and plans and cuBLAS's for that many rows; then, with CUDA graphs on,
   /// one greedy and one sampled decode step of every bucket up to
   /// `max_batch` rows (GraphBucket: 1, 2, 4, 8, 16, ...), capturing their
-  /// graphs, while the pool has a free block per row. Its sequences are
+  /// graphs, while the pool has a free block per row, and one greedy
+  /// one-row step that captures its query (a scoring request's look-ahead
+  /// step, Speculative Prefill) into a bucket-1 graph. Its sequences are
   /// freed before it returns. Errors as Forward; a failed capture only
   /// turns graphs off, as in Forward.
   absl::Status WarmUp(int prefill_rows, int max_batch = kMaxGraphRows);
@@ -324,6 +331,8 @@ class CudaModelRunner : public ModelRunner {
   std::vector<cudaGraphExec_t> graphs_ ABSL_GUARDED_BY(mu_) =
       std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
   std::vector<cudaGraphExec_t> sampled_graphs_ ABSL_GUARDED_BY(mu_) =
+      std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
+  std::vector<cudaGraphExec_t> capture_graphs_ ABSL_GUARDED_BY(mu_) =
       std::vector<cudaGraphExec_t>(kMaxGraphRows + 1, nullptr);
 };
 

@@ -67,6 +67,18 @@ __global__ void GatherKvRowsKernel(const T* __restrict__ pool,
   for (int i = threadIdx.x; i < row_width; i += blockDim.x) out[i] = src[i];
 }
 
+// One block per slot; padding slots (row < 0) return at once.
+__global__ void CaptureQueryRowsKernel(const float* __restrict__ qkv,
+                                       int qkv_dim, int qrow,
+                                       const CaptureSlot* __restrict__ slots,
+                                       int layer) {
+  const CaptureSlot s = slots[blockIdx.x];
+  if (s.row < 0) return;
+  const float* src = qkv + static_cast<size_t>(s.row) * qkv_dim;
+  float* dst = s.dst + static_cast<size_t>(layer) * s.layer_stride;
+  for (int i = threadIdx.x; i < qrow; i += blockDim.x) dst[i] = src[i];
+}
+
 // Rows of `row_bytes` at `a` and `b` move as 16-byte words (uint4): the
 // copy is bound by its loads, and one 16-byte load per thread keeps 8x
 // the bytes of a 2-byte load in flight.
@@ -394,6 +406,18 @@ cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
       SPECSERVE_LAUNCH(count, 128, 0, stream, GatherKvRowsKernel<T>)(
           static_cast<const T*>(pool), block_table, block_size, row_width,
           static_cast<T*>(dst)));
+  return cudaGetLastError();
+}
+
+cudaError_t CaptureQueryRows(const float* qkv, int qkv_dim, int qrow,
+                             const CaptureSlot* slots, int num_slots,
+                             int layer, cudaStream_t stream) {
+  if (qkv == nullptr || slots == nullptr || num_slots < 1 || qrow < 1 ||
+      qrow > qkv_dim || layer < 0) {
+    return cudaErrorInvalidValue;
+  }
+  SPECSERVE_LAUNCH(num_slots, 256, 0, stream, CaptureQueryRowsKernel)(
+      qkv, qkv_dim, qrow, slots, layer);
   return cudaGetLastError();
 }
 

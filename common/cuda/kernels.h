@@ -265,6 +265,27 @@ cudaError_t GatherKvRows(const void* pool, CudaDType dtype,
 cudaError_t GatherRows(const void* src, CudaDType dtype, const int* rows,
                        int n, int row_width, void* dst, cudaStream_t stream);
 
+/// Where one captured query row goes (CaptureQueryRows): layer l's copy of
+/// step row `row` lands at dst + l * layer_stride floats. row < 0: an unused
+/// slot (a graph's padding), nothing copied.
+struct CaptureSlot {
+  float* dst = nullptr;
+  long long layer_stride = 0;
+  int row = -1;
+  int pad = 0;
+};
+
+/// For each of `num_slots` slots (a device array) with row >= 0:
+/// slots[k].dst[layer * layer_stride + i] = qkv[row * qkv_dim + i] for
+/// i < qrow, the fp32 post-RoPE query heads of one row of a step into a
+/// query capture (Speculative Prefill's look-ahead rows). One launch a
+/// layer whatever the rows, so a CUDA graph can capture it (its slots are
+/// read at replay). cudaErrorInvalidValue for a null pointer, num_slots
+/// < 1 or qrow > qkv_dim.
+cudaError_t CaptureQueryRows(const float* qkv, int qkv_dim, int qrow,
+                             const CaptureSlot* slots, int num_slots,
+                             int layer, cudaStream_t stream);
+
 // ---------------------------------------------------------------------------
 // Speculative Prefill token importance (arXiv 2502.02789 section 3.2; docs
 // docs/ARCHITECTURE.md, Speculative Prefill steps 3-5), the device side of CudaImportance. The

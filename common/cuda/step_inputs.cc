@@ -78,14 +78,21 @@ int GraphBucket(int rows) {
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
                    int max_rows, int flash_min_rows, int max_q,
-                   int max_edits) {
-  int rows = 0;
+                   int max_edits, int max_capture_rows) {
+  int rows = 0, captured = 0;
   size_t q = 0, edits = 0;
+  bool sampled = false;
   for (size_t i = 0; i < batch.size(); ++i) {
     const ForwardInput& in = batch[i].input;
     const int n = static_cast<int>(in.token_ids.size());
+    if (!in.capture_query_rows.empty() && batch[i].capture == nullptr) {
+      return false;  // queries for the host: the eager step copies them
+    }
+    if (batch[i].capture != nullptr) {
+      captured += static_cast<int>(in.capture_query_rows.size());
+    }
+    sampled |= in.sampling != nullptr;
     if ((in.argmax_only && in.sampling != nullptr) ||
-        batch[i].capture != nullptr || !in.capture_query_rows.empty() ||
         !in.tree_parents.empty() || in.logprobs_top_n >= 0 ||
         static_cast<int>(logit_rows[i].size()) != n) {
       return false;
@@ -107,7 +114,8 @@ bool GraphEligible(absl::Span<const SequenceForward> batch,
   }
   return !batch.empty() && rows <= max_rows &&
          q <= static_cast<size_t>(max_q) &&
-         edits <= static_cast<size_t>(max_edits);
+         edits <= static_cast<size_t>(max_edits) &&
+         captured <= max_capture_rows && (captured == 0 || !sampled);
 }
 
 LogitEdits PackLogitEdits(absl::Span<const SequenceForward> batch,

@@ -72,8 +72,12 @@ int GraphBucket(int rows);
 /// Whether a step can run from a CUDA graph: every sequence greedy
 /// (argmax_only), sampled on the device (ForwardInput::sampling) or asking
 /// for its rows' logits (neither: they are copied out of the graph's
-/// logits after the replay), without query capture, tree or logprobs,
-/// asking for the logits of all its rows in order;
+/// logits after the replay), without tree or logprobs, asking for the
+/// logits of all its rows in order;
+/// query capture only into a device capture (SequenceForward::capture;
+/// rows captured for the host run eagerly), in a step without sampled
+/// rows and of at most max_capture_rows captured rows in all (the
+/// look-ahead steps of Speculative Prefill's scoring);
 /// no sequence with >= flash_min_rows rows when `flash_min_rows` > 0 (those
 /// go to FlashAttention, launched per sequence); at most max_rows rows in
 /// all, at most max_q draft-distribution entries over the sampled rows and
@@ -83,7 +87,7 @@ int GraphBucket(int rows);
 bool GraphEligible(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
                    int max_rows, int flash_min_rows, int max_q,
-                   int max_edits);
+                   int max_edits, int max_capture_rows);
 
 /// Whether any sequence of `batch` samples on the device.
 bool AnySampling(absl::Span<const SequenceForward> batch);

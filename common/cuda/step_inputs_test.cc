@@ -84,6 +84,18 @@ TEST(GraphBucketTest, PowersOfTwoToEightThenMultiplesOfEight) {
   }
 }
 
+// A capture that holds nothing: GraphEligible only tells whether a
+// sequence has one.
+class NoCapture final : public QueryCapture {
+ public:
+  int rows() const override { return 0; }
+  int max_rows() const override { return 0; }
+  void Clear() override {}
+  absl::StatusOr<std::vector<float>> CopyToHost() const override {
+    return std::vector<float>();
+  }
+};
+
 // A step of `rows[i]` greedy rows per sequence, all of them logit rows.
 struct Step {
   std::vector<std::vector<int>> ids, pos, logit_rows;
@@ -111,17 +123,20 @@ struct Step {
 
 TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_TRUE(GraphEligible(Step({1, 1, 1}).batch, Step({1, 1, 1}).logit_rows,
-                            128, 32, 100, 100));
+                            128, 32, 100, 100, 4));
   Step verify({4, 4, 1});
-  EXPECT_TRUE(GraphEligible(verify.batch, verify.logit_rows, 128, 32, 100, 100));
-  EXPECT_FALSE(GraphEligible(verify.batch, verify.logit_rows, 8, 32, 100, 100));
-  EXPECT_FALSE(GraphEligible({}, {}, 128, 32, 100, 100));
+  EXPECT_TRUE(
+      GraphEligible(verify.batch, verify.logit_rows, 128, 32, 100, 100, 4));
+  EXPECT_FALSE(
+      GraphEligible(verify.batch, verify.logit_rows, 8, 32, 100, 100, 4));
+  EXPECT_FALSE(GraphEligible({}, {}, 128, 32, 100, 100, 4));
 
   auto with = [](const std::function<void(Step&)>& change, int max_q = 100,
                  int max_edits = 100) {
     Step s({1, 4});
     change(s);
-    return GraphEligible(s.batch, s.logit_rows, 128, 32, max_q, max_edits);
+    return GraphEligible(s.batch, s.logit_rows, 128, 32, max_q, max_edits,
+                         /*max_capture_rows=*/2);
   };
   // Logits to the host (a request the host decides): yes, copied out of
   // the graph's logits.
@@ -152,8 +167,36 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
                     100, 3));
   // Both argmax_only and sampling is not a valid input; not graphed.
   EXPECT_FALSE(with([&](Step& s) { s.batch[1].input.sampling = &rs; }));
+  // Query capture: into a device capture, up to the capture capacity, in
+  // steps without sampled rows; rows captured for the host run eagerly.
   EXPECT_FALSE(
       with([](Step& s) { s.batch[1].input.capture_query_rows = {3}; }));
+  NoCapture capture;
+  QueryCapture* const device_capture = &capture;
+  auto capturing = [&](std::vector<int> rows0, std::vector<int> rows1) {
+    return [=](Step& s) {
+      s.batch[0].input.capture_query_rows = rows0;
+      if (!rows0.empty()) s.batch[0].capture = device_capture;
+      s.batch[1].input.capture_query_rows = rows1;
+      if (!rows1.empty()) s.batch[1].capture = device_capture;
+    };
+  };
+  EXPECT_TRUE(with(capturing({}, {3})));
+  EXPECT_TRUE(with(capturing({0}, {3})));
+  EXPECT_FALSE(with(capturing({0}, {1, 3})));  // 3 rows > 2
+  EXPECT_TRUE(with([&](Step& s) {
+    capturing({}, {3})(s);
+    s.batch[1].input.argmax_only = false;  // logits to the host
+  }));
+  EXPECT_FALSE(with([&](Step& s) {
+    capturing({0}, {})(s);
+    sampled(s);
+  }));
+  // A device capture with no rows in this step is no capture.
+  EXPECT_TRUE(with([&](Step& s) {
+    s.batch[0].capture = device_capture;
+    sampled(s);
+  }));
   EXPECT_FALSE(
       with([](Step& s) { s.batch[1].input.tree_parents = {-1, 0, 0, 1}; }));
   // Logprobs run eagerly (RowLogprobs after the step).
@@ -164,8 +207,10 @@ TEST(GraphEligibleTest, GreedyOrSampledDecodeAndVerifyRowsOnly) {
   EXPECT_FALSE(with([](Step& s) { s.logit_rows[1] = {0, 2, 1, 3}; }));
   // A sequence FlashAttention would take.
   Step chunk({1, 32});
-  EXPECT_FALSE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 32, 100, 100));
-  EXPECT_TRUE(GraphEligible(chunk.batch, chunk.logit_rows, 128, 0, 100, 100));
+  EXPECT_FALSE(
+      GraphEligible(chunk.batch, chunk.logit_rows, 128, 32, 100, 100, 4));
+  EXPECT_TRUE(
+      GraphEligible(chunk.batch, chunk.logit_rows, 128, 0, 100, 100, 4));
   EXPECT_FALSE(AnySampling(chunk.batch));
 }
 
