@@ -428,6 +428,7 @@ absl::StatusOr<std::unique_ptr<SpeculatorServer>> SpeculatorServer::Create(
   RunnerOptions ro = options.runner;
   ro.kv_cache.pool_bytes = options.kv_budget_bytes;
   ro.kv_pool_from_device = options.kv_budget_bytes == 0;
+  ro.max_num_batched_tokens = options.max_num_batched_tokens;
   auto runner = LoadModelRunner(options.model_dir, ro);
   if (!runner.ok()) return runner.status();
   s->model_ = *std::move(runner);

@@ -97,10 +97,11 @@ ABSL_FLAG(std::string, decode_batches, "1,16,64,128",
 ABSL_FLAG(int, decode_context, 256,
           "prompt tokens of each sequence of the batched decode stage");
 ABSL_FLAG(int, reps, 3, "timed repetitions of each prefill (median)");
-ABSL_FLAG(int, service_chunk, 2048,
+ABSL_FLAG(int, service_chunk, 8192,
           "rows per chunk of the chunked prefills (the CUDA services' "
-          "default --max_num_batched_tokens)");
-ABSL_FLAG(int, alt_service_chunk, 8192,
+          "default --max_num_batched_tokens on GPUs of 70 GiB or more, "
+          "H100 and H200)");
+ABSL_FLAG(int, alt_service_chunk, 2048,
           "also time the speculator's chunked prefill at this chunk size "
           "(a --max_num_batched_tokens to try; 0 skips)");
 ABSL_FLAG(bool, phase_times, true,

@@ -82,9 +82,9 @@ CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape);
 /// shapes are common in serving: a prompt's tail, a prompt split between
 /// two steps by the token budget, a pruned prompt's kept rows.
 inline constexpr double kCudnnPlanPaysOffFlops = 1e13;
-/// Chunks of this many rows or more always plan: the CUDA services' default
-/// max_num_batched_tokens (DefaultMaxNumBatchedTokens), a long prompt's
-/// full chunk.
+/// Chunks of this many rows or more always plan: the smallest of the CUDA
+/// services' default max_num_batched_tokens (DefaultMaxNumBatchedTokens),
+/// a long prompt's full chunk.
 inline constexpr int kCudnnRecurringChunkRows = 2048;
 bool CudnnPlanPaysOff(const CudnnSdpaShape& shape, int num_layers);
 

@@ -47,7 +47,7 @@ struct PrefillTuning {
 };
 
 /// The services' tuning run (prefill_attention "auto"): the timed chunk
-/// has the CUDA default of --max_num_batched_tokens rows and ends at
+/// has the smallest CUDA default of --max_num_batched_tokens rows and ends at
 /// kPrefillTuningContextTokens tokens, long enough that attention, not the
 /// projections, sets most of the chunk's time with the WMMA kernel.
 inline constexpr int kPrefillTuningChunkRows = 2048;

@@ -5,6 +5,8 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -71,11 +73,15 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
   if (!dt.ok()) return dt.status();
   KvCacheOptions kv = options.kv_cache;
   std::string source = PoolSource(kv);
-  absl::StatusOr<CudaMemory> before;
-  if (options.kv_pool_from_device) {
-    before = QueryCudaMemory();
-    if (!before.ok()) return before.status();
-  }
+  absl::StatusOr<CudaMemory> before = QueryCudaMemory();
+  if (!before.ok()) return before.status();
+  // The service's forward budget (its scheduler resolves the same default
+  // through DefaultMaxNumBatchedTokens).
+  const int max_rows =
+      options.max_num_batched_tokens > 0
+          ? options.max_num_batched_tokens
+          : CudaDefaultMaxNumBatchedTokens(before->total_bytes,
+                                           CudaDeviceDescription());
   absl::StatusOr<std::shared_ptr<const CudaWeights>> gw = source_weights(*dt);
   if (!gw.ok()) return gw.status();
   if (options.kv_pool_from_device) {
@@ -83,8 +89,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     m.total_bytes = before->total_bytes;
     m.free_before_bytes = before->free_bytes;
     m.instance_bytes = (*gw)->bytes();
-    m.reserve_bytes = ForwardWorkspaceReserveBytes(
-        (*gw)->config(), kWorkspaceReserveRows, CudaDTypeBytes(*dt));
+    m.reserve_bytes = ForwardWorkspaceReserveBytes((*gw)->config(), max_rows,
+                                                   CudaDTypeBytes(*dt));
     if (options.cuda_graphs) {
       // The graphs' workspace, for GPUs of up to 256 multiprocessors.
       m.reserve_bytes += CudaModelRunner::GraphWorkspaceBytes(
@@ -127,12 +133,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     // A failed warm-up (a pool too small for it, say) does not stop the
     // service: requests then pay the first-use costs themselves.
     const absl::Time start = absl::Now();
-    const absl::Status warm = (*r)->WarmUp(kWorkspaceReserveRows);
+    const absl::Status warm = (*r)->WarmUp(max_rows);
     const double s = absl::ToDoubleSeconds(absl::Now() - start);
     if (warm.ok()) {
       std::fprintf(stderr,
                    "warm-up: %d-row prefill and %d cuda graphs in %.2f s\n",
-                   kWorkspaceReserveRows, (*r)->graphs_captured(), s);
+                   max_rows, (*r)->graphs_captured(), s);
     } else {
       std::fprintf(stderr, "warning: warm-up failed after %.2f s: %s\n", s,
                    warm.ToString().c_str());
@@ -192,9 +198,23 @@ absl::StatusOr<DeviceKind> ResolveDevice(
 
 }  // namespace
 
+int CudaDefaultMaxNumBatchedTokens(size_t total_bytes,
+                                   absl::string_view device_name) {
+  if (total_bytes >= kLargerGpuBytes) return 16384;
+  if (total_bytes >= kLargeGpuBytes &&
+      !absl::StrContains(absl::AsciiStrToLower(device_name), "a100")) {
+    return 8192;
+  }
+  return 2048;
+}
+
 int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested) {
   if (requested > 0) return requested;
-  return runner.backend() == "cuda" ? 2048 : 512;
+  if (runner.backend() != "cuda") return 512;
+  const absl::StatusOr<CudaMemory> memory = QueryCudaMemory();
+  if (!memory.ok()) return 2048;
+  return CudaDefaultMaxNumBatchedTokens(memory->total_bytes,
+                                        CudaDeviceDescription());
 }
 
 namespace {

@@ -1,10 +1,12 @@
 #ifndef SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_FACTORY_H_
 #define SPECSERVE_COMMON_ENGINE_MODEL_RUNNER_FACTORY_H_
 
+#include <cstddef>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
 #include "common/model/weights.h"
@@ -36,11 +38,17 @@ struct RunnerOptions {
   /// Size the KV pool from the device instead of kv_cache.pool_bytes (the
   /// services' --kv_budget_bytes 0, their default): on CUDA from
   /// gpu_memory_utilization (KvPoolBytesFromUtilization, with the workspace
-  /// reserve of kWorkspaceReserveRows rows), on CPU kDefaultCpuKvBudgetBytes.
+  /// reserve of max_num_batched_tokens rows), on CPU
+  /// kDefaultCpuKvBudgetBytes.
   bool kv_pool_from_device = false;
   /// vLLM's --gpu_memory_utilization: the fraction of the GPU's memory this
   /// instance may hold (weights, workspace and KV pool), in (0, 1].
   double gpu_memory_utilization = 0.9;
+  /// Rows of the service's largest forward (its scheduler's
+  /// --max_num_batched_tokens); 0: DefaultMaxNumBatchedTokens's for the
+  /// backend and device. On CUDA it sizes the workspace reserve of
+  /// kv_pool_from_device and the warm-up's prefill chunk.
+  int max_num_batched_tokens = 0;
   /// CUDA: replay decode / verify steps from CUDA graphs
   /// (CudaModelRunner::set_cuda_graphs). Ignored on CPU.
   bool cuda_graphs = true;
@@ -53,7 +61,7 @@ struct RunnerOptions {
   /// "cudnn" (cuDNN's fused SDPA, AttentionPath::kCudnn). Anything else is
   /// INVALID_ARGUMENT; ignored on CPU.
   std::string prefill_attention = "auto";
-  /// CUDA: CudaModelRunner::WarmUp at creation (a kWorkspaceReserveRows-row
+  /// CUDA: CudaModelRunner::WarmUp at creation (a max_num_batched_tokens-row
   /// prefill chunk, then every graph bucket captured), so the first
   /// requests do not pay for lazy loading and captures; with
   /// prefill_attention "auto" the prefill kernels are timed first.
@@ -63,9 +71,22 @@ struct RunnerOptions {
 
 /// The CPU pool when RunnerOptions::kv_pool_from_device is set (2 GiB).
 inline constexpr size_t kDefaultCpuKvBudgetBytes = size_t{2} << 30;
-/// Forward rows the CUDA workspace reserve is sized for (the CUDA default
-/// of DefaultMaxNumBatchedTokens).
-inline constexpr int kWorkspaceReserveRows = 2048;
+/// Device memory from which CudaDefaultMaxNumBatchedTokens takes a larger
+/// token budget: 70 GiB (H100, H200) and 160 GiB (B200, B300).
+inline constexpr size_t kLargeGpuBytes = size_t{70} << 30;
+inline constexpr size_t kLargerGpuBytes = size_t{160} << 30;
+
+/// vLLM V1's default token budget for its OpenAI API server on a CUDA GPU
+/// (EngineArgs' defaults, 2025-2026): 16384 rows on devices of at least
+/// kLargerGpuBytes, 8192 on devices of at least kLargeGpuBytes except
+/// A100s (where vLLM measured 8192 slower and went back), 2048 on smaller
+/// ones. `total_bytes`: the device's memory (cudaMemGetInfo's total);
+/// `device_name`: its name, or a description that starts with it
+/// (CudaDeviceDescription). Larger budgets take long prompts in fewer,
+/// larger chunks (a 32K prompt in 4 forwards instead of 16) at the cost of
+/// longer steps for the streams decoding beside them.
+int CudaDefaultMaxNumBatchedTokens(size_t total_bytes,
+                                   absl::string_view device_name);
 
 /// Builds the ModelRunner `options.device` names over `weights` (uploaded
 /// to the GPU for cuda; the host copy can be dropped afterwards). Logs the
@@ -78,10 +99,6 @@ inline constexpr int kWorkspaceReserveRows = 2048;
 absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
     std::shared_ptr<const ModelWeights> weights, const RunnerOptions& options);
 
-/// The rows one batched forward should take when the user gave none
-/// (`requested` <= 0): 2048 on CUDA (vLLM's default), 512 on CPU, where a
-/// 2048-row prompt chunk stalls every decoding stream for seconds.
-/// `requested` > 0 is returned as is.
 /// As above, handing the runner `weights` itself: the CPU backend frees
 /// each f32 Linear weight as it packs it, so loading does not hold two
 /// copies at once (what the services and tools call).
@@ -95,6 +112,11 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateModelRunner(
 absl::StatusOr<std::unique_ptr<ModelRunner>> LoadModelRunner(
     const std::string& model_dir, const RunnerOptions& options);
 
+/// The rows one batched forward should take when the user gave none
+/// (`requested` <= 0): on CUDA vLLM's default for the current device
+/// (CudaDefaultMaxNumBatchedTokens; 2048 when its memory cannot be read),
+/// on CPU 512, where a 2048-row prompt chunk stalls every decoding stream
+/// for seconds. `requested` > 0 is returned as is.
 int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested);
 
 }  // namespace specserve

@@ -107,6 +107,67 @@ TEST(ModelRunnerFactoryTest, CudaPoolSizedFromUtilization) {
   EXPECT_GT(cuda->graphs_captured(), 0);
 }
 
+// vLLM's API-server budgets by device memory, the A100 excepted; the
+// device's name may lead a longer description.
+TEST(ModelRunnerFactoryTest, CudaDefaultTokenBudgetFollowsVllm) {
+  constexpr size_t kGiB = size_t{1} << 30;
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(24 * kGiB, "NVIDIA L4"), 2048);
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(kLargeGpuBytes - 1, "NVIDIA X"),
+            2048);
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(kLargeGpuBytes, "NVIDIA X"), 8192);
+  // H100 80GB: 79.1 GiB; H200: 143,771 MiB.
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(
+                size_t{81} * 1000 * 1000 * 1000,
+                "NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB"),
+            8192);
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(size_t{143771} << 20,
+                                           "NVIDIA H200"),
+            8192);
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(size_t{80} * kGiB,
+                                           "NVIDIA A100-SXM4-80GB"),
+            2048);
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(kLargerGpuBytes - 1, "NVIDIA X"),
+            8192);
+  EXPECT_EQ(CudaDefaultMaxNumBatchedTokens(size_t{180} * kGiB, "NVIDIA B200"),
+            16384);
+}
+
+// A budget the user gave is kept; the CPU's default is 512 rows.
+TEST(ModelRunnerFactoryTest, DefaultTokenBudgetOnCpu) {
+  RunnerOptions o;
+  o.device = "cpu";
+  auto r = CreateModelRunner(Load(), o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(DefaultMaxNumBatchedTokens(**r, 0), 512);
+  EXPECT_EQ(DefaultMaxNumBatchedTokens(**r, 96), 96);
+}
+
+// On a GPU: the default follows the device, and a larger budget leaves a
+// smaller pool (its workspace is reserved for more rows).
+TEST(ModelRunnerFactoryTest, CudaTokenBudgetSizesTheWorkspaceReserve) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device";
+  absl::StatusOr<CudaMemory> mem = QueryCudaMemory();
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  RunnerOptions o;
+  o.device = "cuda";
+  o.kv_pool_from_device = true;
+  o.gpu_memory_utilization = 0.5;
+  o.warm_up = false;
+  int64_t blocks[2];
+  for (int i = 0; i < 2; ++i) {
+    o.max_num_batched_tokens = i == 0 ? 256 : 16384;
+    auto r = CreateModelRunner(Load(), o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    blocks[i] = (*r)->kv_cache().num_blocks();
+    if (i == 0) {
+      EXPECT_EQ(DefaultMaxNumBatchedTokens(**r, 0),
+                CudaDefaultMaxNumBatchedTokens(mem->total_bytes,
+                                               CudaDeviceDescription()));
+    }
+  }
+  EXPECT_GT(blocks[0], blocks[1]);
+}
+
 TEST(ModelRunnerFactoryTest, AutoPicksCudaOnlyWithAGpu) {
   RunnerOptions o;  // device "auto"
   auto r = CreateModelRunner(Load(), o);

@@ -16,7 +16,8 @@ ABSL_FLAG(std::string, host, "0.0.0.0",
 ABSL_FLAG(int, max_num_batched_tokens, 0,
           "rows (tokens) per batched forward: decode, verify, draft and "
           "look-ahead rows of all requests first, then prompt chunks; 0 = "
-          "2048 on CUDA, 512 on CPU");
+          "vLLM's default on CUDA (8192 on GPUs of 70 GiB or more but "
+          "A100s, 16384 from 160 GiB, else 2048), 512 on CPU");
 ABSL_FLAG(int64_t, kv_budget_bytes, 0,
           "bytes of the paged KV cache pool shared by all requests; when "
           "blocks run out the newest requests are preempted and recomputed "

@@ -5,7 +5,8 @@
 //   --model DIR                 HF checkpoint directory (required)
 //   --model_id ID               Info.model_id (default: the directory name)
 //   --host ADDR                 gRPC and /metrics listen address
-//   --max_num_batched_tokens N  rows per batched forward (0 = by backend)
+//   --max_num_batched_tokens N  rows per batched forward (0 = by backend
+//                               and device)
 //   --kv_budget_bytes N         the paged KV cache pool
 //   --shutdown_grace_s S        seconds running requests get on SIGTERM
 // plus the engine flags (runner_flags.h) and the TLS flags

@@ -24,7 +24,8 @@ struct ModelServiceOptions {
   std::shared_ptr<grpc::ServerCredentials> credentials;
   /// Rows (tokens) per batched forward of the model's scheduler: the
   /// decode-like rows of all requests first, then prompt chunks; 0 = by
-  /// backend (DefaultMaxNumBatchedTokens: 2048 on CUDA, 512 on CPU).
+  /// backend and device (DefaultMaxNumBatchedTokens: vLLM's default on
+  /// CUDA, 8192 on an H100 or H200; 512 on CPU).
   int max_num_batched_tokens = 0;
   /// Bytes of the model's paged KV cache pool, shared by all requests:
   /// requests take blocks as they grow and are preempted (recomputed

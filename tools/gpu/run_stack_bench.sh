@@ -30,7 +30,7 @@
 # runs when python3 imports torch with a CUDA device), SERVICE_ARGS (more
 # flags for both model services, e.g. --nocuda_graphs to time eager steps),
 # SPECULATOR_ARGS / TARGET_ARGS (more flags for one of them, e.g.
-# --max_num_batched_tokens 8192),
+# --max_num_batched_tokens 2048),
 # LOGS (folder for the services' logs and prompts; default a fresh temp
 # folder), CHECKS (1, the default: tools/gpu/stack_checks.sh's lossless
 # greedy checks of every drafting method after the decode table; 0 skips).
