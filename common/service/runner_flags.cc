@@ -27,14 +27,16 @@ ABSL_FLAG(double, gpu_memory_utilization, 0.9,
           "rest; used when --kv_budget_bytes is 0 (the default). Two "
           "services on one GPU need fractions that sum to < 1");
 ABSL_FLAG(bool, cuda_graphs, true,
-          "CUDA: replay decode / verify steps (greedy or sampled) of up to "
-          "128 rows from CUDA graphs captured per batch-size bucket (1, 2, "
-          "4, 8, then multiples of 8); --nocuda_graphs runs every step "
-          "eagerly (to debug)");
+          "CUDA: replay decode / verify steps (greedy or sampled; "
+          "Speculative Prefill's look-ahead steps too) of up to 128 rows "
+          "from CUDA graphs captured per batch-size bucket (1, 2, 4, 8, "
+          "then multiples of 8); --nocuda_graphs runs every step eagerly "
+          "(to debug)");
 ABSL_FLAG(bool, warm_up, true,
-          "CUDA: at start-up, before listening, run one 2048-row prefill "
-          "chunk and capture every CUDA graph bucket (vLLM's start-up "
-          "capture), so the first requests do not pay for them");
+          "CUDA: at start-up, before listening, run one prefill chunk of "
+          "--max_num_batched_tokens rows and capture every CUDA graph "
+          "bucket (vLLM's start-up capture), so the first requests do not "
+          "pay for them");
 ABSL_FLAG(std::string, prefill_attention, "auto",
           "CUDA attention of long prefill chunks: auto (with --warm_up, the "
           "fastest of flash, mma and cudnn whose logits agree with flash's, "
