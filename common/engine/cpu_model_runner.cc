@@ -712,7 +712,30 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
     }
   }
 
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
+  // The last layer computes only the rows whose output is read: from each
+  // sequence's first logit row on (a prefill chunk: its last row). Every
+  // row's K / V is stored and every capture row taken before attention, so
+  // the cache and the captures do not change. A tree sequence on the GEMM
+  // path keeps all its rows (its mask is indexed from its first row).
+  const int L = c.num_hidden_layers;
+  std::vector<int> live_from(S, 0), live0(S + 1, 0);
+  for (int i = 0; i < S; ++i) {
+    const int n = row0[i + 1] - row0[i];
+    if (logit_rows[i].empty()) {
+      live_from[i] = n;
+    } else if (masks[i].empty() || n <= max_direct) {
+      live_from[i] =
+          *std::min_element(logit_rows[i].begin(), logit_rows[i].end());
+    }
+    live0[i + 1] = live0[i] + n - live_from[i];
+  }
+  const int NL = live0[S];
+  const bool prune = NL < N;
+
+  for (int l = 0; l < L; ++l) {
+    // The last layer, when it prunes: sequence i computes its rows
+    // [live_from[i], n) from attention on.
+    const bool last_pruned = prune && l == L - 1;
     const LayerWeights& w = weights_->layers[l];
     kernels::RmsNorm(x.data(), hidden, w.attn_norm.data(), c.rms_norm_eps, N,
                      hidden, h.data(), hidden);
@@ -765,13 +788,16 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
           WriteRow(row + (H + KV) * D, slot, vc);
         }
       }
-      if (n > max_direct) {
+      const int skip = last_pruned ? live_from[i] : 0;
+      if (n > max_direct && skip < n) {
         // Prefill chunks: GEMMs (OpenBLAS's threads) over dense K/V.
         const float *K, *V;
         DenseKv(l, *e.kv, first[i] + n, &scratch.k_dense, &scratch.v_dense,
                 &K, &V);
-        Attention(n, first[i], &qkv[row0[i] * static_cast<size_t>(qkv_dim)],
-                  qkv_dim, K, V, masks[i], &attn[row0[i] * qrow], &scratch);
+        Attention(n - skip, first[i] + skip,
+                  &qkv[(row0[i] + skip) * static_cast<size_t>(qkv_dim)],
+                  qkv_dim, K, V, masks[i], &attn[(row0[i] + skip) * qrow],
+                  &scratch);
       }
     }
     // Decode and verify rows: straight from the blocks, the work items
@@ -787,8 +813,10 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
         for (int d = b; d < e; ++d) {
           const AttentionItem& item = items[d];
           const int i = item.sequence;
-          const int r = item.row_begin;
+          const int r = last_pruned ? std::max(item.row_begin, live_from[i])
+                                    : item.row_begin;
           const int n = item.row_end - r;
+          if (n <= 0) continue;
           const int f = first[i] + r;
           const float* qi =
               &qkv[(row0[i] + r) * static_cast<size_t>(qkv_dim)];
@@ -828,16 +856,36 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
                                           attend);
       }
     }
-    PackedLinear(pw.wo, attn.data(), N, x.data(), 1.f, kMaxGemvRows, &input);
-    if (!w.bo.empty()) {
-      kernels::AddBias(x.data(), hidden, N, hidden, w.bo.data());
+    // o_proj and the MLP over the rows this layer computes: all of them,
+    // or the last layer's live rows moved to the front of x and attn (a
+    // row only moves down, so in place).
+    int rows = N;
+    if (last_pruned) {
+      for (int i = 0; i < S; ++i) {
+        const int n = row0[i + 1] - row0[i];
+        for (int t = live_from[i]; t < n; ++t) {
+          const size_t from = row0[i] + t;
+          const size_t to = live0[i] + t - live_from[i];
+          if (from == to) continue;
+          std::memmove(&x[to * hidden], &x[from * hidden],
+                       hidden * sizeof(float));
+          std::memmove(&attn[to * qrow], &attn[from * qrow],
+                       qrow * sizeof(float));
+        }
+      }
+      rows = NL;
     }
-    kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps, N,
-                     hidden, h.data(), hidden);
-    PackedLinear(pw.w_gate_up, h.data(), N, gu.data(), 0.f, kMaxGemvRows,
+    PackedLinear(pw.wo, attn.data(), rows, x.data(), 1.f, kMaxGemvRows,
                  &input);
-    kernels::SiluMul(gu.data(), N, ffn, act.data());
-    PackedLinear(pw.w_down, act.data(), N, x.data(), 1.f, kMaxGemvRows,
+    if (!w.bo.empty()) {
+      kernels::AddBias(x.data(), hidden, rows, hidden, w.bo.data());
+    }
+    kernels::RmsNorm(x.data(), hidden, w.mlp_norm.data(), c.rms_norm_eps,
+                     rows, hidden, h.data(), hidden);
+    PackedLinear(pw.w_gate_up, h.data(), rows, gu.data(), 0.f, kMaxGemvRows,
+                 &input);
+    kernels::SiluMul(gu.data(), rows, ffn, act.data());
+    PackedLinear(pw.w_down, act.data(), rows, x.data(), 1.f, kMaxGemvRows,
                  &input);
   }
   for (int i = 0; i < S; ++i) {
@@ -855,7 +903,9 @@ absl::Status CpuModelRunner::Forward(absl::Span<const SequenceForward> batch,
   int j = 0;
   for (int i = 0; i < S; ++i) {
     for (int r : logit_rows[i]) {
-      kernels::RmsNorm(&x[(row0[i] + r) * static_cast<size_t>(hidden)], hidden,
+      // x holds the last layer's rows: the live ones, compacted, if pruned.
+      const size_t row = prune ? live0[i] + r - live_from[i] : row0[i] + r;
+      kernels::RmsNorm(&x[row * static_cast<size_t>(hidden)], hidden,
                        weights_->final_norm.data(), c.rms_norm_eps, 1, hidden,
                        &hr[j++ * static_cast<size_t>(hidden)], hidden);
     }

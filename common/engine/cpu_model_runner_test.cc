@@ -1238,6 +1238,124 @@ TEST(CpuModelRunnerTest, AttentionSplitAcrossThreadsEqualsOneThread) {
   }
 }
 
+// The last layer computes only the rows whose logits are read (from each
+// sequence's first logit row on): those rows' logits equal the ones of the
+// same step asking for every row (which prunes nothing), and so does the
+// next step, which reads every row's K / V of that last layer. Small-head
+// models attend directly from the blocks (f32 KV), the others and bf16 KV
+// through the GEMM path for chunks; a tree verify on the GEMM path keeps
+// all its rows.
+TEST(CpuModelRunnerTest, LastLayerComputesOnlyTheRowsRead) {
+  struct Case {
+    const char* model;
+    KvCacheDType dtype;
+  };
+  for (const Case& c : {Case{"stories260K", KvCacheDType::kF32},
+                        Case{"stories260K", KvCacheDType::kBF16},
+                        Case{"tinystories-656K", KvCacheDType::kF32},
+                        Case{"synthetic:llama3-tiny", KvCacheDType::kF32}}) {
+    SCOPED_TRACE(testing::Message() << c.model << " "
+                                    << KvCacheDTypeName(c.dtype));
+    auto model = Runner(c.model, 16, 4096 / 16, c.dtype);
+    const int vocab = model->config().vocab_size;
+    std::mt19937 rng(5);
+    auto tokens = [&](int n) {
+      std::vector<int> t(n);
+      for (int& x : t) x = 1 + rng() % (vocab - 1);
+      return t;
+    };
+    auto iota = [](int n, int from) {
+      std::vector<int> p(n);
+      std::iota(p.begin(), p.end(), from);
+      return p;
+    };
+    const std::vector<int> fresh = tokens(48), context = tokens(30);
+    const std::vector<int> chunk = tokens(40), one = tokens(1);
+    const std::vector<int> tree = tokens(16), next = tokens(3);
+    std::vector<int> parents(16), tree_pos(16);
+    for (int j = 0; j < 16; ++j) {
+      parents[j] = j == 0 ? -1 : (j - 1) / 2;
+      tree_pos[j] = j == 0 ? 30 : tree_pos[parents[j]] + 1;
+    }
+    // Each sequence's requested rows after one step, then the next
+    // step's logits: with `all_rows` every row is a logit row and the
+    // requested ones are picked out.
+    auto run = [&](bool all_rows) {
+      auto a = Seq(*model, 256), b = Seq(*model, 256), d = Seq(*model, 256),
+           t = Seq(*model, 256);
+      ForwardInput in;
+      ForwardOutput o;
+      const std::vector<int> cp = iota(30, 0), zero = {0};
+      in.token_ids = context;
+      in.position_ids = cp;
+      EXPECT_TRUE(model->Forward(in, b.get(), &o).ok());
+      EXPECT_TRUE(model->Forward(in, t.get(), &o).ok());
+      in.token_ids = one;
+      in.position_ids = zero;
+      EXPECT_TRUE(model->Forward(in, d.get(), &o).ok());
+      const std::vector<int> fp = iota(48, 0), kp = iota(40, 30),
+                             dp = {1};
+      const std::vector<std::vector<int>> want = {
+          {47}, {39, 37}, {0}, {5, 15, 9}};
+      std::vector<SequenceForward> batch(4);
+      batch[0].kv = a.get();
+      batch[0].input.token_ids = fresh;
+      batch[0].input.position_ids = fp;
+      batch[1].kv = b.get();
+      batch[1].input.token_ids = chunk;
+      batch[1].input.position_ids = kp;
+      batch[2].kv = d.get();
+      batch[2].input.token_ids = one;
+      batch[2].input.position_ids = dp;
+      batch[3].kv = t.get();
+      batch[3].input.token_ids = tree;
+      batch[3].input.position_ids = tree_pos;
+      batch[3].input.tree_parents = parents;
+      for (int i = 0; i < 4; ++i) {
+        const int n = static_cast<int>(batch[i].input.token_ids.size());
+        batch[i].input.logit_rows = all_rows ? iota(n, 0) : want[i];
+      }
+      std::vector<ForwardOutput> outs;
+      EXPECT_TRUE(model->Forward(batch, &outs).ok());
+      std::vector<float> got;
+      for (int i = 0; i < 4 && outs.size() == 4; ++i) {
+        for (size_t k = 0; k < want[i].size(); ++k) {
+          const int at = all_rows ? want[i][k] : static_cast<int>(k);
+          const float* row = outs[i].logits.data() +
+                             static_cast<size_t>(at) * vocab;
+          got.insert(got.end(), row, row + vocab);
+        }
+      }
+      // Next: each chain sequence takes 3 more rows (the tree's span is
+      // dropped first), every row read.
+      EXPECT_TRUE(t->Truncate(30).ok());
+      std::vector<std::vector<int>> np(4);
+      for (int i = 0; i < 4; ++i) {
+        KvSequence* kv = batch[i].kv;
+        np[i] = iota(3, kv->size() + (i == 1 ? 100 : 0));  // b: a gap
+        batch[i].input = ForwardInput();
+        batch[i].input.token_ids = next;
+        batch[i].input.position_ids = np[i];
+        batch[i].input.logit_rows = iota(3, 0);
+      }
+      EXPECT_TRUE(model->Forward(batch, &outs).ok());
+      for (const ForwardOutput& out : outs) {
+        got.insert(got.end(), out.logits.begin(), out.logits.end());
+      }
+      return got;
+    };
+    const std::vector<float> pruned = run(false), full = run(true);
+    ASSERT_EQ(pruned.size(), full.size());
+    ASSERT_EQ(pruned.size(), static_cast<size_t>(7 + 12) * vocab);
+    float worst = 0.f;
+    for (size_t k = 0; k < full.size(); ++k) {
+      worst = std::max(worst,
+                       std::abs(pruned[k] - full[k]) / (1.f + std::abs(full[k])));
+    }
+    EXPECT_LT(worst, 1e-5f);
+  }
+}
+
 // A fork shares the prompt's blocks; each branch then extends differently
 // (copy-on-write of the shared partial block) and gets exactly what a
 // fresh sequence with the same tokens gets.
