@@ -286,6 +286,20 @@ std::vector<float> LastLogits(CpuModelRunner& model,
   return out.logits;
 }
 
+// n token ids in [1, vocab) from `rng`.
+std::vector<int> RandomTokens(int n, int vocab, std::mt19937* rng) {
+  std::vector<int> t(n);
+  for (int& x : t) x = 1 + (*rng)() % (vocab - 1);
+  return t;
+}
+
+// Positions from, from + 1, ..., from + n - 1.
+std::vector<int> Positions(int n, int from) {
+  std::vector<int> p(n);
+  std::iota(p.begin(), p.end(), from);
+  return p;
+}
+
 float MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
   float m = 0;
@@ -683,11 +697,7 @@ TEST(CpuModelRunnerTest, BatchedForwardEqualsPerSequenceForward) {
     CpuModelRunner& model = *model_ptr;
     const int vocab = model.config().vocab_size;
     std::mt19937 rng(7);
-    auto tokens = [&](int n) {
-      std::vector<int> t(n);
-      for (int& x : t) x = 1 + rng() % (vocab - 1);
-      return t;
-    };
+    auto tokens = [&](int n) { return RandomTokens(n, vocab, &rng); };
     // Histories: B and C already hold a prompt.
     const std::vector<int> hb = tokens(37), hc = tokens(23);
     std::vector<int> pb(hb.size()), pc(hc.size());
@@ -1158,16 +1168,8 @@ TEST(CpuModelRunnerTest, AttentionSplitAcrossThreadsEqualsOneThread) {
     auto model = Runner(c.model, c.block_size, 4096 / c.block_size, c.dtype);
     const int vocab = model->config().vocab_size;
     std::mt19937 rng(21);
-    auto tokens = [&](int n) {
-      std::vector<int> t(n);
-      for (int& x : t) x = 1 + rng() % (vocab - 1);
-      return t;
-    };
-    auto iota = [](int n, int from) {
-      std::vector<int> p(n);
-      std::iota(p.begin(), p.end(), from);
-      return p;
-    };
+    auto tokens = [&](int n) { return RandomTokens(n, vocab, &rng); };
+    const auto iota = Positions;
     const std::vector<int> prompt = tokens(300), verify = tokens(16);
     const std::vector<int> chunk = tokens(200), one = tokens(1);
     // A 16-node tree: node j's parent is (j - 1) / 2.
@@ -1259,16 +1261,8 @@ TEST(CpuModelRunnerTest, LastLayerComputesOnlyTheRowsRead) {
     auto model = Runner(c.model, 16, 4096 / 16, c.dtype);
     const int vocab = model->config().vocab_size;
     std::mt19937 rng(5);
-    auto tokens = [&](int n) {
-      std::vector<int> t(n);
-      for (int& x : t) x = 1 + rng() % (vocab - 1);
-      return t;
-    };
-    auto iota = [](int n, int from) {
-      std::vector<int> p(n);
-      std::iota(p.begin(), p.end(), from);
-      return p;
-    };
+    auto tokens = [&](int n) { return RandomTokens(n, vocab, &rng); };
+    const auto iota = Positions;
     const std::vector<int> fresh = tokens(48), context = tokens(30);
     const std::vector<int> chunk = tokens(40), one = tokens(1);
     const std::vector<int> tree = tokens(16), next = tokens(3);
