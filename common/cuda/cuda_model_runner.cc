@@ -61,7 +61,6 @@ std::vector<std::string> ForwardPhaseNames() {
           "gate_up_proj", "silu_mul", "down_proj",   "logits"};
 }
 
-
 // Carves aligned regions out of one allocation: first a dry run to size it,
 // then the same calls against the real base pointer.
 class Carver {
@@ -726,8 +725,8 @@ struct StepRegions {
   float* logits;    // fp32 [R, vocab]
   int* argmax;      // [R] (argmax_only sequences' rows)
   float* captured;  // fp32 [L, NQ, H * D] (host capture only)
-  // A graph step's query capture: where each captured row goes
-  // (CaptureQueryRows), padded with unused slots.
+  // Where each captured row goes (CaptureQueryRows); a graph step's are
+  // padded with unused slots.
   cuda_kernels::CaptureSlot* capture_slots;
   void* split_ws;   // batched attention's split partials
   int* tree_start;  // [N] tree attention span starts (trees only)
@@ -933,7 +932,7 @@ struct CudaModelRunner::StepLaunch {
   std::vector<CudnnSequence>* cudnn = nullptr;
   void* dense_k = nullptr;
   void* dense_v = nullptr;
-  // Runs after each layer's RoPE (the eager capture copies); may be empty.
+  // Runs after each layer's RoPE (the query capture); may be empty.
   std::function<absl::Status(int layer)> after_rope;
   bool argmax = false;  // reduce the logit rows to reg->argmax
   bool edits = false;   // ApplyLogitEdits over the logit rows first
@@ -1170,6 +1169,10 @@ absl::Status CudaModelRunner::Run(
     bt0[i + 1] = bt0[i] + static_cast<int>(batch[i].kv->block_table().size());
   }
   const int N = row0[S], R = lr0[S], NQ = hq0[S];
+  int capture_rows = 0;  // for the host and into captures
+  for (const SequenceForward& e : batch) {
+    capture_rows += static_cast<int>(e.input.capture_query_rows.size());
+  }
   const size_t NN = N;
 
   // Attention: FlashAttention per sequence for long prefill chunks (kAuto;
@@ -1326,6 +1329,7 @@ absl::Status CudaModelRunner::Run(
   sizes.rows = NN;
   sizes.logit_rows = R;
   sizes.captured_rows = NQ;
+  sizes.capture_slots = capture_rows;
   sizes.ints = 3 * NN + R + bt0[S] + plan_ints + (prune ? NL + R : 0);
   sizes.split_ws_bytes = cuda_kernels::BatchedAttentionWorkspaceBytes(*plan, D);
   sizes.live_rows = NL;
@@ -1453,25 +1457,23 @@ absl::Status CudaModelRunner::Run(
     }
     step.cudnn = &cudnn_seqs;
   }
-  // Post-RoPE fp32 queries of the capture rows (q heads lead each row).
-  step.after_rope = [&](int l) -> absl::Status {
-    for (int i = 0; i < S; ++i) {
-      const std::vector<int>& cap_rows = batch[i].input.capture_query_rows;
-      auto* cap = static_cast<CudaQueryCapture*>(batch[i].capture);
-      for (size_t j = 0; j < cap_rows.size(); ++j) {
-        float* dst =
-            cap != nullptr
-                ? cap->mutable_layer_queries(l) + (cap->rows() + j) * qrow
-                : reg.captured +
-                      (static_cast<size_t>(l) * NQ + hq0[i] + j) * qrow;
-        SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-            dst,
-            reg.qkv + static_cast<size_t>(row0[i] + cap_rows[j]) * qkv_dim,
-            sizeof(float) * qrow, cudaMemcpyDeviceToDevice, stream_));
-      }
-    }
-    return absl::OkStatus();
-  };
+  // Post-RoPE fp32 queries of the capture rows (q heads lead each row):
+  // one launch a layer, as in a graph. (The slots stay alive until the
+  // step's end: the copy may read them late.)
+  const std::vector<cuda_kernels::CaptureSlot> slots =
+      CaptureSlots(batch, reg.captured, NQ);
+  if (capture_rows > 0) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        reg.capture_slots, slots.data(),
+        sizeof(cuda_kernels::CaptureSlot) * slots.size(),
+        cudaMemcpyHostToDevice, stream_));
+    step.after_rope = [&](int l) -> absl::Status {
+      SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::CaptureQueryRows(
+          reg.qkv, qkv_dim, static_cast<int>(qrow), reg.capture_slots,
+          capture_rows, l, stream_));
+      return absl::OkStatus();
+    };
+  }
   // argmax_only sequences get their rows' ids, reduced on the device;
   // sampling ones each row's token and accept flag, sampled on the device;
   // the others their fp32 logits. Only what is read crosses to the host.
@@ -1644,6 +1646,32 @@ absl::Status CudaModelRunner::AllocateGraphLayout() {
   return absl::OkStatus();
 }
 
+std::vector<cuda_kernels::CaptureSlot> CudaModelRunner::CaptureSlots(
+    absl::Span<const SequenceForward> batch, float* host, int host_rows) {
+  const ModelConfig& c = config();
+  const size_t qrow = static_cast<size_t>(c.num_attention_heads) * c.head_dim;
+  std::vector<cuda_kernels::CaptureSlot> slots;
+  int row = 0, host_row = 0;
+  for (const SequenceForward& e : batch) {
+    auto* cap = static_cast<CudaQueryCapture*>(e.capture);
+    const std::vector<int>& rows = e.input.capture_query_rows;
+    for (size_t j = 0; j < rows.size(); ++j) {
+      cuda_kernels::CaptureSlot slot;
+      if (cap != nullptr) {
+        slot.dst = cap->mutable_layer_queries(0) + (cap->rows() + j) * qrow;
+        slot.layer_stride = static_cast<long long>(cap->max_rows()) * qrow;
+      } else {
+        slot.dst = host + static_cast<size_t>(host_row++) * qrow;
+        slot.layer_stride = static_cast<long long>(host_rows) * qrow;
+      }
+      slot.row = row + rows[j];
+      slots.push_back(slot);
+    }
+    row += static_cast<int>(e.input.token_ids.size());
+  }
+  return slots;
+}
+
 absl::StatusOr<bool> CudaModelRunner::RunGraphed(
     absl::Span<const SequenceForward> batch,
     const std::vector<std::vector<int>>& logit_rows,
@@ -1729,23 +1757,9 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
         cuda_step::PackRowSampling(batch, lr0, kMaxGraphRows), gl.reg,
         stream_));
   }
-  // Query capture (GraphEligible: device captures, no sampled rows): each
-  // captured row's slot says which step row goes where in its capture.
-  const size_t qrow = static_cast<size_t>(H) * c.head_dim;
-  std::vector<cuda_kernels::CaptureSlot> slots;
-  for (int i = 0, row = 0; i < S; ++i) {
-    const ForwardInput& fin = batch[i].input;
-    auto* qc = static_cast<CudaQueryCapture*>(batch[i].capture);
-    for (size_t j = 0; qc != nullptr && j < fin.capture_query_rows.size();
-         ++j) {
-      cuda_kernels::CaptureSlot slot;
-      slot.dst = qc->mutable_layer_queries(0) + (qc->rows() + j) * qrow;
-      slot.layer_stride = static_cast<long long>(qc->max_rows()) * qrow;
-      slot.row = row + fin.capture_query_rows[j];
-      slots.push_back(slot);
-    }
-    row += static_cast<int>(fin.token_ids.size());
-  }
+  // Query capture (GraphEligible: device captures only, no sampled rows).
+  std::vector<cuda_kernels::CaptureSlot> slots =
+      CaptureSlots(batch, /*host=*/nullptr, 0);
   const bool captures = !slots.empty();
   if (captures) {
     slots.resize(kGraphMaxCaptureRows);  // unused slots: row -1
@@ -1775,8 +1789,8 @@ absl::StatusOr<bool> CudaModelRunner::RunGraphed(
       // step's copies (a launch a layer, whatever the rows).
       step.after_rope = [&](int l) -> absl::Status {
         SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::CaptureQueryRows(
-            gl.reg.qkv, c.qkv_dim(), static_cast<int>(qrow),
-            gl.reg.capture_slots, kGraphMaxCaptureRows, l, stream_));
+            gl.reg.qkv, c.qkv_dim(), H * c.head_dim, gl.reg.capture_slots,
+            kGraphMaxCaptureRows, l, stream_));
         return absl::OkStatus();
       };
     }

@@ -265,6 +265,12 @@ class CudaModelRunner : public ModelRunner {
   struct StepLaunch;
   struct GraphLayout;
   absl::Status CopyBlock(int src, int dst);
+  // Where each captured row of a step goes (CaptureQueryRows), in batch
+  // order: into its sequence's CudaQueryCapture after the rows it holds,
+  // or, for a sequence without one, into `host` (fp32 [L, host_rows, H *
+  // D]: the step's rows captured for the host, in batch order).
+  std::vector<cuda_kernels::CaptureSlot> CaptureSlots(
+      absl::Span<const SequenceForward> batch, float* host, int host_rows);
   absl::Status Run(absl::Span<const SequenceForward> batch,
                    const std::vector<std::vector<int>>& logit_rows,
                    const std::vector<int>& first,

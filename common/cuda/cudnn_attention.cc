@@ -761,20 +761,12 @@ bool CudnnPlanPolicy::ShouldPlan(const CudnnSdpaShape& shape,
                                  int num_layers) {
   if (CudnnPlanPaysOff(shape, num_layers)) return true;
   const CudnnSdpaShape key = PaddedCudnnSdpaShape(shape);
-  auto it = flops_.find(key);
-  const double total = (it == flops_.end() ? 0.0 : it->second) +
-                       CudnnSdpaFlops(shape, num_layers);
-  if (total >= kCudnnPlanPaysOffFlops) {
-    if (it != flops_.end()) flops_.erase(it);
-    return true;
-  }
-  if (it != flops_.end()) {
-    it->second = total;
-    return false;
-  }
-  if (flops_.size() >= kMaxShapes) flops_.clear();
-  flops_[key] = total;
-  return false;
+  if (flops_.size() >= kMaxShapes && !flops_.contains(key)) flops_.clear();
+  double& total = flops_[key];
+  total += CudnnSdpaFlops(shape, num_layers);
+  if (total < kCudnnPlanPaysOffFlops) return false;
+  flops_.erase(key);
+  return true;
 }
 
 CudnnSdpaShape PaddedCudnnSdpaShape(const CudnnSdpaShape& shape) {

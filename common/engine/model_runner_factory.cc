@@ -59,6 +59,16 @@ KvCacheOptions CpuPool(const RunnerOptions& options,
   return kv;
 }
 
+// `requested` if > 0, else vLLM's default for the current device
+// (CudaDefaultMaxNumBatchedTokens; 2048 when its memory cannot be read).
+int CudaMaxNumBatchedTokens(int requested) {
+  if (requested > 0) return requested;
+  const absl::StatusOr<CudaMemory> memory = QueryCudaMemory();
+  if (!memory.ok()) return 2048;
+  return CudaDefaultMaxNumBatchedTokens(memory->total_bytes,
+                                        CudaDeviceDescription());
+}
+
 // Puts a model on the device as `dtype`: CudaWeights::Upload or Load.
 using CudaWeightsSource =
     std::function<absl::StatusOr<std::shared_ptr<const CudaWeights>>(
@@ -73,15 +83,14 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
   if (!dt.ok()) return dt.status();
   KvCacheOptions kv = options.kv_cache;
   std::string source = PoolSource(kv);
-  absl::StatusOr<CudaMemory> before = QueryCudaMemory();
-  if (!before.ok()) return before.status();
-  // The service's forward budget (its scheduler resolves the same default
-  // through DefaultMaxNumBatchedTokens).
-  const int max_rows =
-      options.max_num_batched_tokens > 0
-          ? options.max_num_batched_tokens
-          : CudaDefaultMaxNumBatchedTokens(before->total_bytes,
-                                           CudaDeviceDescription());
+  absl::StatusOr<CudaMemory> before;
+  if (options.kv_pool_from_device) {
+    before = QueryCudaMemory();
+    if (!before.ok()) return before.status();
+  }
+  // The service's forward budget, as its scheduler resolves it
+  // (DefaultMaxNumBatchedTokens).
+  const int max_rows = CudaMaxNumBatchedTokens(options.max_num_batched_tokens);
   absl::StatusOr<std::shared_ptr<const CudaWeights>> gw = source_weights(*dt);
   if (!gw.ok()) return gw.status();
   if (options.kv_pool_from_device) {
@@ -209,12 +218,8 @@ int CudaDefaultMaxNumBatchedTokens(size_t total_bytes,
 }
 
 int DefaultMaxNumBatchedTokens(const ModelRunner& runner, int requested) {
-  if (requested > 0) return requested;
-  if (runner.backend() != "cuda") return 512;
-  const absl::StatusOr<CudaMemory> memory = QueryCudaMemory();
-  if (!memory.ok()) return 2048;
-  return CudaDefaultMaxNumBatchedTokens(memory->total_bytes,
-                                        CudaDeviceDescription());
+  if (runner.backend() != "cuda") return requested > 0 ? requested : 512;
+  return CudaMaxNumBatchedTokens(requested);
 }
 
 namespace {
