@@ -1491,6 +1491,7 @@ TEST_F(CudaTest, ImportanceMatchesCpuAccumulator) {
   mean_last2.num_layers_used = 2;
   ScoringOptions no_pool;
   no_pool.pool_kernel_size = 1;
+  int case_index = 0;
   for (const Case c : {Case{1000, 9, 8, 2, 64, 3, dflt},
                        Case{2500, 5, 32, 8, 128, 2, dflt},
                        Case{300, 3, 6, 2, 8, 3, mean_last2},
@@ -1506,8 +1507,22 @@ TEST_F(CudaTest, ImportanceMatchesCpuAccumulator) {
     absl::StatusOr<ImportanceAccumulator> cpu = ImportanceAccumulator::Create(
         c.prompt_len, c.rows, c.H, c.KV, c.D, c.layers, c.opts);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
+    // Every other case runs in the caller's scratch (as the runner's step
+    // workspace), poisoned with 3.4e38 (0x7f7f7f7f; a NaN would pass
+    // through fmaxf unseen): nothing may rely on fresh memory.
+    const bool caller_scratch = case_index++ % 2 == 1;
+    DeviceBuffer scratch;
+    if (caller_scratch) {
+      absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(
+          CudaImportance::ScratchBytes(c.prompt_len, c.rows, c.H));
+      ASSERT_TRUE(b.ok()) << b.status();
+      scratch = *std::move(b);
+      EXPECT_CUDA_OK(cudaMemset(scratch.get(), 0x7F, scratch.bytes()));
+    }
+    SCOPED_TRACE(caller_scratch ? "caller's scratch" : "owned buffers");
     absl::StatusOr<std::unique_ptr<CudaImportance>> gpu = CudaImportance::Create(
-        c.prompt_len, c.rows, c.H, c.KV, c.D, c.layers, c.opts);
+        c.prompt_len, c.rows, c.H, c.KV, c.D, c.layers, c.opts, nullptr,
+        scratch.get());
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     for (int l = 0; l < c.layers; ++l) {
       const std::vector<float> q = Normal(static_cast<size_t>(c.rows) * c.H * c.D, 1.5f);
@@ -3347,6 +3362,12 @@ TEST_P(ModelTest, DeviceScoringMatchesCpuScoring) {
   ASSERT_TRUE(gpu_scores.ok()) << gpu_scores.status();
   ASSERT_EQ(gpu_scores->importance.size(), static_cast<size_t>(n));
   ASSERT_EQ(gpu_scores->per_row_importance.size(), static_cast<size_t>(rows));
+  // Scored again in the runner's step workspace, which the first scoring
+  // left dirty: the same scores, bit for bit.
+  absl::StatusOr<ImportanceResult> again =
+      e.gpu->ScoreImportance(*gkv, n, **gcap, opts, 1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->importance, gpu_scores->importance);
 
   // (1) The device reduction on the device's own queries and keys equals
   // the CPU reduction of the same numbers (fp32 math): 1e-5, same chunks.

@@ -1,16 +1,22 @@
 #include "common/cuda/cuda_importance.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda/cuda_status.h"
 
 namespace specserve {
+namespace {
+
+size_t AlignUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaImportance>> CudaImportance::Create(
     int prompt_len, int num_rows, int num_heads, int num_kv_heads,
     int head_dim, int num_layers, const ScoringOptions& opts,
-    cudaStream_t stream) {
+    cudaStream_t stream, void* scratch) {
   // The CPU accumulator's shape checks, plus the kernels'
   // head_dim limit.
   auto bad = [](const char* what, int v) {
@@ -39,22 +45,32 @@ absl::StatusOr<std::unique_ptr<CudaImportance>> CudaImportance::Create(
   imp->opts_ = opts;
   imp->stream_ = stream;
   imp->added_.assign(num_layers, false);
+  if (scratch == nullptr) {
+    absl::StatusOr<DeviceBuffer> owned = DeviceBuffer::Allocate(
+        ScratchBytes(prompt_len, num_rows, num_heads));
+    if (!owned.ok()) return owned.status();
+    imp->owned_ = *std::move(owned);
+    scratch = imp->owned_.get();
+  }
   const size_t plane = static_cast<size_t>(num_rows) * prompt_len;
-  absl::StatusOr<DeviceBuffer> logits =
-      DeviceBuffer::Allocate(sizeof(float) * plane * num_heads);
-  if (!logits.ok()) return logits.status();
-  absl::StatusOr<DeviceBuffer> running =
-      DeviceBuffer::Allocate(sizeof(float) * plane);
-  if (!running.ok()) return running.status();
-  absl::StatusOr<DeviceBuffer> result =
-      DeviceBuffer::Allocate(sizeof(float) * prompt_len);
-  if (!result.ok()) return result.status();
-  imp->logits_ = *std::move(logits);
-  imp->running_ = *std::move(running);
-  imp->result_ = *std::move(result);
+  char* at = static_cast<char*>(scratch);
+  imp->logits_ = reinterpret_cast<float*>(at);
+  at += AlignUp256(sizeof(float) * plane * num_heads);
+  imp->running_ = reinterpret_cast<float*>(at);
+  at += AlignUp256(sizeof(float) * plane);
+  imp->result_ = reinterpret_cast<float*>(at);
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      imp->running_.get(), 0, sizeof(float) * plane, stream));
+      imp->running_, 0, sizeof(float) * plane, stream));
   return imp;
+}
+
+size_t CudaImportance::ScratchBytes(int prompt_len, int num_rows,
+                                    int num_heads) {
+  const size_t plane = static_cast<size_t>(std::max(num_rows, 0)) *
+                       static_cast<size_t>(std::max(prompt_len, 0));
+  return AlignUp256(sizeof(float) * plane * std::max(num_heads, 0)) +
+         AlignUp256(sizeof(float) * plane) +
+         AlignUp256(sizeof(float) * std::max(prompt_len, 0));
 }
 
 bool CudaImportance::UsesLayer(int layer) const {
@@ -86,15 +102,15 @@ absl::Status CudaImportance::AddLayer(int layer, const float* queries,
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportanceLogits(
       queries, keys, key_dtype, key_row_stride, prompt_len_, num_rows_,
-      num_heads_, num_kv_heads_, head_dim_, scale, logits_.as<float>(),
+      num_heads_, num_kv_heads_, head_dim_, scale, logits_,
       stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportanceSoftmax(
-      logits_.as<float>(), num_heads_ * num_rows_, prompt_len_, stream_));
+      logits_, num_heads_ * num_rows_, prompt_len_, stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportancePoolFold(
-      logits_.as<float>(), num_rows_, num_heads_, prompt_len_,
+      logits_, num_rows_, num_heads_, prompt_len_,
       opts_.pool_kernel_size,
       opts_.head_layer_aggregation == ScoringOptions::Aggregation::kMax,
-      running_.as<float>(), stream_));
+      running_, stream_));
   added_[layer] = true;
   ++layers_added_;
   return absl::OkStatus();
@@ -111,11 +127,11 @@ float CudaImportance::FinalScale() const {
 
 absl::StatusOr<std::vector<float>> CudaImportance::Importance() const {
   SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ImportanceMeanRows(
-      running_.as<float>(), num_rows_, prompt_len_, FinalScale(),
-      result_.as<float>(), stream_));
+      running_, num_rows_, prompt_len_, FinalScale(),
+      result_, stream_));
   std::vector<float> host(prompt_len_);
   SPECSERVE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host.data(), result_.get(), sizeof(float) * prompt_len_,
+      cudaMemcpyAsync(host.data(), result_, sizeof(float) * prompt_len_,
                       cudaMemcpyDeviceToHost, stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return host;
@@ -126,7 +142,7 @@ CudaImportance::PerRowImportance() const {
   const size_t plane = static_cast<size_t>(num_rows_) * prompt_len_;
   std::vector<float> flat(plane);
   SPECSERVE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(flat.data(), running_.get(), sizeof(float) * plane,
+      cudaMemcpyAsync(flat.data(), running_, sizeof(float) * plane,
                       cudaMemcpyDeviceToHost, stream_));
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   const float scale = FinalScale();

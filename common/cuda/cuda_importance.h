@@ -33,12 +33,23 @@ class CudaImportance {
   /// Shapes as ImportanceAccumulator: `prompt_len` keys, `num_rows` scoring
   /// rows, `num_heads` query heads over `num_kv_heads` kv heads
   /// (num_heads % num_kv_heads == 0), `head_dim` <= 256, `num_layers`.
+  /// `scratch`: null, and the buffers are allocated (and freed) with the
+  /// object; or device memory of at least ScratchBytes(prompt_len,
+  /// num_rows, num_heads) bytes, 256-byte aligned, that the caller keeps
+  /// until the object is gone and uses for nothing else meanwhile (a
+  /// runner's step workspace: no cudaMalloc / cudaFree per prompt, and
+  /// cudaFree waits for the whole device).
   /// Errors: INVALID_ARGUMENT naming the argument or ScoringOptions field;
   /// RESOURCE_EXHAUSTED / INTERNAL from cudaMalloc.
   static absl::StatusOr<std::unique_ptr<CudaImportance>> Create(
       int prompt_len, int num_rows, int num_heads, int num_kv_heads,
       int head_dim, int num_layers, const ScoringOptions& opts,
-      cudaStream_t stream = nullptr);
+      cudaStream_t stream = nullptr, void* scratch = nullptr);
+
+  /// Bytes of device memory the buffers take: logits fp32 [heads, rows,
+  /// prompt_len], running fp32 [rows, prompt_len] and the result fp32
+  /// [prompt_len], each from a 256-byte boundary.
+  static size_t ScratchBytes(int prompt_len, int num_rows, int num_heads);
 
   /// Whether layer `layer` contributes (ScoringOptions::num_layers_used).
   bool UsesLayer(int layer) const;
@@ -82,9 +93,10 @@ class CudaImportance {
   cudaStream_t stream_ = nullptr;
   int layers_added_ = 0;
   std::vector<bool> added_;
-  DeviceBuffer logits_;   // fp32 [heads, rows, prompt_len]
-  DeviceBuffer running_;  // fp32 [rows, prompt_len]
-  DeviceBuffer result_;   // fp32 [prompt_len]
+  DeviceBuffer owned_;  // the buffers below, unless the caller's scratch
+  float* logits_ = nullptr;   // fp32 [heads, rows, prompt_len]
+  float* running_ = nullptr;  // fp32 [rows, prompt_len]
+  float* result_ = nullptr;   // fp32 [prompt_len]
 };
 
 }  // namespace specserve

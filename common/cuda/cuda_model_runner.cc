@@ -1910,18 +1910,26 @@ absl::StatusOr<ImportanceResult> CudaModelRunner::ScoreImportance(
   }
   const ModelConfig& c = config();
   const CudaDType dt = weights_->dtype();
+  absl::MutexLock lock(&mu_);
+  // Everything the scoring needs lives in the step workspace, free between
+  // forwards (the stream orders it after the last step and before the
+  // next): the block table, the prompt's keys of one layer gathered from
+  // the sequence's blocks, and CudaImportance's buffers. No cudaMalloc /
+  // cudaFree per prompt (cudaFree waits for the whole device).
+  const size_t table_bytes = sizeof(int) * kv.block_table().size();
+  const size_t dense_bytes =
+      static_cast<size_t>(prompt_len) * row_width_ * CudaDTypeBytes(dt);
+  SPECSERVE_RETURN_IF_ERROR(workspace_.Reserve(
+      AlignUp(table_bytes) + AlignUp(dense_bytes) +
+      CudaImportance::ScratchBytes(prompt_len, cap->rows(),
+                                   c.num_attention_heads)));
+  int* d_table = workspace_.as<int>();
+  void* dense = workspace_.as<char>() + AlignUp(table_bytes);
   absl::StatusOr<std::unique_ptr<CudaImportance>> imp = CudaImportance::Create(
       prompt_len, cap->rows(), c.num_attention_heads, c.num_key_value_heads,
-      c.head_dim, c.num_hidden_layers, options, stream_);
+      c.head_dim, c.num_hidden_layers, options, stream_,
+      workspace_.as<char>() + AlignUp(table_bytes) + AlignUp(dense_bytes));
   if (!imp.ok()) return imp.status();
-  // The prompt's keys of one layer, gathered from the sequence's blocks.
-  const size_t table_bytes = sizeof(int) * kv.block_table().size();
-  absl::StatusOr<DeviceBuffer> tmp = DeviceBuffer::Allocate(
-      AlignUp(table_bytes) +
-      static_cast<size_t>(prompt_len) * row_width_ * CudaDTypeBytes(dt));
-  if (!tmp.ok()) return tmp.status();
-  int* d_table = tmp->as<int>();
-  void* dense = tmp->as<char>() + AlignUp(table_bytes);
   SPECSERVE_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(d_table, kv.block_table().data(), table_bytes,
                       cudaMemcpyHostToDevice, stream_));
