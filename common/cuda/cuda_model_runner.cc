@@ -1020,6 +1020,8 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
     rope.v_cache = values(l);
     rope.slots = s.slots;
     rope.dtype = dt;
+    // Only a capture reads the rotated fp32 heads back from reg.qkv.
+    rope.rotate_in_place = static_cast<bool>(s.after_rope);
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::RopeQkvStore(rope, stream_));
     if (s.after_rope) SPECSERVE_RETURN_IF_ERROR(s.after_rope(l));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseRopeKvStore));
