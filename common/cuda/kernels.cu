@@ -232,9 +232,9 @@ __global__ void HeadRmsNormKernel(float* __restrict__ qkv, int num_heads,
 // Block (r, y) covers row r's columns from y * blockDim.x * kVec on, in
 // strides of gridDim.y * blockDim.x * kVec; each thread takes kVec
 // consecutive columns, one 16-byte load of gate, one of up and one store
-// when kVec * sizeof(T) == 16. The row is the block's, so no per-element
-// index division (this was 40-60% of the grid-stride kernel's
-// instructions at an 8B model's 14,336 columns), and any row count fits
+// when kVec * sizeof(T) == 16. The row is the block's, so there is no
+// per-element index division (the grid-stride kernel it replaces divided
+// a 64-bit index by ffn for every element), and any row count fits
 // gridDim.x.
 template <typename T, int kVec>
 __global__ void SiluMulKernel(const T* __restrict__ gu, int ffn,
