@@ -1493,6 +1493,28 @@ void ExpectSameSelection(const std::vector<float>& got,
   }
 }
 
+// Host arithmetic: a dry run sizes what the same calls then carve.
+TEST(DeviceCarverTest, DryRunSizesTheRegionsTheRealRunCarves) {
+  EXPECT_EQ(AlignDeviceBytes(0), 0u);
+  EXPECT_EQ(AlignDeviceBytes(1), 256u);
+  EXPECT_EQ(AlignDeviceBytes(256), 256u);
+  EXPECT_EQ(AlignDeviceBytes(257), 512u);
+  DeviceCarver dry(nullptr);
+  EXPECT_EQ(dry.Take(10), nullptr);
+  EXPECT_EQ(dry.Take(0), nullptr);
+  EXPECT_EQ(dry.Take(300), nullptr);
+  EXPECT_EQ(dry.size(), 256u + 512u);
+  alignas(256) static char base[1024];
+  DeviceCarver real(base);
+  EXPECT_EQ(real.Take(10), base);
+  EXPECT_EQ(real.Take(0), base + 256);  // an empty region takes no room
+  EXPECT_EQ(real.Take(300), base + 256);
+  EXPECT_EQ(real.size(), dry.size());
+  EXPECT_EQ(CudaImportance::ScratchBytes(1000, 9, 32),
+            AlignDeviceBytes(4u * 9 * 1000 * 32) + AlignDeviceBytes(4u * 9 * 1000) +
+                AlignDeviceBytes(4u * 1000));
+}
+
 TEST_F(CudaTest, ImportanceMatchesCpuAccumulator) {
   struct Case {
     int prompt_len, rows, H, KV, D, layers;

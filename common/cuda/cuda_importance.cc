@@ -9,7 +9,21 @@
 namespace specserve {
 namespace {
 
-size_t AlignUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+// CudaImportance's buffers from `base` (null: a dry run that only sizes
+// them); returns the bytes they take.
+size_t CarveImportance(char* base, int prompt_len, int num_rows,
+                       int num_heads, float** logits, float** running,
+                       float** result) {
+  const size_t plane = static_cast<size_t>(std::max(num_rows, 0)) *
+                       static_cast<size_t>(std::max(prompt_len, 0));
+  DeviceCarver cv(base);
+  *logits = static_cast<float*>(
+      cv.Take(sizeof(float) * plane * std::max(num_heads, 0)));
+  *running = static_cast<float*>(cv.Take(sizeof(float) * plane));
+  *result = static_cast<float*>(
+      cv.Take(sizeof(float) * std::max(prompt_len, 0)));
+  return cv.size();
+}
 
 }  // namespace
 
@@ -52,13 +66,9 @@ absl::StatusOr<std::unique_ptr<CudaImportance>> CudaImportance::Create(
     imp->owned_ = *std::move(owned);
     scratch = imp->owned_.get();
   }
+  CarveImportance(static_cast<char*>(scratch), prompt_len, num_rows,
+                  num_heads, &imp->logits_, &imp->running_, &imp->result_);
   const size_t plane = static_cast<size_t>(num_rows) * prompt_len;
-  char* at = static_cast<char*>(scratch);
-  imp->logits_ = reinterpret_cast<float*>(at);
-  at += AlignUp256(sizeof(float) * plane * num_heads);
-  imp->running_ = reinterpret_cast<float*>(at);
-  at += AlignUp256(sizeof(float) * plane);
-  imp->result_ = reinterpret_cast<float*>(at);
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
       imp->running_, 0, sizeof(float) * plane, stream));
   return imp;
@@ -66,11 +76,9 @@ absl::StatusOr<std::unique_ptr<CudaImportance>> CudaImportance::Create(
 
 size_t CudaImportance::ScratchBytes(int prompt_len, int num_rows,
                                     int num_heads) {
-  const size_t plane = static_cast<size_t>(std::max(num_rows, 0)) *
-                       static_cast<size_t>(std::max(prompt_len, 0));
-  return AlignUp256(sizeof(float) * plane * std::max(num_heads, 0)) +
-         AlignUp256(sizeof(float) * plane) +
-         AlignUp256(sizeof(float) * std::max(prompt_len, 0));
+  float *logits, *running, *result;
+  return CarveImportance(nullptr, prompt_len, num_rows, num_heads, &logits,
+                         &running, &result);
 }
 
 bool CudaImportance::UsesLayer(int layer) const {

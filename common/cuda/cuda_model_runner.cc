@@ -31,13 +31,6 @@ int SpreadToken(int i, int vocab) {
   return static_cast<int>((int64_t{i} * 7919 + 13) % vocab);
 }
 
-// Sub-buffers of the workspace start on 256-byte boundaries (cudaMalloc's
-// alignment): the attention kernels use 16-byte vector loads and WMMA needs
-// 32-byte aligned tiles.
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-
 // The phases of a forward PhaseTimer times (EnqueueForward), in a layer's
 // order.
 enum ForwardPhase {
@@ -60,23 +53,6 @@ std::vector<std::string> ForwardPhaseNames() {
           "kv_gather",  "attention", "row_gather",   "o_proj",
           "gate_up_proj", "silu_mul", "down_proj",   "logits"};
 }
-
-// Carves aligned regions out of one allocation: first a dry run to size it,
-// then the same calls against the real base pointer.
-class Carver {
- public:
-  explicit Carver(char* base) : base_(base) {}
-  void* Take(size_t bytes) {
-    void* p = base_ == nullptr ? nullptr : base_ + offset_;
-    offset_ = AlignUp(offset_ + bytes);
-    return p;
-  }
-  size_t size() const { return offset_; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
 
 }  // namespace
 
@@ -774,7 +750,7 @@ size_t CarveStep(char* base, const ModelConfig& c, size_t tb,
   const size_t NN = z.rows, R = z.logit_rows, hidden = c.hidden_size;
   const size_t qrow = static_cast<size_t>(c.num_attention_heads) * c.head_dim;
   const size_t ffn = c.intermediate_size;
-  Carver cv(base);
+  DeviceCarver cv(base);
   reg->ints = static_cast<int*>(cv.Take(sizeof(int) * z.ints));
   reg->x = static_cast<float*>(cv.Take(sizeof(float) * NN * hidden));
   reg->x_live =
@@ -1446,7 +1422,7 @@ absl::Status CudaModelRunner::Run(
   std::vector<StepLaunch::CudnnSequence> cudnn_seqs;
   if (cudnn_kv_bytes > 0) {
     // Two dense planes, K then V, 256-byte aligned.
-    const size_t plane = (cudnn_kv_bytes + 255) / 256 * 256;
+    const size_t plane = AlignDeviceBytes(cudnn_kv_bytes);
     SPECSERVE_RETURN_IF_ERROR(cudnn_kv_.Reserve(2 * plane));
     step.dense_k = cudnn_kv_.get();
     step.dense_v = cudnn_kv_.as<char>() + plane;
@@ -1919,18 +1895,24 @@ absl::StatusOr<ImportanceResult> CudaModelRunner::ScoreImportance(
   // the sequence's blocks, and CudaImportance's buffers. No cudaMalloc /
   // cudaFree per prompt (cudaFree waits for the whole device).
   const size_t table_bytes = sizeof(int) * kv.block_table().size();
-  const size_t dense_bytes =
-      static_cast<size_t>(prompt_len) * row_width_ * CudaDTypeBytes(dt);
-  SPECSERVE_RETURN_IF_ERROR(workspace_.Reserve(
-      AlignUp(table_bytes) + AlignUp(dense_bytes) +
-      CudaImportance::ScratchBytes(prompt_len, cap->rows(),
-                                   c.num_attention_heads)));
-  int* d_table = workspace_.as<int>();
-  void* dense = workspace_.as<char>() + AlignUp(table_bytes);
+  const auto carve = [&](char* base, int** table, void** dense,
+                         void** scratch) {
+    DeviceCarver cv(base);
+    *table = static_cast<int*>(cv.Take(table_bytes));
+    *dense = cv.Take(static_cast<size_t>(prompt_len) * row_width_ *
+                     CudaDTypeBytes(dt));
+    *scratch = cv.Take(CudaImportance::ScratchBytes(prompt_len, cap->rows(),
+                                                    c.num_attention_heads));
+    return cv.size();
+  };
+  int* d_table = nullptr;
+  void *dense = nullptr, *scratch = nullptr;
+  SPECSERVE_RETURN_IF_ERROR(
+      workspace_.Reserve(carve(nullptr, &d_table, &dense, &scratch)));
+  carve(workspace_.as<char>(), &d_table, &dense, &scratch);
   absl::StatusOr<std::unique_ptr<CudaImportance>> imp = CudaImportance::Create(
       prompt_len, cap->rows(), c.num_attention_heads, c.num_key_value_heads,
-      c.head_dim, c.num_hidden_layers, options, stream_,
-      workspace_.as<char>() + AlignUp(table_bytes) + AlignUp(dense_bytes));
+      c.head_dim, c.num_hidden_layers, options, stream_, scratch);
   if (!imp.ok()) return imp.status();
   SPECSERVE_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(d_table, kv.block_table().data(), table_bytes,
