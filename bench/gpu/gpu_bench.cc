@@ -9,7 +9,8 @@
 //    accumulation) and the device-to-device copy bandwidth (bytes read +
 //    written, 4 GiB unless --copy_bytes);
 //  * GEMM MFU: the target's per-layer projections through cuBLAS at M =
-//    prompt length, as a fraction of that peak;
+//    prompt length on random activations, as a fraction of that peak, with
+//    the output type and beta the forward uses and with a 16-bit output;
 //  * the services' start-up choice of prefill attention for each model
 //    (TunePrefillAttention, --prefill_attention=auto), logged as
 //    "<model> start-up tuning: ..." and in the JSON;
@@ -175,27 +176,50 @@ class Json {
 
 // --- ceilings -------------------------------------------------------------
 
-// cuBLAS bf16 GEMM (fp32 accumulation, bf16 output) TFLOP/s: best of 5
-// after 2 warm-ups, m = n = k = `size`.
+// Fills `elems` values of `dt` at `dst` with standard normals: one block of
+// at most 16M values drawn on the host (seed `seed`), repeated. Tensor
+// cores draw less power, and so hold higher clocks, on constant or zero
+// operands: a GEMM timed on them overstates what the model's GEMMs get.
+void FillNormal(void* dst, CudaDType dt, size_t elems, uint32_t seed) {
+  const size_t block = std::min<size_t>(elems, size_t{1} << 24);
+  const size_t esize = CudaDTypeBytes(dt);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> host(block);
+  for (float& x : host) x = nd(rng);
+  absl::StatusOr<DeviceBuffer> f = DeviceBuffer::Allocate(block * 4);
+  Die(f.status(), "alloc");
+  Die(CudaStatus(cudaMemcpy(f->get(), host.data(), block * 4,
+                            cudaMemcpyHostToDevice),
+                 "fill"),
+      "fill");
+  Die(CudaStatus(cuda_kernels::ConvertFromF32(f->as<float>(), dst, dt, block,
+                                              nullptr),
+                 "fill"),
+      "fill");
+  char* out = static_cast<char*>(dst);
+  for (size_t at = block; at < elems; at += block) {
+    Die(CudaStatus(cudaMemcpy(out + at * esize, out,
+                              std::min(block, elems - at) * esize,
+                              cudaMemcpyDeviceToDevice),
+                   "fill"),
+        "fill");
+  }
+  Die(CudaStatus(cudaDeviceSynchronize(), "fill"), "fill");
+}
+
+// cuBLAS bf16 GEMM (fp32 accumulation, bf16 output) TFLOP/s on random
+// operands: best of 5 after 2 warm-ups, m = n = k = `size`.
 double CublasPeakTflops(cublasHandle_t h, CudaDType dt, int size) {
   const size_t elems = static_cast<size_t>(size) * size;
   absl::StatusOr<DeviceBuffer> a = DeviceBuffer::Allocate(elems * 2);
   absl::StatusOr<DeviceBuffer> b = DeviceBuffer::Allocate(elems * 2);
   absl::StatusOr<DeviceBuffer> c = DeviceBuffer::Allocate(elems * 2);
-  absl::StatusOr<DeviceBuffer> f = DeviceBuffer::Allocate(elems * 4);
   Die(a.status(), "alloc");
   Die(b.status(), "alloc");
   Die(c.status(), "alloc");
-  Die(f.status(), "alloc");
-  // Random operands (zeros run faster on tensor cores).
-  std::mt19937 rng(1);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> host(elems);
-  for (float& x : host) x = nd(rng);
-  cudaMemcpy(f->get(), host.data(), elems * 4, cudaMemcpyHostToDevice);
-  cuda_kernels::ConvertFromF32(f->as<float>(), a->get(), dt, elems, nullptr);
-  cuda_kernels::ConvertFromF32(f->as<float>(), b->get(), dt, elems, nullptr);
-  cudaDeviceSynchronize();
+  FillNormal(a->get(), dt, elems, 1);
+  FillNormal(b->get(), dt, elems, 2);
   double best = 1e30;
   for (int r = 0; r < 7; ++r) {
     const double t0 = Now();
@@ -598,7 +622,9 @@ int Main(int argc, char** argv) {
   top.Num("speculator_weight_gb", spec.weights->bytes() / 1e9);
 
   // GEMM MFU of the target's projections at M = prompt length, using layer
-  // 0's weights and random bf16 activations.
+  // 0's weights and random activations, each timed as the forward calls it
+  // (EnqueueForward: fp32 output for qkv, fp32 with beta = 1, the residual
+  // add, for o and down) and with a 16-bit output as the peak is timed.
   std::string gemm_json = "[";
   {
     const ModelConfig& c = target.config;
@@ -607,45 +633,62 @@ int Main(int argc, char** argv) {
       const char* name;
       const void* w;
       int out, in;
+      CudaDType forward_out;
+      float forward_beta;
     };
     const Shape shapes[] = {
-        {"qkv", w.wqkv, c.qkv_dim(), c.hidden_size},
-        {"o", w.wo, c.hidden_size, c.num_attention_heads * c.head_dim},
-        {"gate_up", w.w_gate_up, 2 * c.intermediate_size, c.hidden_size},
-        {"down", w.w_down, c.hidden_size, c.intermediate_size}};
-    std::printf("\nGEMM MFU (target projections, %% of the %.0f TFLOP/s "
-                "cuBLAS peak):\n  M      qkv    o      gate_up down\n",
-                peak);
+        {"qkv", w.wqkv, c.qkv_dim(), c.hidden_size, CudaDType::kF32, 0.0f},
+        {"o", w.wo, c.hidden_size, c.num_attention_heads * c.head_dim,
+         CudaDType::kF32, 1.0f},
+        {"gate_up", w.w_gate_up, 2 * c.intermediate_size, c.hidden_size, dt,
+         0.0f},
+        {"down", w.w_down, c.hidden_size, c.intermediate_size,
+         CudaDType::kF32, 1.0f}};
+    std::printf("\nGEMM MFU (target projections on random activations, %% of "
+                "the %.0f TFLOP/s cuBLAS peak; as the forward runs them / "
+                "with a %s output):\n  M      qkv           o             "
+                "gate_up       down\n",
+                peak, CudaDTypeName(dt));
     for (int M : lens) {
       size_t max_in = 0, max_out = 0;  // q/k/v/o need not be hidden wide
       for (const Shape& s : shapes) {
         max_in = std::max<size_t>(max_in, s.in);
         max_out = std::max<size_t>(max_out, s.out);
       }
+      const size_t x_elems = static_cast<size_t>(M) * max_in;
+      const size_t y_elems = static_cast<size_t>(M) * max_out;
       absl::StatusOr<DeviceBuffer> x =
-          DeviceBuffer::Allocate(static_cast<size_t>(2) * M * max_in);
+          DeviceBuffer::Allocate(CudaDTypeBytes(dt) * x_elems);
       absl::StatusOr<DeviceBuffer> y =
-          DeviceBuffer::Allocate(static_cast<size_t>(2) * M * max_out);
+          DeviceBuffer::Allocate(sizeof(float) * y_elems);
       Die(x.status(), "alloc");
       Die(y.status(), "alloc");
-      cudaMemset(x->get(), 0x3c, static_cast<size_t>(2) * M * max_in);  // ~0.01 in bf16
+      FillNormal(x->get(), dt, x_elems, 3);
+      FillNormal(y->get(), CudaDType::kF32, y_elems, 4);  // beta = 1 reads it
       std::printf("  %-6d", M);
       for (const Shape& s : shapes) {
-        double best = 1e30;
-        for (int r = 0; r < 4; ++r) {
-          const double t0 = Now();
-          Die(CublasLinear(handle, dt, x->get(), M, s.in, s.w, s.out, y->get(),
-                           dt, 0.0f),
-              "gemm");
-          cudaDeviceSynchronize();
-          if (r >= 1) best = std::min(best, Now() - t0);
-        }
-        const double tflops = 2.0 * M * double(s.out) * s.in / best / 1e12;
-        std::printf(" %5.1f%%", 100.0 * tflops / peak);
+        const auto tflops = [&](CudaDType out_dt, float beta) {
+          double best = 1e30;
+          for (int r = 0; r < 4; ++r) {
+            const double t0 = Now();
+            Die(CublasLinear(handle, dt, x->get(), M, s.in, s.w, s.out,
+                             y->get(), out_dt, beta),
+                "gemm");
+            cudaDeviceSynchronize();
+            if (r >= 1) best = std::min(best, Now() - t0);
+          }
+          return 2.0 * M * double(s.out) * s.in / best / 1e12;
+        };
+        const double forward = tflops(s.forward_out, s.forward_beta);
+        const double narrow = tflops(dt, 0.0f);
+        std::printf(" %5.1f/%5.1f%%", 100.0 * forward / peak,
+                    100.0 * narrow / peak);
         if (gemm_json.size() > 1) gemm_json += ", ";
         gemm_json += absl::StrFormat(
-            "{\"m\": %d, \"gemm\": \"%s\", \"tflops\": %.2f, \"mfu\": %.4f}",
-            M, s.name, tflops, tflops / peak);
+            "{\"m\": %d, \"gemm\": \"%s\", \"out\": \"%s\", \"beta\": %.0f, "
+            "\"tflops\": %.5g, \"mfu\": %.4f, \"tflops_%s_out\": %.5g}",
+            M, s.name, CudaDTypeName(s.forward_out), s.forward_beta, forward,
+            forward / peak, CudaDTypeName(dt), narrow);
       }
       std::printf("\n");
     }

@@ -38,6 +38,13 @@ for role in ("target", "speculator"):
     assert "flash" in line and "mma" in line and "cudnn not run" in line, line
 assert {(g["m"], g["gemm"]) for g in j["gemm"]} == {
     (m, g) for m in (96, 200) for g in ("qkv", "o", "gate_up", "down")}
+# Each projection timed as the forward runs it (fp32 out for qkv, the
+# residual add for o and down) and with a bf16 output.
+forward = {"qkv": ("f32", 0), "o": ("f32", 1), "gate_up": ("bf16", 0),
+           "down": ("f32", 1)}
+for g in j["gemm"]:
+    assert (g["out"], g["beta"]) == forward[g["gemm"]], g
+    assert g["tflops"] > 0 and g["tflops_bf16_out"] > 0, g
 # The batched decode stage: each B, graphs and eager, B=1 as the base.
 bd = j["batched_decode"]
 assert [d["batch"] for d in bd] == [1, 3], bd
