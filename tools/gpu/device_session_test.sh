@@ -89,6 +89,10 @@ grep -q "^target full prefill at 200: " "$S"
 grep -q "^speculator prefill at 200: .* in 2048-row chunks" "$S"
 grep -q "^target kept prefill at 200, keep 0.10 " "$S"
 grep -q "^phases of the target's full prefill at 200 (1 forwards," "$S"
+# The ceilings and the projections' GEMM MFU (forward / 16-bit output).
+grep -q "^cuBLAS bf16 GEMM 64^3: " "$S"
+grep -Eq "^  200 +( +[0-9.]+/ *[0-9.]+%){4}$" "$S" ||
+  { echo "no GEMM MFU row for 200 in the summary" >&2; exit 1; }
 grep -Eq "^200 +[0-9.]+ +[0-9.]+ +0\.10 " "$S" ||
   { echo "no engine table row for 200 in the summary" >&2; exit 1; }
 grep -q "^target start-up tuning: prefill attention: " "$S"
