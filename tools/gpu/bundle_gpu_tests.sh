@@ -8,7 +8,8 @@
 #     cudnn_attention_test,
 #     kv_pool_sizing_test, step_inputs_test,
 #     prefill_tuning_test,
-#     sampling_kernels_test,                 (gtest)
+#     sampling_kernels_test,
+#     skinny_linear_test,                    (gtest)
 #     model_runner_factory_test              (common/engine: the CUDA
 #                                            runner through the factory,
 #                                            pool sizing and warm-up)
@@ -46,7 +47,7 @@ TESTS=(common/cuda/attention_plan_test common/cuda/cuda_backend_test
        common/cuda/cudnn_attention_test
        common/cuda/device_test common/cuda/flash_mma_test
        common/cuda/kv_pool_sizing_test common/cuda/prefill_tuning_test
-       common/cuda/sampling_kernels_test
+       common/cuda/sampling_kernels_test common/cuda/skinny_linear_test
        common/cuda/step_inputs_test
        common/engine/model_runner_factory_test)
 PROGRAMS=(bench/gpu/gpu_bench tools/make_synthetic_checkpoint)
@@ -56,7 +57,7 @@ if [ -z "${BINARIES_FROM:-}" ]; then
     //common/cuda:device_test \
     //common/cuda:flash_mma_test //common/cuda:kv_pool_sizing_test \
     //common/cuda:prefill_tuning_test \
-    //common/cuda:sampling_kernels_test \
+    //common/cuda:sampling_kernels_test //common/cuda:skinny_linear_test \
     //common/cuda:step_inputs_test //common/engine:model_runner_factory_test \
     //bench/gpu:gpu_bench //tools:make_synthetic_checkpoint
 fi
