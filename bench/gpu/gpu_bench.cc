@@ -13,7 +13,10 @@
 //    the output type and beta the forward uses and with a 16-bit output;
 //  * the services' start-up choice of prefill attention for each model
 //    (TunePrefillAttention, --prefill_attention=auto), logged as
-//    "<model> start-up tuning: ..." and in the JSON;
+//    "<model> start-up tuning: ..." and in the JSON; and of the few-row
+//    projections' kernel (TuneSkinnyLinear, --decode_gemm=auto: cuBLAS or
+//    SkinnyLinear, per projection and row count), logged as "<model>
+//    decode GEMM tuning: ..." with both kernels' times at one row;
 //  * per prompt length (4K..32K): target prefill of the full prompt with
 //    each prefill attention path (WMMA, mma.sync, cuDNN where libcudnn
 //    loads), then, with the path the services' start-up rule keeps
@@ -111,6 +114,10 @@ ABSL_FLAG(bool, phase_times, true,
 ABSL_FLAG(std::string, dtype, "bf16", "weights / KV dtype: bf16 | fp16");
 ABSL_FLAG(std::string, json_out, "", "write the results as JSON here");
 ABSL_FLAG(uint64_t, seed, 0, "prompt token seed");
+ABSL_FLAG(std::string, decode_gemm, "auto",
+          "projections of steps of at most 8 rows, as the services' flag: "
+          "auto (timed per projection and row count, TuneSkinnyLinear), "
+          "cublas or skinny");
 ABSL_FLAG(int, peak_gemm_size, 8192,
           "m = n = k of the cuBLAS GEMM that measures the peak");
 ABSL_FLAG(int64_t, copy_bytes, int64_t{4} << 30,
@@ -558,6 +565,12 @@ int Main(int argc, char** argv) {
   const std::vector<int> batches =
       ParseInts(absl::GetFlag(FLAGS_decode_batches));
   const int decode_context = absl::GetFlag(FLAGS_decode_context);
+  if (const std::string g = absl::GetFlag(FLAGS_decode_gemm);
+      g != "auto" && g != "cublas" && g != "skinny") {
+    std::fprintf(stderr, "error: --decode_gemm must be auto, cublas or "
+                         "skinny, got \"%s\"\n", g.c_str());
+    return 2;
+  }
   for (int b : batches) {
     if (b < 1 || decode_context < 1) {
       std::fprintf(stderr, "error: --decode_batches entries and "
@@ -718,6 +731,24 @@ int Main(int argc, char** argv) {
     std::printf("%s start-up tuning: %s\n", role, line.c_str());
     top.Str(absl::StrCat(role, "_prefill_tuning"), line);
     m->engine->set_attention_path(CudaModelRunner::AttentionPath::kAuto);
+  }
+  // The few-row projections as the services choose them (--decode_gemm):
+  // every decode, verify and look-ahead figure below runs on that choice.
+  const std::string decode_gemm = absl::GetFlag(FLAGS_decode_gemm);
+  for (Model* m : {&target, &spec}) {
+    const char* role = m == &target ? "target" : "speculator";
+    std::string line = "decode GEMMs: cuBLAS (--decode_gemm=cublas)";
+    if (decode_gemm == "skinny") {
+      m->engine->set_skinny_linear(true);
+      line = "decode GEMMs: skinny wherever it takes the shape "
+             "(--decode_gemm=skinny)";
+    } else if (decode_gemm == "auto") {
+      absl::StatusOr<std::vector<SkinnyLinearTrial>> t =
+          m->engine->TuneSkinnyLinear();
+      line = t.ok() ? DescribeSkinnyTuning(*t) : t.status().ToString();
+    }
+    std::printf("%s decode GEMM tuning: %s\n", role, line.c_str());
+    top.Str(absl::StrCat(role, "_decode_gemm_tuning"), line);
   }
 
   // Batched decode of the target (issue 23's concurrent streams at the

@@ -15,7 +15,7 @@ done
   --target "$TMP/llama-3.1-8b-tiny" --prompt_lens 96,200 --keep 0.1,0.3 \
   --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1,3 --reps 1 \
   --decode_batches 1,3 --decode_context 24 --service_chunk 64 \
-  --alt_service_chunk 128 \
+  --alt_service_chunk 128 --decode_gemm cublas \
   --peak_gemm_size 64 --copy_bytes 1048576 --json_out "$TMP/gpu_bench.json" |
   tee "$TMP/gpu_bench.log"
 # The chunked scoring prefill at both chunk sizes, per length.
@@ -31,8 +31,12 @@ for key in ("device", "dtype", "command", "cublas_peak_tflops",
             "copy_bandwidth_gbps", "gemm", "rows"):
     assert key in j, key
 assert j["dtype"] == "bf16", j["dtype"]
-# The start-up tuning ran on both models (cuDNN does not run emulated).
+# The start-up tunings ran on both models (cuDNN does not run emulated).
 for role in ("target", "speculator"):
+    # cuBLAS: the tuning (80 trials) and SkinnyLinear in every step cost
+    # a minute emulated; cuda_backend_emu_test checks both.
+    line = j[role + "_decode_gemm_tuning"]
+    assert line == "decode GEMMs: cuBLAS (--decode_gemm=cublas)", line
     line = j[role + "_prefill_tuning"]
     assert line.startswith("prefill attention: "), line
     assert "flash" in line and "mma" in line and "cudnn not run" in line, line

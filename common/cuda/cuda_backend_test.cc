@@ -53,6 +53,7 @@
 #include "common/cuda/linear.h"
 #include "common/cuda/phase_timer.h"
 #include "common/cuda/prefill_tuning.h"
+#include "common/cuda/skinny_linear.h"
 #include "common/decoding/logprobs.h"
 #include "common/decoding/row_sampling.h"
 #include "common/engine/cpu_model_runner.h"
@@ -2786,6 +2787,200 @@ TEST_F(CudaTest, TunePrefillAttentionKeepsAnAgreeingKernel) {
     ASSERT_OK(e.cpu->Forward(in, ckv.get(), &cpu_out));
     ASSERT_OK(e.gpu->Forward(in, gkv.get(), &gpu_out));
     ExpectLogitsMatch(cpu_out, gpu_out, vocab, kBatchTolBf16);
+  }
+}
+
+// LinearDispatch's choice per (projection, rows) and the tuning's log
+// line, without a device.
+TEST(CudaHostTest, LinearDispatchAndSkinnyTuningLine) {
+  LinearDispatch d;
+  EXPECT_FALSE(d.skinny(Projection::kQkv, 1));
+  d.set_skinny(Projection::kO, 3, true);
+  EXPECT_TRUE(d.skinny(Projection::kO, 3));
+  EXPECT_FALSE(d.skinny(Projection::kO, 2));
+  EXPECT_FALSE(d.skinny(Projection::kQkv, 3));
+  d.set_skinny(Projection::kO, 3, false);
+  EXPECT_FALSE(d.skinny(Projection::kO, 3));
+  d.set_skinny(Projection::kO, 0, true);  // out of range: ignored
+  d.set_skinny(Projection::kO, cuda_kernels::kSkinnyMaxRows + 1, true);
+  EXPECT_FALSE(d.skinny(Projection::kO, 0));
+  EXPECT_FALSE(d.skinny(Projection::kO, cuda_kernels::kSkinnyMaxRows + 1));
+  d.UseSkinnyEverywhere();
+  for (int r = 1; r <= cuda_kernels::kSkinnyMaxRows; ++r) {
+    EXPECT_TRUE(d.skinny(Projection::kLmHead, r)) << r;
+  }
+  EXPECT_EQ(d.skinny_launches(), 0);
+
+  std::vector<SkinnyLinearTrial> trials;
+  for (int rows = 1; rows <= 4; ++rows) {
+    SkinnyLinearTrial t;
+    t.projection = Projection::kGateUp;
+    t.rows = rows;
+    t.cublas_seconds = 1e-3;
+    t.skinny_seconds = 0.8e-3;
+    t.skinny = rows != 3;
+    trials.push_back(t);
+    t.projection = Projection::kLmHead;
+    t.skinny = false;
+    trials.push_back(t);
+  }
+  EXPECT_EQ(DescribeSkinnyTuning(trials),
+            "decode GEMMs: skinny for gate_up at 1-2,4; cuBLAS else (1 row, "
+            "ms a forward, cuBLAS / skinny: gate_up 1.000 / 0.800, lm_head "
+            "1.000 / 0.800)");
+  for (SkinnyLinearTrial& t : trials) t.skinny = false;
+  EXPECT_EQ(DescribeSkinnyTuning(trials).rfind(
+                "decode GEMMs: cuBLAS for every projection (", 0),
+            0u);
+}
+
+// TuneSkinnyLinear times every projection at each row count, keeps
+// SkinnyLinear only where it agrees and wins by the margin, and the runner
+// then forwards with that choice (the emulated device's times are the
+// host's: the choices are arbitrary there, the rule is not).
+TEST_F(CudaTest, TuneSkinnyLinearFollowsItsRule) {
+  const std::string dir = ::testing::TempDir() + "/tune_skinny";
+  ASSERT_OK(WriteSyntheticCheckpoint("llama-3.2-1b-tiny", dir, seed_, "BF16"));
+  Engines e = LoadEnginesFromDir(dir, CudaDType::kBF16, 1024);
+  ASSERT_NE(e.gpu, nullptr);
+  EXPECT_EQ(e.gpu->TuneSkinnyLinear(0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(e.gpu->TuneSkinnyLinear(cuda_kernels::kSkinnyMaxRows + 1)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::vector<SkinnyLinearTrial>> trials =
+      e.gpu->TuneSkinnyLinear(3);
+  ASSERT_OK(trials.status());
+  std::printf("%s\n", DescribeSkinnyTuning(*trials).c_str());
+  ASSERT_EQ(trials->size(), static_cast<size_t>(kNumProjections) * 3);
+  int chosen = 0;
+  for (const SkinnyLinearTrial& t : *trials) {
+    SCOPED_TRACE(absl::StrCat(ProjectionName(t.projection), " at ", t.rows));
+    EXPECT_GT(t.cublas_seconds, 0);
+    EXPECT_GT(t.skinny_seconds, 0);
+    // Every projection of this model is SkinnyLinear's shape, and right.
+    EXPECT_LT(t.max_rel_diff, 1e-3);
+    EXPECT_EQ(t.skinny, t.skinny_seconds <=
+                            (1 - kSkinnyMargin) * t.cublas_seconds);
+    chosen += t.skinny;
+  }
+  EXPECT_EQ(e.gpu->skinny_linear_launches(), 0);  // the tuning's are its own
+  // A decode step after a prefill: SkinnyLinear runs where it was chosen.
+  const int vocab = e.cpu->config().vocab_size, n = 20;
+  std::vector<int> ids(n);
+  for (int& id : ids) id = Uniform(0, vocab - 1);
+  std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, n + 1);
+  std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, n + 1);
+  ASSERT_NE(gkv, nullptr);
+  e.gpu->set_cuda_graphs(false);
+  ForwardOutput co, go;
+  const std::vector<int> pos = Iota(0, n);
+  ASSERT_OK(e.cpu->Forward(AllRows(ids, pos), ckv.get(), &co));
+  ASSERT_OK(e.gpu->Forward(AllRows(ids, pos), gkv.get(), &go));
+  const std::vector<int> one = {ids[0]}, at = {n};
+  ASSERT_OK(e.cpu->Forward(AllRows(one, at), ckv.get(), &co));
+  ASSERT_OK(e.gpu->Forward(AllRows(one, at), gkv.get(), &go));
+  ExpectLogitsMatch(co, go, vocab, kRowsTolBf16);
+  int one_row = 0;
+  for (const SkinnyLinearTrial& t : *trials) {
+    if (t.rows == 1 && t.skinny) {
+      one_row += t.projection == Projection::kLmHead
+                     ? 1
+                     : e.cpu->config().num_hidden_layers;
+    }
+  }
+  EXPECT_EQ(e.gpu->skinny_linear_launches(), one_row) << chosen;
+}
+
+// With every few-row projection on SkinnyLinear, decode steps, a verify
+// round, a two-sequence step and their graph replays match the CPU engine
+// as cuBLAS's do; a prefill chunk stays on cuBLAS but for its pruned last
+// layer's live row. Widths SkinnyLinear does not take (stories260K's
+// ffn of 172) fall back to cuBLAS.
+TEST_P(ModelTest, SkinnyProjectionsMatchCpu) {
+  for (CudaDType dt : {CudaDType::kBF16, CudaDType::kFP16}) {
+    SCOPED_TRACE(CudaDTypeName(dt));
+    const bool bf16 = dt == CudaDType::kBF16;
+    const double batch_tol = bf16 ? kBatchTolBf16 : kBatchTolFp16;
+    const double rows_tol = bf16 ? kRowsTolBf16 : kRowsTolFp16;
+    Engines e = LoadEngines(GetParam(), dt);
+    ASSERT_NE(e.gpu, nullptr);
+    const ModelConfig& c = e.cpu->config();
+    const int vocab = c.vocab_size;
+    e.gpu->set_skinny_linear(true);
+    for (bool graphs : {false, true}) {
+      SCOPED_TRACE(graphs ? "graphs" : "eager");
+      e.gpu->set_cuda_graphs(graphs);
+      const int64_t replays0 = e.gpu->graph_replays();
+      const int n = 60;
+      std::unique_ptr<KvSequence> ckv[2], gkv[2];
+      for (int s = 0; s < 2; ++s) {
+        ckv[s] = NewSeq(*e.cpu, n + 16);
+        gkv[s] = NewSeq(*e.gpu, n + 16);
+        ASSERT_NE(gkv[s], nullptr);
+      }
+      // Prefills asking for the last row only (the pruned last layer).
+      std::vector<int> next(2);
+      for (int s = 0; s < 2; ++s) {
+        std::vector<int> ids(n);
+        for (int& id : ids) id = Uniform(0, vocab - 1);
+        ForwardInput in;
+        in.token_ids = ids;
+        const std::vector<int> pos = Iota(0, n);
+        in.position_ids = pos;
+        ForwardOutput co, go;
+        ASSERT_OK(e.cpu->Forward(in, ckv[s].get(), &co));
+        const int64_t before = e.gpu->skinny_linear_launches();
+        ASSERT_OK(e.gpu->Forward(in, gkv[s].get(), &go));
+        EXPECT_GT(e.gpu->skinny_linear_launches(), before);
+        ExpectLogitsMatch(co, go, vocab, batch_tol);
+        next[s] = Argmax(co.logits.data(), vocab);
+      }
+      // Decode steps of both sequences together (2 rows), then of one.
+      ForwardOutput cpu_rows, gpu_rows;
+      for (int step = 0; step < 4; ++step) {
+        const int p = n + step, seqs = step < 2 ? 2 : 1;
+        std::vector<SequenceForward> cb(seqs), gb(seqs);
+        for (int s = 0; s < seqs; ++s) {
+          for (auto* b : {&cb, &gb}) {
+            (*b)[s].input.token_ids = absl::MakeConstSpan(&next[s], 1);
+            (*b)[s].input.position_ids = absl::MakeConstSpan(&p, 1);
+            (*b)[s].input.logit_rows = {0};
+          }
+          cb[s].kv = ckv[s].get();
+          gb[s].kv = gkv[s].get();
+        }
+        std::vector<ForwardOutput> co, go;
+        ASSERT_OK(e.cpu->Forward(cb, &co));
+        ASSERT_OK(e.gpu->Forward(gb, &go));
+        for (int s = 0; s < seqs; ++s) {
+          AppendRows(co[s], &cpu_rows);
+          AppendRows(go[s], &gpu_rows);
+          next[s] = Argmax(co[s].logits.data(), vocab);
+        }
+      }
+      // A verify round of 5 rows on the first sequence.
+      std::vector<int> draft(5);
+      for (int& t : draft) t = Uniform(0, vocab - 1);
+      const std::vector<int> dpos = Iota(n + 4, 5);
+      const ForwardInput v = AllRows(draft, dpos);
+      ForwardOutput cv, gv;
+      ASSERT_OK(e.cpu->Forward(v, ckv[0].get(), &cv));
+      ASSERT_OK(e.gpu->Forward(v, gkv[0].get(), &gv));
+      AppendRows(cv, &cpu_rows);
+      AppendRows(gv, &gpu_rows);
+      ExpectLogitsMatch(cpu_rows, gpu_rows, vocab, rows_tol);
+      if (graphs) EXPECT_GT(e.gpu->graph_replays(), replays0);
+    }
+    // Back on cuBLAS: no SkinnyLinear launch.
+    e.gpu->set_skinny_linear(false);
+    e.gpu->set_cuda_graphs(false);
+    std::unique_ptr<KvSequence> kv = NewSeq(*e.gpu, 4);
+    const std::vector<int> one = {1}, zero = {0};
+    ForwardOutput o;
+    ASSERT_OK(e.gpu->Forward(AllRows(one, zero), kv.get(), &o));
+    EXPECT_EQ(e.gpu->skinny_linear_launches(), 0);
   }
 }
 

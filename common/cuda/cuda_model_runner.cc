@@ -399,6 +399,41 @@ bool CudaModelRunner::CudnnSupports(const CudnnSdpaShape& shape) {
   return prepared.ok();
 }
 
+void CudaModelRunner::DropGraphs() {
+  cudaStreamSynchronize(stream_);  // a replay may still run
+  for (auto* execs : {&graphs_, &sampled_graphs_, &capture_graphs_}) {
+    for (cudaGraphExec_t& exec : *execs) {
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+      exec = nullptr;
+    }
+  }
+}
+
+void CudaModelRunner::set_skinny_linear(bool everywhere) {
+  absl::MutexLock lock(&mu_);
+  linear_ = LinearDispatch();
+  if (everywhere) linear_.UseSkinnyEverywhere();
+  DropGraphs();
+}
+
+absl::StatusOr<std::vector<SkinnyLinearTrial>>
+CudaModelRunner::TuneSkinnyLinear(int max_rows) {
+  absl::MutexLock lock(&mu_);
+  LinearDispatch tuned;
+  absl::StatusOr<std::vector<SkinnyLinearTrial>> trials =
+      specserve::TuneSkinnyLinear(*weights_, cublas_, stream_, max_rows,
+                                  &tuned);
+  if (!trials.ok()) return trials.status();
+  linear_ = tuned;
+  DropGraphs();
+  return trials;
+}
+
+int64_t CudaModelRunner::skinny_linear_launches() {
+  absl::MutexLock lock(&mu_);
+  return linear_.skinny_launches();
+}
+
 void CudaModelRunner::set_cuda_graphs(bool enabled) {
   absl::MutexLock lock(&mu_);
   cuda_graphs_ = enabled;
@@ -969,9 +1004,10 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
         reg.x, nullptr, N, hidden, w.attn_norm, c.rms_norm_eps, reg.xn, dt,
         stream_));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseNorm));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, N, hidden,
-                                           w.wqkv, qkv_dim, reg.qkv,
-                                           CudaDType::kF32, 0.0f));
+    SPECSERVE_RETURN_IF_ERROR(linear_.Run(Projection::kQkv, cublas_, stream_,
+                                          dt, reg.xn, N, hidden, w.wqkv,
+                                          qkv_dim, reg.qkv, CudaDType::kF32,
+                                          0.0f));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseQkvProj));
     if (w.bqkv != nullptr) {  // Qwen2
       SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::AddBias(
@@ -1069,9 +1105,9 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
       rows = last->nl;
     }
     // o_proj with beta = 1: the residual add, into the fp32 stream.
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, attn_out, rows, H * D,
-                                           w.wo, hidden, x, CudaDType::kF32,
-                                           1.0f));
+    SPECSERVE_RETURN_IF_ERROR(linear_.Run(Projection::kO, cublas_, stream_,
+                                          dt, attn_out, rows, H * D, w.wo,
+                                          hidden, x, CudaDType::kF32, 1.0f));
     if (w.bo != nullptr) {
       SPECSERVE_CUDA_RETURN_IF_ERROR(
           cuda_kernels::AddBias(x, hidden, rows, hidden, w.bo, stream_));
@@ -1081,16 +1117,17 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
         x, nullptr, rows, hidden, w.mlp_norm, c.rms_norm_eps, reg.xn, dt,
         stream_));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseNorm));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, rows, hidden,
-                                           w.w_gate_up, 2 * ffn, reg.gu, dt,
-                                           0.0f));
+    SPECSERVE_RETURN_IF_ERROR(linear_.Run(Projection::kGateUp, cublas_,
+                                          stream_, dt, reg.xn, rows, hidden,
+                                          w.w_gate_up, 2 * ffn, reg.gu, dt,
+                                          0.0f));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseGateUpProj));
     SPECSERVE_CUDA_RETURN_IF_ERROR(
         cuda_kernels::SiluMul(reg.gu, rows, ffn, reg.act, dt, stream_));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseSiluMul));
-    SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.act, rows, ffn,
-                                           w.w_down, hidden, x,
-                                           CudaDType::kF32, 1.0f));
+    SPECSERVE_RETURN_IF_ERROR(linear_.Run(Projection::kDown, cublas_, stream_,
+                                          dt, reg.act, rows, ffn, w.w_down,
+                                          hidden, x, CudaDType::kF32, 1.0f));
     SPECSERVE_RETURN_IF_ERROR(mark(kPhaseDownProj));
   }
   // Final norm and vocabulary projection for the requested rows only.
@@ -1098,9 +1135,10 @@ absl::Status CudaModelRunner::EnqueueForward(const StepLaunch& s) {
       s.last != nullptr ? reg.x_live : reg.x,
       s.last != nullptr ? s.last->logit_rows : s.logit_rows, R, hidden,
       weights_->final_norm(), c.rms_norm_eps, reg.xn, dt, stream_));
-  SPECSERVE_RETURN_IF_ERROR(CublasLinear(cublas_, dt, reg.xn, R, hidden,
-                                         weights_->lm_head(), vocab,
-                                         reg.logits, CudaDType::kF32, 0.0f));
+  SPECSERVE_RETURN_IF_ERROR(linear_.Run(Projection::kLmHead, cublas_, stream_,
+                                        dt, reg.xn, R, hidden,
+                                        weights_->lm_head(), vocab, reg.logits,
+                                        CudaDType::kF32, 0.0f));
   if (s.edits) {
     SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ApplyLogitEdits(
         reg.logits, vocab, R, reg.edit_offsets, reg.edits, stream_));

@@ -18,7 +18,9 @@
 #include "common/cuda/cudnn_attention.h"
 #include "common/cuda/device_buffer.h"
 #include "common/cuda/kernels.h"
+#include "common/cuda/linear.h"
 #include "common/cuda/phase_timer.h"
+#include "common/cuda/skinny_linear.h"
 #include "common/cuda/prefill_tuning.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
@@ -163,6 +165,24 @@ class CudaModelRunner : public ModelRunner {
   std::vector<std::pair<std::string, double>> TakePhaseTimes(
       int* forwards = nullptr);
 
+  /// The projections of steps of at most cuda_kernels::kSkinnyMaxRows rows
+  /// (decode, verify and look-ahead steps, a pruned last layer's live rows)
+  /// run on cuBLAS unless TuneSkinnyLinear chose SkinnyLinear
+  /// (skinny_linear.h) for them on this GPU. set_skinny_linear(true) puts
+  /// every one on SkinnyLinear (tests), false every one back on cuBLAS.
+  /// Both drop the captured CUDA graphs, which hold the old choice; the
+  /// next graph step of each bucket captures again.
+  void set_skinny_linear(bool everywhere);
+  /// TuneSkinnyLinear (linear.h) over this model's weights for 1..max_rows
+  /// rows, keeping its choice; every trial returned. The services run it
+  /// before WarmUp (--decode_gemm=auto). Errors as TuneSkinnyLinear (the
+  /// choice is then left as it was).
+  absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
+      int max_rows = cuda_kernels::kSkinnyMaxRows);
+  /// SkinnyLinear launches enqueued so far by eager steps and graph
+  /// captures (replays not counted; reset by the two calls above).
+  int64_t skinny_linear_launches();
+
   /// CUDA graphs (on by default; the services' --cuda_graphs): a decode or
   /// verify step of greedy (argmax_only) or device-sampled
   /// (ForwardInput::sampling) sequences with at most kMaxGraphRows rows in
@@ -287,6 +307,8 @@ class CudaModelRunner : public ModelRunner {
       const std::vector<int>& first, std::vector<ForwardOutput>* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AllocateGraphLayout() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Destroys every captured graph (after the stream is idle).
+  void DropGraphs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ForwardInput::logprobs_top_n: after the step's argmax / SampleRows
   // results reached the host, the logprobs of each such sequence's row
   // tokens from the logits still on the device (RowLogprobs), indexed by
@@ -327,6 +349,7 @@ class CudaModelRunner : public ModelRunner {
   DeviceBuffer workspace_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer cublas_workspace_;
   bool cuda_graphs_ ABSL_GUARDED_BY(mu_) = true;
+  LinearDispatch linear_ ABSL_GUARDED_BY(mu_);  // cuBLAS or SkinnyLinear
   int64_t graph_replays_ ABSL_GUARDED_BY(mu_) = 0;
   // Graph steps' fixed workspace, its layout, and one executable graph per
   // bucket (indexed by the bucket's rows).

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <mutex>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -49,6 +50,16 @@ std::string CudaDeviceDescription() {
       prop.major, prop.minor, prop.multiProcessorCount,
       prop.totalGlobalMem / 1073741824.0, driver / 1000, (driver % 1000) / 10,
       runtime / 1000, (runtime % 1000) / 10);
+}
+
+bool CudaDeviceEmulated() {
+  if (!CudaAvailable()) return false;
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return std::string(prop.name).find("emulator") != std::string::npos;
 }
 
 absl::StatusOr<CudaMemory> QueryCudaMemory() {

@@ -31,6 +31,11 @@ bool CudaAvailable();
 /// runtime 13.0"; "no CUDA device (<runtime error>)" otherwise.
 std::string CudaDeviceDescription();
 
+/// True when device 0 is common/cuda/emu's CPU emulation of a device (its
+/// name says "emulator"): timing there measures the host, so start-up
+/// choices made by timing kernels are skipped. False without a device.
+bool CudaDeviceEmulated();
+
 /// Device memory of the current device, in bytes (cudaMemGetInfo).
 struct CudaMemory {
   size_t free_bytes = 0;

@@ -2,8 +2,18 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/cuda/cuda_status.h"
+#include "common/cuda/cuda_weights.h"
+#include "common/cuda/device_buffer.h"
+#include "common/cuda/skinny_linear.h"
 
 namespace specserve {
 namespace {
@@ -43,6 +53,286 @@ absl::Status CublasLinear(cublasHandle_t handle, CudaDType dtype,
       ToCudaType(dtype), in, x, ToCudaType(dtype), in, &beta, y,
       ToCudaType(y_dtype), out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
+}
+
+const char* ProjectionName(Projection p) {
+  switch (p) {
+    case Projection::kQkv:
+      return "qkv";
+    case Projection::kO:
+      return "o";
+    case Projection::kGateUp:
+      return "gate_up";
+    case Projection::kDown:
+      return "down";
+    case Projection::kLmHead:
+      return "lm_head";
+  }
+  return "?";
+}
+
+bool LinearDispatch::skinny(Projection p, int rows) const {
+  return rows >= 1 && rows <= cuda_kernels::kSkinnyMaxRows &&
+         (masks_[static_cast<int>(p)] >> (rows - 1) & 1) != 0;
+}
+
+void LinearDispatch::set_skinny(Projection p, int rows, bool skinny) {
+  if (rows < 1 || rows > cuda_kernels::kSkinnyMaxRows) return;
+  uint16_t& m = masks_[static_cast<int>(p)];
+  const uint16_t bit = static_cast<uint16_t>(1u << (rows - 1));
+  m = skinny ? (m | bit) : (m & ~bit);
+}
+
+void LinearDispatch::UseSkinnyEverywhere() {
+  masks_.fill(static_cast<uint16_t>((1u << cuda_kernels::kSkinnyMaxRows) - 1));
+}
+
+absl::Status LinearDispatch::Run(Projection p, cublasHandle_t handle,
+                                 cudaStream_t stream, CudaDType dtype,
+                                 const void* x, int n, int in, const void* w,
+                                 int out, void* y, CudaDType y_dtype,
+                                 float beta) {
+  if (skinny(p, n)) {
+    cuda_kernels::SkinnyLinearArgs a;
+    a.x = x;
+    a.w = w;
+    a.y = y;
+    a.n = n;
+    a.in = in;
+    a.out = out;
+    a.dtype = dtype;
+    a.y_dtype = y_dtype;
+    a.beta = beta;
+    if (cuda_kernels::SkinnyLinearSupported(a)) {
+      ++skinny_launches_;
+      return CudaStatus(cuda_kernels::SkinnyLinear(a, stream), "SkinnyLinear");
+    }
+  }
+  return CublasLinear(handle, dtype, x, n, in, w, out, y, y_dtype, beta);
+}
+
+namespace {
+
+// A projection as the forward runs it (EnqueueForward).
+struct ProjectionShape {
+  Projection p;
+  int in, out;
+  CudaDType y_dtype;
+  float beta;
+};
+
+// Seconds between two events recorded around `run`.
+absl::StatusOr<double> TimeOnStream(cudaStream_t stream, cudaEvent_t start,
+                                    cudaEvent_t stop,
+                                    const std::function<absl::Status()>& run) {
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(start, stream));
+  SPECSERVE_RETURN_IF_ERROR(run());
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop, stream));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+  float ms = 0;
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+  return ms * 1e-3;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
+    const CudaWeights& weights, cublasHandle_t handle, cudaStream_t stream,
+    int max_rows, LinearDispatch* dispatch) {
+  if (max_rows < 1 || max_rows > cuda_kernels::kSkinnyMaxRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TuneSkinnyLinear: max_rows must be in [1, ",
+                     cuda_kernels::kSkinnyMaxRows, "], got ", max_rows));
+  }
+  const ModelConfig& c = weights.config();
+  const CudaDType dt = weights.dtype();
+  const int L = c.num_hidden_layers;
+  const ProjectionShape shapes[] = {
+      {Projection::kQkv, c.hidden_size, c.qkv_dim(), CudaDType::kF32, 0.0f},
+      {Projection::kO, c.num_attention_heads * c.head_dim, c.hidden_size,
+       CudaDType::kF32, 1.0f},
+      {Projection::kGateUp, c.hidden_size, 2 * c.intermediate_size, dt, 0.0f},
+      {Projection::kDown, c.intermediate_size, c.hidden_size, CudaDType::kF32,
+       1.0f},
+      {Projection::kLmHead, c.hidden_size, c.vocab_size, CudaDType::kF32,
+       0.0f}};
+  const auto weight = [&](Projection p, int l) -> const void* {
+    const CudaLayerWeights& w = weights.layer(l);
+    switch (p) {
+      case Projection::kQkv:
+        return w.wqkv;
+      case Projection::kO:
+        return w.wo;
+      case Projection::kGateUp:
+        return w.w_gate_up;
+      case Projection::kDown:
+        return w.w_down;
+      case Projection::kLmHead:
+        return weights.lm_head();
+    }
+    return nullptr;
+  };
+  size_t max_in = 0, max_out = 0;
+  for (const ProjectionShape& s : shapes) {
+    max_in = std::max<size_t>(max_in, s.in);
+    max_out = std::max<size_t>(max_out, s.out);
+  }
+  const size_t x_elems = cuda_kernels::kSkinnyMaxRows * max_in;
+  const size_t y_elems = cuda_kernels::kSkinnyMaxRows * max_out;
+  // One allocation: x (dt), its fp32 staging, y and the reference (fp32).
+  DeviceCarver plan(nullptr);
+  plan.Take(CudaDTypeBytes(dt) * x_elems);
+  plan.Take(sizeof(float) * x_elems);
+  plan.Take(sizeof(float) * y_elems);
+  plan.Take(sizeof(float) * y_elems);
+  absl::StatusOr<DeviceBuffer> scratch = DeviceBuffer::Allocate(plan.size());
+  if (!scratch.ok()) return scratch.status();
+  DeviceCarver carve(scratch->as<char>());
+  void* x = carve.Take(CudaDTypeBytes(dt) * x_elems);
+  float* x32 = static_cast<float*>(carve.Take(sizeof(float) * x_elems));
+  float* y = static_cast<float*>(carve.Take(sizeof(float) * y_elems));
+  float* ref = static_cast<float*>(carve.Take(sizeof(float) * y_elems));
+  {
+    // Activations of a normed hidden state's scale; zeros or constants
+    // would run faster than the forward's.
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> host(x_elems);
+    for (float& v : host) v = nd(rng);
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        x32, host.data(), sizeof(float) * x_elems, cudaMemcpyHostToDevice,
+        stream));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cuda_kernels::ConvertFromF32(x32, x, dt, x_elems, stream));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(y, 0, sizeof(float) * y_elems, stream));
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+  if (cudaError_t e = cudaEventCreate(&stop); e != cudaSuccess) {
+    cudaEventDestroy(start);
+    return CudaStatus(e, "cudaEventCreate");
+  }
+  LinearDispatch cublas_only, skinny_all;
+  skinny_all.UseSkinnyEverywhere();
+  std::vector<SkinnyLinearTrial> trials;
+  absl::Status status = [&]() -> absl::Status {
+    for (const ProjectionShape& s : shapes) {
+      for (int rows = 1; rows <= max_rows; ++rows) {
+        SkinnyLinearTrial t;
+        t.projection = s.p;
+        t.rows = rows;
+        cuda_kernels::SkinnyLinearArgs a;
+        a.x = x;
+        a.w = weight(s.p, 0);
+        a.y = y;
+        a.n = rows;
+        a.in = s.in;
+        a.out = s.out;
+        a.dtype = dt;
+        a.y_dtype = s.y_dtype;
+        a.beta = s.beta;
+        if (!cuda_kernels::SkinnyLinearSupported(a)) {
+          t.skinny_seconds = std::numeric_limits<double>::infinity();
+          dispatch->set_skinny(s.p, rows, false);
+          trials.push_back(t);
+          continue;
+        }
+        // Agreement on layer 0, both in fp32 without the residual.
+        const size_t count = static_cast<size_t>(rows) * s.out;
+        SPECSERVE_RETURN_IF_ERROR(cublas_only.Run(
+            s.p, handle, stream, dt, x, rows, s.in, weight(s.p, 0), s.out,
+            ref, CudaDType::kF32, 0.0f));
+        SPECSERVE_RETURN_IF_ERROR(skinny_all.Run(
+            s.p, handle, stream, dt, x, rows, s.in, weight(s.p, 0), s.out, y,
+            CudaDType::kF32, 0.0f));
+        std::vector<float> h_ref(count), h_y(count);
+        SPECSERVE_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(h_ref.data(), ref, sizeof(float) * count,
+                            cudaMemcpyDeviceToHost, stream));
+        SPECSERVE_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(h_y.data(), y, sizeof(float) * count,
+                            cudaMemcpyDeviceToHost, stream));
+        SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+        double scale = 0, diff = 0;
+        for (size_t i = 0; i < count; ++i) {
+          scale = std::max(scale, std::fabs(static_cast<double>(h_ref[i])));
+          const double d = std::fabs(static_cast<double>(h_y[i]) - h_ref[i]);
+          diff = std::isnan(d) ? std::numeric_limits<double>::infinity()
+                               : std::max(diff, d);
+        }
+        t.max_rel_diff = scale > 0 ? diff / scale : diff;
+        // Each projection through every layer, as a forward runs it.
+        const auto through_layers = [&](LinearDispatch* d) {
+          return [&, d]() -> absl::Status {
+            for (int l = 0; l < L; ++l) {
+              SPECSERVE_RETURN_IF_ERROR(
+                  d->Run(s.p, handle, stream, dt, x, rows, s.in,
+                         weight(s.p, l), s.out, y, s.y_dtype, s.beta));
+            }
+            return absl::OkStatus();
+          };
+        };
+        t.cublas_seconds = t.skinny_seconds =
+            std::numeric_limits<double>::infinity();
+        for (int round = 0; round < 2; ++round) {
+          absl::StatusOr<double> tc = TimeOnStream(
+              stream, start, stop, through_layers(&cublas_only));
+          if (!tc.ok()) return tc.status();
+          absl::StatusOr<double> ts = TimeOnStream(
+              stream, start, stop, through_layers(&skinny_all));
+          if (!ts.ok()) return ts.status();
+          t.cublas_seconds = std::min(t.cublas_seconds, *tc);
+          t.skinny_seconds = std::min(t.skinny_seconds, *ts);
+        }
+        t.skinny = t.max_rel_diff <= 1e-2 &&
+                   t.skinny_seconds <= (1 - kSkinnyMargin) * t.cublas_seconds;
+        dispatch->set_skinny(s.p, rows, t.skinny);
+        trials.push_back(t);
+      }
+    }
+    return absl::OkStatus();
+  }();
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (!status.ok()) return status;
+  return trials;
+}
+
+std::string DescribeSkinnyTuning(absl::Span<const SkinnyLinearTrial> trials) {
+  std::string chosen, one_row;
+  for (int pi = 0; pi < kNumProjections; ++pi) {
+    const Projection p = static_cast<Projection>(pi);
+    std::vector<int> rows;
+    for (const SkinnyLinearTrial& t : trials) {
+      if (t.projection != p) continue;
+      if (t.skinny) rows.push_back(t.rows);
+      if (t.rows == 1) {
+        absl::StrAppend(&one_row, one_row.empty() ? "" : ", ",
+                        ProjectionName(p),
+                        absl::StrFormat(" %.3f / %.3f", 1e3 * t.cublas_seconds,
+                                        1e3 * t.skinny_seconds));
+      }
+    }
+    if (rows.empty()) continue;
+    // Runs of consecutive rows as "a-b".
+    std::string ranges;
+    for (size_t i = 0; i < rows.size();) {
+      size_t j = i;
+      while (j + 1 < rows.size() && rows[j + 1] == rows[j] + 1) ++j;
+      absl::StrAppend(&ranges, ranges.empty() ? "" : ",", rows[i]);
+      if (j > i) absl::StrAppend(&ranges, "-", rows[j]);
+      i = j + 1;
+    }
+    absl::StrAppend(&chosen, chosen.empty() ? "" : ", ", ProjectionName(p),
+                    " at ", ranges);
+  }
+  return absl::StrCat(
+      "decode GEMMs: ",
+      chosen.empty() ? "cuBLAS for every projection"
+                     : absl::StrCat("skinny for ", chosen, "; cuBLAS else"),
+      " (1 row, ms a forward, cuBLAS / skinny: ", one_row, ")");
 }
 
 }  // namespace specserve

@@ -2,11 +2,21 @@
 #define SPECSERVE_COMMON_CUDA_LINEAR_H_
 
 #include <cublas_api.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "common/cuda/kernels.h"
 
 namespace specserve {
+
+class CudaWeights;
 
 /// A projection through cuBLAS (cublasGemmEx, fp32 accumulation
 /// CUBLAS_COMPUTE_32F, tensor cores for 16-bit operands):
@@ -21,6 +31,74 @@ namespace specserve {
 absl::Status CublasLinear(cublasHandle_t handle, CudaDType dtype,
                           const void* x, int n, int in, const void* w, int out,
                           void* y, CudaDType y_dtype, float beta);
+
+/// The projections of a Llama forward, in a layer's order, then the
+/// vocabulary projection.
+enum class Projection { kQkv, kO, kGateUp, kDown, kLmHead };
+inline constexpr int kNumProjections = 5;
+/// "qkv", "o", "gate_up", "down", "lm_head".
+const char* ProjectionName(Projection p);
+
+/// Which kernel runs each projection of a step of few rows: cuBLAS, or
+/// cuda_kernels::SkinnyLinear (skinny_linear.h) for the (projection, rows)
+/// pairs chosen, rows <= kSkinnyMaxRows. All cuBLAS until told otherwise.
+class LinearDispatch {
+ public:
+  /// Whether `p` at `rows` rows goes to SkinnyLinear.
+  bool skinny(Projection p, int rows) const;
+  void set_skinny(Projection p, int rows, bool skinny);
+  /// Every projection at every rows <= kSkinnyMaxRows (tests).
+  void UseSkinnyEverywhere();
+
+  /// y[n, out] = x[n, in] W^T + beta * y as CublasLinear (same arguments,
+  /// on the stream bound to `handle`, which must be `stream`), through
+  /// SkinnyLinear where chosen and SkinnyLinearSupported, else cuBLAS.
+  /// Errors as CublasLinear; INTERNAL for a failed SkinnyLinear launch.
+  absl::Status Run(Projection p, cublasHandle_t handle, cudaStream_t stream,
+                   CudaDType dtype, const void* x, int n, int in,
+                   const void* w, int out, void* y, CudaDType y_dtype,
+                   float beta);
+  /// SkinnyLinear launches Run has made (a graph's replays not counted).
+  int64_t skinny_launches() const { return skinny_launches_; }
+
+ private:
+  std::array<uint16_t, kNumProjections> masks_{};  // bit r - 1: rows r
+  int64_t skinny_launches_ = 0;
+};
+
+/// One (projection, rows) trial of TuneSkinnyLinear: seconds for the
+/// projection over every layer's weights (lm_head: num_layers times the
+/// one matrix), the better of two rounds each.
+struct SkinnyLinearTrial {
+  Projection projection = Projection::kQkv;
+  int rows = 0;
+  double cublas_seconds = 0;
+  double skinny_seconds = 0;
+  /// max |skinny - cuBLAS| / max |cuBLAS| over layer 0's outputs.
+  double max_rel_diff = 0;
+  bool skinny = false;  ///< the choice
+};
+
+/// Chooses, by timing on this GPU, which few-row projections SkinnyLinear
+/// runs (as TunePrefillAttention chooses the prefill kernel): for every
+/// projection and rows 1..max_rows (<= kSkinnyMaxRows), random activations
+/// through each layer's weights with the forward's output dtype and beta,
+/// cuBLAS and SkinnyLinear alternately, two rounds. SkinnyLinear is kept
+/// where it agrees with cuBLAS (max_rel_diff <= 1e-2) and takes at most
+/// (1 - kSkinnyMargin) of cuBLAS's time: the library wins near ties.
+/// Writes the choices into *dispatch (the others cuBLAS). Synchronises
+/// `stream`; allocates its scratch and frees it before returning.
+/// Errors: INVALID_ARGUMENT for max_rows outside [1, kSkinnyMaxRows];
+/// CUDA / cuBLAS errors.
+inline constexpr double kSkinnyMargin = 0.03;
+absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
+    const CudaWeights& weights, cublasHandle_t handle, cudaStream_t stream,
+    int max_rows, LinearDispatch* dispatch);
+
+/// One log line: "decode GEMMs: skinny for qkv at 1-4 rows, ...; cuBLAS
+/// for the rest (rows 1: qkv 0.41 / 0.33 ms, ...)", cuBLAS / skinny times
+/// at 1 row.
+std::string DescribeSkinnyTuning(absl::Span<const SkinnyLinearTrial> trials);
 
 }  // namespace specserve
 

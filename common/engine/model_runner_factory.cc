@@ -14,6 +14,7 @@
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device.h"
 #include "common/cuda/kv_pool_sizing.h"
+#include "common/cuda/linear.h"
 #include "common/cuda/prefill_tuning.h"
 
 namespace specserve {
@@ -122,6 +123,25 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     (*r)->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
   }
   LogPool(**r, source);
+  if (options.decode_gemm == "skinny") {
+    (*r)->set_skinny_linear(true);
+  } else if (options.warm_up && options.decode_gemm == "auto" &&
+             !CudaDeviceEmulated()) {
+    // Before WarmUp, whose graphs capture the kept kernels. A failure
+    // keeps cuBLAS: the service still starts.
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<SkinnyLinearTrial>> tuned =
+        (*r)->TuneSkinnyLinear();
+    const double s = absl::ToDoubleSeconds(absl::Now() - start);
+    if (tuned.ok()) {
+      std::fprintf(stderr, "%s in %.2f s\n",
+                   DescribeSkinnyTuning(*tuned).c_str(), s);
+    } else {
+      std::fprintf(stderr,
+                   "decode GEMMs: cuBLAS (not tuned after %.2f s: %s)\n", s,
+                   tuned.status().ToString().c_str());
+    }
+  }
   if (options.warm_up && options.prefill_attention == "auto") {
     // Before WarmUp, so its prefill loads the kept kernel. A failure keeps
     // FlashAttention: the service still starts.
@@ -174,6 +194,12 @@ absl::StatusOr<DeviceKind> ResolveDevice(
     return absl::InvalidArgumentError(absl::StrCat(
         "prefill_attention must be auto, flash, mma or cudnn, got \"",
         options.prefill_attention, "\""));
+  }
+  if (options.decode_gemm != "auto" && options.decode_gemm != "cublas" &&
+      options.decode_gemm != "skinny") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "decode_gemm must be auto, cublas or skinny, got \"",
+        options.decode_gemm, "\""));
   }
   absl::StatusOr<DeviceKind> kind =
       ParseDevice(options.device, CudaAvailable());

@@ -61,6 +61,13 @@ struct RunnerOptions {
   /// "cudnn" (cuDNN's fused SDPA, AttentionPath::kCudnn). Anything else is
   /// INVALID_ARGUMENT; ignored on CPU.
   std::string prefill_attention = "auto";
+  /// CUDA projections of steps of at most cuda_kernels::kSkinnyMaxRows rows
+  /// (decode, verify, look-ahead): "auto" (with warm_up, on a GPU, each
+  /// projection and row count on SkinnyLinear where it beats cuBLAS,
+  /// timed at creation by CudaModelRunner::TuneSkinnyLinear and logged;
+  /// else cuBLAS), "cublas" or "skinny" (every one on SkinnyLinear where it
+  /// takes the shape). Anything else is INVALID_ARGUMENT; ignored on CPU.
+  std::string decode_gemm = "auto";
   /// CUDA: CudaModelRunner::WarmUp at creation (a max_num_batched_tokens-row
   /// prefill chunk, then every graph bucket captured), so the first
   /// requests do not pay for lazy loading and captures; with

@@ -48,6 +48,14 @@ TEST(ModelRunnerFactoryTest, BadOptionsNameTheField) {
   o.prefill_attention = "flash";
   EXPECT_TRUE(CreateModelRunner(Load(), o).ok());
   o.prefill_attention = "auto";
+  o.decode_gemm = "cutlass";
+  r = CreateModelRunner(Load(), o);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("decode_gemm"), std::string::npos);
+  for (const char* gemm : {"auto", "cublas", "skinny"}) {
+    o.decode_gemm = gemm;  // CUDA only; the CPU runner ignores it
+    EXPECT_TRUE(CreateModelRunner(Load(), o).ok()) << gemm;
+  }
   o.kv_cache.pool_bytes = 1;  // less than one block
   EXPECT_EQ(CreateModelRunner(Load(), o).status().code(),
             absl::StatusCode::kInvalidArgument);

@@ -46,6 +46,12 @@ ABSL_FLAG(std::string, prefill_attention, "auto",
           "(cuDNN 9's fused SDPA, FlashAttention where libcudnn or a plan "
           "is missing)");
 
+ABSL_FLAG(std::string, decode_gemm, "auto",
+          "CUDA projections of steps of at most 8 rows (decode, verify, "
+          "look-ahead): auto (with --warm_up, per projection and row count "
+          "the faster of cuBLAS and our SkinnyLinear kernel, timed at "
+          "start-up and logged; without, cublas), cublas or skinny");
+
 namespace specserve {
 
 RunnerOptions RunnerOptionsFromFlags() {
@@ -60,6 +66,7 @@ RunnerOptions RunnerOptionsFromFlags() {
   o.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   o.warm_up = absl::GetFlag(FLAGS_warm_up);
   o.prefill_attention = absl::GetFlag(FLAGS_prefill_attention);
+  o.decode_gemm = absl::GetFlag(FLAGS_decode_gemm);
   return o;
 }
 

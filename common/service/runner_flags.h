@@ -18,6 +18,8 @@ namespace specserve {
 ///                            default on; CudaModelRunner::set_cuda_graphs)
 ///   --prefill_attention auto|mma|cudnn  (CUDA attention of long prefill
 ///                            chunks)
+///   --decode_gemm auto|cublas|skinny  (CUDA projections of steps of at
+///                            most 8 rows)
 ///   --warm_up               (CUDA: prefill chunk and graph captures at
 ///                            start-up, default on; CudaModelRunner::WarmUp)
 /// The pool size comes from each service's --kv_budget_bytes; at 0 (the

@@ -282,7 +282,7 @@ has suite && phase suite 60 300 \
     # Its lines per length (prefill paths, chunked prefills as the services
     # run them, phase times), then its main table (scoring, kept prefill,
     # TTFT per keep).
-    grep -E '^(cuBLAS .* GEMM |target .* loaded in|(target|speculator) start-up tuning:|target full prefill at|prefill attention for the rest|(mma|cudnn) at [0-9]+:|speculator prefill at|target kept prefill at|phases of )' \
+    grep -E '^(cuBLAS .* GEMM |target .* loaded in|(target|speculator) (start-up|decode GEMM) tuning:|target full prefill at|prefill attention for the rest|(mma|cudnn) at [0-9]+:|speculator prefill at|target kept prefill at|phases of )' \
       "$RESULTS/engine.log" || true
     # The projections' GEMM MFU: as the forward calls them / 16-bit output.
     sed -n '/^GEMM MFU/,/^$/p' "$RESULTS/engine.log" | sed '/^$/d'

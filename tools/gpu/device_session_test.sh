@@ -54,7 +54,7 @@ set +e
   ALLOW_NO_GPU=1 CKPT_DIR="$CKPT" ENGINE_ARGS="--prompt_lens 96,200 \
   --keep 0.1 --lookahead 4 --chunk_size 8 --decode_tokens 2 --verify_ks 1 \
   --reps 1 --peak_gemm_size 64 --copy_bytes 1048576 --decode_batches 1,2 \
-  --decode_context 16" \
+  --decode_context 16 --decode_gemm cublas" \
   DEVICE=cpu SPECULATOR=models/stories260K-draft TARGET=models/stories260K \
   STACK_LENGTHS="96 200" NEW_TOKENS=8 STREAMS="1 2" STREAM_PROMPT_TOKENS=32 \
   STREAM_NEW_TOKENS=8 ANCHOR=off BUDGET_S=500 \
@@ -96,6 +96,7 @@ grep -Eq "^  200 +( +[0-9.]+/ *[0-9.]+%){4}$" "$S" ||
 grep -Eq "^200 +[0-9.]+ +[0-9.]+ +0\.10 " "$S" ||
   { echo "no engine table row for 200 in the summary" >&2; exit 1; }
 grep -q "^target start-up tuning: prefill attention: " "$S"
+grep -q "^speculator decode GEMM tuning: decode GEMMs: " "$S"
 # The batched decode table too: its title and a line per B.
 grep -q "^batched decode of the target at 16-token context" "$S"
 for B in 1 2; do
