@@ -640,23 +640,10 @@ int Main(int argc, char** argv) {
   // add, for o and down) and with a 16-bit output as the peak is timed.
   std::string gemm_json = "[";
   {
-    const ModelConfig& c = target.config;
-    const CudaLayerWeights& w = target.weights->layer(0);
-    struct Shape {
-      const char* name;
-      const void* w;
-      int out, in;
-      CudaDType forward_out;
-      float forward_beta;
-    };
-    const Shape shapes[] = {
-        {"qkv", w.wqkv, c.qkv_dim(), c.hidden_size, CudaDType::kF32, 0.0f},
-        {"o", w.wo, c.hidden_size, c.num_attention_heads * c.head_dim,
-         CudaDType::kF32, 1.0f},
-        {"gate_up", w.w_gate_up, 2 * c.intermediate_size, c.hidden_size, dt,
-         0.0f},
-        {"down", w.w_down, c.hidden_size, c.intermediate_size,
-         CudaDType::kF32, 1.0f}};
+    // The four per-layer projections (lm_head is one matrix a forward).
+    std::vector<ProjectionShape> shapes =
+        ForwardProjections(target.config, dt);
+    shapes.pop_back();
     std::printf("\nGEMM MFU (target projections on random activations, %% of "
                 "the %.0f TFLOP/s cuBLAS peak; as the forward runs them / "
                 "with a %s output):\n  M      qkv           o             "
@@ -664,7 +651,7 @@ int Main(int argc, char** argv) {
                 peak, CudaDTypeName(dt));
     for (int M : lens) {
       size_t max_in = 0, max_out = 0;  // q/k/v/o need not be hidden wide
-      for (const Shape& s : shapes) {
+      for (const ProjectionShape& s : shapes) {
         max_in = std::max<size_t>(max_in, s.in);
         max_out = std::max<size_t>(max_out, s.out);
       }
@@ -679,12 +666,13 @@ int Main(int argc, char** argv) {
       FillNormal(x->get(), dt, x_elems, 3);
       FillNormal(y->get(), CudaDType::kF32, y_elems, 4);  // beta = 1 reads it
       std::printf("  %-6d", M);
-      for (const Shape& s : shapes) {
+      for (const ProjectionShape& s : shapes) {
+        const void* w = ProjectionWeight(*target.weights, s.projection, 0);
         const auto tflops = [&](CudaDType out_dt, float beta) {
           double best = 1e30;
           for (int r = 0; r < 4; ++r) {
             const double t0 = Now();
-            Die(CublasLinear(handle, dt, x->get(), M, s.in, s.w, s.out,
+            Die(CublasLinear(handle, dt, x->get(), M, s.in, w, s.out,
                              y->get(), out_dt, beta),
                 "gemm");
             cudaDeviceSynchronize();
@@ -692,7 +680,7 @@ int Main(int argc, char** argv) {
           }
           return 2.0 * M * double(s.out) * s.in / best / 1e12;
         };
-        const double forward = tflops(s.forward_out, s.forward_beta);
+        const double forward = tflops(s.y_dtype, s.beta);
         const double narrow = tflops(dt, 0.0f);
         std::printf(" %5.1f/%5.1f%%", 100.0 * forward / peak,
                     100.0 * narrow / peak);
@@ -700,7 +688,8 @@ int Main(int argc, char** argv) {
         gemm_json += absl::StrFormat(
             "{\"m\": %d, \"gemm\": \"%s\", \"out\": \"%s\", \"beta\": %.0f, "
             "\"tflops\": %.5g, \"mfu\": %.4f, \"tflops_%s_out\": %.5g}",
-            M, s.name, CudaDTypeName(s.forward_out), s.forward_beta, forward,
+            M, ProjectionName(s.projection), CudaDTypeName(s.y_dtype), s.beta,
+            forward,
             forward / peak, CudaDTypeName(dt), narrow);
       }
       std::printf("\n");

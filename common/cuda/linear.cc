@@ -71,6 +71,38 @@ const char* ProjectionName(Projection p) {
   return "?";
 }
 
+std::vector<ProjectionShape> ForwardProjections(const ModelConfig& c,
+                                                CudaDType dtype) {
+  return {
+      {Projection::kQkv, c.hidden_size, c.qkv_dim(), CudaDType::kF32, 0.0f},
+      {Projection::kO, c.num_attention_heads * c.head_dim, c.hidden_size,
+       CudaDType::kF32, 1.0f},
+      {Projection::kGateUp, c.hidden_size, 2 * c.intermediate_size, dtype,
+       0.0f},
+      {Projection::kDown, c.intermediate_size, c.hidden_size, CudaDType::kF32,
+       1.0f},
+      {Projection::kLmHead, c.hidden_size, c.vocab_size, CudaDType::kF32,
+       0.0f}};
+}
+
+const void* ProjectionWeight(const CudaWeights& weights, Projection p,
+                             int layer) {
+  const CudaLayerWeights& w = weights.layer(layer);
+  switch (p) {
+    case Projection::kQkv:
+      return w.wqkv;
+    case Projection::kO:
+      return w.wo;
+    case Projection::kGateUp:
+      return w.w_gate_up;
+    case Projection::kDown:
+      return w.w_down;
+    case Projection::kLmHead:
+      return weights.lm_head();
+  }
+  return nullptr;
+}
+
 bool LinearDispatch::skinny(Projection p, int rows) const {
   return rows >= 1 && rows <= cuda_kernels::kSkinnyMaxRows &&
          (masks_[static_cast<int>(p)] >> (rows - 1) & 1) != 0;
@@ -113,14 +145,6 @@ absl::Status LinearDispatch::Run(Projection p, cublasHandle_t handle,
 
 namespace {
 
-// A projection as the forward runs it (EnqueueForward).
-struct ProjectionShape {
-  Projection p;
-  int in, out;
-  CudaDType y_dtype;
-  float beta;
-};
-
 // Seconds between two events recorded around `run`.
 absl::StatusOr<double> TimeOnStream(cudaStream_t stream, cudaEvent_t start,
                                     cudaEvent_t stop,
@@ -147,30 +171,9 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
   const ModelConfig& c = weights.config();
   const CudaDType dt = weights.dtype();
   const int L = c.num_hidden_layers;
-  const ProjectionShape shapes[] = {
-      {Projection::kQkv, c.hidden_size, c.qkv_dim(), CudaDType::kF32, 0.0f},
-      {Projection::kO, c.num_attention_heads * c.head_dim, c.hidden_size,
-       CudaDType::kF32, 1.0f},
-      {Projection::kGateUp, c.hidden_size, 2 * c.intermediate_size, dt, 0.0f},
-      {Projection::kDown, c.intermediate_size, c.hidden_size, CudaDType::kF32,
-       1.0f},
-      {Projection::kLmHead, c.hidden_size, c.vocab_size, CudaDType::kF32,
-       0.0f}};
-  const auto weight = [&](Projection p, int l) -> const void* {
-    const CudaLayerWeights& w = weights.layer(l);
-    switch (p) {
-      case Projection::kQkv:
-        return w.wqkv;
-      case Projection::kO:
-        return w.wo;
-      case Projection::kGateUp:
-        return w.w_gate_up;
-      case Projection::kDown:
-        return w.w_down;
-      case Projection::kLmHead:
-        return weights.lm_head();
-    }
-    return nullptr;
+  const std::vector<ProjectionShape> shapes = ForwardProjections(c, dt);
+  const auto weight = [&](Projection p, int l) {
+    return ProjectionWeight(weights, p, l);
   };
   size_t max_in = 0, max_out = 0;
   for (const ProjectionShape& s : shapes) {
@@ -221,11 +224,11 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
     for (const ProjectionShape& s : shapes) {
       for (int rows = 1; rows <= max_rows; ++rows) {
         SkinnyLinearTrial t;
-        t.projection = s.p;
+        t.projection = s.projection;
         t.rows = rows;
         cuda_kernels::SkinnyLinearArgs a;
         a.x = x;
-        a.w = weight(s.p, 0);
+        a.w = weight(s.projection, 0);
         a.y = y;
         a.n = rows;
         a.in = s.in;
@@ -235,17 +238,17 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
         a.beta = s.beta;
         if (!cuda_kernels::SkinnyLinearSupported(a)) {
           t.skinny_seconds = std::numeric_limits<double>::infinity();
-          dispatch->set_skinny(s.p, rows, false);
+          dispatch->set_skinny(s.projection, rows, false);
           trials.push_back(t);
           continue;
         }
         // Agreement on layer 0, both in fp32 without the residual.
         const size_t count = static_cast<size_t>(rows) * s.out;
         SPECSERVE_RETURN_IF_ERROR(cublas_only.Run(
-            s.p, handle, stream, dt, x, rows, s.in, weight(s.p, 0), s.out,
+            s.projection, handle, stream, dt, x, rows, s.in, weight(s.projection, 0), s.out,
             ref, CudaDType::kF32, 0.0f));
         SPECSERVE_RETURN_IF_ERROR(skinny_all.Run(
-            s.p, handle, stream, dt, x, rows, s.in, weight(s.p, 0), s.out, y,
+            s.projection, handle, stream, dt, x, rows, s.in, weight(s.projection, 0), s.out, y,
             CudaDType::kF32, 0.0f));
         std::vector<float> h_ref(count), h_y(count);
         SPECSERVE_CUDA_RETURN_IF_ERROR(
@@ -268,8 +271,8 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
           return [&, d]() -> absl::Status {
             for (int l = 0; l < L; ++l) {
               SPECSERVE_RETURN_IF_ERROR(
-                  d->Run(s.p, handle, stream, dt, x, rows, s.in,
-                         weight(s.p, l), s.out, y, s.y_dtype, s.beta));
+                  d->Run(s.projection, handle, stream, dt, x, rows, s.in,
+                         weight(s.projection, l), s.out, y, s.y_dtype, s.beta));
             }
             return absl::OkStatus();
           };
@@ -288,7 +291,7 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
         }
         t.skinny = t.max_rel_diff <= 1e-2 &&
                    t.skinny_seconds <= (1 - kSkinnyMargin) * t.cublas_seconds;
-        dispatch->set_skinny(s.p, rows, t.skinny);
+        dispatch->set_skinny(s.projection, rows, t.skinny);
         trials.push_back(t);
       }
     }

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/cuda/kernels.h"
+#include "common/model/config.h"
 
 namespace specserve {
 
@@ -38,6 +39,21 @@ enum class Projection { kQkv, kO, kGateUp, kDown, kLmHead };
 inline constexpr int kNumProjections = 5;
 /// "qkv", "o", "gate_up", "down", "lm_head".
 const char* ProjectionName(Projection p);
+
+/// A projection as the forward runs it (CudaModelRunner's EnqueueForward):
+/// y[n, out] = x[n, in] W^T + beta y, y in y_dtype.
+struct ProjectionShape {
+  Projection projection;
+  int in, out;
+  CudaDType y_dtype;  ///< fp32, but gate_up's in the model dtype
+  float beta;         ///< 1 for o and down: the residual add
+};
+/// The five, in Projection's order, for `config` with weights in `dtype`.
+std::vector<ProjectionShape> ForwardProjections(const ModelConfig& config,
+                                                CudaDType dtype);
+/// Layer `layer`'s weight of `p` (lm_head: the same for every layer).
+const void* ProjectionWeight(const CudaWeights& weights, Projection p,
+                             int layer);
 
 /// Which kernel runs each projection of a step of few rows: cuBLAS, or
 /// cuda_kernels::SkinnyLinear (skinny_linear.h) for the (projection, rows)
