@@ -63,7 +63,7 @@ if [ -z "${RESULTS:-}" ] && [ -n "${OUT:-}" ]; then
 fi
 RESULTS=${RESULTS:-bench/results/session}
 PACK=${PACK:-}
-GPU_FILTER=${GPU_FILTER:-'Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:*/ModelTest.*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:CudaTest.Cudnn*:CudaTest.ReportsTimeOfBatchedAttention*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
+GPU_FILTER=${GPU_FILTER:-'SkinnyLinear*:CudaTest.TuneSkinny*:Cudnn*:FlashMma*:SampleRows*:RowLogprobs*:BatchedAttention*:*/ModelTest.*:AttentionTest*:CudaTest.Argmax*:CudaTest.LoadEquals*:CudaTest.TunePrefill*:CudaTest.Cudnn*:CudaTest.ReportsTimeOfBatchedAttention*:ModelRunnerFactoryTest.*:PrefillTuningTest.*'}
 STACK_LENGTHS=${STACK_LENGTHS:-"4096 32768"}
 export CKPT_DIR=${CKPT_DIR:-/tmp/specserve_gpu_ckpt}
 DRY=${DEVICE_SESSION_DRY:-0}
