@@ -114,7 +114,8 @@ start() {
 # Both services share the one GPU: their --gpu_memory_utilization shares
 # (vLLM's meaning, each sizes its KV pool from its own) must sum to < 1.
 # The target starts once the speculator listens: each times its prefill
-# attention kernels at start-up (--prefill_attention=auto), and two
+# attention kernels and its few-row GEMMs at start-up
+# (--prefill_attention=auto, --decode_gemm=auto), and two
 # services timing on one GPU at once would measure each other. (On
 # Kubernetes they have a GPU each.)
 read -r -a EXTRA <<< "${SERVICE_ARGS:-}"
