@@ -183,38 +183,6 @@ class Json {
 
 // --- ceilings -------------------------------------------------------------
 
-// Fills `elems` values of `dt` at `dst` with standard normals: one block of
-// at most 16M values drawn on the host (seed `seed`), repeated. Tensor
-// cores draw less power, and so hold higher clocks, on constant or zero
-// operands: a GEMM timed on them overstates what the model's GEMMs get.
-void FillNormal(void* dst, CudaDType dt, size_t elems, uint32_t seed) {
-  const size_t block = std::min<size_t>(elems, size_t{1} << 24);
-  const size_t esize = CudaDTypeBytes(dt);
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> host(block);
-  for (float& x : host) x = nd(rng);
-  absl::StatusOr<DeviceBuffer> f = DeviceBuffer::Allocate(block * 4);
-  Die(f.status(), "alloc");
-  Die(CudaStatus(cudaMemcpy(f->get(), host.data(), block * 4,
-                            cudaMemcpyHostToDevice),
-                 "fill"),
-      "fill");
-  Die(CudaStatus(cuda_kernels::ConvertFromF32(f->as<float>(), dst, dt, block,
-                                              nullptr),
-                 "fill"),
-      "fill");
-  char* out = static_cast<char*>(dst);
-  for (size_t at = block; at < elems; at += block) {
-    Die(CudaStatus(cudaMemcpy(out + at * esize, out,
-                              std::min(block, elems - at) * esize,
-                              cudaMemcpyDeviceToDevice),
-                   "fill"),
-        "fill");
-  }
-  Die(CudaStatus(cudaDeviceSynchronize(), "fill"), "fill");
-}
-
 // cuBLAS bf16 GEMM (fp32 accumulation, bf16 output) TFLOP/s on random
 // operands: best of 5 after 2 warm-ups, m = n = k = `size`.
 double CublasPeakTflops(cublasHandle_t h, CudaDType dt, int size) {
@@ -225,8 +193,8 @@ double CublasPeakTflops(cublasHandle_t h, CudaDType dt, int size) {
   Die(a.status(), "alloc");
   Die(b.status(), "alloc");
   Die(c.status(), "alloc");
-  FillNormal(a->get(), dt, elems, 1);
-  FillNormal(b->get(), dt, elems, 2);
+  Die(FillNormal(a->get(), dt, elems, 1, nullptr), "fill");
+  Die(FillNormal(b->get(), dt, elems, 2, nullptr), "fill");
   double best = 1e30;
   for (int r = 0; r < 7; ++r) {
     const double t0 = Now();
@@ -565,10 +533,10 @@ int Main(int argc, char** argv) {
   const std::vector<int> batches =
       ParseInts(absl::GetFlag(FLAGS_decode_batches));
   const int decode_context = absl::GetFlag(FLAGS_decode_context);
-  if (const std::string g = absl::GetFlag(FLAGS_decode_gemm);
-      g != "auto" && g != "cublas" && g != "skinny") {
-    std::fprintf(stderr, "error: --decode_gemm must be auto, cublas or "
-                         "skinny, got \"%s\"\n", g.c_str());
+  if (absl::Status s =
+          ValidateDecodeGemm(absl::GetFlag(FLAGS_decode_gemm));
+      !s.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
     return 2;
   }
   for (int b : batches) {
@@ -663,8 +631,9 @@ int Main(int argc, char** argv) {
           DeviceBuffer::Allocate(sizeof(float) * y_elems);
       Die(x.status(), "alloc");
       Die(y.status(), "alloc");
-      FillNormal(x->get(), dt, x_elems, 3);
-      FillNormal(y->get(), CudaDType::kF32, y_elems, 4);  // beta = 1 reads it
+      Die(FillNormal(x->get(), dt, x_elems, 3, nullptr), "fill");
+      // beta = 1 reads it
+      Die(FillNormal(y->get(), CudaDType::kF32, y_elems, 4, nullptr), "fill");
       std::printf("  %-6d", M);
       for (const ProjectionShape& s : shapes) {
         const void* w = ProjectionWeight(*target.weights, s.projection, 0);
@@ -689,8 +658,7 @@ int Main(int argc, char** argv) {
             "{\"m\": %d, \"gemm\": \"%s\", \"out\": \"%s\", \"beta\": %.0f, "
             "\"tflops\": %.5g, \"mfu\": %.4f, \"tflops_%s_out\": %.5g}",
             M, ProjectionName(s.projection), CudaDTypeName(s.y_dtype), s.beta,
-            forward,
-            forward / peak, CudaDTypeName(dt), narrow);
+            forward, forward / peak, CudaDTypeName(dt), narrow);
       }
       std::printf("\n");
     }
@@ -723,19 +691,12 @@ int Main(int argc, char** argv) {
   }
   // The few-row projections as the services choose them (--decode_gemm):
   // every decode, verify and look-ahead figure below runs on that choice.
-  const std::string decode_gemm = absl::GetFlag(FLAGS_decode_gemm);
   for (Model* m : {&target, &spec}) {
     const char* role = m == &target ? "target" : "speculator";
-    std::string line = "decode GEMMs: cuBLAS (--decode_gemm=cublas)";
-    if (decode_gemm == "skinny") {
-      m->engine->set_skinny_linear(true);
-      line = "decode GEMMs: skinny wherever it takes the shape "
-             "(--decode_gemm=skinny)";
-    } else if (decode_gemm == "auto") {
-      absl::StatusOr<std::vector<SkinnyLinearTrial>> t =
-          m->engine->TuneSkinnyLinear();
-      line = t.ok() ? DescribeSkinnyTuning(*t) : t.status().ToString();
-    }
+    absl::StatusOr<std::string> chosen =
+        m->engine->ChooseDecodeGemm(absl::GetFlag(FLAGS_decode_gemm));
+    const std::string line =
+        chosen.ok() ? *chosen : chosen.status().ToString();
     std::printf("%s decode GEMM tuning: %s\n", role, line.c_str());
     top.Str(absl::StrCat(role, "_decode_gemm_tuning"), line);
   }

@@ -2875,8 +2875,8 @@ TEST_F(CudaTest, TuneSkinnyLinearFollowsItsRule) {
   const int vocab = e.cpu->config().vocab_size, n = 20;
   std::vector<int> ids(n);
   for (int& id : ids) id = Uniform(0, vocab - 1);
-  std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, n + 1);
-  std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, n + 1);
+  std::unique_ptr<KvSequence> ckv = NewSeq(*e.cpu, n + 2);
+  std::unique_ptr<KvSequence> gkv = NewSeq(*e.gpu, n + 2);
   ASSERT_NE(gkv, nullptr);
   e.gpu->set_cuda_graphs(false);
   ForwardOutput co, go;
@@ -2896,6 +2896,21 @@ TEST_F(CudaTest, TuneSkinnyLinearFollowsItsRule) {
     }
   }
   EXPECT_EQ(e.gpu->skinny_linear_launches(), one_row) << chosen;
+
+  // --decode_gemm's other modes through ChooseDecodeGemm.
+  EXPECT_EQ(e.gpu->ChooseDecodeGemm("fast").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::string> line = e.gpu->ChooseDecodeGemm("skinny");
+  ASSERT_OK(line.status());
+  EXPECT_EQ(line->rfind("decode GEMMs: skinny wherever", 0), 0u) << *line;
+  const std::vector<int> two = {ids[1]}, at2 = {n + 1};
+  ASSERT_OK(e.gpu->Forward(AllRows(two, at2), gkv.get(), &go));
+  // Every projection of this model is SkinnyLinear's shape: 4 a layer and
+  // the lm_head.
+  EXPECT_EQ(e.gpu->skinny_linear_launches(),
+            4 * e.cpu->config().num_hidden_layers + 1);
+  ASSERT_OK(e.gpu->ChooseDecodeGemm("cublas").status());
+  EXPECT_EQ(e.gpu->skinny_linear_launches(), 0);
 }
 
 // With every few-row projection on SkinnyLinear, decode steps, a verify

@@ -124,13 +124,10 @@ CudaModelRunner::CudaModelRunner(std::shared_ptr<const CudaWeights> weights,
 CudaModelRunner::~CudaModelRunner() {
   // cuDNN's plans own kernels that may still be queued, and its handle is
   // bound to stream_: both go before the stream.
+  absl::MutexLock lock(&mu_);
   cudaStreamSynchronize(stream_);
   cudnn_.reset();
-  for (const auto* execs : {&graphs_, &sampled_graphs_, &capture_graphs_}) {
-    for (cudaGraphExec_t exec : *execs) {
-      if (exec != nullptr) cudaGraphExecDestroy(exec);
-    }
-  }
+  DropGraphs();
   cublasDestroy(cublas_);
   cudaStreamDestroy(stream_);
 }
@@ -427,6 +424,22 @@ CudaModelRunner::TuneSkinnyLinear(int max_rows) {
   linear_ = tuned;
   DropGraphs();
   return trials;
+}
+
+absl::StatusOr<std::string> CudaModelRunner::ChooseDecodeGemm(
+    absl::string_view mode) {
+  SPECSERVE_RETURN_IF_ERROR(ValidateDecodeGemm(mode));
+  if (mode == "auto") {
+    absl::StatusOr<std::vector<SkinnyLinearTrial>> trials =
+        TuneSkinnyLinear();
+    if (!trials.ok()) return trials.status();
+    return DescribeSkinnyTuning(*trials);
+  }
+  set_skinny_linear(mode == "skinny");
+  return mode == "skinny"
+             ? "decode GEMMs: skinny wherever it takes the shape "
+               "(--decode_gemm=skinny)"
+             : "decode GEMMs: cuBLAS (--decode_gemm=cublas)";
 }
 
 int64_t CudaModelRunner::skinny_linear_launches() {

@@ -13,6 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/cudnn_attention.h"
@@ -20,8 +21,8 @@
 #include "common/cuda/kernels.h"
 #include "common/cuda/linear.h"
 #include "common/cuda/phase_timer.h"
-#include "common/cuda/skinny_linear.h"
 #include "common/cuda/prefill_tuning.h"
+#include "common/cuda/skinny_linear.h"
 #include "common/engine/cpu_model_runner.h"
 #include "common/engine/model_runner.h"
 
@@ -179,6 +180,13 @@ class CudaModelRunner : public ModelRunner {
   /// choice is then left as it was).
   absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
       int max_rows = cuda_kernels::kSkinnyMaxRows);
+  /// --decode_gemm: "cublas" (set_skinny_linear(false)), "skinny"
+  /// (set_skinny_linear(true)) or "auto" (TuneSkinnyLinear over 1..8
+  /// rows); returns the log line saying what was chosen
+  /// (DescribeSkinnyTuning's for "auto"). INVALID_ARGUMENT for any other
+  /// mode (ValidateDecodeGemm); TuneSkinnyLinear's errors, the choice then
+  /// left as it was.
+  absl::StatusOr<std::string> ChooseDecodeGemm(absl::string_view mode);
   /// SkinnyLinear launches enqueued so far by eager steps and graph
   /// captures (replays not counted; reset by the two calls above).
   int64_t skinny_linear_launches();

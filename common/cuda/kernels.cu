@@ -420,6 +420,7 @@ cudaError_t SiluMul(const void* gu, int rows, int ffn, void* out,
   }
   return cudaGetLastError();
 }
+
 cudaError_t ArgmaxRows(const float* logits, int rows, int vocab, int* out,
                        cudaStream_t stream) {
   if (rows < 0 || vocab <= 0) return cudaErrorInvalidValue;

@@ -103,6 +103,54 @@ const void* ProjectionWeight(const CudaWeights& weights, Projection p,
   return nullptr;
 }
 
+namespace {
+
+cuda_kernels::SkinnyLinearArgs SkinnyArgs(CudaDType dtype, const void* x,
+                                          int n, int in, const void* w,
+                                          int out, void* y, CudaDType y_dtype,
+                                          float beta) {
+  cuda_kernels::SkinnyLinearArgs a;
+  a.x = x;
+  a.w = w;
+  a.y = y;
+  a.n = n;
+  a.in = in;
+  a.out = out;
+  a.dtype = dtype;
+  a.y_dtype = y_dtype;
+  a.beta = beta;
+  return a;
+}
+
+}  // namespace
+
+absl::Status FillNormal(void* dst, CudaDType dtype, size_t elems,
+                        uint32_t seed, cudaStream_t stream) {
+  if (elems == 0) return absl::OkStatus();
+  const size_t block = std::min<size_t>(elems, size_t{1} << 24);
+  const size_t esize = CudaDTypeBytes(dtype);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> host(block);
+  for (float& v : host) v = nd(rng);
+  absl::StatusOr<DeviceBuffer> staging =
+      DeviceBuffer::Allocate(sizeof(float) * block);
+  if (!staging.ok()) return staging.status();
+  SPECSERVE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(staging->get(), host.data(), sizeof(float) * block,
+                      cudaMemcpyHostToDevice, stream));
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cuda_kernels::ConvertFromF32(
+      staging->as<float>(), dst, dtype, block, stream));
+  char* out = static_cast<char*>(dst);
+  for (size_t at = block; at < elems; at += block) {
+    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        out + at * esize, out, std::min(block, elems - at) * esize,
+        cudaMemcpyDeviceToDevice, stream));
+  }
+  SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
 bool LinearDispatch::skinny(Projection p, int rows) const {
   return rows >= 1 && rows <= cuda_kernels::kSkinnyMaxRows &&
          (masks_[static_cast<int>(p)] >> (rows - 1) & 1) != 0;
@@ -125,16 +173,8 @@ absl::Status LinearDispatch::Run(Projection p, cublasHandle_t handle,
                                  int out, void* y, CudaDType y_dtype,
                                  float beta) {
   if (skinny(p, n)) {
-    cuda_kernels::SkinnyLinearArgs a;
-    a.x = x;
-    a.w = w;
-    a.y = y;
-    a.n = n;
-    a.in = in;
-    a.out = out;
-    a.dtype = dtype;
-    a.y_dtype = y_dtype;
-    a.beta = beta;
+    const cuda_kernels::SkinnyLinearArgs a =
+        SkinnyArgs(dtype, x, n, in, w, out, y, y_dtype, beta);
     if (cuda_kernels::SkinnyLinearSupported(a)) {
       ++skinny_launches_;
       return CudaStatus(cuda_kernels::SkinnyLinear(a, stream), "SkinnyLinear");
@@ -172,9 +212,6 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
   const CudaDType dt = weights.dtype();
   const int L = c.num_hidden_layers;
   const std::vector<ProjectionShape> shapes = ForwardProjections(c, dt);
-  const auto weight = [&](Projection p, int l) {
-    return ProjectionWeight(weights, p, l);
-  };
   size_t max_in = 0, max_out = 0;
   for (const ProjectionShape& s : shapes) {
     max_in = std::max<size_t>(max_in, s.in);
@@ -182,35 +219,24 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
   }
   const size_t x_elems = cuda_kernels::kSkinnyMaxRows * max_in;
   const size_t y_elems = cuda_kernels::kSkinnyMaxRows * max_out;
-  // One allocation: x (dt), its fp32 staging, y and the reference (fp32).
-  DeviceCarver plan(nullptr);
-  plan.Take(CudaDTypeBytes(dt) * x_elems);
-  plan.Take(sizeof(float) * x_elems);
-  plan.Take(sizeof(float) * y_elems);
-  plan.Take(sizeof(float) * y_elems);
-  absl::StatusOr<DeviceBuffer> scratch = DeviceBuffer::Allocate(plan.size());
+  // One allocation: x (dt), y and the reference (fp32).
+  const auto carve = [&](char* base, void** x, float** y, float** ref) {
+    DeviceCarver cv(base);
+    *x = cv.Take(CudaDTypeBytes(dt) * x_elems);
+    *y = static_cast<float*>(cv.Take(sizeof(float) * y_elems));
+    *ref = static_cast<float*>(cv.Take(sizeof(float) * y_elems));
+    return cv.size();
+  };
+  void* x = nullptr;
+  float *y = nullptr, *ref = nullptr;
+  absl::StatusOr<DeviceBuffer> scratch =
+      DeviceBuffer::Allocate(carve(nullptr, &x, &y, &ref));
   if (!scratch.ok()) return scratch.status();
-  DeviceCarver carve(scratch->as<char>());
-  void* x = carve.Take(CudaDTypeBytes(dt) * x_elems);
-  float* x32 = static_cast<float*>(carve.Take(sizeof(float) * x_elems));
-  float* y = static_cast<float*>(carve.Take(sizeof(float) * y_elems));
-  float* ref = static_cast<float*>(carve.Take(sizeof(float) * y_elems));
-  {
-    // Activations of a normed hidden state's scale; zeros or constants
-    // would run faster than the forward's.
-    std::mt19937 rng(11);
-    std::normal_distribution<float> nd(0.f, 1.f);
-    std::vector<float> host(x_elems);
-    for (float& v : host) v = nd(rng);
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        x32, host.data(), sizeof(float) * x_elems, cudaMemcpyHostToDevice,
-        stream));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(
-        cuda_kernels::ConvertFromF32(x32, x, dt, x_elems, stream));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(y, 0, sizeof(float) * y_elems, stream));
-    SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  }
+  carve(scratch->as<char>(), &x, &y, &ref);
+  // Random activations (the residual too: beta = 1 reads y).
+  SPECSERVE_RETURN_IF_ERROR(FillNormal(x, dt, x_elems, 11, stream));
+  SPECSERVE_RETURN_IF_ERROR(
+      FillNormal(y, CudaDType::kF32, y_elems, 12, stream));
   cudaEvent_t start = nullptr, stop = nullptr;
   SPECSERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
   if (cudaError_t e = cudaEventCreate(&stop); e != cudaSuccess) {
@@ -226,17 +252,9 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
         SkinnyLinearTrial t;
         t.projection = s.projection;
         t.rows = rows;
-        cuda_kernels::SkinnyLinearArgs a;
-        a.x = x;
-        a.w = weight(s.projection, 0);
-        a.y = y;
-        a.n = rows;
-        a.in = s.in;
-        a.out = s.out;
-        a.dtype = dt;
-        a.y_dtype = s.y_dtype;
-        a.beta = s.beta;
-        if (!cuda_kernels::SkinnyLinearSupported(a)) {
+        const void* w0 = ProjectionWeight(weights, s.projection, 0);
+        if (!cuda_kernels::SkinnyLinearSupported(SkinnyArgs(
+                dt, x, rows, s.in, w0, s.out, y, s.y_dtype, s.beta))) {
           t.skinny_seconds = std::numeric_limits<double>::infinity();
           dispatch->set_skinny(s.projection, rows, false);
           trials.push_back(t);
@@ -244,12 +262,12 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
         }
         // Agreement on layer 0, both in fp32 without the residual.
         const size_t count = static_cast<size_t>(rows) * s.out;
-        SPECSERVE_RETURN_IF_ERROR(cublas_only.Run(
-            s.projection, handle, stream, dt, x, rows, s.in, weight(s.projection, 0), s.out,
-            ref, CudaDType::kF32, 0.0f));
-        SPECSERVE_RETURN_IF_ERROR(skinny_all.Run(
-            s.projection, handle, stream, dt, x, rows, s.in, weight(s.projection, 0), s.out, y,
-            CudaDType::kF32, 0.0f));
+        SPECSERVE_RETURN_IF_ERROR(
+            cublas_only.Run(s.projection, handle, stream, dt, x, rows, s.in,
+                            w0, s.out, ref, CudaDType::kF32, 0.0f));
+        SPECSERVE_RETURN_IF_ERROR(
+            skinny_all.Run(s.projection, handle, stream, dt, x, rows, s.in, w0,
+                           s.out, y, CudaDType::kF32, 0.0f));
         std::vector<float> h_ref(count), h_y(count);
         SPECSERVE_CUDA_RETURN_IF_ERROR(
             cudaMemcpyAsync(h_ref.data(), ref, sizeof(float) * count,
@@ -270,9 +288,10 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
         const auto through_layers = [&](LinearDispatch* d) {
           return [&, d]() -> absl::Status {
             for (int l = 0; l < L; ++l) {
-              SPECSERVE_RETURN_IF_ERROR(
-                  d->Run(s.projection, handle, stream, dt, x, rows, s.in,
-                         weight(s.projection, l), s.out, y, s.y_dtype, s.beta));
+              SPECSERVE_RETURN_IF_ERROR(d->Run(
+                  s.projection, handle, stream, dt, x, rows, s.in,
+                  ProjectionWeight(weights, s.projection, l), s.out, y,
+                  s.y_dtype, s.beta));
             }
             return absl::OkStatus();
           };
@@ -301,6 +320,14 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
   cudaEventDestroy(stop);
   if (!status.ok()) return status;
   return trials;
+}
+
+absl::Status ValidateDecodeGemm(absl::string_view mode) {
+  if (mode == "auto" || mode == "cublas" || mode == "skinny") {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "decode_gemm must be auto, cublas or skinny, got \"", mode, "\""));
 }
 
 std::string DescribeSkinnyTuning(absl::Span<const SkinnyLinearTrial> trials) {

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/cuda/kernels.h"
 #include "common/model/config.h"
@@ -82,9 +83,20 @@ class LinearDispatch {
   int64_t skinny_launches_ = 0;
 };
 
+/// Fills `elems` values of `dtype` at `dst` with standard normals: one
+/// block of at most 16M values drawn on the host (`seed`), repeated.
+/// Operands for timing GEMMs: on constant or zero operands tensor cores
+/// likely draw less power and hold higher clocks, so such timings flatter
+/// the model's GEMMs. Synchronises `stream`. Errors: CUDA errors,
+/// RESOURCE_EXHAUSTED for its fp32 staging buffer.
+absl::Status FillNormal(void* dst, CudaDType dtype, size_t elems,
+                        uint32_t seed, cudaStream_t stream);
+
 /// One (projection, rows) trial of TuneSkinnyLinear: seconds for the
 /// projection over every layer's weights (lm_head: num_layers times the
-/// one matrix), the better of two rounds each.
+/// one matrix), the better of two rounds each. Where SkinnyLinear does not
+/// take the shape nothing is timed: cublas_seconds 0, skinny_seconds
+/// infinite.
 struct SkinnyLinearTrial {
   Projection projection = Projection::kQkv;
   int rows = 0;
@@ -94,6 +106,9 @@ struct SkinnyLinearTrial {
   double max_rel_diff = 0;
   bool skinny = false;  ///< the choice
 };
+
+/// The fraction of cuBLAS's time SkinnyLinear must save to be kept.
+inline constexpr double kSkinnyMargin = 0.03;
 
 /// Chooses, by timing on this GPU, which few-row projections SkinnyLinear
 /// runs (as TunePrefillAttention chooses the prefill kernel): for every
@@ -106,14 +121,17 @@ struct SkinnyLinearTrial {
 /// `stream`; allocates its scratch and frees it before returning.
 /// Errors: INVALID_ARGUMENT for max_rows outside [1, kSkinnyMaxRows];
 /// CUDA / cuBLAS errors.
-inline constexpr double kSkinnyMargin = 0.03;
 absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
     const CudaWeights& weights, cublasHandle_t handle, cudaStream_t stream,
     int max_rows, LinearDispatch* dispatch);
 
-/// One log line: "decode GEMMs: skinny for qkv at 1-4 rows, ...; cuBLAS
-/// for the rest (rows 1: qkv 0.41 / 0.33 ms, ...)", cuBLAS / skinny times
-/// at 1 row.
+/// OK for a --decode_gemm mode: "auto", "cublas" or "skinny"; else
+/// INVALID_ARGUMENT naming the value.
+absl::Status ValidateDecodeGemm(absl::string_view mode);
+
+/// One log line: "decode GEMMs: skinny for qkv at 1-4, o at 1-2,4; cuBLAS
+/// else (1 row, ms a forward, cuBLAS / skinny: qkv 0.410 / 0.330, ...)",
+/// or "decode GEMMs: cuBLAS for every projection (...)".
 std::string DescribeSkinnyTuning(absl::Span<const SkinnyLinearTrial> trials);
 
 }  // namespace specserve

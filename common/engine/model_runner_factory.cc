@@ -123,23 +123,21 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> CreateCudaRunner(
     (*r)->set_attention_path(CudaModelRunner::AttentionPath::kCudnn);
   }
   LogPool(**r, source);
-  if (options.decode_gemm == "skinny") {
-    (*r)->set_skinny_linear(true);
-  } else if (options.warm_up && options.decode_gemm == "auto" &&
-             !CudaDeviceEmulated()) {
-    // Before WarmUp, whose graphs capture the kept kernels. A failure
-    // keeps cuBLAS: the service still starts.
+  // Before WarmUp, whose graphs capture the kept kernels. "auto" times
+  // them, so only with a warm-up and on a real device (the emulated one
+  // would time the host); a failure keeps cuBLAS: the service still starts.
+  if (options.decode_gemm != "auto" ||
+      (options.warm_up && !CudaDeviceEmulated())) {
     const absl::Time start = absl::Now();
-    absl::StatusOr<std::vector<SkinnyLinearTrial>> tuned =
-        (*r)->TuneSkinnyLinear();
+    absl::StatusOr<std::string> chosen =
+        (*r)->ChooseDecodeGemm(options.decode_gemm);
     const double s = absl::ToDoubleSeconds(absl::Now() - start);
-    if (tuned.ok()) {
-      std::fprintf(stderr, "%s in %.2f s\n",
-                   DescribeSkinnyTuning(*tuned).c_str(), s);
+    if (chosen.ok()) {
+      std::fprintf(stderr, "%s in %.2f s\n", chosen->c_str(), s);
     } else {
       std::fprintf(stderr,
                    "decode GEMMs: cuBLAS (not tuned after %.2f s: %s)\n", s,
-                   tuned.status().ToString().c_str());
+                   chosen.status().ToString().c_str());
     }
   }
   if (options.warm_up && options.prefill_attention == "auto") {
@@ -195,11 +193,8 @@ absl::StatusOr<DeviceKind> ResolveDevice(
         "prefill_attention must be auto, flash, mma or cudnn, got \"",
         options.prefill_attention, "\""));
   }
-  if (options.decode_gemm != "auto" && options.decode_gemm != "cublas" &&
-      options.decode_gemm != "skinny") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "decode_gemm must be auto, cublas or skinny, got \"",
-        options.decode_gemm, "\""));
+  if (absl::Status s = ValidateDecodeGemm(options.decode_gemm); !s.ok()) {
+    return s;
   }
   absl::StatusOr<DeviceKind> kind =
       ParseDevice(options.device, CudaAvailable());
