@@ -3,7 +3,6 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <cmath>
 #include <functional>
 #include <limits>
 #include <random>
@@ -13,6 +12,7 @@
 #include "common/cuda/cuda_status.h"
 #include "common/cuda/cuda_weights.h"
 #include "common/cuda/device_buffer.h"
+#include "common/cuda/prefill_tuning.h"
 #include "common/cuda/skinny_linear.h"
 
 namespace specserve {
@@ -276,14 +276,7 @@ absl::StatusOr<std::vector<SkinnyLinearTrial>> TuneSkinnyLinear(
             cudaMemcpyAsync(h_y.data(), y, sizeof(float) * count,
                             cudaMemcpyDeviceToHost, stream));
         SPECSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-        double scale = 0, diff = 0;
-        for (size_t i = 0; i < count; ++i) {
-          scale = std::max(scale, std::fabs(static_cast<double>(h_ref[i])));
-          const double d = std::fabs(static_cast<double>(h_y[i]) - h_ref[i]);
-          diff = std::isnan(d) ? std::numeric_limits<double>::infinity()
-                               : std::max(diff, d);
-        }
-        t.max_rel_diff = scale > 0 ? diff / scale : diff;
+        t.max_rel_diff = MaxRelDiff(h_ref, h_y);
         // Each projection through every layer, as a forward runs it.
         const auto through_layers = [&](LinearDispatch* d) {
           return [&, d]() -> absl::Status {

@@ -102,7 +102,8 @@ struct SkinnyLinearTrial {
   int rows = 0;
   double cublas_seconds = 0;
   double skinny_seconds = 0;
-  /// max |skinny - cuBLAS| / max |cuBLAS| over layer 0's outputs.
+  /// max |skinny - cuBLAS| / max |cuBLAS| over layer 0's outputs
+  /// (prefill_tuning.h's MaxRelDiff: +inf on a NaN).
   double max_rel_diff = 0;
   bool skinny = false;  ///< the choice
 };
